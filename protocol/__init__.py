@@ -1,0 +1,91 @@
+"""The wire protocol and the queue: the only package the learner, actors and proxy share.
+
+Public API: the messages, `encode`/`decode` (MessagePack), `ProtocolError`, the
+`Queue` interface and its Redis transport.
+"""
+
+from protocol.errors import (
+    LeaseMismatch,
+    ProtocolError,
+    QueueError,
+    QueueUnavailable,
+    VersionConflict,
+)
+from protocol.keys import Keys
+from protocol.messages import (
+    DEFAULT_LIMITS,
+    SCHEMA_VERSION,
+    AdapterFile,
+    AdapterManifest,
+    ChatTurn,
+    Completion,
+    Limits,
+    Message,
+    Prompt,
+    PromptBatch,
+    RolloutGroup,
+    SamplingParams,
+    decode,
+    encode,
+    from_json,
+    group_id_for,
+    pack_f32,
+    pack_i32,
+    to_json,
+    unpack_f32,
+    unpack_i32,
+)
+from protocol.queue import (
+    AdapterEvent,
+    AdapterSubscription,
+    DeadLetter,
+    Delivery,
+    Lease,
+    Queue,
+    QueueConfig,
+    QueueStats,
+    StreamStats,
+    SubmitResult,
+)
+from protocol.redis_queue import RedisQueue
+
+__all__ = [
+    "DEFAULT_LIMITS",
+    "SCHEMA_VERSION",
+    "AdapterEvent",
+    "AdapterFile",
+    "AdapterManifest",
+    "AdapterSubscription",
+    "ChatTurn",
+    "Completion",
+    "DeadLetter",
+    "Delivery",
+    "Keys",
+    "Lease",
+    "LeaseMismatch",
+    "Limits",
+    "Message",
+    "Prompt",
+    "PromptBatch",
+    "ProtocolError",
+    "Queue",
+    "QueueConfig",
+    "QueueError",
+    "QueueStats",
+    "QueueUnavailable",
+    "RedisQueue",
+    "RolloutGroup",
+    "SamplingParams",
+    "StreamStats",
+    "SubmitResult",
+    "VersionConflict",
+    "decode",
+    "encode",
+    "from_json",
+    "group_id_for",
+    "pack_f32",
+    "pack_i32",
+    "to_json",
+    "unpack_f32",
+    "unpack_i32",
+]

@@ -1,0 +1,62 @@
+"""Names of the streams, keys and consumer groups of one run.
+
+Every key of a run shares the hash tag `{run}`, so on Redis Cluster they live in one
+slot and the Lua scripts that touch several of them stay legal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ACTORS_GROUP = "actors"
+"""Consumer group on the prompts stream; consumers are worker ids."""
+LEARNER_GROUP = "learner"
+"""Consumer group on the rollouts stream."""
+
+
+@dataclass(frozen=True)
+class Keys:
+    run: str
+
+    def _key(self, name: str) -> str:
+        return f"spotgrpo:{{{self.run}}}:{name}"
+
+    @property
+    def prompts(self) -> str:
+        """Stream of prompt batches (fields: b = batch id, m = message)."""
+        return self._key("prompts")
+
+    @property
+    def rollouts(self) -> str:
+        """Stream of rollout groups (fields: g = group id, m = message)."""
+        return self._key("rollouts")
+
+    @property
+    def dead_letters(self) -> str:
+        """Stream of batches that could not be completed, with reason and delivery count."""
+        return self._key("dead-letters")
+
+    @property
+    def batches_seen(self) -> str:
+        """Set of batch ids ever queued: makes add_prompts idempotent."""
+        return self._key("batches-seen")
+
+    @property
+    def groups_seen(self) -> str:
+        """Set of group ids ever stored: makes submit idempotent."""
+        return self._key("groups-seen")
+
+    @property
+    def adapter_latest(self) -> str:
+        """Hash: version, m (manifest), event (its id in adapter-events)."""
+        return self._key("adapter-latest")
+
+    @property
+    def adapter_events(self) -> str:
+        """Stream of adapter announcements, for late joiners (fields: v, m)."""
+        return self._key("adapter-events")
+
+    @property
+    def adapter_channel(self) -> str:
+        """Pub/sub channel on which each announcement's manifest is published."""
+        return self._key("adapters")

@@ -1,0 +1,474 @@
+"""The messages that cross the network: prompt batches, rollout groups, adapter manifests.
+
+Every message is a frozen, typed struct carrying a `schema` version and a `type` tag.
+On the wire they are MessagePack; token ids and log-probabilities travel as packed
+little-endian int32 / float32 byte strings, never as lists of Python numbers.
+
+Guarantees:
+- `decode` raises `ProtocolError` (a `ValueError`) and nothing else, whatever bytes it
+  is given; the message names the offending field.
+- Sizes are bounded twice: by `Limits.max_message_bytes` before parsing (so a hostile
+  length prefix cannot make the parser allocate more than the input) and by the
+  per-field limits after.
+- A message that would be rejected on decode is also rejected on `encode`, so a bad
+  message is caught where it was made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from protocol.errors import ProtocolError
+
+SCHEMA_VERSION = 1
+"""Bumped on any incompatible change; decoders refuse versions they do not know."""
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
+"""An identifier: 1-256 printable characters."""
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
+"""Seconds since the epoch."""
+
+FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
+"""A plain file name: no directory part, no leading dot, so it can never escape its folder."""
+Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
+
+
+# ---------------------------------------------------------------------------- packing
+
+
+def pack_i32(values: Any) -> bytes:
+    """Pack integers (a sequence or array) as little-endian int32 bytes."""
+    arr = np.asarray(values)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ProtocolError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ProtocolError("token ids must fit in int32")
+    return np.ascontiguousarray(arr.reshape(-1), dtype=_I32).tobytes()
+
+
+def pack_f32(values: Any) -> bytes:
+    """Pack floats (a sequence or array) as little-endian float32 bytes."""
+    return np.ascontiguousarray(
+        np.asarray(values, dtype=np.float64).reshape(-1), dtype=_F32
+    ).tobytes()
+
+
+def unpack_i32(data: bytes) -> np.ndarray:
+    """A read-only int32 view of packed bytes (no copy)."""
+    return np.frombuffer(data, dtype=_I32)
+
+
+def unpack_f32(data: bytes) -> np.ndarray:
+    """A read-only float32 view of packed bytes (no copy)."""
+    return np.frombuffer(data, dtype=_F32)
+
+
+def _check_token_ids(field: str, data: bytes) -> int:
+    if len(data) % 4:
+        raise ProtocolError(f"{field}: {len(data)} bytes is not a whole number of int32 values")
+    ids = unpack_i32(data)
+    if ids.size and ids.min() < 0:
+        raise ProtocolError(f"{field}: negative token id {int(ids.min())}")
+    return ids.size
+
+
+def _check_json_like(field: str, value: Any, depth: int) -> None:
+    """Dataset columns must survive a JSON round trip: no bytes, no extension types."""
+    if depth > 32:
+        raise ProtocolError(f"{field}: nested more than 32 levels deep")
+    if value is None or isinstance(value, str | bool | int):
+        return
+    if isinstance(value, float):
+        _check_finite(field, value)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_json_like(f"{field}[{i}]", item, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"{field}: keys must be strings")
+            _check_json_like(f"{field}[{key!r}]", item, depth + 1)
+    else:
+        raise ProtocolError(f"{field}: {type(value).__name__} is not a JSON value")
+
+
+def _check_finite(field: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ProtocolError(f"{field}: must be finite, got {value}")
+
+
+# ---------------------------------------------------------------------------- messages
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class SamplingParams(_Struct):
+    """How an actor samples completions. Log-probabilities are reported under this
+    (temperature-scaled, top-p/top-k truncated) distribution."""
+
+    temperature: Annotated[float, msgspec.Meta(ge=0.0, le=100.0)] = 1.0
+    """0 means greedy decoding."""
+    top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: NonNegInt = 0
+    """0 disables top-k."""
+    max_tokens: PosInt = 256
+    """Most tokens generated per completion."""
+    stop: list[str] = []
+    """Extra stop strings; the tokenizer's end-of-sequence token always stops."""
+    seed: int | None = None
+    """None: the actor picks its own seed."""
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):
+            _check_finite(name, getattr(self, name))
+
+
+class ChatTurn(_Struct):
+    """One turn of a chat prompt, as TRL's conversational datasets have them."""
+
+    role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    content: str
+
+
+class Prompt(_Struct):
+    """One dataset row to be completed `num_generations` times."""
+
+    id: Ident
+    """Unique within its batch; with the batch id it names the rollout group."""
+    text: str | None = None
+    """Plain-text prompt; None when the prompt is a chat or only token ids."""
+    messages: list[ChatTurn] | None = None
+    """Chat prompt, to be rendered with the tokenizer's chat template; None if plain."""
+    token_ids: bytes | None = None
+    """Packed <i4 prompt tokens, authoritative when present; None: the actor tokenizes."""
+    columns: dict[str, Any] = {}
+    """Other dataset columns, passed to reward functions as keyword arguments."""
+
+    def __post_init__(self) -> None:
+        if self.text is None and self.messages is None and self.token_ids is None:
+            raise ProtocolError(
+                f"prompt {self.id!r}: one of text, messages or token_ids is required"
+            )
+        if self.token_ids is not None:
+            _check_token_ids("token_ids", self.token_ids)
+        _check_json_like("columns", self.columns, depth=0)
+
+
+class PromptBatch(_Struct, tag="prompt_batch", tag_field="type", kw_only=True):
+    """Prompts the learner hands to the actors; an actor claims one batch as a lease."""
+
+    schema: int = SCHEMA_VERSION
+    batch_id: Ident
+    """Unique per run and deterministic from the data cursor, so re-issuing is idempotent."""
+    prompts: Annotated[list[Prompt], msgspec.Meta(min_length=1)]
+    num_generations: PosInt
+    """Completions to sample per prompt (the GRPO group size)."""
+    sampling: SamplingParams = SamplingParams()
+    learner_version: NonNegInt
+    """The newest adapter version the learner had announced when it issued the batch."""
+    issued_at: Timestamp
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        ids = [p.id for p in self.prompts]
+        if len(set(ids)) != len(ids):
+            raise ProtocolError("prompts: prompt ids must be unique within a batch")
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class Completion(_Struct):
+    """One sampled completion with what the learner needs to train on it."""
+
+    token_ids: bytes
+    """Packed <i4 generated tokens (the prompt excluded)."""
+    logprobs: bytes
+    """Packed <f4 log-probability of each sampled token under the distribution it was
+    sampled from (after temperature and top-p/top-k); same length as token_ids."""
+    finish_reason: FinishReason
+    """stop: end-of-sequence or a stop string; length: hit max_tokens; abort: cut short."""
+    text: str = ""
+    """Decoded completion, as the reward functions saw it."""
+    reward: float | None = None
+    """Weighted total reward; None when no reward could be computed (see error)."""
+    reward_components: dict[str, float | None] = {}
+    """Each reward function's score by name, before weighting; None where it abstained."""
+    error: str | None = None
+    """Why this completion has no reward; None when it has one."""
+
+    def __post_init__(self) -> None:
+        n = _check_token_ids("token_ids", self.token_ids)
+        if len(self.logprobs) % 4:
+            raise ProtocolError(
+                f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values"
+            )
+        lp = unpack_f32(self.logprobs)
+        if lp.size != n:
+            raise ProtocolError(f"logprobs: {lp.size} values for {n} token ids")
+        if lp.size:
+            if not np.isfinite(lp).all():
+                raise ProtocolError("logprobs: NaN or infinite value")
+            if lp.max() > 0.0:
+                raise ProtocolError(f"logprobs: positive log-probability {float(lp.max())}")
+        _check_finite("reward", self.reward)
+        for name, value in self.reward_components.items():
+            _check_finite(f"reward_components[{name!r}]", value)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return unpack_i32(self.token_ids)
+
+    @property
+    def logps(self) -> np.ndarray:
+        return unpack_f32(self.logprobs)
+
+    @classmethod
+    def of(cls, token_ids: Any, logprobs: Any, **fields: Any) -> Completion:
+        """Build from sequences or arrays of token ids and log-probabilities."""
+        return cls(token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), **fields)
+
+
+def group_id_for(batch_id: str, prompt_id: str) -> str:
+    """The rollout group id of one prompt of one batch: the same however often the batch
+    is completed, so a batch finished twice is stored once."""
+    digest = hashlib.blake2b(msgspec.msgpack.encode([batch_id, prompt_id]), digest_size=16)
+    return digest.hexdigest()
+
+
+class RolloutGroup(_Struct, tag="rollout_group", tag_field="type", kw_only=True):
+    """All completions of one prompt, scored, from one adapter version."""
+
+    schema: int = SCHEMA_VERSION
+    group_id: Ident
+    """`group_id_for(batch_id, prompt_id)`; the deduplication key."""
+    batch_id: Ident
+    prompt_id: Ident
+    adapter_version: NonNegInt
+    """The adapter that generated every completion here; 0 is the base model."""
+    actor_id: Ident
+    prompt_token_ids: bytes
+    """Packed <i4 prompt tokens exactly as the actor fed them to the model."""
+    completions: Annotated[list[Completion], msgspec.Meta(min_length=1)]
+    error: str | None = None
+    """Set when the whole group failed (a reward raised or timed out); such a group is
+    never trained on as if its reward were 0."""
+    timings: dict[str, float] = {}
+    """Seconds spent per phase (e.g. generate_s, reward_s) and wall-clock marks."""
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        if self.group_id != group_id_for(self.batch_id, self.prompt_id):
+            raise ProtocolError("group_id: does not match group_id_for(batch_id, prompt_id)")
+        _check_token_ids("prompt_token_ids", self.prompt_token_ids)
+        for name, value in self.timings.items():
+            _check_finite(f"timings[{name!r}]", value)
+
+    @property
+    def prompt_tokens(self) -> np.ndarray:
+        return unpack_i32(self.prompt_token_ids)
+
+    @property
+    def rewards(self) -> list[float | None]:
+        return [c.reward for c in self.completions]
+
+
+class AdapterFile(_Struct):
+    name: FileName
+    sha256: Sha256Hex
+    size: NonNegInt
+    """Bytes."""
+
+
+class AdapterManifest(_Struct, tag="adapter_manifest", tag_field="type", kw_only=True):
+    """Describes one published adapter version; also the announcement actors receive.
+
+    Written last as `adapters/v<N>/manifest.json`, so a manifest's presence means its
+    files are complete."""
+
+    schema: int = SCHEMA_VERSION
+    version: PosInt
+    """Names one adapter forever; never reused, even across learner restarts."""
+    step: NonNegInt
+    """The optimizer step the adapter was taken after."""
+    base_model: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    rank: PosInt
+    files: Annotated[list[AdapterFile], msgspec.Meta(min_length=1, max_length=64)]
+    created_at: Timestamp
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ProtocolError("files: file names must be unique")
+
+
+Message = PromptBatch | RolloutGroup | AdapterManifest
+
+_TAGS = {
+    "prompt_batch": PromptBatch,
+    "rollout_group": RolloutGroup,
+    "adapter_manifest": AdapterManifest,
+}
+
+
+def _check_schema(schema: int) -> None:
+    if schema != SCHEMA_VERSION:
+        raise ProtocolError(
+            f"schema: unknown schema version {schema}; this build speaks {SCHEMA_VERSION}"
+        )
+
+
+# ---------------------------------------------------------------------------- limits
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Size limits a receiver enforces; a proxy facing the internet may lower them."""
+
+    max_message_bytes: PosInt = 16 * 1024 * 1024
+    """Largest encoded message accepted, checked before parsing."""
+    max_prompts: PosInt = 4096
+    """Most prompts in one batch."""
+    max_completions: PosInt = 1024
+    """Most completions in one rollout group."""
+    max_tokens: PosInt = 262_144
+    """Most tokens in one prompt or completion."""
+    max_text_chars: PosInt = 4 * 1024 * 1024
+    """Longest prompt or completion text."""
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _check_limits(msg: Message, limits: Limits) -> None:
+    def tokens(field: str, data: bytes | None) -> None:
+        if data is not None and len(data) // 4 > limits.max_tokens:
+            raise ProtocolError(
+                f"{field}: {len(data) // 4} tokens exceed the limit of {limits.max_tokens}"
+            )
+
+    def text(field: str, value: str | None) -> None:
+        if value is not None and len(value) > limits.max_text_chars:
+            raise ProtocolError(
+                f"{field}: {len(value)} characters exceed the limit of {limits.max_text_chars}"
+            )
+
+    if isinstance(msg, PromptBatch):
+        if len(msg.prompts) > limits.max_prompts:
+            raise ProtocolError(
+                f"prompts: {len(msg.prompts)} prompts exceed the limit of {limits.max_prompts}"
+            )
+        if msg.num_generations > limits.max_completions:
+            raise ProtocolError(
+                f"num_generations: {msg.num_generations} exceeds the limit of {limits.max_completions}"
+            )
+        if msg.sampling.max_tokens > limits.max_tokens:
+            raise ProtocolError(f"sampling.max_tokens: exceeds the limit of {limits.max_tokens}")
+        for i, p in enumerate(msg.prompts):
+            tokens(f"prompts[{i}].token_ids", p.token_ids)
+            text(f"prompts[{i}].text", p.text)
+            for j, turn in enumerate(p.messages or ()):
+                text(f"prompts[{i}].messages[{j}].content", turn.content)
+    elif isinstance(msg, RolloutGroup):
+        if len(msg.completions) > limits.max_completions:
+            raise ProtocolError(
+                f"completions: {len(msg.completions)} completions exceed the limit of {limits.max_completions}"
+            )
+        tokens("prompt_token_ids", msg.prompt_token_ids)
+        for i, c in enumerate(msg.completions):
+            tokens(f"completions[{i}].token_ids", c.token_ids)
+            text(f"completions[{i}].text", c.text)
+
+
+# ---------------------------------------------------------------------------- codec
+
+
+class _Envelope(msgspec.Struct):
+    """Read first, so an unknown schema version gets its own message rather than a
+    confusing complaint about fields."""
+
+    type: str
+    schema: int
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_DECODER = msgspec.msgpack.Decoder(Message)
+_ENCODER = msgspec.msgpack.Encoder()
+_JSON_ENCODER = msgspec.json.Encoder()
+_JSON_DECODER = msgspec.json.Decoder(Message)
+
+
+def _field_path(err: msgspec.MsgspecError) -> str:
+    """Rewrite msgspec's "... - at `$.a[0].b`" as "a[0].b: ..." so the field leads."""
+    text = str(err)
+    m = re.match(r"^(.*) - at `\$\.?(.*)`$", text, re.S)
+    if m:
+        return f"{m.group(2) or 'message'}: {m.group(1)}"
+    return f"message: {text}"
+
+
+def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one message. Raises `ProtocolError` (only) on bad input."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"message: expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise ProtocolError(
+            f"message: {len(data)} bytes exceed the limit of {limits.max_message_bytes}"
+        )
+    try:
+        envelope = _ENVELOPE.decode(data)
+        if envelope.type not in _TAGS:
+            raise ProtocolError(f"type: unknown message type {envelope.type[:64]!r}")
+        _check_schema(envelope.schema)
+        msg = _DECODER.decode(data)
+    except ProtocolError:
+        raise
+    except msgspec.MsgspecError as err:
+        raise ProtocolError(_field_path(err)) from None
+    except RecursionError:
+        raise ProtocolError("message: nested too deeply") from None
+    _check_limits(msg, limits)
+    return msg
+
+
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Serialize one message to MessagePack, validated exactly as `decode` would."""
+    if not isinstance(msg, PromptBatch | RolloutGroup | AdapterManifest):
+        raise ProtocolError(f"message: cannot encode {type(msg).__name__}")
+    try:
+        data = _ENCODER.encode(msg)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ProtocolError(f"message: cannot encode: {err}") from None
+    decode(data, limits)  # field bounds are only enforced when decoding
+    return data
+
+
+def to_json(msg: Message) -> bytes:
+    """JSON for files a person may read (manifest.json); bytes fields become base64."""
+    encode(msg)
+    return _JSON_ENCODER.encode(msg)
+
+
+def from_json(data: bytes | str) -> Message:
+    """Parse a message written by `to_json`. Raises `ProtocolError` on bad input."""
+    try:
+        return _JSON_DECODER.decode(data)
+    except ProtocolError:
+        raise
+    except msgspec.MsgspecError as err:
+        raise ProtocolError(_field_path(err)) from None
+    except RecursionError:
+        raise ProtocolError("message: nested too deeply") from None

@@ -1,0 +1,232 @@
+"""The queue interface: what the learner and the actors need from the transport, nothing more.
+
+Two transports implement it: `RedisQueue` (Redis streams, direct; also over fakeredis
+for the embedded default) and, in the proxy package's client, HTTPS through the proxy.
+Code above this interface never imports `redis`.
+
+Semantics every transport keeps:
+- Prompt batches are leased, not popped: a claimed batch stays pending until its
+  rollout groups are submitted. A lease not heartbeated for `lease_timeout_s` is
+  taken over by the next `claim` of any worker; a batch delivered `max_deliveries`
+  times and still not finished goes to the dead-letter stream with its count.
+- `submit` appends the groups and acknowledges the lease in one atomic step and is
+  idempotent by group id, so a retried or duplicated submit stores each group once.
+- `add_prompts` is idempotent by batch id, so a retried or re-issued batch is queued once.
+- Rollout groups stay pending for the learner until it acknowledges them (after the
+  checkpoint that consumed them); after a crash `pending_rollouts` hands them back.
+- Streams are trimmed only below the oldest entry still pending or undelivered:
+  trimming never deletes an unacknowledged prompt or rollout.
+- The latest adapter version only moves forward.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Self
+
+from protocol.messages import DEFAULT_LIMITS, AdapterManifest, Limits, PromptBatch, RolloutGroup
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    """Settings shared by every transport."""
+
+    run: str = "default"
+    """Run name; every key of the run lives under it, so runs can share one Redis."""
+    lease_timeout_s: float = 60.0
+    """A claimed batch not heartbeated for this long may be taken over by another worker."""
+    max_deliveries: int = 3
+    """A batch handed out this many times without being finished goes to the dead letters."""
+    max_block_s: float = 10.0
+    """Longest blocking wait one call may ask for (keeps sockets and proxies happy)."""
+    adapter_events_maxlen: int = 10_000
+    """Adapter events kept for late joiners (they need only the recent ones)."""
+    limits: Limits = DEFAULT_LIMITS
+    """Message size limits applied when reading from the queue."""
+
+    def __post_init__(self) -> None:
+        if not self.run or any(c in self.run for c in "{}\x00 \n"):
+            raise ValueError(f"run: {self.run!r} must be non-empty without braces, spaces or NUL")
+        if not self.lease_timeout_s > 0:
+            raise ValueError("lease_timeout_s: must be > 0")
+        if self.max_deliveries < 1:
+            raise ValueError("max_deliveries: must be >= 1")
+        if not 0 < self.max_block_s <= 60:
+            raise ValueError("max_block_s: must be in (0, 60]")
+        if self.adapter_events_maxlen < 1:
+            raise ValueError("adapter_events_maxlen: must be >= 1")
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A prompt batch claimed by one worker until submitted, handed back or expired."""
+
+    lease_id: str
+    """Opaque; pass it back to heartbeat, submit and release."""
+    batch: PromptBatch
+    deliveries: int
+    """How many times the batch has been handed out, this time included."""
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    stored: int
+    """Groups appended to the rollout stream by this call."""
+    duplicates: int
+    """Groups skipped because a group with the same id was stored before."""
+    lease_held: bool
+    """False when the lease had expired or passed to another worker; the groups were
+    still stored (deduplicated), so the work is not lost."""
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A rollout group handed to the learner, to be acknowledged after checkpointing."""
+
+    delivery_id: str
+    group: RolloutGroup
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """A prompt batch that could not be completed, kept for accounting and inspection."""
+
+    entry_id: str
+    source: str
+    """`prompts` for a batch; `rollouts` for an unreadable rollout entry."""
+    lease_id: str
+    """The entry id the message had in its source stream (for a batch, its lease id)."""
+    reason: str
+    """`max_deliveries`, `malformed: ...` or `missing` (payload lost outside our control)."""
+    deliveries: int
+    last_worker: str
+    batch: PromptBatch | None
+    """None when the payload was unreadable or missing, or is not a prompt batch."""
+
+
+@dataclass(frozen=True)
+class AdapterEvent:
+    event_id: str
+    """Position in the adapter-events stream; pass it as `after` to continue."""
+    manifest: AdapterManifest
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    length: int
+    """Entries held (pending, undelivered and not yet trimmed)."""
+    pending: int
+    """Delivered, not yet acknowledged."""
+    waiting: int
+    """Not yet delivered to anyone."""
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    prompts: StreamStats
+    rollouts: StreamStats
+    dead_letters: int
+    leases_by_worker: dict[str, int] = field(default_factory=dict)
+    """Outstanding prompt leases per worker id."""
+    latest_adapter_version: int = 0
+
+
+class AdapterSubscription(abc.ABC):
+    """Push notifications of new adapter versions. Best effort: a subscriber that was
+    disconnected catches up from `Queue.adapter_events`."""
+
+    @abc.abstractmethod
+    def get(self, timeout_s: float) -> AdapterManifest | None:
+        """The next announced manifest, or None if none came within the timeout."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Queue(abc.ABC):
+    """The queue between learner and actors. See the module docstring for semantics."""
+
+    config: QueueConfig
+
+    # -- learner: prompts out
+    @abc.abstractmethod
+    def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
+        """Queue batches; returns how many were new (a batch id seen before is skipped)."""
+
+    # -- actors: leases
+    @abc.abstractmethod
+    def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
+        """Up to `count` batches for `worker`: expired leases first, then new batches,
+        waiting up to `block_s` for new ones if none are at hand."""
+
+    @abc.abstractmethod
+    def heartbeat(self, worker: str, lease_ids: Sequence[str]) -> list[str]:
+        """Extend the worker's leases; returns the ids it still holds."""
+
+    @abc.abstractmethod
+    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
+        """Append the batch's rollout groups and acknowledge its lease, atomically."""
+
+    @abc.abstractmethod
+    def release(self, worker: str, lease_id: str) -> bool:
+        """Hand a lease back unfinished so another worker claims it at once; the hand-back
+        does not count as a failed delivery. False if the worker no longer held it."""
+
+    # -- learner: rollouts in
+    @abc.abstractmethod
+    def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
+        """New rollout groups, up to `count`, waiting up to `block_s` for the first."""
+
+    @abc.abstractmethod
+    def pending_rollouts(self, consumer: str, count: int) -> list[Delivery]:
+        """Groups read by `consumer` and not yet acknowledged (after a restart)."""
+
+    @abc.abstractmethod
+    def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:
+        """Acknowledge consumed groups; returns how many were still pending."""
+
+    @abc.abstractmethod
+    def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
+        """Dead-lettered batches after position `after`, oldest first."""
+
+    # -- adapters
+    @abc.abstractmethod
+    def announce(self, manifest: AdapterManifest) -> str:
+        """Make `manifest` the latest adapter (key, pub/sub, events stream); returns the
+        event id. Announcing the current latest again is a no-op returning its event id;
+        any other version not above the latest raises `VersionConflict`."""
+
+    @abc.abstractmethod
+    def latest_adapter(self) -> AdapterManifest | None:
+        """The newest announced adapter, or None before the first announcement."""
+
+    @abc.abstractmethod
+    def adapter_events(
+        self, after: str = "0", count: int = 100, block_s: float = 0.0
+    ) -> list[AdapterEvent]:
+        """Announcements after position `after` ("0": from the oldest kept)."""
+
+    @abc.abstractmethod
+    def subscribe_adapters(self) -> AdapterSubscription:
+        """Push notifications of announcements made from now on."""
+
+    # -- everyone
+    @abc.abstractmethod
+    def stats(self) -> QueueStats: ...
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

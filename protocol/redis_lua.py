@@ -1,0 +1,224 @@
+"""Lua scripts that make the queue's multi-command steps atomic on Redis >= 7.0.
+
+Each script does all of its checks before its first write, because Redis does not roll
+back a script that fails half way. Trimming lives here too: on Redis 7.0 `XTRIM` deletes
+entries still pending in a consumer group, so the scripts trim only below the oldest
+entry that is pending or not yet delivered (`safe_trim`).
+"""
+
+from __future__ import annotations
+
+_HELPERS = r"""
+local function field(flat, name)
+  if not flat then return nil end
+  for i = 1, #flat, 2 do
+    if flat[i] == name then return flat[i + 1] end
+  end
+  return nil
+end
+
+local function id_lt(a, b)
+  local ams, aseq = string.match(a, '^(%d+)-(%d+)$')
+  local bms, bseq = string.match(b, '^(%d+)-(%d+)$')
+  ams, aseq, bms, bseq = tonumber(ams), tonumber(aseq), tonumber(bms), tonumber(bseq)
+  return ams < bms or (ams == bms and aseq < bseq)
+end
+
+-- Trim everything below the oldest entry that is pending or not yet delivered to `group`.
+local function safe_trim(key, group)
+  local floor = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    if field(g, 'name') == group then floor = field(g, 'last-delivered-id') end
+  end
+  if not floor then return 0 end
+  local summary = redis.call('XPENDING', key, group)
+  if tonumber(summary[1]) > 0 and id_lt(summary[2], floor) then floor = summary[2] end
+  return redis.call('XTRIM', key, 'MINID', floor)
+end
+
+local function pending_entry(key, group, id)
+  return redis.call('XPENDING', key, group, id, id, 1)[1]
+end
+
+local function dead_letter(prompts, dead, group, id, payload, deliveries, worker, reason, now)
+  redis.call('XADD', dead, '*', 'source', 'prompts', 'lease', id, 'm', payload or '',
+             'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now)
+  redis.call('XACK', prompts, group, id)
+end
+"""
+
+ADD_PROMPTS = r"""
+-- KEYS: prompts, batches_seen   ARGV: (batch_id, payload)*
+local added = 0
+for i = 1, #ARGV, 2 do
+  if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[1], '*', 'b', ARGV[i], 'm', ARGV[i + 1])
+    added = added + 1
+  end
+end
+return added
+"""
+
+CLAIM_EXPIRED = (
+    _HELPERS
+    + r"""
+-- KEYS: prompts, dead   ARGV: group, worker, lease_ms, max_deliveries, count, now
+-- Takes over leases idle longer than lease_ms; dead-letters batches delivered
+-- max_deliveries times already. Returns {{id, deliveries, payload}...}.
+local group, worker, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local max_deliveries, count, now = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
+local out = {}
+local dead = 0
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-', '+', count)) do
+  local id, owner, n = p[1], p[2], tonumber(p[4])
+  if n >= max_deliveries then
+    local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
+    dead_letter(KEYS[1], KEYS[2], group, id, entry and field(entry[2], 'm'), n, owner,
+                'max_deliveries', now)
+    dead = dead + 1
+  else
+    local entry = redis.call('XCLAIM', KEYS[1], group, worker, lease_ms, id)[1]
+    local payload = entry and field(entry[2], 'm')
+    if payload then
+      table.insert(out, {id, n + 1, payload})
+    else
+      -- the payload was deleted behind our back (not by us): account for it, never drop it
+      dead_letter(KEYS[1], KEYS[2], group, id, '', n, owner, 'missing', now)
+      dead = dead + 1
+    end
+  end
+end
+if dead > 0 then safe_trim(KEYS[1], group) end
+return out
+"""
+)
+
+DEAD_LETTER = (
+    _HELPERS
+    + r"""
+-- KEYS: prompts, dead   ARGV: group, id, worker, reason, now
+-- Moves one pending batch (one that cannot be read, say) to the dead letters.
+local p = pending_entry(KEYS[1], ARGV[1], ARGV[2])
+if not p then return 0 end
+local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
+dead_letter(KEYS[1], KEYS[2], ARGV[1], ARGV[2], entry and field(entry[2], 'm'), p[4], ARGV[3],
+            ARGV[4], ARGV[5])
+safe_trim(KEYS[1], ARGV[1])
+return 1
+"""
+)
+
+DEAD_LETTER_ROLLOUT = (
+    _HELPERS
+    + r"""
+-- KEYS: rollouts, dead   ARGV: group, id, reason, now
+-- Moves one unreadable rollout entry out of the learner's way, keeping its bytes.
+local p = pending_entry(KEYS[1], ARGV[1], ARGV[2])
+if not p then return 0 end
+local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
+redis.call('XADD', KEYS[2], '*', 'source', 'rollouts', 'lease', ARGV[2],
+           'm', (entry and field(entry[2], 'm')) or '', 'deliveries', p[4], 'worker', p[2],
+           'reason', ARGV[3], 'at', ARGV[4])
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+safe_trim(KEYS[1], ARGV[1])
+return 1
+"""
+)
+
+HEARTBEAT = (
+    _HELPERS
+    + r"""
+-- KEYS: prompts   ARGV: group, worker, id*
+-- Resets the idle time of each lease the worker still owns; returns those ids.
+local held = {}
+for i = 3, #ARGV do
+  local p = pending_entry(KEYS[1], ARGV[1], ARGV[i])
+  if p and p[2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+    table.insert(held, ARGV[i])
+  end
+end
+return held
+"""
+)
+
+SUBMIT = (
+    _HELPERS
+    + r"""
+-- KEYS: prompts, rollouts, groups_seen   ARGV: group, worker, lease_id, batch_id, (group_id, payload)*
+-- Appends the groups not stored before and acknowledges the lease, atomically.
+-- A worker whose lease passed to another still has its finished groups stored
+-- (deduplicated); the batch is done either way. Returns {stored, duplicates, held}.
+local group, worker, lease = ARGV[1], ARGV[2], ARGV[3]
+local entry = redis.call('XRANGE', KEYS[1], lease, lease)[1]
+if entry and field(entry[2], 'b') ~= ARGV[4] then
+  return redis.error_reply('LEASE_MISMATCH lease ' .. lease .. ' holds batch ' ..
+                           tostring(field(entry[2], 'b')) .. ', not ' .. ARGV[4])
+end
+local p = pending_entry(KEYS[1], group, lease)
+local stored, dups = 0, 0
+for i = 5, #ARGV, 2 do
+  if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
+    redis.call('XADD', KEYS[2], '*', 'g', ARGV[i], 'm', ARGV[i + 1])
+    stored = stored + 1
+  else
+    dups = dups + 1
+  end
+end
+local held = 0
+if p then
+  if p[2] == worker then held = 1 end
+  redis.call('XACK', KEYS[1], group, lease)
+  safe_trim(KEYS[1], group)
+end
+return {stored, dups, held}
+"""
+)
+
+RELEASE = (
+    _HELPERS
+    + r"""
+-- KEYS: prompts   ARGV: group, worker, id, idle_ms
+-- Makes the lease look expired at once, without counting this delivery as a failure.
+local p = pending_entry(KEYS[1], ARGV[1], ARGV[3])
+if not p or p[2] ~= ARGV[2] then return 0 end
+local retries = math.max(tonumber(p[4]) - 1, 0)
+redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4],
+           'RETRYCOUNT', retries, 'JUSTID')
+return 1
+"""
+)
+
+ACK_ROLLOUTS = (
+    _HELPERS
+    + r"""
+-- KEYS: rollouts   ARGV: group, id*
+local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
+safe_trim(KEYS[1], ARGV[1])
+return n
+"""
+)
+
+ANNOUNCE = r"""
+-- KEYS: adapter_latest, adapter_events   ARGV: version, payload, channel, maxlen
+-- The latest version only moves forward; announcing the current one again with the
+-- same manifest is a no-op (a retried call), anything else older is refused.
+local v = tonumber(ARGV[1])
+local cur = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if v == cur and redis.call('HGET', KEYS[1], 'm') == ARGV[2] then
+  return redis.call('HGET', KEYS[1], 'event')
+end
+if v <= cur then
+  return redis.error_reply('VERSION_CONFLICT version ' .. ARGV[1] ..
+                           ' is not above the latest announced version ' .. tostring(cur))
+end
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[4], '*', 'v', ARGV[1], 'm', ARGV[2])
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'm', ARGV[2], 'event', id)
+redis.call('PUBLISH', ARGV[3], ARGV[2])
+return id
+"""
+
+COUNT_AFTER = r"""
+-- KEYS: stream   ARGV: id   The number of entries after id (the waiting ones).
+return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+')
+"""

@@ -1,0 +1,481 @@
+"""The queue over Redis streams (Redis >= 7.0), direct; also runs on a fakeredis client.
+
+Prompt batches live in one stream read by the consumer group `actors`, rollout groups
+in another read by the group `learner`. Every step that touches more than one key is a
+Lua script (see `protocol.redis_lua`), so a crash between two commands cannot leave a
+lease acknowledged without its groups stored, or the other way round.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.exceptions
+
+from protocol import redis_lua
+from protocol.errors import (
+    LeaseMismatch,
+    ProtocolError,
+    QueueError,
+    QueueUnavailable,
+    VersionConflict,
+)
+from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, Keys
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, decode, encode
+from protocol.queue import (
+    AdapterEvent,
+    AdapterSubscription,
+    DeadLetter,
+    Delivery,
+    Lease,
+    Queue,
+    QueueConfig,
+    QueueStats,
+    StreamStats,
+    SubmitResult,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
+_WORKER = re.compile(r"^[^\x00-\x20]{1,256}$")
+_ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
+
+
+def _check_worker(worker: str) -> None:
+    if not isinstance(worker, str) or not _WORKER.match(worker):
+        raise ValueError(
+            f"worker: {worker!r} must be 1-256 characters without spaces or control characters"
+        )
+
+
+def _check_ids(field: str, ids: Sequence[str]) -> None:
+    for i in ids:
+        if not isinstance(i, str) or not _STREAM_ID.match(i):
+            raise ValueError(f"{field}: {i!r} is not a stream entry id")
+
+
+def _s(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+def _fields(flat: dict[bytes, bytes] | None) -> dict[str, bytes]:
+    return {_s(k): v for k, v in (flat or {}).items()}
+
+
+class RedisQueue(Queue):
+    """`Queue` on a redis-py client (a `fakeredis.FakeRedis` works too).
+
+    The client must not decode responses (`decode_responses=False`): payloads are bytes.
+    """
+
+    def __init__(self, client: redis.Redis, config: QueueConfig | None = None) -> None:
+        self.config = config or QueueConfig()
+        self.keys = Keys(self.config.run)
+        self._r = client
+        self._scripts = {
+            name: client.register_script(getattr(redis_lua, name))
+            for name in (
+                "ADD_PROMPTS",
+                "CLAIM_EXPIRED",
+                "DEAD_LETTER",
+                "DEAD_LETTER_ROLLOUT",
+                "HEARTBEAT",
+                "SUBMIT",
+                "RELEASE",
+                "ACK_ROLLOUTS",
+                "ANNOUNCE",
+                "COUNT_AFTER",
+            )
+        }
+        # Rollout reads whose reply may have been lost leave entries pending that this
+        # process never saw; after such an error the next read re-scans the pending list.
+        self._handed_out: dict[str, set[str]] = {}
+        self._resync: set[str] = set()
+        with self._errors():
+            self._ensure_groups()
+
+    @classmethod
+    def from_url(cls, url: str, config: QueueConfig | None = None) -> RedisQueue:
+        """Connect to `redis://host:port/db` (or `rediss://` for TLS)."""
+        config = config or QueueConfig()
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=config.max_block_s + 10.0,
+            socket_connect_timeout=5.0,
+            health_check_interval=30,
+        )
+        return cls(client, config)
+
+    # ------------------------------------------------------------------ plumbing
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        """Translate redis-py's exceptions into the queue's."""
+        try:
+            yield
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+            raise QueueUnavailable(f"redis unreachable: {err}") from err
+        except redis.exceptions.ResponseError as err:
+            text = str(err)
+            if "LEASE_MISMATCH" in text:
+                raise LeaseMismatch(text.split("LEASE_MISMATCH ", 1)[1]) from None
+            if "VERSION_CONFLICT" in text:
+                raise VersionConflict(text.split("VERSION_CONFLICT ", 1)[1]) from None
+            raise QueueError(f"redis: {text}") from err
+
+    def _ensure_groups(self) -> None:
+        for stream, group in (
+            (self.keys.prompts, ACTORS_GROUP),
+            (self.keys.rollouts, LEARNER_GROUP),
+        ):
+            try:
+                self._r.xgroup_create(stream, group, id="0", mkstream=True)
+            except redis.exceptions.ResponseError as err:
+                if "BUSYGROUP" not in str(err):
+                    raise
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Run `fn`; if Redis lost our consumer groups (restarted without persistence),
+        recreate them and try once more."""
+        with self._errors():
+            try:
+                return fn()
+            except redis.exceptions.ResponseError as err:
+                if "NOGROUP" not in str(err):
+                    raise
+                log.warning("consumer groups missing (redis restarted empty?); recreating them")
+                self._ensure_groups()
+                return fn()
+
+    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
+        return self._call(lambda: self._scripts[name](keys=keys, args=args))
+
+    def _block_ms(self, block_s: float) -> int | None:
+        if block_s < 0 or block_s > self.config.max_block_s:
+            raise ValueError(f"block_s: must be in [0, {self.config.max_block_s}], got {block_s}")
+        return int(block_s * 1000) or None  # Redis reads BLOCK 0 as "forever"
+
+    # ------------------------------------------------------------------ prompts
+
+    def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
+        args: list[Any] = []
+        for b in batches:
+            if not isinstance(b, PromptBatch):
+                raise ProtocolError(f"add_prompts: expected PromptBatch, got {type(b).__name__}")
+            args += [b.batch_id, encode(b, self.config.limits)]
+        if not args:
+            return 0
+        return int(self._script("ADD_PROMPTS", [self.keys.prompts, self.keys.batches_seen], args))
+
+    def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
+        _check_worker(worker)
+        if count < 1:
+            raise ValueError(f"count: must be >= 1, got {count}")
+        block_ms = self._block_ms(block_s)
+        expired = self._script(
+            "CLAIM_EXPIRED",
+            [self.keys.prompts, self.keys.dead_letters],
+            [
+                ACTORS_GROUP,
+                worker,
+                int(self.config.lease_timeout_s * 1000),
+                self.config.max_deliveries,
+                count,
+                time.time(),
+            ],
+        )
+        rows = [(_s(i), int(n), payload) for i, n, payload in expired]
+        if len(rows) < count:
+            resp = self._call(
+                lambda: self._r.xreadgroup(
+                    ACTORS_GROUP,
+                    worker,
+                    {self.keys.prompts: ">"},
+                    count=count - len(rows),
+                    block=None if rows else block_ms,
+                )
+            )
+            for _stream, entries in resp or ():
+                rows += [(_s(i), 1, _fields(f).get("m")) for i, f in entries]
+        leases = []
+        for lease_id, deliveries, payload in rows:
+            try:
+                batch = decode(payload or b"", self.config.limits)
+                if not isinstance(batch, PromptBatch):
+                    raise ProtocolError(
+                        f"message: expected prompt_batch, got {type(batch).__name__}"
+                    )
+            except ProtocolError as err:
+                log.error("prompt entry %s is unreadable, dead-lettering it: %s", lease_id, err)
+                self._script(
+                    "DEAD_LETTER",
+                    [self.keys.prompts, self.keys.dead_letters],
+                    [ACTORS_GROUP, lease_id, worker, f"malformed: {err}", time.time()],
+                )
+                continue
+            leases.append(Lease(lease_id=lease_id, batch=batch, deliveries=deliveries))
+        return leases
+
+    def heartbeat(self, worker: str, lease_ids: Sequence[str]) -> list[str]:
+        _check_worker(worker)
+        _check_ids("lease_ids", lease_ids)
+        if not lease_ids:
+            return []
+        held = self._script("HEARTBEAT", [self.keys.prompts], [ACTORS_GROUP, worker, *lease_ids])
+        return [_s(i) for i in held]
+
+    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
+        _check_worker(worker)
+        _check_ids("lease_id", [lease_id])
+        if not groups:
+            raise ProtocolError("groups: a submit carries at least one rollout group")
+        args: list[Any] = [ACTORS_GROUP, worker, lease_id, None]
+        for g in groups:
+            if not isinstance(g, RolloutGroup):
+                raise ProtocolError(f"groups: expected RolloutGroup, got {type(g).__name__}")
+            args += [g.group_id, encode(g, self.config.limits)]
+        batch_ids = {g.batch_id for g in groups}
+        if len(batch_ids) != 1:
+            raise ProtocolError(
+                f"groups: all groups of a submit belong to one batch, got {sorted(batch_ids)}"
+            )
+        args[3] = batch_ids.pop()
+        stored, dups, held = self._script(
+            "SUBMIT", [self.keys.prompts, self.keys.rollouts, self.keys.groups_seen], args
+        )
+        return SubmitResult(stored=int(stored), duplicates=int(dups), lease_held=bool(held))
+
+    def release(self, worker: str, lease_id: str) -> bool:
+        _check_worker(worker)
+        _check_ids("lease_id", [lease_id])
+        idle_ms = int(self.config.lease_timeout_s * 1000) + 1000
+        return bool(
+            self._script("RELEASE", [self.keys.prompts], [ACTORS_GROUP, worker, lease_id, idle_ms])
+        )
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _deliveries(
+        self, consumer: str, entries: list[tuple[bytes, dict[bytes, bytes] | None]]
+    ) -> list[Delivery]:
+        out = []
+        handed = self._handed_out.setdefault(consumer, set())
+        for raw_id, flat in entries:
+            entry_id = _s(raw_id)
+            payload = _fields(flat).get("m")
+            try:
+                group = decode(payload or b"", self.config.limits) if payload is not None else None
+                if group is None:
+                    raise ProtocolError("message: entry payload is missing")
+                if not isinstance(group, RolloutGroup):
+                    raise ProtocolError(
+                        f"message: expected rollout_group, got {type(group).__name__}"
+                    )
+            except ProtocolError as err:
+                log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, err)
+                self._script(
+                    "DEAD_LETTER_ROLLOUT",
+                    [self.keys.rollouts, self.keys.dead_letters],
+                    [LEARNER_GROUP, entry_id, f"malformed: {err}", time.time()],
+                )
+                continue
+            handed.add(entry_id)
+            out.append(Delivery(delivery_id=entry_id, group=group))
+        return out
+
+    def _read_pending(self, consumer: str, count: int, after: str) -> list[tuple[bytes, Any]]:
+        resp = self._call(
+            lambda: self._r.xreadgroup(
+                LEARNER_GROUP, consumer, {self.keys.rollouts: after}, count=count
+            )
+        )
+        return [e for _stream, entries in resp or () for e in entries]
+
+    def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
+        _check_worker(consumer)
+        if count < 1:
+            raise ValueError(f"count: must be >= 1, got {count}")
+        block_ms = self._block_ms(block_s)
+        if consumer in self._resync:
+            handed = self._handed_out.get(consumer, set())
+            lost = [
+                e for e in self._read_pending(consumer, 1_000_000, "0") if _s(e[0]) not in handed
+            ]
+            self._resync.discard(consumer)
+            if lost:
+                log.warning("recovered %d rollout entries whose read reply was lost", len(lost))
+                return self._deliveries(consumer, lost)
+        try:
+            resp = self._call(
+                lambda: self._r.xreadgroup(
+                    LEARNER_GROUP, consumer, {self.keys.rollouts: ">"}, count=count, block=block_ms
+                )
+            )
+        except QueueUnavailable:
+            self._resync.add(consumer)
+            raise
+        return self._deliveries(consumer, [e for _stream, entries in resp or () for e in entries])
+
+    def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
+        _check_worker(consumer)
+        if after != "0":
+            _check_ids("after", [after])
+        return self._deliveries(consumer, self._read_pending(consumer, count, after))
+
+    def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:
+        ids = list(delivery_ids)
+        _check_ids("delivery_ids", ids)
+        acked = 0
+        for i in range(0, len(ids), _ACK_CHUNK):
+            chunk = ids[i : i + _ACK_CHUNK]
+            acked += int(
+                self._script("ACK_ROLLOUTS", [self.keys.rollouts], [LEARNER_GROUP, *chunk])
+            )
+            for handed in self._handed_out.values():
+                handed.difference_update(chunk)
+        return acked
+
+    def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
+        if after != "0":
+            _check_ids("after", [after])
+        start = "-" if after == "0" else f"({after}"
+        entries = self._call(lambda: self._r.xrange(self.keys.dead_letters, min=start, count=count))
+        out = []
+        for raw_id, flat in entries:
+            f = _fields(flat)
+            batch = None
+            if f.get("source") == b"prompts" and f.get("m"):
+                with contextlib.suppress(ProtocolError):  # unreadable ones are why some are here
+                    msg = decode(f["m"], self.config.limits)
+                    batch = msg if isinstance(msg, PromptBatch) else None
+            out.append(
+                DeadLetter(
+                    entry_id=_s(raw_id),
+                    source=_s(f.get("source")),
+                    lease_id=_s(f.get("lease")),
+                    reason=_s(f.get("reason")),
+                    deliveries=int(f.get("deliveries") or 0),
+                    last_worker=_s(f.get("worker")),
+                    batch=batch,
+                )
+            )
+        return out
+
+    # ------------------------------------------------------------------ adapters
+
+    def announce(self, manifest: AdapterManifest) -> str:
+        if not isinstance(manifest, AdapterManifest):
+            raise ProtocolError(
+                f"announce: expected AdapterManifest, got {type(manifest).__name__}"
+            )
+        return _s(
+            self._script(
+                "ANNOUNCE",
+                [self.keys.adapter_latest, self.keys.adapter_events],
+                [
+                    manifest.version,
+                    encode(manifest),
+                    self.keys.adapter_channel,
+                    self.config.adapter_events_maxlen,
+                ],
+            )
+        )
+
+    def latest_adapter(self) -> AdapterManifest | None:
+        payload = self._call(lambda: self._r.hget(self.keys.adapter_latest, "m"))
+        return _decode_manifest(payload) if payload else None
+
+    def adapter_events(
+        self, after: str = "0", count: int = 100, block_s: float = 0.0
+    ) -> list[AdapterEvent]:
+        if after != "0":
+            _check_ids("after", [after])
+        block_ms = self._block_ms(block_s)
+        resp = self._call(
+            lambda: self._r.xread({self.keys.adapter_events: after}, count=count, block=block_ms)
+        )
+        events = []
+        for _stream, entries in resp or ():
+            for raw_id, flat in entries:
+                manifest = _decode_manifest(_fields(flat).get("m"))
+                if manifest is not None:
+                    events.append(AdapterEvent(event_id=_s(raw_id), manifest=manifest))
+        return events
+
+    def subscribe_adapters(self) -> AdapterSubscription:
+        return _RedisAdapterSubscription(self)
+
+    # ------------------------------------------------------------------ stats
+
+    def _stream_stats(self, stream: str, group: str) -> StreamStats:
+        length = int(self._call(lambda: self._r.xlen(stream)))
+        info = next(
+            (g for g in self._call(lambda: self._r.xinfo_groups(stream)) if _s(g["name"]) == group),
+            None,
+        )
+        if info is None:
+            return StreamStats(length=length, pending=0, waiting=length)
+        waiting = info.get("lag")
+        if waiting is None:  # Redis cannot tell after some deletions; count instead
+            waiting = self._script("COUNT_AFTER", [stream], [_s(info["last-delivered-id"])])
+        return StreamStats(length=length, pending=int(info["pending"]), waiting=int(waiting))
+
+    def stats(self) -> QueueStats:
+        consumers = self._call(lambda: self._r.xinfo_consumers(self.keys.prompts, ACTORS_GROUP))
+        version = self._call(lambda: self._r.hget(self.keys.adapter_latest, "version"))
+        return QueueStats(
+            prompts=self._stream_stats(self.keys.prompts, ACTORS_GROUP),
+            rollouts=self._stream_stats(self.keys.rollouts, LEARNER_GROUP),
+            dead_letters=int(self._call(lambda: self._r.xlen(self.keys.dead_letters))),
+            leases_by_worker={
+                _s(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
+            },
+            latest_adapter_version=int(version or 0),
+        )
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _decode_manifest(payload: bytes | None) -> AdapterManifest | None:
+    try:
+        msg = decode(payload or b"")
+    except ProtocolError as err:
+        log.error("ignoring an unreadable adapter announcement: %s", err)
+        return None
+    if not isinstance(msg, AdapterManifest):
+        log.error("ignoring an adapter announcement that is a %s", type(msg).__name__)
+        return None
+    return msg
+
+
+class _RedisAdapterSubscription(AdapterSubscription):
+    def __init__(self, queue: RedisQueue) -> None:
+        self._queue = queue
+        self._pubsub = queue._r.pubsub(ignore_subscribe_messages=True)
+        with queue._errors():
+            self._pubsub.subscribe(queue.keys.adapter_channel)
+
+    def get(self, timeout_s: float) -> AdapterManifest | None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            with self._queue._errors():
+                msg = self._pubsub.get_message(timeout=max(remaining, 0.0))
+            if msg is not None and msg.get("type") == "message":
+                manifest = _decode_manifest(msg["data"])
+                if manifest is not None:
+                    return manifest
+            if remaining <= 0:
+                return None
+
+    def close(self) -> None:
+        self._pubsub.close()
