@@ -415,9 +415,13 @@ def _field_path(err: msgspec.MsgspecError) -> str:
     """Rewrite msgspec's "... - at `$.a[0].b`" as "a[0].b: ..." so the field leads."""
     text = str(err)
     m = re.match(r"^(.*) - at `\$\.?(.*)`$", text, re.S)
-    if m:
-        return f"{m.group(2) or 'message'}: {m.group(1)}"
-    return f"message: {text}"
+    path, detail = (m.group(2), m.group(1)) if m else ("", text)
+    if _LEADS_WITH_FIELD.match(detail):  # our own checks already name their field
+        return f"{path}.{detail}" if path else detail
+    return f"{path or 'message'}: {detail}"
+
+
+_LEADS_WITH_FIELD = re.compile(r"^[A-Za-z_][\w\[\]'.]*: ")
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:

@@ -1,9 +1,13 @@
 """Lua scripts that make the queue's multi-command steps atomic on Redis >= 7.0.
 
 Each script does all of its checks before its first write, because Redis does not roll
-back a script that fails half way. Trimming lives here too: on Redis 7.0 `XTRIM` deletes
-entries still pending in a consumer group, so the scripts trim only below the oldest
-entry that is pending or not yet delivered (`safe_trim`).
+back a script that fails half way.
+
+Trimming: on Redis 7.0 `XTRIM`/`MAXLEN` delete entries still pending in a consumer group,
+and trimming by `MINID` below the oldest pending entry lets one stuck lease hold the
+whole stream. So the scripts delete exactly the entries they acknowledge (`XACK` then
+`XDEL`, in one script): a stream holds its pending and undelivered entries and nothing
+else, and no unacknowledged entry is ever deleted.
 """
 
 from __future__ import annotations
@@ -17,25 +21,6 @@ local function field(flat, name)
   return nil
 end
 
-local function id_lt(a, b)
-  local ams, aseq = string.match(a, '^(%d+)-(%d+)$')
-  local bms, bseq = string.match(b, '^(%d+)-(%d+)$')
-  ams, aseq, bms, bseq = tonumber(ams), tonumber(aseq), tonumber(bms), tonumber(bseq)
-  return ams < bms or (ams == bms and aseq < bseq)
-end
-
--- Trim everything below the oldest entry that is pending or not yet delivered to `group`.
-local function safe_trim(key, group)
-  local floor = nil
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', key)) do
-    if field(g, 'name') == group then floor = field(g, 'last-delivered-id') end
-  end
-  if not floor then return 0 end
-  local summary = redis.call('XPENDING', key, group)
-  if tonumber(summary[1]) > 0 and id_lt(summary[2], floor) then floor = summary[2] end
-  return redis.call('XTRIM', key, 'MINID', floor)
-end
-
 local function pending_entry(key, group, id)
   return redis.call('XPENDING', key, group, id, id, 1)[1]
 end
@@ -44,6 +29,7 @@ local function dead_letter(prompts, dead, group, id, payload, deliveries, worker
   redis.call('XADD', dead, '*', 'source', 'prompts', 'lease', id, 'm', payload or '',
              'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now)
   redis.call('XACK', prompts, group, id)
+  redis.call('XDEL', prompts, id)
 end
 """
 
@@ -88,7 +74,6 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
     end
   end
 end
-if dead > 0 then safe_trim(KEYS[1], group) end
 return out
 """
 )
@@ -103,7 +88,6 @@ if not p then return 0 end
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
 dead_letter(KEYS[1], KEYS[2], ARGV[1], ARGV[2], entry and field(entry[2], 'm'), p[4], ARGV[3],
             ARGV[4], ARGV[5])
-safe_trim(KEYS[1], ARGV[1])
 return 1
 """
 )
@@ -120,7 +104,7 @@ redis.call('XADD', KEYS[2], '*', 'source', 'rollouts', 'lease', ARGV[2],
            'm', (entry and field(entry[2], 'm')) or '', 'deliveries', p[4], 'worker', p[2],
            'reason', ARGV[3], 'at', ARGV[4])
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-safe_trim(KEYS[1], ARGV[1])
+redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 )
@@ -169,7 +153,7 @@ local held = 0
 if p then
   if p[2] == worker then held = 1 end
   redis.call('XACK', KEYS[1], group, lease)
-  safe_trim(KEYS[1], group)
+  redis.call('XDEL', KEYS[1], lease)
 end
 return {stored, dups, held}
 """
@@ -193,8 +177,9 @@ ACK_ROLLOUTS = (
     _HELPERS
     + r"""
 -- KEYS: rollouts   ARGV: group, id*
+-- Deletes exactly the entries it acknowledges (see the module docstring).
 local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-safe_trim(KEYS[1], ARGV[1])
+redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
 return n
 """
 )

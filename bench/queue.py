@@ -1,0 +1,173 @@
+"""Rollout-group throughput and latency through the Redis transport, next to raw redis-py.
+
+Starts its own redis-server on a free loopback port (never the machine's 6379), then for
+groups of 8 completions x 512 tokens (about 32 KB encoded) measures, in one process:
+
+- raw:       redis-py XADD of the same bytes, then XREADGROUP + XACK (the floor)
+- transport: RedisQueue.submit (encode + validate + Lua: dedup, append, ack lease),
+             then read_rollouts (decode + validate) + ack_rollouts
+
+Usage: python bench/queue.py [--groups 2000] [--read-batch 16]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named queue.py: run as a script, its folder would shadow the standard
+# library's `queue` module that redis-py imports.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
+import argparse
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import numpy as np
+import redis
+
+from protocol import (
+    Completion,
+    Prompt,
+    PromptBatch,
+    QueueConfig,
+    RedisQueue,
+    RolloutGroup,
+    encode,
+    group_id_for,
+    pack_i32,
+)
+
+
+def make_group(batch_id: str, completions: int = 8, tokens: int = 512) -> RolloutGroup:
+    rng = np.random.default_rng(0)
+    return RolloutGroup(
+        group_id=group_id_for(batch_id, "p0"),
+        batch_id=batch_id,
+        prompt_id="p0",
+        adapter_version=3,
+        actor_id="bench",
+        prompt_token_ids=pack_i32(rng.integers(0, 32000, 64)),
+        completions=[
+            Completion.of(
+                rng.integers(0, 32000, tokens),
+                -rng.random(tokens, dtype=np.float32),
+                finish_reason="length",
+                reward=float(k % 2),
+            )
+            for k in range(completions)
+        ],
+    )
+
+
+def pct(samples: list[float], q: float) -> float:
+    return float(np.percentile(np.array(samples) * 1000, q))
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], int]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    binary = shutil.which("redis-server")
+    if binary is None:
+        sys.exit("redis-server not found")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", tempfile.mkdtemp()],
+        stdout=subprocess.DEVNULL,
+    )
+    client = redis.Redis(port=port)
+    for _ in range(500):
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            time.sleep(0.01)
+    client.close()
+    return proc, port
+
+
+def bench_raw(client: redis.Redis, payload: bytes, n: int, read_batch: int) -> dict[str, float]:
+    stream = "bench:raw"
+    client.delete(stream)
+    client.xgroup_create(stream, "g", id="0", mkstream=True)
+    lat = []
+    t0 = time.perf_counter()
+    for _ in range(n):
+        s = time.perf_counter()
+        client.xadd(stream, {"m": payload})
+        lat.append(time.perf_counter() - s)
+    write_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    got = 0
+    while got < n:
+        resp = client.xreadgroup("g", "c", {stream: ">"}, count=read_batch)
+        ids = [i for _s, entries in resp for i, _f in entries]
+        client.xack(stream, "g", *ids)
+        got += len(ids)
+    read_s = time.perf_counter() - t1
+    return {"write_per_s": n / write_s, "read_per_s": n / read_s, "total_per_s": n / (write_s + read_s),
+            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+
+
+def bench_transport(client: redis.Redis, n: int, read_batch: int) -> dict[str, float]:
+    q = RedisQueue(client, QueueConfig(run=f"bench-{time.time_ns()}"))
+    batches = [PromptBatch(batch_id=f"b{i}", prompts=[Prompt(id="p0", text="x")], num_generations=8,
+                           learner_version=0, issued_at=time.time()) for i in range(n)]
+    for i in range(0, n, 500):
+        q.add_prompts(batches[i : i + 500])
+    leases = []
+    while len(leases) < n:
+        leases += q.claim("bench", 500)
+    groups = {lease.lease_id: make_group(lease.batch.batch_id) for lease in leases}
+    lat = []
+    t0 = time.perf_counter()
+    for lease in leases:
+        s = time.perf_counter()
+        q.submit("bench", lease.lease_id, [groups[lease.lease_id]])
+        lat.append(time.perf_counter() - s)
+    write_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    got = 0
+    while got < n:
+        deliveries = q.read_rollouts("learner", read_batch)
+        q.ack_rollouts([d.delivery_id for d in deliveries])
+        got += len(deliveries)
+    read_s = time.perf_counter() - t1
+    return {"write_per_s": n / write_s, "read_per_s": n / read_s, "total_per_s": n / (write_s + read_s),
+            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=2000)
+    parser.add_argument("--read-batch", type=int, default=16)
+    args = parser.parse_args()
+    payload = encode(make_group("b0"))
+    proc, port = start_redis()
+    try:
+        client = redis.Redis(port=port)
+        raw = bench_raw(client, payload, args.groups, args.read_batch)
+        client.flushall()
+        transport = bench_transport(client, args.groups, args.read_batch)
+    finally:
+        proc.terminate()
+        proc.wait()
+    print(f"groups: {args.groups} x {len(payload) / 1024:.1f} KiB (8 completions x 512 tokens), "
+          f"read batch {args.read_batch}, redis-server on loopback, one client")
+    print(f"{'':12}{'submit/s':>10}{'read+ack/s':>12}{'both/s':>10}{'p50 ms':>9}{'p99 ms':>9}")
+    for name, r in (("raw XADD", raw), ("RedisQueue", transport)):
+        print(f"{name:12}{r['write_per_s']:>10.0f}{r['read_per_s']:>12.0f}{r['total_per_s']:>10.0f}"
+              f"{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}")
+    print(f"ratio RedisQueue/raw: submit {transport['write_per_s'] / raw['write_per_s']:.2f}, "
+          f"read {transport['read_per_s'] / raw['read_per_s']:.2f}, "
+          f"submit+read {transport['total_per_s'] / raw['total_per_s']:.2f}, "
+          f"p50 latency x{transport['p50_ms'] / raw['p50_ms']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Shared fixtures: a private redis-server per test session, and the queue on both
+a real Redis and fakeredis."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis
+
+from protocol import QueueConfig, RedisQueue
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process on loopback, started and stopped by its process id."""
+
+    def __init__(self, workdir: Path, port: int | None = None, persistent: bool = False) -> None:
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.persistent = persistent
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed; .ci/run installs it")
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
+             "--protected-mode", "no", *persistence],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if client.ping():
+                    break
+            except redis.exceptions.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not start") from None
+                time.sleep(0.02)
+        client.close()
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save, like a crash."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[type[RedisServer]]:
+    """Private servers for tests that kill or restart Redis; all stopped afterwards."""
+    started: list[RedisServer] = []
+
+    def make(**kwargs: object) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis-{len(started)}", **kwargs)  # type: ignore[arg-type]
+        started.append(server)
+        return server
+
+    yield make  # type: ignore[misc]
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(params=["redis", "fakeredis"])
+def backend(request: pytest.FixtureRequest) -> Iterator[object]:
+    """A client factory on a real redis-server or an in-process fakeredis server.
+    Each call returns a new client (a new connection) to the same server."""
+    if request.param == "redis":
+        request.applymarker(pytest.mark.redis)
+        server: RedisServer = request.getfixturevalue("redis_server")
+        clients: list[redis.Redis] = []
+
+        def make() -> redis.Redis:
+            clients.append(redis.Redis(port=server.port))
+            return clients[-1]
+    else:
+        fake_server = fakeredis.FakeServer(version=(7, 0))
+        clients = []
+
+        def make() -> redis.Redis:
+            clients.append(fakeredis.FakeRedis(server=fake_server, version=(7, 0)))
+            return clients[-1]
+
+    yield make
+    for c in clients:
+        c.close()
+
+
+@pytest.fixture
+def run_name() -> str:
+    return f"test-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def make_queue(backend, run_name):  # type: ignore[no-untyped-def]
+    """`make_queue(**config)` -> a RedisQueue on the backend, sharing the test's run."""
+
+    def make(**overrides: object) -> RedisQueue:
+        config = QueueConfig(run=run_name, **overrides)  # type: ignore[arg-type]
+        return RedisQueue(backend(), config)
+
+    return make

@@ -1,0 +1,86 @@
+"""Builders of valid messages for tests."""
+
+from __future__ import annotations
+
+import time
+
+from protocol import (
+    AdapterFile,
+    AdapterManifest,
+    ChatTurn,
+    Completion,
+    Prompt,
+    PromptBatch,
+    RolloutGroup,
+    group_id_for,
+    pack_i32,
+)
+
+
+def batch(i: int | str = 0, prompts: int = 2, *, version: int = 0) -> PromptBatch:
+    return PromptBatch(
+        batch_id=f"batch-{i}",
+        prompts=[
+            Prompt(id=f"p{j}", text=f"what is {j} + 1?", columns={"answer": str(j + 1), "level": j})
+            for j in range(prompts)
+        ],
+        num_generations=4,
+        learner_version=version,
+        issued_at=time.time(),
+    )
+
+
+def chat_batch() -> PromptBatch:
+    return PromptBatch(
+        batch_id="chat",
+        prompts=[
+            Prompt(
+                id="c0",
+                messages=[ChatTurn(role="system", content="be brief"), ChatTurn(role="user", content="2+2?")],
+                token_ids=pack_i32([1, 5, 9]),
+            )
+        ],
+        num_generations=2,
+        learner_version=3,
+        issued_at=time.time(),
+    )
+
+
+def completion(n: int = 4, reward: float | None = 1.0, **fields: object) -> Completion:
+    return Completion.of(
+        list(range(10, 10 + n)), [-0.25] * n, finish_reason="stop", text="x" * n, reward=reward, **fields
+    )
+
+
+def group(b: PromptBatch, prompt_index: int = 0, *, actor: str = "actor-1", version: int = 0,
+          completions: int = 4, tokens: int = 4) -> RolloutGroup:
+    prompt = b.prompts[prompt_index]
+    return RolloutGroup(
+        group_id=group_id_for(b.batch_id, prompt.id),
+        batch_id=b.batch_id,
+        prompt_id=prompt.id,
+        adapter_version=version,
+        actor_id=actor,
+        prompt_token_ids=pack_i32([1, 2, 3]),
+        completions=[completion(tokens, reward=float(k % 2), reward_components={"acc": float(k % 2)})
+                     for k in range(completions)],
+        timings={"generate_s": 0.5, "reward_s": 0.01},
+    )
+
+
+def groups(b: PromptBatch, **kwargs: object) -> list[RolloutGroup]:
+    return [group(b, i, **kwargs) for i in range(len(b.prompts))]  # type: ignore[arg-type]
+
+
+def manifest(version: int = 1, step: int = 0) -> AdapterManifest:
+    return AdapterManifest(
+        version=version,
+        step=step,
+        base_model="tiny-llama",
+        rank=8,
+        files=[
+            AdapterFile(name="adapter_model.safetensors", sha256="a" * 64, size=1024),
+            AdapterFile(name="adapter_config.json", sha256="b" * 64, size=300),
+        ],
+        created_at=time.time(),
+    )

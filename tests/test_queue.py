@@ -1,0 +1,355 @@
+"""The queue's guarantees, each tried against a real redis-server and against fakeredis."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from factories import batch, group, groups, manifest
+
+from protocol import (
+    Keys,
+    LeaseMismatch,
+    RedisQueue,
+    VersionConflict,
+    encode,
+)
+
+LEASE_S = 0.3
+
+
+def test_prompts_flow_to_rollouts_and_back(make_queue) -> None:
+    q = make_queue()
+    batches = [batch(i) for i in range(3)]
+    assert q.add_prompts(batches) == 3
+    stats = q.stats()
+    assert (stats.prompts.length, stats.prompts.waiting, stats.prompts.pending) == (3, 3, 0)
+
+    leases = q.claim("w1", count=2)
+    assert [lease.batch for lease in leases] == batches[:2]
+    assert all(lease.deliveries == 1 for lease in leases)
+    assert q.stats().leases_by_worker == {"w1": 2}
+
+    result = q.submit("w1", leases[0].lease_id, groups(leases[0].batch, actor="w1"))
+    assert (result.stored, result.duplicates, result.lease_held) == (2, 0, True)
+
+    got = q.read_rollouts("learner", count=10)
+    assert [d.group for d in got] == groups(batches[0], actor="w1")
+    assert q.stats().rollouts.pending == 2
+    assert q.ack_rollouts([d.delivery_id for d in got]) == 2
+    stats = q.stats()
+    assert stats.rollouts.pending == 0
+    assert stats.prompts.pending == 1 and stats.prompts.waiting == 1
+
+
+def test_add_prompts_is_idempotent_by_batch_id(make_queue) -> None:
+    q = make_queue()
+    assert q.add_prompts([batch(0), batch(1)]) == 2
+    assert q.add_prompts([batch(1), batch(2)]) == 1  # a retry or a re-issue after resume
+    assert [lease.batch.batch_id for lease in q.claim("w", 10)] == ["batch-0", "batch-1", "batch-2"]
+
+
+def test_claim_blocks_until_a_batch_arrives(make_queue) -> None:
+    q, producer = make_queue(), make_queue()
+    assert q.claim("w", 1, block_s=0.1) == []
+    timer = threading.Timer(0.2, lambda: producer.add_prompts([batch(0)]))
+    timer.start()
+    started = time.monotonic()
+    leases = q.claim("w", 1, block_s=5.0)
+    timer.join()
+    assert [lease.batch.batch_id for lease in leases] == ["batch-0"]
+    assert time.monotonic() - started < 4.0
+
+
+def test_dead_worker_batch_is_delivered_again(make_queue) -> None:
+    q = make_queue(lease_timeout_s=LEASE_S)
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("doomed", 1)
+    assert q.claim("survivor", 1) == []  # still leased
+    time.sleep(LEASE_S + 0.1)  # the worker died: no heartbeat, no submit
+    (again,) = q.claim("survivor", 1)
+    assert again.lease_id == lease.lease_id
+    assert again.batch == lease.batch
+    assert again.deliveries == 2
+    assert q.stats().leases_by_worker == {"survivor": 1}
+
+
+def test_heartbeat_keeps_a_lease_and_only_its_owner_can_extend_it(make_queue) -> None:
+    q = make_queue(lease_timeout_s=LEASE_S)
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w1", 1)
+    for _ in range(4):
+        time.sleep(LEASE_S / 2)
+        assert q.heartbeat("w1", [lease.lease_id]) == [lease.lease_id]
+        assert q.heartbeat("w2", [lease.lease_id]) == []  # not the owner: no effect
+    assert q.claim("w2", 1) == []  # heartbeated for twice the timeout, still w1's
+    time.sleep(LEASE_S + 0.1)
+    assert [x.lease_id for x in q.claim("w2", 1)] == [lease.lease_id]
+    assert q.heartbeat("w1", [lease.lease_id]) == []  # w1 learns it lost the lease
+
+
+def test_batch_delivered_too_often_goes_to_dead_letters(make_queue) -> None:
+    q = make_queue(lease_timeout_s=LEASE_S, max_deliveries=2)
+    q.add_prompts([batch("poison"), batch("fine")])
+    first = q.claim("w1", 1)
+    assert [x.deliveries for x in first] == [1]
+    time.sleep(LEASE_S + 0.1)
+    second = q.claim("w2", 1)
+    assert [(x.batch.batch_id, x.deliveries) for x in second] == [("batch-poison", 2)]
+    time.sleep(LEASE_S + 0.1)
+    third = q.claim("w3", 1)  # poison is dead-lettered, the next batch comes instead
+    assert [x.batch.batch_id for x in third] == ["batch-fine"]
+    (dead,) = q.dead_letters()
+    assert dead.reason == "max_deliveries"
+    assert dead.deliveries == 2
+    assert dead.last_worker == "w2"
+    assert dead.lease_id == first[0].lease_id
+    assert dead.batch == first[0].batch
+    stats = q.stats()
+    assert stats.dead_letters == 1
+    assert stats.leases_by_worker == {"w3": 1}
+    assert q.dead_letters(after=dead.entry_id) == []
+
+
+def test_resubmitted_group_is_stored_once(make_queue) -> None:
+    q = make_queue()
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w1", 1)
+    first = q.submit("w1", lease.lease_id, groups(lease.batch))
+    again = q.submit("w1", lease.lease_id, groups(lease.batch))  # e.g. the reply was lost
+    assert (first.stored, first.duplicates) == (2, 0)
+    assert (again.stored, again.duplicates) == (0, 2)
+    assert len(q.read_rollouts("learner", 100)) == 2
+
+
+def test_slow_worker_whose_lease_was_taken_over_stores_nothing_twice(make_queue) -> None:
+    q = make_queue(lease_timeout_s=LEASE_S)
+    q.add_prompts([batch(0)])
+    (slow,) = q.claim("slow", 1)
+    time.sleep(LEASE_S + 0.1)
+    (fast,) = q.claim("fast", 1)
+    done = q.submit("fast", fast.lease_id, groups(fast.batch, actor="fast"))
+    late = q.submit("slow", slow.lease_id, groups(slow.batch, actor="slow"))
+    assert (done.stored, done.lease_held) == (2, True)
+    assert (late.stored, late.duplicates, late.lease_held) == (0, 2, False)
+    rollouts = q.read_rollouts("learner", 100)
+    assert sorted(d.group.prompt_id for d in rollouts) == ["p0", "p1"]
+    assert {d.group.actor_id for d in rollouts} == {"fast"}
+    assert q.stats().prompts.pending == 0
+
+
+def test_slow_worker_finishing_first_completes_the_batch(make_queue) -> None:
+    q = make_queue(lease_timeout_s=LEASE_S)
+    q.add_prompts([batch(0)])
+    (slow,) = q.claim("slow", 1)
+    time.sleep(LEASE_S + 0.1)
+    (fast,) = q.claim("fast", 1)
+    late = q.submit("slow", slow.lease_id, groups(slow.batch, actor="slow"))
+    assert (late.stored, late.lease_held) == (2, False)
+    assert q.heartbeat("fast", [fast.lease_id]) == []  # the batch is done: fast may stop
+    again = q.submit("fast", fast.lease_id, groups(fast.batch, actor="fast"))
+    assert (again.stored, again.duplicates) == (0, 2)
+    assert len(q.read_rollouts("learner", 100)) == 2
+
+
+def test_submit_for_the_wrong_batch_changes_nothing(make_queue) -> None:
+    q = make_queue()
+    q.add_prompts([batch(0), batch(1)])
+    a, b = q.claim("w", 2)
+    with pytest.raises(LeaseMismatch, match="batch-0"):
+        q.submit("w", a.lease_id, groups(b.batch))
+    assert q.read_rollouts("learner", 100) == []
+    assert q.heartbeat("w", [a.lease_id, b.lease_id]) == [a.lease_id, b.lease_id]
+    assert q.submit("w", b.lease_id, groups(b.batch)).stored == 2  # the right ones still go in
+
+
+def test_release_hands_the_batch_on_without_counting_a_failure(make_queue) -> None:
+    q = make_queue(lease_timeout_s=30.0, max_deliveries=1)
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("leaving", 1)
+    assert q.release("someone-else", lease.lease_id) is False
+    assert q.release("leaving", lease.lease_id) is True
+    (taken,) = q.claim("staying", 1)  # at once, not after the 30 s lease
+    assert taken.lease_id == lease.lease_id
+    assert taken.deliveries == 1
+    assert q.dead_letters() == []
+
+
+def test_garbage_in_the_prompt_stream_is_dead_lettered(make_queue, backend) -> None:
+    q = make_queue()
+    raw = backend()
+    raw.xadd(q.keys.prompts, {"b": "junk", "m": b"\x93\x01\x02"})
+    raw.xadd(q.keys.prompts, {"b": "rollout", "m": encode(group(batch(9)))})
+    q.add_prompts([batch(0)])
+    leases = q.claim("w", 5)
+    assert [x.batch.batch_id for x in leases] == ["batch-0"]
+    dead = q.dead_letters()
+    assert [d.reason.split(":")[0] for d in dead] == ["malformed", "malformed"]
+    assert all(d.batch is None for d in dead)
+    assert q.stats().prompts.pending == 1
+
+
+def test_garbage_in_the_rollout_stream_is_moved_aside(make_queue, backend) -> None:
+    q = make_queue()
+    backend().xadd(q.keys.rollouts, {"g": "x", "m": b"not msgpack \xc1"})
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    q.submit("w", lease.lease_id, groups(lease.batch))
+    got = q.read_rollouts("learner", 10)
+    assert len(got) == 2
+    (dead,) = q.dead_letters()
+    assert dead.source == "rollouts" and dead.reason.startswith("malformed")
+
+
+def test_unacknowledged_rollouts_survive_a_learner_crash(make_queue) -> None:
+    q = make_queue()
+    q.add_prompts([batch(i) for i in range(3)])
+    for lease in q.claim("w", 3):
+        q.submit("w", lease.lease_id, groups(lease.batch))
+    first = q.read_rollouts("learner", 4)
+    q.ack_rollouts([d.delivery_id for d in first[:2]])  # checkpointed
+    # the learner dies here; a new process takes over
+    restarted = make_queue()
+    pending = restarted.pending_rollouts("learner", 100)
+    assert [d.delivery_id for d in pending] == [d.delivery_id for d in first[2:]]
+    rest = restarted.read_rollouts("learner", 100)
+    assert len(rest) == 2
+    restarted.ack_rollouts([d.delivery_id for d in pending + rest])
+    assert restarted.pending_rollouts("learner", 100) == []
+
+
+def test_bad_arguments_change_nothing(make_queue) -> None:
+    q = make_queue(max_block_s=2.0)
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    with pytest.raises(ValueError, match="lease_ids"):
+        q.heartbeat("w", ["not-an-id"])
+    with pytest.raises(ValueError, match="worker"):
+        q.claim("two words", 1)
+    with pytest.raises(ValueError, match="block_s"):
+        q.claim("w", 1, block_s=3.0)
+    with pytest.raises(ValueError, match="count"):
+        q.read_rollouts("learner", 0)
+    with pytest.raises(ValueError, match="delivery_ids"):
+        q.ack_rollouts(["1-1", "$"])
+    assert q.heartbeat("w", [lease.lease_id]) == [lease.lease_id]
+
+
+def test_heavy_traffic_with_trimming_never_loses_a_pending_entry(make_queue) -> None:
+    """Workers finish most batches and abandon some; the learner acknowledges most
+    rollouts and leaves some pending. Streams shrink, yet every unacknowledged entry
+    keeps its payload."""
+    n_batches, workers = 300, 4
+    producer = make_queue(lease_timeout_s=60.0)
+    abandoned: dict[str, str] = {}  # lease id -> batch id
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def produce() -> None:
+        for start in range(0, n_batches, 20):
+            producer.add_prompts([batch(i) for i in range(start, start + 20)])
+
+    def work(name: str) -> None:
+        q = make_queue(lease_timeout_s=60.0)
+        try:
+            idle = 0
+            while idle < 20:
+                leases = q.claim(name, 3, block_s=0.05)
+                idle = 0 if leases else idle + 1
+                for lease in leases:
+                    if int(lease.batch.batch_id.split("-")[1]) % 7 == 0:
+                        with lock:
+                            abandoned[lease.lease_id] = lease.batch.batch_id
+                    else:
+                        q.submit(name, lease.lease_id, groups(lease.batch, actor=name))
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=produce)] + [threading.Thread(target=work, args=(f"w{i}",)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    learner = make_queue()
+    kept_pending = []
+    read = 0
+    while any(t.is_alive() for t in threads) or learner.stats().rollouts.waiting:
+        got = learner.read_rollouts("learner", 16, block_s=0.05)
+        read += len(got)
+        kept_pending += got[:1]  # one of each read stays unacknowledged
+        learner.ack_rollouts([d.delivery_id for d in got[1:]])
+    for t in threads:
+        t.join()
+    assert not errors
+
+    expected_abandoned = {f"batch-{i}" for i in range(0, n_batches, 7)}
+    assert set(abandoned.values()) == expected_abandoned
+    assert read == 2 * (n_batches - len(expected_abandoned))
+
+    stats = learner.stats()
+    assert stats.prompts.pending == len(abandoned)
+    assert stats.prompts.length < n_batches // 2  # finished batches were trimmed
+    assert stats.rollouts.pending == len(kept_pending)
+    assert stats.rollouts.length < read // 2
+
+    # every abandoned lease still has its payload and can be taken over
+    rescuer = make_queue(lease_timeout_s=0.05)
+    time.sleep(0.1)
+    rescued = rescuer.claim("rescuer", len(abandoned) + 5)
+    assert {lease.lease_id: lease.batch.batch_id for lease in rescued} == abandoned
+    # every unacknowledged rollout is still readable
+    again = learner.pending_rollouts("learner", 10_000)
+    assert [d.group for d in again] == [d.group for d in kept_pending]
+    assert learner.dead_letters() == []
+
+
+def test_late_subscriber_learns_the_latest_adapter(make_queue) -> None:
+    q = make_queue()
+    assert q.latest_adapter() is None
+    first = q.announce(manifest(1, step=10))
+    second = q.announce(manifest(2, step=20))
+    late = make_queue()  # a worker that joins now
+    assert late.latest_adapter() == q.latest_adapter()
+    assert late.latest_adapter().version == 2
+    events = late.adapter_events()
+    assert [(e.event_id, e.manifest.version) for e in events] == [(first, 1), (second, 2)]
+    assert late.adapter_events(after=second) == []
+    assert [e.manifest.version for e in late.adapter_events(after=first)] == [2]
+    assert late.stats().latest_adapter_version == 2
+
+
+def test_adapter_events_and_pubsub_wake_followers(make_queue) -> None:
+    q, follower = make_queue(), make_queue()
+    with follower.subscribe_adapters() as sub:
+        assert sub.get(0.05) is None
+        timer = threading.Timer(0.2, lambda: q.announce(manifest(1)))
+        timer.start()
+        events = follower.adapter_events(after="0", block_s=5.0)
+        timer.join()
+        assert [e.manifest.version for e in events] == [1]
+        pushed = sub.get(5.0)
+        assert pushed is not None and pushed.version == 1
+
+
+def test_latest_version_only_moves_forward(make_queue) -> None:
+    q = make_queue()
+    event = q.announce(manifest(5))
+    current = q.latest_adapter()
+    assert current.version == 5
+    assert q.announce(current) == event  # a retried announcement is a no-op
+    with pytest.raises(VersionConflict, match="not above"):
+        q.announce(manifest(5, step=99))  # same number, different adapter
+    with pytest.raises(VersionConflict):
+        q.announce(manifest(3))
+    assert q.latest_adapter() == current
+    assert [e.manifest.version for e in q.adapter_events()] == [5]
+
+
+def test_runs_do_not_see_each_other(backend) -> None:
+    from protocol import QueueConfig
+
+    a = RedisQueue(backend(), QueueConfig(run="run-a"))
+    b = RedisQueue(backend(), QueueConfig(run="run-b"))
+    a.add_prompts([batch(0)])
+    assert b.claim("w", 1) == []
+    assert Keys("run-a").prompts != Keys("run-b").prompts
+    assert "{run-a}" in Keys("run-a").prompts  # one cluster slot per run
