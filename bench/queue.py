@@ -64,8 +64,10 @@ def make_group(batch_id: str, completions: int = 8, tokens: int = 512) -> Rollou
     )
 
 
-def pct(samples: list[float], q: float) -> float:
-    return float(np.percentile(np.array(samples) * 1000, q))
+def figures(n: int, write_s: float, read_s: float, latencies_s: list[float]) -> dict[str, float]:
+    lat_ms = np.array(latencies_s) * 1000
+    return {"write_per_s": n / write_s, "read_per_s": n / read_s, "total_per_s": n / (write_s + read_s),
+            "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
 
 
 def start_redis() -> tuple[subprocess.Popen[bytes], int]:
@@ -110,8 +112,7 @@ def bench_raw(client: redis.Redis, payload: bytes, n: int, read_batch: int) -> d
         client.xack(stream, "g", *ids)
         got += len(ids)
     read_s = time.perf_counter() - t1
-    return {"write_per_s": n / write_s, "read_per_s": n / read_s, "total_per_s": n / (write_s + read_s),
-            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+    return figures(n, write_s, read_s, lat)
 
 
 def bench_transport(client: redis.Redis, n: int, read_batch: int) -> dict[str, float]:
@@ -138,8 +139,7 @@ def bench_transport(client: redis.Redis, n: int, read_batch: int) -> dict[str, f
         q.ack_rollouts([d.delivery_id for d in deliveries])
         got += len(deliveries)
     read_s = time.perf_counter() - t1
-    return {"write_per_s": n / write_s, "read_per_s": n / read_s, "total_per_s": n / (write_s + read_s),
-            "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99)}
+    return figures(n, write_s, read_s, lat)
 
 
 def main() -> None:

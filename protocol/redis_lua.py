@@ -25,11 +25,12 @@ local function pending_entry(key, group, id)
   return redis.call('XPENDING', key, group, id, id, 1)[1]
 end
 
-local function dead_letter(prompts, dead, group, id, payload, deliveries, worker, reason, now)
-  redis.call('XADD', dead, '*', 'source', 'prompts', 'lease', id, 'm', payload or '',
+-- Moves entry `id` of `stream` (named `source` in the record) to the dead letters.
+local function dead_letter(stream, source, dead, group, id, payload, deliveries, worker, reason, now)
+  redis.call('XADD', dead, '*', 'source', source, 'lease', id, 'm', payload or '',
              'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now)
-  redis.call('XACK', prompts, group, id)
-  redis.call('XDEL', prompts, id)
+  redis.call('XACK', stream, group, id)
+  redis.call('XDEL', stream, id)
 end
 """
 
@@ -59,7 +60,7 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
   local id, owner, n = p[1], p[2], tonumber(p[4])
   if n >= max_deliveries then
     local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
-    dead_letter(KEYS[1], KEYS[2], group, id, entry and field(entry[2], 'm'), n, owner,
+    dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, entry and field(entry[2], 'm'), n, owner,
                 'max_deliveries', now)
     dead = dead + 1
   else
@@ -69,7 +70,7 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
       table.insert(out, {id, n + 1, payload})
     else
       -- the payload was deleted behind our back (not by us): account for it, never drop it
-      dead_letter(KEYS[1], KEYS[2], group, id, '', n, owner, 'missing', now)
+      dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, '', n, owner, 'missing', now)
       dead = dead + 1
     end
   end
@@ -81,30 +82,13 @@ return out
 DEAD_LETTER = (
     _HELPERS
     + r"""
--- KEYS: prompts, dead   ARGV: group, id, worker, reason, now
--- Moves one pending batch (one that cannot be read, say) to the dead letters.
+-- KEYS: stream, dead   ARGV: group, id, source, reason, now
+-- Moves one pending entry that cannot be read out of the way, keeping its bytes.
 local p = pending_entry(KEYS[1], ARGV[1], ARGV[2])
 if not p then return 0 end
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
-dead_letter(KEYS[1], KEYS[2], ARGV[1], ARGV[2], entry and field(entry[2], 'm'), p[4], ARGV[3],
-            ARGV[4], ARGV[5])
-return 1
-"""
-)
-
-DEAD_LETTER_ROLLOUT = (
-    _HELPERS
-    + r"""
--- KEYS: rollouts, dead   ARGV: group, id, reason, now
--- Moves one unreadable rollout entry out of the learner's way, keeping its bytes.
-local p = pending_entry(KEYS[1], ARGV[1], ARGV[2])
-if not p then return 0 end
-local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
-redis.call('XADD', KEYS[2], '*', 'source', 'rollouts', 'lease', ARGV[2],
-           'm', (entry and field(entry[2], 'm')) or '', 'deliveries', p[4], 'worker', p[2],
-           'reason', ARGV[3], 'at', ARGV[4])
-redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
-redis.call('XDEL', KEYS[1], ARGV[2])
+dead_letter(KEYS[1], ARGV[3], KEYS[2], ARGV[1], ARGV[2], entry and field(entry[2], 'm'), p[4],
+            p[2], ARGV[4], ARGV[5])
 return 1
 """
 )
@@ -173,16 +157,13 @@ return 1
 """
 )
 
-ACK_ROLLOUTS = (
-    _HELPERS
-    + r"""
+ACK_ROLLOUTS = r"""
 -- KEYS: rollouts   ARGV: group, id*
 -- Deletes exactly the entries it acknowledges (see the module docstring).
 local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
 redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
 return n
 """
-)
 
 ANNOUNCE = r"""
 -- KEYS: adapter_latest, adapter_events   ARGV: version, payload, channel, maxlen

@@ -27,7 +27,15 @@ from protocol.errors import (
     VersionConflict,
 )
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, Keys
-from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, decode, encode
+from protocol.messages import (
+    DEFAULT_LIMITS,
+    AdapterManifest,
+    Limits,
+    PromptBatch,
+    RolloutGroup,
+    decode,
+    encode,
+)
 from protocol.queue import (
     AdapterEvent,
     AdapterSubscription,
@@ -44,6 +52,7 @@ from protocol.queue import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest)
 _STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 _WORKER = re.compile(r"^[^\x00-\x20]{1,256}$")
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
@@ -86,7 +95,6 @@ class RedisQueue(Queue):
                 "ADD_PROMPTS",
                 "CLAIM_EXPIRED",
                 "DEAD_LETTER",
-                "DEAD_LETTER_ROLLOUT",
                 "HEARTBEAT",
                 "SUBMIT",
                 "RELEASE",
@@ -208,17 +216,13 @@ class RedisQueue(Queue):
         leases = []
         for lease_id, deliveries, payload in rows:
             try:
-                batch = decode(payload or b"", self.config.limits)
-                if not isinstance(batch, PromptBatch):
-                    raise ProtocolError(
-                        f"message: expected prompt_batch, got {type(batch).__name__}"
-                    )
+                batch = _decode_as(payload, PromptBatch, self.config.limits)
             except ProtocolError as err:
                 log.error("prompt entry %s is unreadable, dead-lettering it: %s", lease_id, err)
                 self._script(
                     "DEAD_LETTER",
                     [self.keys.prompts, self.keys.dead_letters],
-                    [ACTORS_GROUP, lease_id, worker, f"malformed: {err}", time.time()],
+                    [ACTORS_GROUP, lease_id, "prompts", f"malformed: {err}", time.time()],
                 )
                 continue
             leases.append(Lease(lease_id=lease_id, batch=batch, deliveries=deliveries))
@@ -272,19 +276,13 @@ class RedisQueue(Queue):
             entry_id = _s(raw_id)
             payload = _fields(flat).get("m")
             try:
-                group = decode(payload or b"", self.config.limits) if payload is not None else None
-                if group is None:
-                    raise ProtocolError("message: entry payload is missing")
-                if not isinstance(group, RolloutGroup):
-                    raise ProtocolError(
-                        f"message: expected rollout_group, got {type(group).__name__}"
-                    )
+                group = _decode_as(payload, RolloutGroup, self.config.limits)
             except ProtocolError as err:
                 log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, err)
                 self._script(
-                    "DEAD_LETTER_ROLLOUT",
+                    "DEAD_LETTER",
                     [self.keys.rollouts, self.keys.dead_letters],
-                    [LEARNER_GROUP, entry_id, f"malformed: {err}", time.time()],
+                    [LEARNER_GROUP, entry_id, "rollouts", f"malformed: {err}", time.time()],
                 )
                 continue
             handed.add(entry_id)
@@ -354,8 +352,7 @@ class RedisQueue(Queue):
             batch = None
             if f.get("source") == b"prompts" and f.get("m"):
                 with contextlib.suppress(ProtocolError):  # unreadable ones are why some are here
-                    msg = decode(f["m"], self.config.limits)
-                    batch = msg if isinstance(msg, PromptBatch) else None
+                    batch = _decode_as(f["m"], PromptBatch, self.config.limits)
             out.append(
                 DeadLetter(
                     entry_id=_s(raw_id),
@@ -445,16 +442,22 @@ class RedisQueue(Queue):
         self._r.close()
 
 
+def _decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
+    """Decode a stored payload that must be a `cls`; `ProtocolError` otherwise."""
+    if payload is None:
+        raise ProtocolError("message: entry payload is missing")
+    msg = decode(payload, limits)
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
+    return msg
+
+
 def _decode_manifest(payload: bytes | None) -> AdapterManifest | None:
     try:
-        msg = decode(payload or b"")
+        return _decode_as(payload, AdapterManifest)
     except ProtocolError as err:
         log.error("ignoring an unreadable adapter announcement: %s", err)
         return None
-    if not isinstance(msg, AdapterManifest):
-        log.error("ignoring an adapter announcement that is a %s", type(msg).__name__)
-        return None
-    return msg
 
 
 class _RedisAdapterSubscription(AdapterSubscription):

@@ -123,12 +123,18 @@ def test_resubmitted_group_is_stored_once(make_queue) -> None:
     assert len(q.read_rollouts("learner", 100)) == 2
 
 
-def test_slow_worker_whose_lease_was_taken_over_stores_nothing_twice(make_queue) -> None:
+def _lease_taken_over(make_queue):  # type: ignore[no-untyped-def]
+    """A batch claimed by "slow", expired, and claimed again by "fast"."""
     q = make_queue(lease_timeout_s=LEASE_S)
     q.add_prompts([batch(0)])
     (slow,) = q.claim("slow", 1)
     time.sleep(LEASE_S + 0.1)
     (fast,) = q.claim("fast", 1)
+    return q, slow, fast
+
+
+def test_slow_worker_whose_lease_was_taken_over_stores_nothing_twice(make_queue) -> None:
+    q, slow, fast = _lease_taken_over(make_queue)
     done = q.submit("fast", fast.lease_id, groups(fast.batch, actor="fast"))
     late = q.submit("slow", slow.lease_id, groups(slow.batch, actor="slow"))
     assert (done.stored, done.lease_held) == (2, True)
@@ -140,11 +146,7 @@ def test_slow_worker_whose_lease_was_taken_over_stores_nothing_twice(make_queue)
 
 
 def test_slow_worker_finishing_first_completes_the_batch(make_queue) -> None:
-    q = make_queue(lease_timeout_s=LEASE_S)
-    q.add_prompts([batch(0)])
-    (slow,) = q.claim("slow", 1)
-    time.sleep(LEASE_S + 0.1)
-    (fast,) = q.claim("fast", 1)
+    q, slow, fast = _lease_taken_over(make_queue)
     late = q.submit("slow", slow.lease_id, groups(slow.batch, actor="slow"))
     assert (late.stored, late.lease_held) == (2, False)
     assert q.heartbeat("fast", [fast.lease_id]) == []  # the batch is done: fast may stop
