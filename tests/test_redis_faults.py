@@ -12,10 +12,11 @@ from protocol.keys import LEARNER_GROUP
 pytestmark = pytest.mark.redis
 
 
-def test_queue_survives_a_redis_crash_with_persistence(make_server) -> None:
+def test_queue_survives_a_redis_crash_with_persistence(make_server, request: pytest.FixtureRequest) -> None:
     server = make_server(persistent=True)
     server.start()
     q = RedisQueue.from_url(server.url, QueueConfig(run="crash", lease_timeout_s=30.0))
+    request.addfinalizer(q.close)
     q.add_prompts([batch(i) for i in range(3)])
     (lease,) = q.claim("w", 1)
     q.announce(manifest(1))
@@ -34,10 +35,11 @@ def test_queue_survives_a_redis_crash_with_persistence(make_server) -> None:
     assert len(q.read_rollouts("learner", 10)) == 2
 
 
-def test_lost_read_reply_is_recovered(make_server) -> None:
+def test_lost_read_reply_is_recovered(make_server, request: pytest.FixtureRequest) -> None:
     server = make_server(persistent=True)
     server.start()
     q = RedisQueue.from_url(server.url, QueueConfig(run="lost"))
+    request.addfinalizer(q.close)
     q.add_prompts([batch(0)])
     (lease,) = q.claim("w", 1)
     q.submit("w", lease.lease_id, groups(lease.batch))
@@ -54,10 +56,11 @@ def test_lost_read_reply_is_recovered(make_server) -> None:
     assert q.read_rollouts("learner", 10) == []  # handed out once, not again
 
 
-def test_queue_recreates_its_groups_after_redis_restarts_empty(make_server) -> None:
+def test_queue_recreates_its_groups_after_redis_restarts_empty(make_server, request: pytest.FixtureRequest) -> None:
     server = make_server(persistent=False)
     server.start()
     q = RedisQueue.from_url(server.url, QueueConfig(run="amnesia"))
+    request.addfinalizer(q.close)
     q.add_prompts([batch(0)])
     server.kill()
     server.start()  # nothing persisted: streams and groups are gone
