@@ -1,16 +1,116 @@
-"""The `learner` command."""
+"""The `learner` command.
+
+`learner run --queue redis://… --store … --model … --dataset … --reward mod:fn`
+trains; every field of `LearnerConfig` is a flag (`--lora-rank 8`), and `--config
+FILE.toml` supplies defaults that flags override.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
 import sys
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from learner.config import ConfigError, LearnerConfig, load_config
+
+log = logging.getLogger("learner")
+
+
+def _flag_type(annotation: Any) -> dict[str, Any]:
+    """argparse settings for one config field's type."""
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _flag_type(args[0])
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
+    if origin is Literal:
+        return {"choices": list(typing.get_args(annotation))}
+    if origin is list:
+        return {"nargs": "+"}
+    if annotation in (int, float, Path):
+        return {"type": annotation}
+    return {"type": str}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    for name, field in LearnerConfig.model_fields.items():
+        kwargs = _flag_type(field.annotation)
+        if name == "reward":  # repeatable, one function per flag, as users write it
+            kwargs = {"action": "append"}
+        default = field.default
+        shown = f" (default: {default})" if default not in (None, "", []) else ""
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
+            help=(field.description or "") + shown, **kwargs,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="learner", description=__doc__)
+    parser = argparse.ArgumentParser(prog="learner", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("run", help="Train a LoRA adapter with asynchronous GRPO (the embedded default when given no arguments).", description="Train a LoRA adapter with asynchronous GRPO (the embedded default when given no arguments).")
+    run = sub.add_parser(
+        "run",
+        help="Train a LoRA adapter with asynchronous GRPO (the embedded default when given no arguments).",
+        description="Train a LoRA adapter with asynchronous GRPO. Every flag can also be set in --config.",
+    )
+    run.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
+    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_config_flags(run)
     return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
+    if not overrides and args.config is None:
+        print(
+            "learner run: the embedded default (no arguments) is not in this version yet; "
+            "give --queue, --store, --model and --dataset",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        cfg = load_config(args.config, overrides)
+        if cfg.token is None and os.environ.get("SPOTGRPO_TOKEN"):
+            cfg.token = os.environ["SPOTGRPO_TOKEN"]
+        cfg.require_distributed()
+    except ConfigError as err:
+        print(f"learner run: {err}", file=sys.stderr)
+        return 2
+
+    from learner.loop import Learner, LearnerError
+    from protocol import QueueConfig, open_queue, open_store
+
+    try:
+        queue = open_queue(cfg.queue, QueueConfig(run=cfg.run), token=cfg.token)
+        store = open_store(cfg.store)
+        learner = Learner(cfg, queue, store)
+    except (ValueError, OSError, LearnerError) as err:
+        print(f"learner run: {err}", file=sys.stderr)
+        return 2
+
+    def stop(signum: int, _frame: object) -> None:
+        log.warning("%s: stopping after a checkpoint (again to abort)", signal.Signals(signum).name)
+        learner.stop_requested.set()
+        signal.signal(signum, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        state = learner.run()
+    except LearnerError as err:
+        print(f"learner run: {err}", file=sys.stderr)
+        return 2
+    finally:
+        queue.close()
+    log.info("done: step %d, adapter v%d, totals %s", state.step, state.policy_version, state.totals)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    # The spine ships the command's shape; its body arrives with its own issue.
-    print(f"learner {args.command}: not implemented yet in this version of spotgrpo", file=sys.stderr)
-    return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "botocore", "urllib3", "transformers", "datasets"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return run(args)
 
 
 if __name__ == "__main__":

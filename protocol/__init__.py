@@ -1,7 +1,8 @@
 """The wire protocol and the queue: the only package the learner, actors and proxy share.
 
 Public API: the messages, `encode`/`decode` (MessagePack), `ProtocolError`, the
-`Queue` interface and its Redis transport.
+`Queue` interface and its Redis transport, `open_queue(url)`, and the object store
+(`open_store(url)`).
 """
 
 from protocol.errors import (
@@ -48,6 +49,8 @@ from protocol.queue import (
     SubmitResult,
 )
 from protocol.redis_queue import RedisQueue
+from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
+from protocol.urls import open_queue
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -60,6 +63,7 @@ __all__ = [
     "Completion",
     "DeadLetter",
     "Delivery",
+    "FileStore",
     "Keys",
     "Lease",
     "LeaseMismatch",
@@ -75,7 +79,11 @@ __all__ = [
     "QueueUnavailable",
     "RedisQueue",
     "RolloutGroup",
+    "S3Store",
     "SamplingParams",
+    "Store",
+    "StoreError",
+    "StoreMissing",
     "StreamStats",
     "SubmitResult",
     "VersionConflict",
@@ -83,6 +91,8 @@ __all__ = [
     "encode",
     "from_json",
     "group_id_for",
+    "open_queue",
+    "open_store",
     "pack_f32",
     "pack_i32",
     "to_json",

@@ -139,3 +139,57 @@ def make_queue(backend, run_name):  # type: ignore[no-untyped-def]
         return RedisQueue(backend(), config)
 
     return make
+
+
+# ------------------------------------------------------------------ learner fixtures
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama and its character tokenizer, saved like a hub model (`--model <path>`)."""
+    from learner.tiny import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("tiny-model"))
+
+
+class MotoServer:
+    """moto's S3 API over HTTP on loopback, in a thread of the test process."""
+
+    def __init__(self) -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.port = free_port()
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        """The standard AWS variables a user would set for a MinIO-like endpoint."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[MotoServer]:
+    server = MotoServer()
+    server.server.start()
+    yield server
+    server.server.stop()
+
+
+@pytest.fixture
+def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A fresh bucket; the AWS variables point boto3 at the moto server for this test."""
+    import boto3
+
+    for key, value in moto_server.env().items():
+        monkeypatch.setenv(key, value)
+    name = f"adapters-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(Bucket=name)
+    return name

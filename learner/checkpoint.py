@@ -1,0 +1,154 @@
+"""Checkpoints: everything needed to continue a run exactly, in the object store.
+
+    checkpoints/step-<S>/adapter_model.safetensors   the adapter
+    checkpoints/step-<S>/trainer_state.pt             optimizer, scheduler, torch RNG
+    checkpoints/step-<S>/state.json                   cursor, versions, counters, ledger
+    checkpoints/latest.json                           pointer, written last
+
+`trainer_state.pt` is the one non-safetensors file: optimizer state the learner wrote
+itself, read back with `torch.load(weights_only=True)` (no pickle code runs).
+
+The ledger (`unacked`) holds the rollout groups consumed since they were last
+acknowledged: their ids and delivery ids. Groups are acknowledged in the queue only
+after the checkpoint holding them is written, so after a crash the queue's pending
+list holds exactly the groups that are either in the checkpoint (skip, acknowledge)
+or not (train them again: the model state that trained them was lost).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from learner.policy import read_adapter_weights
+from protocol.store import (
+    ADAPTER_WEIGHTS,
+    CHECKPOINT_POINTER,
+    Store,
+    StoreMissing,
+    checkpoint_key,
+    retrying,
+)
+
+STATE = "state.json"
+TRAINER_STATE = "trainer_state.pt"
+
+
+@dataclass
+class LearnerState:
+    step: int = 0
+    policy_version: int = 0
+    """The newest adapter version the learner has produced (0: the base model)."""
+    cursor: int = 0
+    """Prompts issued so far: the data set position of the next prompt."""
+    batches_issued: int = 0
+    consumed_prompts: int = 0
+    """Prompts whose group was read (trained or dropped) or whose batch was dead-lettered."""
+    dead_letter_after: str = "0"
+    totals: dict[str, int] = field(default_factory=dict)
+    """Run-long counters: trained groups, drops and rejections by reason."""
+    unacked: dict[str, str] = field(default_factory=dict)
+    """group id -> delivery id of groups consumed and not yet acknowledged."""
+    rng: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def inflight(self) -> int:
+        return self.cursor - self.consumed_prompts
+
+    def count(self, key: str, n: int = 1) -> None:
+        self.totals[key] = self.totals.get(key, 0) + n
+
+
+def _python_rng() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+    }
+
+
+def _restore_python_rng(rng: dict[str, Any]) -> None:
+    if "python" in rng:
+        version, state, gauss = rng["python"]
+        random.setstate((version, tuple(state), gauss))
+    if "numpy" in rng:
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_checkpoint(
+    store: Store,
+    state: LearnerState,
+    adapter: dict[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    keep: int,
+) -> str:
+    """Write checkpoint `state.step`, then the pointer; prune older ones. Returns its key."""
+    from safetensors.torch import save
+
+    step = state.step
+    state.rng = _python_rng()
+    buf = io.BytesIO()
+    torch.save(
+        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
+        buf,
+    )
+    files = {
+        ADAPTER_WEIGHTS: save(adapter, metadata={"format": "pt"}),
+        TRAINER_STATE: buf.getvalue(),
+        STATE: json.dumps(asdict(state), indent=1, sort_keys=True).encode(),
+    }
+    for name, data in files.items():
+        key = checkpoint_key(step, name)
+        retrying(lambda key=key, data=data: store.put(key, data), what=f"write {key}")
+    pointer = json.dumps({"step": step, "prefix": f"checkpoints/step-{step}/"}).encode()
+    retrying(lambda: store.put(CHECKPOINT_POINTER, pointer), what="write checkpoint pointer")
+    _prune(store, step, keep)
+    return f"checkpoints/step-{step}/"
+
+
+def _prune(store: Store, newest: int, keep: int) -> None:
+    steps = sorted(
+        {int(k.split("/")[1].removeprefix("step-")) for k in store.list("checkpoints/") if k.count("/") == 2}
+    )
+    stale = [s for s in steps if s != newest][: max(0, len(steps) - keep)]
+    for s in stale:
+        store.delete(store.list(f"checkpoints/step-{s}/"))
+
+
+@dataclass
+class Checkpoint:
+    state: LearnerState
+    adapter: dict[str, torch.Tensor]
+    trainer: dict[str, Any]
+
+
+def latest_step(store: Store) -> int | None:
+    try:
+        return int(json.loads(store.get(CHECKPOINT_POINTER))["step"])
+    except StoreMissing:
+        return None
+
+
+def load_checkpoint(store: Store) -> Checkpoint | None:
+    step = latest_step(store)
+    if step is None:
+        return None
+    raw = json.loads(retrying(lambda: store.get(checkpoint_key(step, STATE)), what="read checkpoint state"))
+    state = LearnerState(**raw)
+    adapter = read_adapter_weights(retrying(lambda: store.get(checkpoint_key(step, ADAPTER_WEIGHTS)), what="read checkpoint adapter"))
+    trainer_bytes = retrying(lambda: store.get(checkpoint_key(step, TRAINER_STATE)), what="read trainer state")
+    trainer = torch.load(io.BytesIO(trainer_bytes), weights_only=True)
+    return Checkpoint(state, adapter, trainer)
+
+
+def restore_rng(ckpt: Checkpoint) -> None:
+    torch.set_rng_state(ckpt.trainer["torch_rng"])
+    _restore_python_rng(ckpt.state.rng)

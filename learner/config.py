@@ -1,0 +1,147 @@
+"""The learner's configuration: declared once, typed, bounded, one line of doc per field.
+
+Parsed once at the entry point, from a TOML file (`--config`) and then command-line
+flags, which override the file. The flags are generated from this class, so a field
+added here is a flag at once.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message says which field and how to fix it."""
+
+
+class LearnerConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+    # -- where things are
+    run: str = Field("default", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+                     description="Run name: namespaces the queue keys, batch ids and the run directory.")
+    queue: str = Field("", description="Queue URL: redis://host:port/db (or https://proxy:port with --token).")
+    token: str | None = Field(None, description="Bearer token for an https:// queue (or SPOTGRPO_TOKEN).")
+    store: str = Field("", description="Object store for adapters and checkpoints: s3://bucket/prefix or file:///dir.")
+    run_dir: Path | None = Field(None, description="Local directory for metrics.jsonl and logs (default runs/<run>).")
+    resume: bool = Field(False, description="Continue the run from the latest checkpoint in the store.")
+
+    # -- model and adapter
+    model: str = Field("", description="Hugging Face model id or local path of the base model.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute dtype.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
+    lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
+    lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / r).")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
+    target_modules: list[str] = Field(["all-linear"], min_length=1,
+                                      description="Modules that get LoRA: names, or all-linear.")
+    max_seq_len: int | None = Field(None, ge=8, description="Longest prompt+completion trained on (default: the model's context).")
+
+    # -- data
+    dataset: str = Field("", description="Hugging Face dataset id, or a local .jsonl/.json/.parquet file.")
+    dataset_split: str = Field("train", description="Split of a hub dataset.")
+    prompt_column: str = Field("prompt", description="Column holding the prompt: a string or a list of chat messages.")
+    reward: list[str] = Field([], description="Reward functions module:function[=weight]; run by the actors (recorded here, passed to embedded actors).")
+
+    # -- sampling (sent with every prompt batch)
+    num_generations: int = Field(8, ge=2, le=1024, description="Completions per prompt (the GRPO group size).")
+    prompts_per_batch: int = Field(4, ge=1, le=4096, description="Prompts per PromptBatch message (one actor lease).")
+    temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the learner scores tokens at the same temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    max_tokens: int = Field(256, ge=1, description="Longest completion.")
+
+    # -- the loop
+    steps: int = Field(200, ge=1, description="Optimizer steps to run (in total, across resumes).")
+    groups_per_step: int = Field(16, ge=1, description="Rollout groups (prompts) per optimizer step.")
+    max_inflight: int = Field(64, ge=1, description="Most prompts issued and not yet consumed.")
+    max_staleness: int = Field(4, ge=0, description="Drop groups generated more than this many adapter versions ago.")
+    sync_every: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
+    checkpoint_every: int = Field(10, ge=1, description="Checkpoint (and acknowledge consumed rollouts) every this many steps.")
+    keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store.")
+    keep_adapters: int = Field(0, ge=0, description="Adapter versions kept in the store (0: keep all).")
+    seed: int = Field(0, description="Seeds data order and torch.")
+    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (gradient accumulation).")
+    updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per collected batch (minibatches); >1 uses the decoupled PPO objective.")
+
+    # -- optimizer
+    learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    adam_beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    adam_beta2: float = Field(0.99, ge=0, lt=1, description="AdamW beta2.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+
+    # -- the loss
+    advantage_scale: Literal["group", "batch", "none"] = Field("group", description="Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO).")
+    correction: Literal["tis", "mis", "none"] = Field("tis", description="Off-policy correction: truncated or masked importance sampling.")
+    tis_cap: float = Field(2.0, ge=1, description="Truncation cap C of TIS weights.")
+    mis_level: Literal["token", "sequence"] = Field("token", description="Masked IS: mask tokens, or whole sequences by their geometric-mean ratio.")
+    mis_low: float = Field(0.5, ge=0, le=1, description="Masked IS: lower bound of kept ratios.")
+    mis_high: float = Field(2.0, ge=1, description="Masked IS: upper bound of kept ratios.")
+    epsilon_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1 (proximal ratio).")
+    epsilon_high: float = Field(0.28, ge=0, description="PPO clip above 1 (DAPO's clip-higher).")
+    loss_agg: Literal["token_mean", "seq_mean", "constant"] = Field("token_mean", description="Token mean over the batch (DAPO), per-sequence mean (GRPO), or constant normaliser (Dr. GRPO).")
+    beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the base model (adapter disabled).")
+
+    # -- reporting
+    tensorboard: bool = Field(True, description="Write TensorBoard event files when tensorboard is installed.")
+    log_every: int = Field(1, ge=1, description="Console line every this many steps.")
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> LearnerConfig:
+        if self.groups_per_step > self.max_inflight:
+            raise ValueError(
+                f"groups_per_step ({self.groups_per_step}) exceeds max_inflight "
+                f"({self.max_inflight}): raise max_inflight or the learner can never fill a step"
+            )
+        if self.prompts_per_batch > self.max_inflight:
+            raise ValueError(
+                f"prompts_per_batch ({self.prompts_per_batch}) exceeds max_inflight "
+                f"({self.max_inflight}): no batch could ever be issued"
+            )
+        if self.groups_per_step % self.updates_per_batch:
+            raise ValueError(
+                f"groups_per_step ({self.groups_per_step}) must divide into "
+                f"updates_per_batch ({self.updates_per_batch}) minibatches"
+            )
+        if self.top_k and self.top_k < 2:
+            raise ValueError("top_k: 1 is greedy decoding, which GRPO cannot learn from; use 0 or >= 2")
+        return self
+
+    def require_distributed(self) -> None:
+        """The fields a run against a real queue cannot do without."""
+        missing = [name for name in ("queue", "store", "model", "dataset") if not getattr(self, name)]
+        if missing:
+            raise ConfigError(
+                "missing " + ", ".join(f"--{m.replace('_', '-')}" for m in missing)
+                + " (or run `learner run` with no arguments for the embedded default)"
+            )
+
+    @property
+    def resolved_run_dir(self) -> Path:
+        return self.run_dir if self.run_dir is not None else Path("runs") / self.run
+
+
+def load_config(toml_path: Path | None, overrides: dict[str, object]) -> LearnerConfig:
+    """The TOML file's values, then `overrides` (flags the user gave) on top."""
+    values: dict[str, object] = {}
+    if toml_path is not None:
+        try:
+            values = tomllib.loads(toml_path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as err:
+            raise ConfigError(f"--config {toml_path}: {err}") from err
+        values = values.get("learner", values)  # a [learner] table or top-level keys
+    values.update(overrides)
+    try:
+        return LearnerConfig(**values)
+    except ValidationError as err:
+        lines = [
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors()
+        ]
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -1,0 +1,327 @@
+"""The learner loop: feed prompts, collect scored rollout groups, step, publish,
+checkpoint. `Learner.run` is the whole algorithm on one screen; the rest of this
+module is its plumbing (what to drop and why, resume, acknowledgement).
+
+Exactly-once training: a rollout group is acknowledged in the queue only after the
+checkpoint that holds its effect is written (see `learner.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+
+from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
+from learner.config import LearnerConfig
+from learner.data import PromptSource, load_rows
+from learner.metrics import MetricsLog, clean, console_line
+from learner.policy import Policy
+from learner.publish import Publisher, PublishJob
+from learner.train import build_step_batch, train_on
+from protocol import (
+    Delivery,
+    PromptBatch,
+    Queue,
+    QueueUnavailable,
+    RolloutGroup,
+    SamplingParams,
+)
+from protocol.store import Store
+
+log = logging.getLogger(__name__)
+
+CONSUMER = "learner-0"
+"""The learner's consumer name in the rollouts group: one learner per run, and a
+restarted learner must find its predecessor's pending list under the same name."""
+
+
+class LearnerError(RuntimeError):
+    """The learner cannot start or continue as configured."""
+
+
+class Learner:
+    def __init__(self, cfg: LearnerConfig, queue: Queue, store: Store) -> None:
+        self.cfg = cfg
+        self.queue = queue
+        self.store = store
+        torch.manual_seed(cfg.seed)
+        self.policy = Policy(cfg)
+        self.source = PromptSource(
+            load_rows(cfg.dataset, cfg.dataset_split), self.policy.tokenizer, cfg.prompt_column,
+            cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.policy.trainable_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+        )
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(
+            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps * cfg.updates_per_batch,
+            num_training_steps=cfg.steps * cfg.updates_per_batch,
+        )
+        self.publisher = Publisher(
+            store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.keep_adapters
+        )
+        self.state = LearnerState()
+        self.stop_requested = threading.Event()
+        self._replay: list[Delivery] = []
+        self._collected: list[RolloutGroup] = []
+        self._dropped: list[tuple[str, str]] = []
+        self._checkpointed_step = -1
+        self.metrics: MetricsLog | None = None
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> LearnerState:
+        cfg = self.cfg
+        self.metrics = MetricsLog(cfg.resolved_run_dir, tensorboard=cfg.tensorboard, resume_step=self.start())
+        try:
+            while self.state.step < cfg.steps and not self.stop_requested.is_set():
+                waited = time.monotonic()
+                groups = self.collect(cfg.groups_per_step)  # feeds prompts while it waits
+                if groups is None:
+                    break  # asked to stop; the partial collection stays pending in the queue
+                wait_s, started = time.monotonic() - waited, time.monotonic()
+                batch = build_step_batch(groups, cfg, self.policy.pad_id)
+                stats = train_on(self.policy, self.optimizer, self.scheduler, batch, cfg)
+                trained_with = self.state.policy_version
+                self.state.step += 1
+                self.state.count("trained_groups", len(groups))
+                step_s = time.monotonic() - started
+                publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
+                self.report(groups, batch.rewards_N, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
+                if self.state.step % cfg.checkpoint_every == 0:
+                    self.checkpoint()
+            if self.state.step != self._checkpointed_step:
+                self.checkpoint()
+        finally:
+            self.publisher.close()
+            self.metrics.close()
+        return self.state
+
+    # ------------------------------------------------------------- start/resume
+    def start(self) -> int | None:
+        """Restore the latest checkpoint when resuming; returns its step (None: fresh)."""
+        ckpt = load_checkpoint(self.store)
+        latest = self._retry(self.queue.latest_adapter)
+        resumed_at = None
+        if ckpt is not None and not self.cfg.resume:
+            raise LearnerError(
+                f"{self.store.url} already holds a checkpoint of this run at step {ckpt.state.step}: "
+                "pass --resume to continue it, or use another --store/--run"
+            )
+        if ckpt is not None:
+            self.state = ckpt.state
+            self.policy.load_adapter_state(ckpt.adapter)
+            self.optimizer.load_state_dict(ckpt.trainer["optimizer"])
+            self.scheduler.load_state_dict(ckpt.trainer["scheduler"])
+            restore_rng(ckpt)
+            resumed_at = self._checkpointed_step = self.state.step
+            log.info("resumed at step %d (cursor %d, version %d)", self.state.step, self.state.cursor, self.state.policy_version)
+        elif self.cfg.resume:
+            log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
+        # a version number names one adapter forever: continue above any ever announced
+        self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0)
+        self._replay_pending()
+        if ckpt is not None:
+            self.publish()  # actors switch to the restored policy under a new number
+        return resumed_at
+
+    def _replay_pending(self) -> None:
+        """Groups read before a restart and not acknowledged: those the checkpoint holds
+        are acknowledged now; the rest are consumed again, first."""
+        pending: list[Delivery] = []
+        after = "0"
+        while batch := self._retry(lambda after=after: self.queue.pending_rollouts(CONSUMER, 256, after)):
+            pending.extend(batch)
+            after = batch[-1].delivery_id
+        done = [d.delivery_id for d in pending if d.group.group_id in self.state.unacked]
+        self._replay = [d for d in pending if d.group.group_id not in self.state.unacked]
+        if done:
+            self._retry(lambda: self.queue.ack_rollouts(done))
+            acked = set(done)
+            self.state.unacked = {g: i for g, i in self.state.unacked.items() if i not in acked}
+        if pending:
+            log.info("pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay))
+
+    # ----------------------------------------------------------------- feeding
+    def feed(self) -> None:
+        """Issue prompt batches until `max_inflight` prompts are outstanding."""
+        cfg, state = self.cfg, self.state
+        sampling = SamplingParams(
+            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens, seed=None
+        )
+        batches = []
+        cursor, issued = state.cursor, state.batches_issued
+        while cursor - state.consumed_prompts + cfg.prompts_per_batch <= cfg.max_inflight:
+            batches.append(
+                PromptBatch(
+                    batch_id=f"{cfg.run}-b{issued}",
+                    prompts=[self.source.prompt(cursor + i) for i in range(cfg.prompts_per_batch)],
+                    num_generations=cfg.num_generations,
+                    sampling=sampling,
+                    learner_version=state.policy_version,
+                    issued_at=time.time(),
+                )
+            )
+            cursor, issued = cursor + cfg.prompts_per_batch, issued + 1
+        if batches:
+            self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
+            state.cursor, state.batches_issued = cursor, issued
+
+    def poll_dead_letters(self) -> None:
+        """A dead-lettered batch's prompts will never come back: free their slots."""
+        for dl in self.queue.dead_letters(after=self.state.dead_letter_after, count=100):
+            self.state.dead_letter_after = dl.entry_id
+            lost = 1 if dl.source == "rollouts" else (len(dl.batch.prompts) if dl.batch else self.cfg.prompts_per_batch)
+            self.state.consumed_prompts += lost
+            self.state.count(f"dead_lettered_{dl.source}")
+            log.warning("dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source, dl.reason, lost)
+
+    # --------------------------------------------------------------- collecting
+    def collect(self, n: int) -> list[RolloutGroup] | None:
+        """Block until `n` groups pass the filters; None if a stop was requested."""
+        backoff = 0.5
+        while len(self._collected) < n:
+            if self.stop_requested.is_set():
+                self._abandon_collection()
+                return None
+            try:
+                self.poll_dead_letters()
+                self.feed()
+                if self._replay:
+                    deliveries, self._replay = self._replay[: n - len(self._collected)], self._replay[n - len(self._collected) :]
+                else:
+                    deliveries = self.queue.read_rollouts(CONSUMER, n - len(self._collected), block_s=1.0)
+                backoff = 0.5
+            except QueueUnavailable as err:
+                log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
+                self.stop_requested.wait(backoff)
+                backoff = min(backoff * 2, 10.0)
+                continue
+            for d in deliveries:
+                self.state.unacked[d.group.group_id] = d.delivery_id
+                self.state.consumed_prompts += 1
+                reason = self.judge(d.group)
+                if reason is None:
+                    self._collected.append(d.group)
+                else:
+                    self._dropped.append((d.group.group_id, reason))
+                    self.state.count(reason)
+        groups, self._collected = self._collected, []
+        return groups
+
+    def _abandon_collection(self) -> None:
+        """Groups collected for a step that will not run are not consumed: forget them,
+        so the checkpoint does not claim them and they stay pending for the next run."""
+        for g in self._collected:
+            del self.state.unacked[g.group_id]
+            self.state.consumed_prompts -= 1
+        self._collected = []
+
+    def judge(self, group: RolloutGroup) -> str | None:
+        """Why a group is not trained on (a counter name), or None to train on it."""
+        prompt = group.prompt_tokens
+        lengths = [c.tokens.size for c in group.completions]
+        all_ids = [prompt, *(c.tokens for c in group.completions)]
+        rewards = group.rewards
+        if group.error is not None or any(r is None for r in rewards):
+            reason = "rejected_reward_error"
+        elif any(not math.isfinite(r) for r in rewards):  # type: ignore[arg-type]
+            reason = "rejected_bad_reward"
+        elif prompt.size == 0:
+            reason = "rejected_empty_prompt"
+        elif any(ids.size and (ids.min() < 0 or ids.max() >= self.policy.vocab_size) for ids in all_ids):
+            reason = "rejected_bad_vocab"
+        elif prompt.size + max(lengths) > self.policy.context:
+            reason = "rejected_too_long"
+        elif group.adapter_version > self.state.policy_version:
+            reason = "rejected_future_version"
+        elif self.state.policy_version - group.adapter_version > self.cfg.max_staleness:
+            return "dropped_stale"
+        elif len(set(rewards)) == 1:
+            return "dropped_flat"
+        else:
+            return None
+        log.warning("rejected group %s from %s: %s", group.group_id, group.actor_id, reason.removeprefix("rejected_"))
+        return reason
+
+    # ------------------------------------------------------- publish/checkpoint
+    def publish(self) -> float:
+        """Hand the adapter to the publisher as the next version; returns the seconds
+        the training thread was blocked (snapshot + hand-over)."""
+        started = time.monotonic()
+        self.state.policy_version += 1
+        self.publisher.submit(
+            PublishJob(
+                version=self.state.policy_version, step=self.state.step,
+                state=self.policy.adapter_state(), config_json=self.policy.adapter_config_json(),
+            )
+        )
+        return time.monotonic() - started
+
+    def checkpoint(self) -> None:
+        save_checkpoint(
+            self.store, self.state, self.policy.adapter_state(), self.optimizer, self.scheduler,
+            keep=self.cfg.keep_checkpoints,
+        )
+        self._checkpointed_step = self.state.step
+        acked = list(self.state.unacked.values())
+        try:
+            self.queue.ack_rollouts(acked)
+        except QueueUnavailable as err:  # they stay in the ledger; the next checkpoint retries
+            log.warning("could not acknowledge %d groups yet: %s", len(acked), err)
+            return
+        self.state.unacked = {}
+        log.info("checkpoint at step %d", self.state.step)
+
+    def _retry(self, fn: Any, attempts: int = 30) -> Any:
+        backoff = 0.5
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except QueueUnavailable as err:
+                if attempt == attempts - 1:
+                    raise
+                log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
+                time.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    # ----------------------------------------------------------------- metrics
+    def report(
+        self, groups: list[RolloutGroup], rewards_N: torch.Tensor, stats: dict[str, float],
+        trained_with: int, *, wait_s: float, step_s: float, publish_s: float,
+    ) -> None:
+        staleness = [trained_with - g.adapter_version for g in groups]
+        dropped = self._dropped
+        row = clean({
+            "step": self.state.step,
+            "adapter_version": self.state.policy_version,
+            "reward_mean": float(rewards_N.mean()),
+            "reward_std": float(rewards_N.std()) if rewards_N.numel() > 1 else 0.0,
+            "groups": len(groups),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "dropped_stale": sum(1 for _, r in dropped if r == "dropped_stale"),
+            "dropped_flat": sum(1 for _, r in dropped if r == "dropped_flat"),
+            "rejected": sum(1 for _, r in dropped if r.startswith("rejected_")),
+            **stats,
+            "wait_s": wait_s,
+            "step_s": step_s,
+            "publish_s": publish_s,
+            "inflight": self.state.inflight,
+            "epoch": self.source.epochs(self.state.cursor),
+            "publish_failures": self.publisher.failures,
+            "time": time.time(),
+        })
+        assert self.metrics is not None
+        self.metrics.write(row, [g.group_id for g in groups], dropped)
+        self._dropped = []
+        if self.state.step % self.cfg.log_every == 0:
+            log.info(console_line(row, self.cfg.steps))

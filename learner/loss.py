@@ -1,0 +1,185 @@
+"""The GRPO objective as pure functions over tensors.
+
+Shapes: `_N` one value per completion, `_BT` per token of a (micro-)batch of B
+completions padded to T, with `mask_BT` marking real completion tokens.
+
+What each option follows, and where we depart:
+
+* Advantages (`advantages`): GRPO (Shao et al. 2024, DeepSeekMath) centres each
+  completion's reward on its group's mean and divides by the group's std; `batch`
+  divides by the std of the whole batch instead (as TRL's `scale_rewards="batch"`,
+  after Liu et al. 2025's remark that per-group std favours easy and hard
+  prompts); `none` is Dr. GRPO (Liu et al. 2025, "Understanding R1-Zero-like
+  training"), centring only. The std is the unbiased one plus 1e-4, as in TRL.
+* Off-policy correction (`importance_weights`): rollouts come from an adapter a few
+  versions old, sampled by another engine. The behaviour/proximal ratio w = π_prox/μ
+  is either truncated at C (TIS: Yao et al. 2025, "Your efficient RL framework
+  secretly brings you off-policy RL training"; the weight is a constant in the
+  gradient, as there) or used untruncated where it lies in [low, high] and masked
+  elsewhere (MIS, token level as in IcePop; sequence level by the geometric mean of
+  the token ratios, as GSPO measures sequence ratios). `none` trusts the rollouts.
+* Policy loss (`policy_loss`): the decoupled PPO objective (Hilton et al. 2022,
+  "Batch size-invariance for policy optimization", as used by AReaL): the clipped
+  ratio is taken against the proximal policy π_prox, the policy at the start of the
+  learner step, and the behaviour correction multiplies it from outside the min.
+  With one optimizer step per batch π_prox = π_θ (detached), the ratio is 1 and its
+  gradient is ∇log π_θ: the objective reduces to w·A·∇log π_θ. Clipping is
+  asymmetric (DAPO's clip-higher, Yu et al. 2025).
+* Aggregation (`aggregate`): `token_mean` sums over every token of the step and
+  divides by their count (DAPO); `seq_mean` averages each sequence over its tokens,
+  then over sequences (the original GRPO); `constant` divides the token sum by
+  sequences * max_tokens (Dr. GRPO), so no length bias enters through the
+  normaliser. Normalisers are for the whole step, so gradient accumulation over
+  micro-batches gives the same gradient as one big batch.
+* KL (`kl_k3`): the k3 estimator (Schulman 2020) to the reference policy, which is
+  the base model (adapter disabled), weighted by β and added per token, as GRPO does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AdvantageScale = Literal["group", "batch", "none"]
+Correction = Literal["tis", "mis", "none"]
+Aggregation = Literal["token_mean", "seq_mean", "constant"]
+
+_STD_EPS = 1e-4
+_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: keeps a wild ratio finite without changing sane ones
+
+
+def advantages(rewards_N: Tensor, group_sizes: list[int], scale: AdvantageScale) -> Tensor:
+    """Group-relative advantages for completions laid out group after group."""
+    if sum(group_sizes) != rewards_N.numel():
+        raise ValueError(f"group sizes sum to {sum(group_sizes)}, got {rewards_N.numel()} rewards")
+    if any(n < 1 for n in group_sizes):
+        raise ValueError("every group needs at least one completion")
+    groups = torch.split(rewards_N.to(torch.float64), group_sizes)
+    centred = torch.cat([g - g.mean() for g in groups])
+    if scale == "group":
+        std_N = torch.cat(
+            [torch.full_like(g, g.std().item() if g.numel() > 1 else 0.0) for g in groups]
+        )
+        out = centred / (std_N + _STD_EPS)
+    elif scale == "batch":
+        std = rewards_N.to(torch.float64).std() if rewards_N.numel() > 1 else torch.tensor(0.0)
+        out = centred / (std + _STD_EPS)
+    elif scale == "none":
+        out = centred
+    else:
+        raise ValueError(f"advantage scale {scale!r}: use group, batch or none")
+    return out.to(rewards_N.dtype if rewards_N.is_floating_point() else torch.float32)
+
+
+@dataclass(frozen=True)
+class ISWeights:
+    weights_BT: Tensor
+    """Multiplies each token's loss; a constant (no gradient)."""
+    keep_BT: Tensor
+    """Tokens that take part in the loss (the mask, less those MIS masked out)."""
+    ratio_BT: Tensor
+    """The raw ratio π_prox/μ, for metrics."""
+    corrected_BT: Tensor
+    """Tokens whose weight was truncated (TIS) or masked out (MIS)."""
+
+
+def importance_weights(
+    logp_prox_BT: Tensor,
+    logp_behav_BT: Tensor,
+    mask_BT: Tensor,
+    correction: Correction,
+    *,
+    tis_cap: float = 2.0,
+    mis_level: Literal["token", "sequence"] = "token",
+    mis_low: float = 0.5,
+    mis_high: float = 2.0,
+) -> ISWeights:
+    """Behaviour correction weights w = π_prox/μ per token (see the module docstring)."""
+    mask = mask_BT.bool()
+    log_ratio = (logp_prox_BT.detach() - logp_behav_BT).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    log_ratio = torch.where(mask, log_ratio, torch.zeros_like(log_ratio))
+    ratio = log_ratio.exp()
+    if correction == "none":
+        return ISWeights(torch.ones_like(ratio), mask, ratio, torch.zeros_like(mask))
+    if correction == "tis":
+        truncated = mask & (ratio > tis_cap)
+        return ISWeights(ratio.clamp(max=tis_cap), mask, ratio, truncated)
+    if correction == "mis":
+        if mis_level == "token":
+            inside = (ratio >= mis_low) & (ratio <= mis_high)
+            weights = ratio
+        elif mis_level == "sequence":
+            n = mask.sum(-1).clamp(min=1)
+            seq_ratio_B = ((log_ratio * mask).sum(-1) / n).exp()
+            inside = ((seq_ratio_B >= mis_low) & (seq_ratio_B <= mis_high)).unsqueeze(-1).expand_as(mask)
+            weights = seq_ratio_B.unsqueeze(-1).expand_as(ratio)
+        else:
+            raise ValueError(f"mis level {mis_level!r}: use token or sequence")
+        keep = mask & inside
+        return ISWeights(torch.where(keep, weights, torch.zeros_like(weights)), keep, ratio, mask & ~inside)
+    raise ValueError(f"correction {correction!r}: use tis, mis or none")
+
+
+def policy_loss(
+    logp_BT: Tensor,
+    logp_prox_BT: Tensor,
+    advantages_B: Tensor,
+    weights_BT: Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+) -> tuple[Tensor, Tensor]:
+    """Per-token decoupled-PPO loss and where clipping bit; `logp_prox_BT` is detached."""
+    ratio = (logp_BT - logp_prox_BT.detach()).exp()
+    adv = advantages_B.unsqueeze(-1)
+    unclipped = ratio * adv
+    clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv
+    loss_BT = -torch.minimum(unclipped, clipped) * weights_BT.detach()
+    clip_BT = clipped < unclipped
+    return loss_BT, clip_BT
+
+
+def kl_k3(logp_BT: Tensor, logp_ref_BT: Tensor) -> Tensor:
+    """k3 estimate of KL(π_θ || π_ref) per token, for tokens sampled from (about) π_θ."""
+    delta = logp_ref_BT.detach() - logp_BT
+    return delta.exp() - delta - 1
+
+
+def aggregate(
+    loss_BT: Tensor,
+    mask_BT: Tensor,
+    mode: Aggregation,
+    *,
+    num_seqs: int,
+    num_tokens: int,
+    max_tokens: int,
+) -> Tensor:
+    """This micro-batch's share of the step's loss; `num_seqs` and `num_tokens` count the
+    whole step, so shares summed over micro-batches give the full-batch value."""
+    masked = loss_BT * mask_BT
+    if mode == "token_mean":
+        return masked.sum() / max(num_tokens, 1)
+    if mode == "seq_mean":
+        per_seq = masked.sum(-1) / mask_BT.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(num_seqs, 1)
+    if mode == "constant":
+        return masked.sum() / (max(num_seqs, 1) * max_tokens)
+    raise ValueError(f"aggregation {mode!r}: use token_mean, seq_mean or constant")
+
+
+def token_logps(logits_BTV: Tensor, targets_BT: Tensor, temperature: float) -> Tensor:
+    """log softmax(logits / temperature) at the target tokens, without materialising
+    the full log-softmax."""
+    scaled = logits_BTV.float() / temperature
+    picked = scaled.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(scaled, dim=-1)
+
+
+def entropy(logits_BTV: Tensor, temperature: float) -> Tensor:
+    """Entropy of the sampling distribution per position (no gradient)."""
+    with torch.no_grad():
+        logp = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)
+        return -(logp.exp() * logp).sum(-1)

@@ -1,0 +1,100 @@
+"""Where the learner's figures go: `metrics.jsonl` (one object per step), a console
+line, and TensorBoard event files when `tensorboard` is installed.
+
+Also `consumed.jsonl`: per step, the ids of the rollout groups trained on and of those
+dropped (with the reason), the audit trail of exactly-once training. On resume both
+files are cut back to the checkpoint's step, because the steps after it are redone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+METRICS = "metrics.jsonl"
+CONSUMED = "consumed.jsonl"
+
+STEP_KEYS = (
+    "step", "adapter_version", "reward_mean", "reward_std", "groups", "tokens",
+    "staleness_mean", "staleness_max", "dropped_stale", "dropped_flat", "rejected",
+    "is_weight_mean", "is_weight_max", "is_truncated_frac", "ess", "kl_behaviour_k3",
+    "clip_frac", "entropy", "loss", "grad_norm", "wait_s", "step_s", "publish_s",
+)  # fmt: skip
+
+
+def truncate_after(path: Path, step: int) -> None:
+    """Keep only the lines of a per-step JSONL file whose step is <= `step`."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except json.JSONDecodeError:  # a line cut short by a crash
+            continue
+    path.write_text("".join(f"{line}\n" for line in kept))
+
+
+class MetricsLog:
+    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int | None) -> None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = run_dir / METRICS
+        self.consumed_path = run_dir / CONSUMED
+        if resume_step is None:
+            for path in (self.metrics_path, self.consumed_path):
+                path.unlink(missing_ok=True)
+        else:
+            truncate_after(self.metrics_path, resume_step)
+            truncate_after(self.consumed_path, resume_step)
+        self._metrics = self.metrics_path.open("a")
+        self._consumed = self.consumed_path.open("a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                log.info("tensorboard is not installed: no event files (pip install tensorboard)")
+            else:
+                self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+
+    def write(self, row: dict[str, Any], trained: list[str], dropped: list[tuple[str, str]]) -> None:
+        self._metrics.write(json.dumps(row, allow_nan=False, default=_finite) + "\n")
+        self._metrics.flush()
+        self._consumed.write(json.dumps({"step": row["step"], "trained": trained, "dropped": dropped}) + "\n")
+        self._consumed.flush()
+        if self._tb is not None:
+            for key, value in row.items():
+                if key != "step" and isinstance(value, int | float):
+                    self._tb.add_scalar(f"learner/{key}", value, row["step"])
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._consumed.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _finite(value: Any) -> Any:
+    raise TypeError(f"not JSON serialisable: {value!r}")
+
+
+def clean(row: dict[str, Any]) -> dict[str, Any]:
+    """NaN/inf would make invalid JSON; they become null."""
+    return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+
+
+def console_line(row: dict[str, Any], total_steps: int) -> str:
+    return (
+        f"step {row['step']:>5}/{total_steps}  v{row['adapter_version']:<4} "
+        f"reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
+        f"stale {row['staleness_mean']:.2f}/{row['staleness_max']}  "
+        f"is_w {row['is_weight_mean']:.3f}  loss {row['loss']:+.4f}  gnorm {row['grad_norm']:.3f}  "
+        f"groups {row['groups']} drop {row['dropped_stale']}s/{row['dropped_flat']}f/{row['rejected']}r  "
+        f"wait {row['wait_s']:.2f}s step {row['step_s']:.2f}s pub {row['publish_s']*1000:.0f}ms"
+    )

@@ -1,0 +1,162 @@
+"""Adapter publishing off the training thread.
+
+The training thread hands over a snapshot of the adapter (a copy of its tensors) and
+goes on training; one background thread serialises it, uploads the files, writes the
+manifest last, and only then announces the version through the queue. A version
+whose upload or announcement cannot complete after retries is never announced: the
+announced version does not advance, the failure is counted, and training goes on
+(the next version gets a new number; numbers are never reused).
+
+Shutdown order: `close()` enqueues a sentinel, the worker finishes the upload in
+hand, then exits; an unexpected error in the worker (a bug, not a store or queue
+outage) is re-raised on the training thread at the next `submit`/`check`/`close`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue as stdqueue
+import threading
+import time
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from learner.policy import adapter_files
+from protocol import AdapterManifest, Queue, QueueError, to_json
+from protocol.store import (
+    MANIFEST,
+    Store,
+    StoreError,
+    adapter_key,
+    file_entry,
+    retrying,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PublishJob:
+    version: int
+    step: int
+    state: dict[str, Tensor]
+    config_json: bytes
+
+
+class Publisher:
+    def __init__(
+        self,
+        store: Store,
+        queue: Queue,
+        *,
+        base_model: str,
+        rank: int,
+        keep_adapters: int = 0,
+        attempts: int = 5,
+        backoff_s: float = 0.5,
+    ) -> None:
+        self.store = store
+        self.queue = queue
+        self.base_model = base_model
+        self.rank = rank
+        self.keep_adapters = keep_adapters
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+        self.failures = 0
+        self.published: list[int] = []
+        self.upload_s: list[float] = []
+        self._jobs: stdqueue.Queue[PublishJob | None] = stdqueue.Queue(maxsize=1)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="adapter-publisher", daemon=True)
+        self._thread.start()
+
+    @property
+    def last_published(self) -> int:
+        return self.published[-1] if self.published else 0
+
+    def submit(self, job: PublishJob) -> None:
+        """Queue one version; blocks only while the previous upload is still waiting."""
+        self.check()
+        while True:
+            try:
+                self._jobs.put(job, timeout=1.0)
+                return
+            except stdqueue.Full:
+                self.check()
+
+    def flush(self) -> None:
+        """Wait until every queued version is published (or has failed)."""
+        self._jobs.join()
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("the adapter publisher died") from self._error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._jobs.put(None)
+            self._thread.join()
+        self.check()
+
+    # ----------------------------------------------------------------- worker
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                started = time.monotonic()
+                self._publish(job)
+                self.upload_s.append(time.monotonic() - started)
+                self.published.append(job.version)
+            except (StoreError, QueueError) as err:
+                self.failures += 1
+                log.error("adapter v%d not published (it will not be announced): %s", job.version, err)  # type: ignore[union-attr]
+            except BaseException as err:  # a bug: take the training loop down with it
+                self._error = err
+                return
+            finally:
+                self._jobs.task_done()
+
+    def _retry(self, what: str, fn) -> object:
+        def once() -> object:
+            try:
+                return fn()
+            except QueueError as err:  # QueueUnavailable and friends: retry like a store error
+                raise StoreError(str(err)) from err
+
+        return retrying(
+            once, what=what, attempts=self.attempts, base_s=self.backoff_s,
+            on_retry=lambda n, err: log.warning("%s failed (attempt %d), retrying: %s", what, n, err),
+        )
+
+    def _publish(self, job: PublishJob) -> None:
+        files = adapter_files(job.state, job.config_json)
+        for name, data in files.items():
+            key = adapter_key(job.version, name)
+            self._retry(f"upload {key}", lambda key=key, data=data: self.store.put(key, data))
+        manifest = AdapterManifest(
+            version=job.version,
+            step=job.step,
+            base_model=self.base_model,
+            rank=self.rank,
+            files=[file_entry(name, data) for name, data in files.items()],
+            created_at=time.time(),
+        )
+        key = adapter_key(job.version, MANIFEST)
+        self._retry(f"upload {key}", lambda: self.store.put(key, to_json(manifest)))
+        self._retry(f"announce v{job.version}", lambda: self.queue.announce(manifest))
+        log.info("adapter v%d published (step %d)", job.version, job.step)
+        self._prune(job.version)
+
+    def _prune(self, newest: int) -> None:
+        if not self.keep_adapters:
+            return
+        old = newest - self.keep_adapters
+        if old >= 1:
+            try:
+                self.store.delete([k for k in self.store.list(f"adapters/v{old}/")])
+            except StoreError as err:  # a leftover old version costs only space
+                log.warning("could not prune adapter v%d: %s", old, err)

@@ -1,0 +1,100 @@
+"""Small causal LMs built from a config, with a character tokenizer made locally.
+
+Nothing here downloads anything: tests, benchmarks and the embedded default build a
+model, save it with `save_pretrained`, and load it back through the same
+`--model <path>` code a real run uses.
+
+A randomly initialised model learns slowly under LoRA, because LoRA leaves the
+`lm_head` and the final norm alone and the reachable range of logits stays small.
+The head is therefore untied and initialised with scaled orthonormal rows, which
+gives LoRA a usable logit range (see FACTS.md, "Training on CPU").
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+CHARS = string.digits + string.ascii_lowercase + " .,:;!?+-=*/()<>[]|'\"\n"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def build_tokenizer():  # -> PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARS])}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def build_model(
+    vocab_size: int,
+    *,
+    arch: Literal["llama", "qwen2"] = "llama",
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int | None = None,
+    max_positions: int = 256,
+    head_gain: float = 0.75,
+    seed: int = 0,
+):  # -> PreTrainedModel
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    config_cls = LlamaConfig if arch == "llama" else Qwen2Config
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads or num_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        torch.nn.init.orthogonal_(model.lm_head.weight, gain=head_gain)
+    return model
+
+
+def save_tiny(path: str | Path, **model_kwargs: object) -> Path:
+    """Build a tokenizer and a model and save both to `path` (a `--model` directory)."""
+    path = Path(path)
+    tokenizer = build_tokenizer()
+    model = build_model(len(tokenizer), **model_kwargs)  # type: ignore[arg-type]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+QWEN25_05B_SHAPE = {
+    "arch": "qwen2",
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_layers": 24,
+    "num_heads": 14,
+    "num_kv_heads": 2,
+    "max_positions": 2048,
+}
+"""Qwen2.5-0.5B's layer shapes (the vocabulary stays the tiny tokenizer's)."""

@@ -1,0 +1,299 @@
+"""The object store: where adapters and checkpoints live, behind one small interface.
+
+Two backends: `file:///path` (one machine) and `s3://bucket/prefix` (boto3, with the
+endpoint and credentials from the standard AWS variables, `AWS_ENDPOINT_URL` for
+MinIO, R2 and the like). Keys are relative to the URL's prefix and use `/`.
+
+The layout (DESIGN.md, "Object store layout") is spelled out once here:
+
+    adapters/v<N>/{adapter_model.safetensors, adapter_config.json, manifest.json}
+    checkpoints/step-<S>/...      checkpoints/latest.json
+
+Writers put a version's files first and its manifest (or a checkpoint's pointer)
+last, so a reader that finds the manifest finds complete files. Only safetensors and
+JSON are read back from a store.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlparse
+
+from protocol.errors import ProtocolError
+from protocol.messages import AdapterFile, AdapterManifest, from_json
+
+T = TypeVar("T")
+
+MANIFEST = "manifest.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+CHECKPOINT_POINTER = "checkpoints/latest.json"
+
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
+
+
+class StoreError(OSError):
+    """The store could not complete an operation (after retries, where retrying applies)."""
+
+
+class StoreMissing(StoreError, FileNotFoundError):
+    """The key does not exist."""
+
+
+def adapter_key(version: int, name: str) -> str:
+    """Key of one file of adapter `version`."""
+    if version < 1:
+        raise ValueError(f"adapter version must be >= 1, got {version}")
+    return check_key(f"adapters/v{version}/{name}")
+
+
+def checkpoint_key(step: int, name: str) -> str:
+    return check_key(f"checkpoints/step-{step}/{name}")
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could leave the store's prefix (`..`, absolute, hidden parts)."""
+    if not _KEY.match(key) or ".." in key.split("/"):
+        raise ValueError(f"store key {key!r} is not a plain relative path")
+    return key
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_entry(name: str, data: bytes) -> AdapterFile:
+    return AdapterFile(name=name, sha256=sha256_hex(data), size=len(data))
+
+
+def verify(entry: AdapterFile, data: bytes) -> None:
+    """Raise ProtocolError unless `data` is the file the manifest describes."""
+    if len(data) != entry.size:
+        raise ProtocolError(f"{entry.name}: {len(data)} bytes, manifest says {entry.size}")
+    digest = sha256_hex(data)
+    if digest != entry.sha256:
+        raise ProtocolError(f"{entry.name}: sha256 {digest} does not match the manifest")
+
+
+class Store(abc.ABC):
+    """A flat key -> bytes store with atomic whole-object writes."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """Raises StoreMissing when the key does not exist."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Keys under `prefix` (a folder key ending in `/`), sorted."""
+
+    @abc.abstractmethod
+    def delete(self, keys: list[str]) -> None: ...
+
+    def presign(self, key: str, expires_s: int) -> str | None:
+        """A URL that fetches `key` without credentials, or None if the backend has none."""
+        return None
+
+    # -- adapter helpers, shared by the learner (writer) and the proxy (reader)
+    def read_manifest(self, version: int) -> AdapterManifest:
+        manifest = from_json(self.get(adapter_key(version, MANIFEST)))
+        if not isinstance(manifest, AdapterManifest):
+            raise ProtocolError(f"v{version}/{MANIFEST}: not an adapter manifest")
+        if manifest.version != version:
+            raise ProtocolError(f"manifest of v{version} says version {manifest.version}")
+        return manifest
+
+
+class FileStore(Store):
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).resolve()
+        self.url = self.root.as_uri()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            # write-then-rename: a reader sees the old object or the new one, never half
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot write {key}: {err}") from err
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise StoreMissing(f"{self.url}: no object {key}") from None
+        except OSError as err:
+            raise StoreError(f"{self.url}: cannot read {key}: {err}") from err
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        base = self.root / prefix.rstrip("/") if prefix else self.root
+        if not base.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.root).as_posix()
+            for p in base.rglob("*")
+            if p.is_file() and not p.name.startswith(".tmp-")
+        )
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            self._path(key).unlink(missing_ok=True)
+
+    def local_path(self, key: str) -> Path:
+        """Where `key` lies on disk (the proxy streams file:// adapters itself)."""
+        return self._path(key)
+
+
+class S3Store(Store):
+    def __init__(self, bucket: str, prefix: str = "", client: object | None = None) -> None:
+        if client is None:
+            import boto3  # only s3:// users need boto3 on the import path
+            from botocore.config import Config
+
+            client = boto3.client(
+                "s3", config=Config(retries={"max_attempts": 3, "mode": "standard"})
+            )
+        self.client = client
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return fn()
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise StoreMissing(f"{self.url}: no object for {what}") from None
+            raise StoreError(f"{self.url}: {what} failed: {code} {err}") from err
+        except BotoCoreError as err:
+            raise StoreError(f"{self.url}: {what} failed: {err}") from err
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(
+            f"put {key}",
+            lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data),
+        )
+
+    def get(self, key: str) -> bytes:
+        response = self._call(
+            f"get {key}", lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))
+        )
+        return self._call(f"get {key}", lambda: response["Body"].read())
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(
+                f"head {key}",
+                lambda: self.client.head_object(Bucket=self.bucket, Key=self._key(key)),
+            )
+        except StoreMissing:
+            return False
+        return True
+
+    def list(self, prefix: str) -> list[str]:
+        full = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        keys: list[str] = []
+
+        def page_through() -> None:
+            paginator = self.client.get_paginator("list_objects_v2")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
+                keys.extend(obj["Key"][strip:] for obj in page.get("Contents", []))
+
+        self._call(f"list {prefix}", page_through)
+        return sorted(keys)
+
+    def delete(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            chunk = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
+            self._call(
+                "delete",
+                lambda chunk=chunk: self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True}
+                ),
+            )
+
+    def presign(self, key: str, expires_s: int) -> str | None:
+        return self._call(
+            f"presign {key}",
+            lambda: self.client.generate_presigned_url(
+                "get_object",
+                Params={"Bucket": self.bucket, "Key": self._key(key)},
+                ExpiresIn=expires_s,
+            ),
+        )
+
+
+def open_store(url: str) -> Store:
+    """`file:///abs/path`, a plain local path, or `s3://bucket[/prefix]`."""
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"store {url!r}: s3:// URLs need a bucket (s3://bucket/prefix)")
+        return S3Store(parsed.netloc, parsed.path)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"store {url!r}: file:// URLs take an absolute path (file:///dir)")
+        return FileStore(parsed.path)
+    if parsed.scheme == "":
+        return FileStore(url)
+    raise ValueError(f"store {url!r}: use file:///path or s3://bucket/prefix")
+
+
+def retrying(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    attempts: int = 5,
+    base_s: float = 0.5,
+    max_s: float = 10.0,
+    on_retry: Callable[[int, Exception], None] | None = None,
+) -> T:
+    """Call `fn`, retrying StoreError (not StoreMissing) with capped exponential backoff."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return fn()
+        except StoreMissing:
+            raise
+        except StoreError as err:
+            if attempt == attempts:
+                raise StoreError(f"{what}: gave up after {attempts} attempts: {err}") from err
+            if on_retry is not None:
+                on_retry(attempt, err)
+            time.sleep(min(max_s, base_s * 2 ** (attempt - 1)))
+    raise AssertionError("unreachable")

@@ -1,0 +1,344 @@
+"""The learner: configuration, data, what it refuses, log-probability agreement with
+the sampler, and whole runs on a real Redis (reward goes up; SIGKILL and --resume
+train every rollout group exactly once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import fakeredis
+import numpy as np
+import pytest
+import torch
+from rollouts import SyntheticActor
+
+from learner.cli import main as learner_main
+from learner.config import ConfigError, LearnerConfig, load_config
+from learner.data import DataError, PromptSource, load_rows
+from learner.loop import CONSUMER, Learner, LearnerError
+from protocol import (
+    Completion,
+    PromptBatch,
+    QueueConfig,
+    RedisQueue,
+    RolloutGroup,
+    SamplingParams,
+    group_id_for,
+    open_store,
+    unpack_i32,
+)
+from protocol.store import MANIFEST, adapter_key, verify
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def digit_first(_prompt: list[int], _tokens: list[int], text: str) -> float:
+    """The toy task: 1 when the completion starts with a digit (about 1 in 6 at random)."""
+    return 1.0 if text[:1].isdigit() else 0.0
+
+
+def write_dataset(path: Path, n: int = 200, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": "".join(rng.choice("abcdefgh") for _ in range(5)) + ":", "idx": i}) + "\n")
+    return path
+
+
+def fake_queue_factory(run: str):  # type: ignore[no-untyped-def]
+    server = fakeredis.FakeServer(version=(7, 0))
+    return lambda: RedisQueue(fakeredis.FakeRedis(server=server, version=(7, 0)), QueueConfig(run=run))
+
+
+def small_config(tmp_path: Path, tiny_model: Path, **overrides: object) -> LearnerConfig:
+    values: dict[str, object] = {
+        "run": "t", "queue": "redis://unused", "store": (tmp_path / "store").as_uri(), "model": str(tiny_model),
+        "dataset": str(write_dataset(tmp_path / "data.jsonl")), "run_dir": tmp_path / "run",
+        "steps": 4, "groups_per_step": 4, "num_generations": 4, "prompts_per_batch": 2, "max_inflight": 8,
+        "max_tokens": 4, "learning_rate": 3e-3, "lora_rank": 8, "checkpoint_every": 2, "tensorboard": False,
+    }
+    values.update(overrides)
+    return LearnerConfig(**values)  # type: ignore[arg-type]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ configuration
+
+
+def test_config_bounds_and_cross_checks_say_how_to_fix(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="lora_rank"):
+        load_config(None, {"lora_rank": 0})
+    with pytest.raises(ConfigError, match="raise max_inflight"):
+        load_config(None, {"groups_per_step": 32, "max_inflight": 16})
+    with pytest.raises(ConfigError, match="Extra inputs"):
+        load_config(None, {"lora_rnak": 8})
+    toml = tmp_path / "c.toml"
+    toml.write_text('[learner]\nlora_rank = 4\nsteps = 9\ntarget_modules = ["q_proj", "v_proj"]\n')
+    cfg = load_config(toml, {"steps": 3})
+    assert (cfg.lora_rank, cfg.steps, cfg.target_modules) == (4, 3, ["q_proj", "v_proj"])
+    toml.write_text("lora_rank = [")
+    with pytest.raises(ConfigError, match=r"c\.toml"):
+        load_config(toml, {})
+
+
+def test_cli_rejects_bad_input_with_a_clear_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert learner_main(["run", "--queue", "redis://127.0.0.1:1/0", "--lora-rank", "-3"]) == 2
+    assert "lora_rank" in capsys.readouterr().err
+    assert learner_main(["run", "--queue", "redis://127.0.0.1:1/0"]) == 2
+    assert "missing --store, --model, --dataset" in capsys.readouterr().err
+    args = ["run", "--queue", "ftp://x", "--store", str(tmp_path), "--model", "m", "--dataset", "d"]
+    assert learner_main(args) == 2
+    assert "redis://" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        learner_main(["run", "--correction", "magic"])
+
+
+# -------------------------------------------------------------------------- data
+
+
+def test_prompts_from_jsonl_parquet_and_chat(tmp_path: Path, tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": np.int64(4)}, {"prompt": [{"role": "user", "content": "1+1?"}], "answer": 2}]
+    import pandas as pd
+
+    pd.DataFrame([{"prompt": "ab", "answer": "c"}]).to_parquet(tmp_path / "d.parquet")
+    assert load_rows(str(tmp_path / "d.parquet")) == [{"prompt": "ab", "answer": "c"}]
+    source = PromptSource(rows, tok, "prompt", seed=0, max_prompt_tokens=100)
+    prompt = source.prompt(0)
+    assert prompt.messages is not None and prompt.text is None
+    assert tok.decode(unpack_i32(prompt.token_ids)).endswith("[assistant]")
+    assert prompt.columns["answer"] in (4, 2) and type(prompt.columns["answer"]) is int
+    # the order is a function of (seed, position): the same after any restart
+    again = PromptSource(rows, tok, "prompt", seed=0, max_prompt_tokens=100)
+    assert [source.row_index(i) for i in range(6)] == [again.row_index(i) for i in range(6)]
+    with pytest.raises(DataError, match="prompt column 'question'"):
+        PromptSource(rows, tok, "question", seed=0, max_prompt_tokens=100)
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{oops\n')
+    with pytest.raises(DataError, match="line 2"):
+        load_rows(str(tmp_path / "bad.jsonl"))
+    with pytest.raises(DataError, match="no such file"):
+        load_rows(str(tmp_path / "missing.jsonl"))
+
+
+# ------------------------------------------------------- log-probability agreement
+
+
+def test_behaviour_logprobs_from_the_same_adapter_give_unit_weights(tmp_path: Path, tiny_model: Path) -> None:
+    """An adapter published by the learner, loaded by a sampler with PEFT and sampled at
+    temperature 0.7: the learner's importance weights are 1 within 1e-3."""
+    from learner.policy import Policy
+    from learner.publish import Publisher, PublishJob
+    from learner.train import _Sums, accumulate, build_step_batch
+
+    cfg = small_config(tmp_path, tiny_model, temperature=0.7, max_tokens=8)
+    make = fake_queue_factory("agree")
+    store = open_store(cfg.store)
+    policy = Policy(cfg)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)  # an adapter far from the base model
+    publisher = Publisher(store, make(), base_model=cfg.model, rank=cfg.lora_rank)
+    publisher.submit(PublishJob(1, 1, policy.adapter_state(), policy.adapter_config_json()))
+    publisher.close()
+
+    actor = SyntheticActor(make(), store, tiny_model, digit_first)
+    actor._refresh()
+    assert actor.version == 1
+    source = PromptSource(load_rows(cfg.dataset), policy.tokenizer, "prompt", 0, 100)
+    batch = PromptBatch(batch_id="b", prompts=[source.prompt(i) for i in range(4)], num_generations=8,
+                        sampling=SamplingParams(temperature=0.7, max_tokens=8), learner_version=1, issued_at=time.time())
+    groups = actor.groups(batch)
+    sums = _Sums()
+    accumulate(policy, build_step_batch(groups, cfg, policy.pad_id), cfg, None, sums)
+    is_weight_mean = sums.v["w_sum"] / sums.v["tokens"]
+    assert sums.v["tokens"] >= 100
+    assert abs(is_weight_mean - 1.0) < 1e-3
+    assert sums.w_max < 1.01
+
+
+# --------------------------------------------------------------- what it refuses
+
+
+class ScriptedActor(SyntheticActor):
+    """Answers the first batch with malformed groups, later ones with valid random ones."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.batches = 0
+
+    def groups(self, batch: PromptBatch) -> list[RolloutGroup]:
+        self.batches += 1
+        out = []
+        for i, p in enumerate(batch.prompts):
+            tokens = list(range(10, 14))
+            rewards = [0.0, 1.0, 0.0, 1.0]
+            version, error = 0, None
+            if self.batches == 1:
+                if i == 0:
+                    tokens = [10, 9999, 11]  # not in the vocabulary
+                else:
+                    version = 50  # a version the learner never made
+            elif self.batches == 2:
+                if i == 0:
+                    tokens = list(range(10, 60)) * 6  # longer than the context (256)
+                else:
+                    error = "reward timed out"
+            completions = [
+                Completion.of(tokens, [-1.0] * len(tokens), finish_reason="length", reward=None if error else r,
+                              error=error)
+                for r in rewards
+            ]
+            out.append(RolloutGroup(
+                group_id=group_id_for(batch.batch_id, p.id), batch_id=batch.batch_id, prompt_id=p.id,
+                adapter_version=version, actor_id=self.worker, prompt_token_ids=p.token_ids, completions=completions,
+            ))
+        return out
+
+
+def test_bad_groups_are_rejected_counted_and_training_continues(tmp_path: Path, tiny_model: Path) -> None:
+    cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2)
+    make = fake_queue_factory("reject")
+    store = open_store(cfg.store)
+    actor = ScriptedActor(make(), store, tiny_model, digit_first).start()
+    state = Learner(cfg, make(), store).run()
+    actor.close()
+    assert state.step == 3
+    for reason in ("rejected_bad_vocab", "rejected_future_version", "rejected_too_long", "rejected_reward_error"):
+        assert state.totals.get(reason) == 1, (reason, state.totals)
+    rows = metrics(cfg.resolved_run_dir)
+    assert sum(r["rejected"] for r in rows) == 4 and [r["step"] for r in rows] == [1, 2, 3]
+
+
+# --------------------------------------------------------------- whole runs
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    cfg = small_config(
+        tmp_path, tiny_model, run=run_name, queue=redis_server.url, steps=20, groups_per_step=8,
+        num_generations=8, prompts_per_batch=4, max_inflight=16, checkpoint_every=5, tensorboard=True,
+    )
+    store = open_store(cfg.store)
+    actor = SyntheticActor(RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model, digit_first).start()
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    try:
+        Learner(cfg, queue, store).run()
+    finally:
+        actor.close()
+        actor.queue.close()
+    rows = metrics(cfg.resolved_run_dir)
+    first, last = np.mean([r["reward_mean"] for r in rows[:3]]), np.mean([r["reward_mean"] for r in rows[-5:]])
+    assert last > first + 0.3, (first, last)
+    assert max(r["staleness_max"] for r in rows) <= cfg.max_staleness
+    for key in ("is_weight_mean", "ess", "kl_behaviour_k3", "clip_frac", "entropy", "grad_norm", "wait_s", "publish_s"):
+        assert all(r[key] is not None for r in rows), key
+    assert list((cfg.resolved_run_dir / "tensorboard").iterdir())
+    assert queue.stats().rollouts.pending == 0  # everything consumed was acknowledged at the last checkpoint
+    queue.close()
+
+
+def _learner_cmd(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "learner.cli", "run", "--run", run, "--queue", redis_url,
+        "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model),
+        "--dataset", str(tmp_path / "data.jsonl"), "--run-dir", str(tmp_path / "run"),
+        "--steps", "16", "--checkpoint-every", "4", "--groups-per-step", "8", "--prompts-per-batch", "4",
+        "--max-inflight", "16", "--num-generations", "8", "--max-tokens", "4", "--learning-rate", "3e-3",
+        "--lora-rank", "8", "--no-tensorboard", *extra,
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    write_dataset(tmp_path / "data.jsonl")
+    store = open_store((tmp_path / "store").as_uri())
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    actor = SyntheticActor(RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model, digit_first).start()
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    log1 = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(_learner_cmd(tmp_path, tiny_model, redis_server.url, run_name), cwd=REPO, env=env, stdout=log1, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 180
+        while True:  # kill between checkpoints 4 and 8, with steps trained and not checkpointed
+            path = tmp_path / "run" / "metrics.jsonl"
+            steps = [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
+            if steps and steps[-1] >= 6:
+                break
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the learner made no progress"
+            time.sleep(0.05)
+        first.send_signal(signal.SIGKILL)
+        first.wait(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+        log1.close()
+    version_at_kill = queue.latest_adapter().version  # type: ignore[union-attr]
+
+    second = subprocess.run(
+        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name, "--resume"),
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+    )
+    actor.close()
+    assert second.returncode == 0, second.stderr[-3000:]
+    replay = re.search(r"(\d+) already trained, (\d+) to consume again", second.stderr)
+    assert replay is not None and int(replay.group(2)) > 0, "the kill left no read-but-unsaved groups to replay"
+    assert "resumed at step 4" in second.stderr
+
+    # exactly once: every consumed group id once, all of them really submitted
+    consumed = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
+    assert [c["step"] for c in consumed] == list(range(1, 17))
+    trained = [g for c in consumed for g in c["trained"]]
+    dropped = [g for c in consumed for g, _ in c["dropped"]]
+    assert len(trained) == 16 * 8 and len(set(trained)) == len(trained)
+    assert not set(trained) & set(dropped) and len(set(dropped)) == len(dropped)
+    submitted = {g.group_id for g in actor.submitted}
+    assert set(trained) | set(dropped) <= submitted
+    stats = queue.stats()
+    assert stats.rollouts.pending == 0
+    assert stats.rollouts.waiting == len(submitted) - len(trained) - len(dropped)  # nothing lost either
+    assert queue.pending_rollouts(CONSUMER, 10) == []
+
+    # versions continue above everything announced before the kill, each one verifiable
+    events = queue.adapter_events(after="0", count=1000)
+    versions = [e.manifest.version for e in events]
+    assert versions == sorted(set(versions)) and versions[-1] > version_at_kill
+    assert [json.loads(x)["adapter_version"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][4] > version_at_kill
+    for v in versions[-3:]:
+        manifest = store.read_manifest(v)
+        for entry in manifest.files:
+            verify(entry, store.get(adapter_key(v, entry.name)))
+    assert store.exists(adapter_key(versions[-1], MANIFEST))
+    queue.close()
+    actor.queue.close()
+
+
+def test_an_existing_checkpoint_needs_resume(tmp_path: Path, tiny_model: Path) -> None:
+    cfg = small_config(tmp_path, tiny_model, steps=2, groups_per_step=2)
+    make = fake_queue_factory("twice")
+    store = open_store(cfg.store)
+    actor = SyntheticActor(make(), store, tiny_model, digit_first).start()
+    Learner(cfg, make(), store).run()
+    with pytest.raises(LearnerError, match="pass --resume"):
+        Learner(cfg, make(), store).run()
+    # resuming a finished run is a no-op that keeps its numbering
+    state = Learner(cfg.model_copy(update={"resume": True}), make(), store).run()
+    actor.close()
+    assert state.step == 2 and state.policy_version == 3  # v1, v2, and the restored policy as v3

@@ -1,0 +1,191 @@
+"""The loss functions against hand-computed values, micro-batching against one big
+batch, and the on-policy gradient against TRL's GRPOTrainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from learner.config import LearnerConfig
+from learner.loss import advantages, aggregate, importance_weights, kl_k3, policy_loss, token_logps
+from learner.policy import Policy, pack_sequences
+from learner.train import StepBatch, _Sums, accumulate
+
+LOG = math.log
+
+
+def test_advantages_by_group_batch_and_none() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5])
+    group_std = math.sqrt(0.5)  # unbiased std of [1, 0]
+    assert advantages(rewards, [2, 2], "group").tolist() == pytest.approx(
+        [0.5 / (group_std + 1e-4), -0.5 / (group_std + 1e-4), 0.0, 0.0]
+    )
+    batch_std = math.sqrt(0.5 / 3)
+    assert advantages(rewards, [2, 2], "batch").tolist() == pytest.approx(
+        [0.5 / (batch_std + 1e-4), -0.5 / (batch_std + 1e-4), 0.0, 0.0]
+    )
+    assert advantages(rewards, [2, 2], "none").tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    # unequal groups
+    assert advantages(torch.tensor([3.0, 1.0, 2.0]), [1, 2], "none").tolist() == pytest.approx([0.0, -0.5, 0.5])
+    with pytest.raises(ValueError, match="group sizes"):
+        advantages(rewards, [2, 3], "group")
+
+
+def test_truncated_importance_sampling() -> None:
+    prox = torch.tensor([[LOG(1.0), LOG(3.0), LOG(0.5), 5.0]])
+    behav = torch.zeros(1, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is padding
+    w = importance_weights(prox, behav, mask, "tis", tis_cap=2.0)
+    assert w.weights_BT[0, :3].tolist() == pytest.approx([1.0, 2.0, 0.5])
+    assert w.corrected_BT[0].tolist() == [False, True, False, False]
+    assert w.keep_BT[0].tolist() == [True, True, True, False]
+    assert w.ratio_BT[0, 3].item() == 1.0  # padding never produces a wild ratio
+
+
+def test_masked_importance_sampling_token_and_sequence() -> None:
+    prox = torch.tensor([[LOG(1.0), LOG(3.0), LOG(0.5), LOG(0.4)]])
+    w = importance_weights(prox, torch.zeros(1, 4), torch.ones(1, 4), "mis", mis_low=0.5, mis_high=2.0)
+    assert w.keep_BT[0].tolist() == [True, False, True, False]
+    assert w.weights_BT[0].tolist() == pytest.approx([1.0, 0.0, 0.5, 0.0])
+    assert w.corrected_BT[0].tolist() == [False, True, False, True]
+
+    # sequence level: geometric mean of token ratios; 2 is inside [0.5, 2], 3 is not
+    prox = torch.tensor([[LOG(2.0), LOG(2.0)], [LOG(9.0), 0.0]])
+    w = importance_weights(prox, torch.zeros(2, 2), torch.ones(2, 2), "mis", mis_level="sequence", mis_low=0.5, mis_high=2.0)
+    assert w.keep_BT.tolist() == [[True, True], [False, False]]
+    assert w.weights_BT.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 0.0])
+
+
+def test_no_correction_weights_are_one() -> None:
+    w = importance_weights(torch.tensor([[3.0]]), torch.tensor([[-3.0]]), torch.ones(1, 1), "none")
+    assert w.weights_BT.tolist() == [[1.0]] and w.ratio_BT.item() == pytest.approx(math.exp(6))
+
+
+def test_policy_loss_clips_against_the_proximal_policy() -> None:
+    prox = torch.zeros(1, 3)
+    logp = torch.tensor([[LOG(1.5), LOG(0.5), LOG(0.9)]], requires_grad=True)
+    adv = torch.tensor([1.0])
+    weights = torch.tensor([[1.0, 2.0, 1.0]])
+    loss, clipped = policy_loss(logp, prox, adv, weights, epsilon_low=0.2, epsilon_high=0.28)
+    # ratio 1.5 with A>0 clips at 1+0.28; ratio 0.5 with A>0 is not clipped (min takes it)
+    assert loss[0].tolist() == pytest.approx([-1.28, -0.5 * 2.0, -0.9])
+    assert clipped[0].tolist() == [True, False, False]
+    loss.sum().backward()
+    # d/dlogp of -ratio*A*w = -ratio*w where unclipped, 0 where clipped
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -0.5 * 2.0, -0.9])
+
+    neg = policy_loss(torch.tensor([[LOG(0.5)]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), epsilon_low=0.2, epsilon_high=0.28)
+    assert neg[0].item() == pytest.approx(0.8) and neg[1].item()
+
+
+def test_k3_kl() -> None:
+    kl = kl_k3(torch.zeros(1, 2), torch.tensor([[LOG(2.0), 0.0]]))
+    assert kl[0].tolist() == pytest.approx([2.0 - LOG(2.0) - 1.0, 0.0])
+
+
+def test_aggregation_modes() -> None:
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    kw = {"num_seqs": 2, "num_tokens": 4, "max_tokens": 5}
+    assert aggregate(loss, mask, "token_mean", **kw).item() == pytest.approx(10 / 4)
+    assert aggregate(loss, mask, "seq_mean", **kw).item() == pytest.approx((6 / 3 + 4 / 1) / 2)
+    assert aggregate(loss, mask, "constant", **kw).item() == pytest.approx(10 / (2 * 5))
+    # shares of a split batch add up to the whole
+    for mode in ("token_mean", "seq_mean", "constant"):
+        parts = aggregate(loss[:1], mask[:1], mode, **kw) + aggregate(loss[1:], mask[1:], mode, **kw)  # type: ignore[arg-type]
+        assert parts.item() == pytest.approx(aggregate(loss, mask, mode, **kw).item())  # type: ignore[arg-type]
+
+
+def test_token_logps_match_log_softmax_at_temperature() -> None:
+    logits = torch.randn(2, 3, 7)
+    targets = torch.randint(0, 7, (2, 3))
+    expected = torch.log_softmax(logits / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(token_logps(logits, targets, 0.7), expected, atol=1e-6)
+
+
+# ---------------------------------------------------------------- on a real model
+
+
+def _policy(tiny_model, **overrides) -> Policy:  # type: ignore[no-untyped-def]
+    cfg = LearnerConfig(model=str(tiny_model), lora_rank=4, temperature=0.8, max_tokens=6, **overrides)
+    policy = Policy(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():  # a non-zero B, so every LoRA weight gets a gradient
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    return policy
+
+
+def _on_policy_batch(policy: Policy) -> tuple[StepBatch, list[list[int]], list[list[int]]]:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 3, 5)]
+    completions = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 4, 6)]
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.2])
+    seqs = pack_sequences(prompts, completions, policy.pad_id)
+    with torch.no_grad():
+        behaviour, _ = policy.forward_logps(seqs, policy.cfg.temperature)
+    return StepBatch(seqs, behaviour, advantages(rewards, [2, 2], "group"), rewards), prompts, completions
+
+
+def _grads(policy: Policy) -> dict[str, torch.Tensor]:
+    out = {n.removeprefix("base_model.model."): p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    policy.model.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
+def test_micro_batches_give_the_full_batch_gradient(tiny_model, mode) -> None:  # type: ignore[no-untyped-def]
+    policy = _policy(tiny_model, loss_agg=mode)
+    batch, _, _ = _on_policy_batch(policy)
+    accumulate(policy, batch, policy.cfg.model_copy(update={"micro_batch_size": 4}), None, _Sums())
+    whole = _grads(policy)
+    accumulate(policy, batch, policy.cfg.model_copy(update={"micro_batch_size": 1}), None, _Sums())
+    split = _grads(policy)
+    for name, grad in whole.items():
+        assert torch.allclose(grad, split[name], atol=1e-6, rtol=1e-4), name
+
+
+@pytest.mark.slow
+# TRL and transformers emit deprecation warnings about their own internals
+@pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning")
+@pytest.mark.parametrize(("mode", "trl_loss"), [("token_mean", "bnpo"), ("seq_mean", "grpo"), ("constant", "dr_grpo")])
+def test_on_policy_gradient_equals_trl_grpo_trainer(tiny_model, tmp_path, mode, trl_loss) -> None:  # type: ignore[no-untyped-def]
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    policy = _policy(tiny_model, loss_agg=mode, micro_batch_size=3)
+    batch, prompts, completions = _on_policy_batch(policy)
+    accumulate(policy, batch, policy.cfg, None, _Sums())
+    ours = _grads(policy)
+
+    args = GRPOConfig(
+        output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type=trl_loss, beta=0.0,
+        temperature=policy.cfg.temperature, per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=policy.cfg.max_tokens, report_to="none", epsilon=0.2, epsilon_high=0.28,
+    )
+    trainer = GRPOTrainer(
+        model=policy.model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
+        train_dataset=Dataset.from_list([{"prompt": "ab"}] * 4), processing_class=policy.tokenizer,
+    )
+    trainer.current_gradient_accumulation_steps = 1
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    inputs = {  # TRL's layout: prompts left-padded, completions right-padded
+        "prompt_ids": torch.tensor([[0] * (width_p - len(p)) + p for p in prompts]),
+        "prompt_mask": torch.tensor([[0] * (width_p - len(p)) + [1] * len(p) for p in prompts]),
+        "completion_ids": torch.tensor([c + [0] * (width_c - len(c)) for c in completions]),
+        "completion_mask": torch.tensor([[1] * len(c) + [0] * (width_c - len(c)) for c in completions]),
+        "advantages": batch.advantages_N,
+    }
+    inputs["num_items_in_batch"] = inputs["completion_mask"].sum()
+    trainer.model.train()
+    trainer._compute_loss(trainer.model, inputs).backward()
+    theirs = _grads(policy)
+
+    assert set(ours) == set(theirs) and len(ours) > 0
+    for name, grad in ours.items():
+        scale = theirs[name].abs().max().item()
+        assert scale > 0, f"{name}: TRL computed no gradient"
+        assert (grad - theirs[name]).abs().max().item() <= 1e-4 * scale, name
