@@ -23,3 +23,4 @@ test: install lint
 
 bench: install
 	$(BIN)/python bench/queue.py
+	$(BIN)/python bench/learner.py

@@ -1,16 +1,118 @@
-"""The `actors` command."""
+"""The `actors` command: one rollout worker.
+
+`actors run --queue redis://… --store … --engine transformers --model … --reward mod:fn`
+(or `--queue https://proxy:8443 --token …` once the proxy client lands). Start as many
+as you like; SIGTERM hands the batch in hand back and exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import signal
+import socket
 import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+log = logging.getLogger("actors")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="actors", description=__doc__)
+    parser = argparse.ArgumentParser(prog="actors", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("run", help="Run one rollout worker.", description="Run one rollout worker.")
+    run = sub.add_parser("run", help="Start one rollout worker.", description=__doc__)
+    a = run.add_argument
+    a("--queue", required=True, help="redis://host:port/db (or https://proxy:port with --token)")
+    a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="bearer token for an https:// queue (or SPOTGRPO_TOKEN)")
+    a("--store", help="object store to download adapters from, for a redis:// queue: file:///dir or s3://bucket/prefix")
+    a("--run", default="default", help="run name (must match the learner's --run)")
+    a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
+    a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
+    a("--reward", action="append", required=True, metavar="MODULE:FUNCTION[=WEIGHT]",
+      help="reward function with TRL's signature; repeat for several (weighted sum)")
+    a("--reward-timeout-s", type=float, default=60.0, help="time limit per reward call (default 60)")
+    a("--worker-id", default=None, help="consumer name (default host-pid-random)")
+    a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
+    a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
+    a("--lease-timeout-s", type=float, default=60.0, help="a lease not heartbeated for this long is taken over")
+    a("--claim-block-s", type=float, default=5.0, help="long-poll wait for a batch (default 5)")
+    a("--grace-s", type=float, default=0.0,
+      help="on SIGTERM, let the batch in hand finish for this long before handing it back (default 0: at once)")
+    a("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    a("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="model dtype (default: float32 for transformers, auto for vllm)")
+    a("--max-batch-sequences", type=int, default=64, help="transformers engine: sequences per generate call")
+    a("--max-lora-rank", type=int, default=64, help="vllm engine: largest LoRA rank to serve")
+    a("--max-model-len", type=int, default=None, help="vllm engine: context length")
+    a("--gpu-memory-utilization", type=float, default=0.9, help="vllm engine: GPU memory fraction")
+    a("-v", "--verbose", action="store_true", help="debug logging")
     return parser
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, object]:
+    if args.engine == "transformers":
+        return {"dtype": args.dtype or "float32", "max_batch_sequences": args.max_batch_sequences}
+    return {
+        "dtype": args.dtype or "auto", "max_lora_rank": args.max_lora_rank, "max_loras": args.keep_adapters,
+        "max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from actors.engine import EngineError, open_engine
+    from actors.metrics import WorkerMetrics
+    from actors.rewards import RewardError, Scorer, load_reward
+    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.worker import Worker
+    from protocol import QueueConfig, QueueError, open_queue, open_store
+
+    worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    try:
+        scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
+        queue = open_queue(args.queue, QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s), token=args.token)
+        if args.store is None:
+            raise ValueError("--store is needed with a redis:// queue (the proxy hands out downloads for https://)")
+        source = StoreSource(open_store(args.store))
+    except (RewardError, ValueError) as err:
+        print(f"actors run: {err}", file=sys.stderr)
+        return 2
+    metrics = WorkerMetrics()
+    if args.metrics_port is not None:
+        metrics.serve(args.metrics_port)
+    try:
+        engine = open_engine(args.engine, args.model, **engine_options(args))
+    except (EngineError, OSError, ValueError) as err:
+        print(f"actors run: cannot load {args.model}: {err}", file=sys.stderr)
+        return 2
+    cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="spotgrpo-adapters-"))
+    watcher = AdapterWatcher(
+        queue, source, engine, cache, keep_adapters=args.keep_adapters,
+        on_loaded=lambda m, s: (metrics.adapter_version.set(m.version), metrics.adapter_load.observe(s)),
+        on_refused=lambda v, reason: metrics.adapters_refused.inc(),
+    )
+    worker = Worker(queue, engine, watcher, scorer, worker_id, claim_block_s=args.claim_block_s,
+                    grace_s=args.grace_s, metrics=metrics)
+
+    def stop(signum: int, _frame: object) -> None:
+        log.warning("%s: no more claims; handing back or finishing the batch in hand", signal.Signals(signum).name)
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        try:
+            watcher.sync()  # start on the newest adapter rather than the base model
+        except QueueError as err:
+            log.warning("no adapter announcements yet (%s); the watcher keeps trying", err)
+        watcher.start()
+        log.info("worker %s: %s engine on %s, run %s", worker_id, args.engine, args.model, args.run)
+        return worker.work()
+    finally:
+        watcher.close()
+        engine.close()
+        queue.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    # The spine ships the command's shape; its body arrives with its own issue.
-    print(f"actors {args.command}: not implemented yet in this version of spotgrpo", file=sys.stderr)
-    return 2
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    for noisy in ("httpx", "botocore", "urllib3", "transformers"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    return run(args)
 
 
 if __name__ == "__main__":

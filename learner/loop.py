@@ -31,7 +31,7 @@ from protocol import (
     RolloutGroup,
     SamplingParams,
 )
-from protocol.store import Store
+from protocol.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class Learner:
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
         cfg = self.cfg
-        self.metrics = MetricsLog(cfg.resolved_run_dir, tensorboard=cfg.tensorboard, resume_step=self.start())
         try:
+            self.metrics = MetricsLog(cfg.resolved_run_dir, tensorboard=cfg.tensorboard, resume_step=self.start())
             while self.state.step < cfg.steps and not self.stop_requested.is_set():
                 waited = time.monotonic()
                 groups = self.collect(cfg.groups_per_step)  # feeds prompts while it waits
@@ -98,10 +98,11 @@ class Learner:
                 if self.state.step % cfg.checkpoint_every == 0:
                     self.checkpoint()
             if self.state.step != self._checkpointed_step:
-                self.checkpoint()
+                self.checkpoint(final=True)
         finally:
             self.publisher.close()
-            self.metrics.close()
+            if self.metrics is not None:
+                self.metrics.close()
         return self.state
 
     # ------------------------------------------------------------- start/resume
@@ -265,11 +266,21 @@ class Learner:
         )
         return time.monotonic() - started
 
-    def checkpoint(self) -> None:
-        save_checkpoint(
-            self.store, self.state, self.policy.adapter_state(), self.optimizer, self.scheduler,
-            keep=self.cfg.keep_checkpoints,
-        )
+    def checkpoint(self, final: bool = False) -> None:
+        """Write a checkpoint, then acknowledge what it holds. A store outage that outlasts
+        the retries skips this checkpoint (nothing is acknowledged, so nothing is lost);
+        only the final one must succeed."""
+        try:
+            save_checkpoint(
+                self.store, self.state, self.policy.adapter_state(), self.optimizer, self.scheduler,
+                keep=self.cfg.keep_checkpoints,
+            )
+        except StoreError as err:
+            if final:
+                raise
+            self.state.count("checkpoint_failures")
+            log.error("checkpoint at step %d failed, training on: %s", self.state.step, err)
+            return
         self._checkpointed_step = self.state.step
         acked = list(self.state.unacked.values())
         try:

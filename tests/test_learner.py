@@ -342,3 +342,102 @@ def test_an_existing_checkpoint_needs_resume(tmp_path: Path, tiny_model: Path) -
     state = Learner(cfg.model_copy(update={"resume": True}), make(), store).run()
     actor.close()
     assert state.step == 2 and state.policy_version == 3  # v1, v2, and the restored policy as v3
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_learner_rides_out_a_redis_crash(tmp_path: Path, tiny_model: Path, make_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """Redis (AOF, fsync always) is SIGKILLed mid-run and restarted on the same port: the
+    learner and the sampler back off, reconnect, and the run completes exactly once."""
+    server = make_server(persistent=True)
+    server.start()
+    cfg = small_config(
+        tmp_path, tiny_model, run="crash", queue=server.url, steps=10, groups_per_step=8,
+        num_generations=4, prompts_per_batch=4, max_inflight=16, checkpoint_every=3,
+    )
+    store = open_store(cfg.store)
+    actor = SyntheticActor(RedisQueue.from_url(server.url, QueueConfig(run="crash")), store, tiny_model, digit_first).start()
+    queue = RedisQueue.from_url(server.url, QueueConfig(run="crash"))
+    learner = Learner(cfg, queue, store)
+
+    def crash_redis() -> None:
+        path = cfg.resolved_run_dir / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) >= 4):
+            time.sleep(0.05)
+        server.kill()
+        time.sleep(1.5)
+        server.start()
+
+    import threading
+
+    crasher = threading.Thread(target=crash_redis)
+    crasher.start()
+    try:
+        state = learner.run()
+    finally:
+        crasher.join()
+        actor.close()
+    assert state.step == 10
+    assert any("queue unavailable" in r.message for r in caplog.records), "Redis went down after the run ended"
+    consumed = [json.loads(x) for x in (cfg.resolved_run_dir / "consumed.jsonl").read_text().splitlines()]
+    trained = [g for c in consumed for g in c["trained"]]
+    assert len(trained) == 80 and len(set(trained)) == 80
+    assert queue.stats().rollouts.pending == 0
+    queue.close()
+    actor.queue.close()
+
+
+def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    """No sampler: the learner waits for rollouts; SIGTERM ends it at once with exit 0 and
+    a checkpoint holding its data cursor."""
+    write_dataset(tmp_path / "data.jsonl")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(_learner_cmd(tmp_path, tiny_model, redis_server.url, run_name), cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    try:
+        deadline = time.monotonic() + 60
+        while queue.stats().prompts.length < 4:  # it is running: max_inflight (16) prompts issued
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-2000:]
+    store = open_store((tmp_path / "store").as_uri())
+    assert json.loads(store.get("checkpoints/latest.json"))["step"] == 0
+    state = json.loads(store.get("checkpoints/step-0/state.json"))
+    assert state["cursor"] == 16 and state["consumed_prompts"] == 0
+    queue.close()
+
+
+def test_store_failures_are_retried_and_training_goes_on(tmp_path: Path, tiny_model: Path) -> None:
+    """The store refuses the first writes of each checkpoint (as S3 does with 503 Slow
+    Down): the writes are retried with backoff and every checkpoint lands."""
+    from protocol.store import FileStore, StoreError
+
+    class FlakyStore(FileStore):
+        def __init__(self, root: Path) -> None:
+            super().__init__(root)
+            self.failed: dict[str, int] = {}
+
+        def put(self, key: str, data: bytes) -> None:
+            if key.startswith("checkpoints/step-") and self.failed.get(key, 0) < 2:
+                self.failed[key] = self.failed.get(key, 0) + 1
+                raise StoreError("503 Slow Down")
+            super().put(key, data)
+
+    cfg = small_config(tmp_path, tiny_model, steps=2, groups_per_step=2, checkpoint_every=2)
+    make = fake_queue_factory("flaky")
+    store = FlakyStore(tmp_path / "store")
+    actor = SyntheticActor(make(), store, tiny_model, digit_first).start()
+    queue = make()
+    state = Learner(cfg, queue, store).run()
+    actor.close()
+    assert state.step == 2 and "checkpoint_failures" not in state.totals
+    assert set(store.failed.values()) == {2} and len(store.failed) == 3  # three files, two refusals each
+    assert json.loads(store.get("checkpoints/latest.json"))["step"] == 2
+    assert queue.stats().rollouts.pending == 0

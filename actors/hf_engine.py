@@ -1,0 +1,180 @@
+"""The `transformers` engine: Hugging Face `generate` with PEFT multi-adapter loading.
+
+For CPU machines, tests and the embedded default. One lock orders generation and
+adapter changes: a load or eviction that arrives while a batch is generating waits
+for that batch (which finishes on the adapter it started with) and is in place for
+the next one.
+
+Log-probabilities come from the scores `generate` returns, which are the logits after
+the logits processors (temperature, top-k, top-p), i.e. the distribution the token was
+drawn from; log-softmax of those at the sampled token is what the learner's importance
+weights need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import warnings
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+
+from actors.engine import Engine, EngineError, Sample
+from protocol import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class TransformersEngine(Engine):
+    def __init__(
+        self, model: str, *, dtype: str = "float32", device: str | None = None, max_batch_sequences: int = 64
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.tokenizer = AutoTokenizer.from_pretrained(model)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.base = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype]).to(self.device).eval()
+        self.model: torch.nn.Module = self.base  # a PeftModel once the first adapter is loaded
+        self.max_batch_sequences = max_batch_sequences
+        self._versions: list[int] = []
+        self._lock = threading.RLock()
+        self._vocab = int(self.base.config.vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    # ------------------------------------------------------------------ adapters
+    def load_adapter(self, version: int, path: Path) -> None:
+        from peft import PeftModel
+
+        name = f"v{version}"
+        with self._lock, warnings.catch_warnings():
+            # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            if version in self._versions:
+                raise EngineError(f"adapter v{version} is already loaded; versions are never reused")
+            try:
+                if isinstance(self.model, PeftModel):
+                    self.model.load_adapter(str(path), adapter_name=name)
+                else:
+                    self.model = PeftModel.from_pretrained(self.base, str(path), adapter_name=name).eval()
+            except (OSError, ValueError, KeyError, RuntimeError) as err:
+                raise EngineError(f"cannot load adapter v{version} from {path}: {err}") from err
+            self._versions.append(version)
+
+    def evict_adapter(self, version: int) -> None:
+        with self._lock:
+            if version not in self._versions:
+                return
+            self._versions.remove(version)
+            if self._versions:  # never delete the active adapter: activate a kept one first
+                self.model.set_adapter(f"v{self._versions[-1]}")
+            self.model.delete_adapter(f"v{version}")
+
+    def loaded_versions(self) -> list[int]:
+        with self._lock:
+            return list(self._versions)
+
+    @contextlib.contextmanager
+    def _using(self, version: int) -> Iterator[torch.nn.Module]:
+        """The model with adapter `version` active (0: adapters off). Holds the lock."""
+        with self._lock:
+            if version == 0:
+                if self.model is self.base:
+                    yield self.base
+                else:
+                    with self.model.disable_adapter():
+                        yield self.model
+                return
+            if version not in self._versions:
+                raise EngineError(f"adapter v{version} is not loaded (loaded: {self._versions})")
+            self.model.set_adapter(f"v{version}")
+            yield self.model
+
+    # ---------------------------------------------------------------- generation
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        version: int,
+        abort: threading.Event | None = None,
+    ) -> list[list[Sample]]:
+        per_chunk = max(1, self.max_batch_sequences // n)
+        out: list[list[Sample]] = []
+        with self._using(version) as model:
+            for start in range(0, len(prompts), per_chunk):
+                chunk = prompts[start : start + per_chunk]
+                if abort is not None and abort.is_set():
+                    out.extend([[Sample([], [], "abort")] * n for _ in chunk])
+                    continue
+                out.extend(self._generate_chunk(model, chunk, n, sampling, abort))
+        return out
+
+    def _generate_chunk(
+        self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, s: SamplingParams,
+        abort: threading.Event | None,
+    ) -> list[list[Sample]]:
+        from transformers import StoppingCriteria, StoppingCriteriaList
+
+        class Aborted(StoppingCriteria):
+            def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: object) -> torch.Tensor:
+                stop = abort is not None and abort.is_set()
+                return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
+
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        # left padding: every row's last prompt token sits at the same position
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.as_tensor(list(p))
+            mask[i, width - len(p) :] = 1
+        if s.seed is not None:
+            torch.manual_seed(s.seed)
+        kwargs: dict[str, object] = {"do_sample": s.temperature > 0, "top_k": s.top_k or None}
+        if s.temperature > 0:
+            kwargs.update(temperature=s.temperature, top_p=s.top_p)
+        if s.stop:
+            kwargs.update(stop_strings=list(s.stop), tokenizer=self.tokenizer)
+        result = model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), num_return_sequences=n,
+            max_new_tokens=s.max_tokens, output_scores=True, return_dict_in_generate=True,
+            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+            stopping_criteria=StoppingCriteriaList([Aborted()]), **kwargs,
+        )
+        if abort is not None and abort.is_set():
+            return [[Sample([], [], "abort")] * n for _ in prompts]
+        new = result.sequences[:, width:].cpu()
+        if result.scores:
+            logps = torch.stack([torch.log_softmax(sc.float(), -1) for sc in result.scores], 1).cpu()
+            picked = logps.gather(-1, new[:, : logps.shape[1]].unsqueeze(-1)).squeeze(-1)
+        else:
+            picked = torch.zeros(new.shape)
+        samples = [self._trim(new[r].tolist(), picked[r].tolist(), s) for r in range(new.shape[0])]
+        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def _trim(self, tokens: list[int], logps: list[float], s: SamplingParams) -> Sample:
+        """Cut padding after the end: at the first EOS (kept), or where a stop string ends."""
+        eos = self.tokenizer.eos_token_id
+        if eos in tokens:
+            end = tokens.index(eos) + 1
+            return Sample(tokens[:end], logps[:end], "stop")
+        if s.stop:
+            for end in range(1, len(tokens) + 1):
+                text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+                if any(stop in text for stop in s.stop):
+                    return Sample(tokens[:end], logps[:end], "stop")
+        return Sample(tokens[: s.max_tokens], logps[: s.max_tokens], "length")

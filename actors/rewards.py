@@ -1,0 +1,130 @@
+"""Reward functions with TRL's signature, loaded from `module:function[=weight]`.
+
+`fn(prompts, completions, **columns) -> list[float | None]`, called once per group:
+`prompts` has the prompt once per completion (a string, or the list of chat messages
+for conversational data), `completions` the completion texts (for conversational data,
+`[{"role": "assistant", "content": text}]` each, as TRL passes them), plus
+`completion_ids` and the data set's other columns, each as a list aligned with the
+completions. So TRL's own reward helpers (`trl.rewards:accuracy_reward`, ...) and a TRL
+user's functions work unchanged.
+
+`None` from a function means it abstains for that completion (TRL's convention); the
+total is the weighted sum of the others. A function that raises, returns the wrong
+shape or a non-finite value, or runs past its time limit fails the whole group with
+the error text: such a group is never recorded as reward 0.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import numbers
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from protocol import Prompt
+
+_SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
+
+
+class RewardError(ValueError):
+    """A reward specification cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+
+
+def load_reward(spec: str) -> RewardFn:
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise RewardError(f"--reward {spec!r}: expected module:function or module:function=weight")
+    try:
+        module = importlib.import_module(match["module"])
+    except ImportError as err:
+        raise RewardError(f"--reward {spec!r}: cannot import {match['module']}: {err}") from err
+    fn = getattr(module, match["attr"], None)
+    if not callable(fn):
+        raise RewardError(f"--reward {spec!r}: {match['module']} has no function {match['attr']}")
+    weight = float(match["weight"]) if match["weight"] else 1.0
+    if not math.isfinite(weight):
+        raise RewardError(f"--reward {spec!r}: weight must be finite")
+    return RewardFn(name=match["attr"], fn=fn, weight=weight)
+
+
+@dataclass(frozen=True)
+class Scores:
+    rewards: list[float | None]
+    components: list[dict[str, float | None]]
+    error: str | None
+    """Set when the group failed; then every reward is None."""
+
+
+class Scorer:
+    def __init__(self, functions: list[RewardFn], timeout_s: float = 60.0) -> None:
+        if not functions:
+            raise RewardError("at least one --reward is needed")
+        self.functions = functions
+        self.timeout_s = timeout_s
+
+    def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Scores:
+        n = len(texts)
+        if prompt.messages is not None:
+            messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
+            prompts: list[Any] = [messages] * n
+            completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            prompts, completions = [prompt.text if prompt.text is not None else prompt_text] * n, list(texts)
+        columns = {k: [v] * n for k, v in prompt.columns.items()}
+        per_fn: dict[str, list[float | None]] = {}
+        for rf in self.functions:
+            values, error = self._call(rf, prompts, completions, completion_ids, columns, n)
+            if error is not None:
+                return Scores([None] * n, [{} for _ in range(n)], error)
+            per_fn[rf.name] = values  # type: ignore[assignment]
+        rewards: list[float | None] = []
+        components = []
+        for i in range(n):
+            parts = {name: values[i] for name, values in per_fn.items()}
+            scored = [(rf.weight, parts[rf.name]) for rf in self.functions if parts[rf.name] is not None]
+            rewards.append(sum(w * v for w, v in scored) if scored else None)  # type: ignore[operator]
+            components.append(parts)
+        if any(r is None for r in rewards):
+            return Scores([None] * n, components, "every reward function abstained for some completion")
+        return Scores(rewards, components, None)
+
+    def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):  # type: ignore[no-untyped-def]
+        result: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                result["value"] = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            except Exception as err:  # a user's function: any failure is reported, not fatal
+                result["error"] = f"reward {rf.name} raised {type(err).__name__}: {err}"
+
+        # a thread we can stop waiting for; a function past its limit is left to finish alone
+        thread = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
+        if "error" in result:
+            return None, result["error"]
+        values = result.get("value")
+        if not isinstance(values, list | tuple) or len(values) != n:
+            return None, f"reward {rf.name} returned {type(values).__name__} of the wrong length (expected {n} values)"
+        clean: list[float | None] = []
+        for v in values:
+            if v is None:
+                clean.append(None)
+            elif not isinstance(v, numbers.Real) or not math.isfinite(v):
+                return None, f"reward {rf.name} returned {v!r}: not a finite number or None"
+            else:
+                clean.append(float(v))
+        return clean, None

@@ -1,0 +1,153 @@
+"""The adapter watcher: follows announcements and keeps the engine on the newest adapter.
+
+On start it reads the latest announced version; then it waits on the queue's push
+notifications (Redis pub/sub) and, every `poll_s` or when a notification was missed
+(pub/sub is at-most-once), reads the latest version again. Only the newest version
+matters to an actor, so versions it never saw are skipped, not replayed.
+
+A new version is downloaded file by file, each checked against the manifest's size
+and sha256, written to `cache_dir/v<N>/`, and loaded next to the current one. A
+corrupt or missing adapter is refused with a logged reason (and never retried: a
+version names one adapter forever); the actor keeps generating with what it has.
+The newest `keep_adapters` versions stay loaded; older ones are evicted.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from actors.engine import Engine, EngineError
+from protocol import AdapterManifest, ProtocolError, Queue, QueueError
+from protocol.store import Store, StoreError, adapter_key, verify
+
+log = logging.getLogger(__name__)
+
+
+class AdapterSource(abc.ABC):
+    """Where an actor downloads adapter files from."""
+
+    @abc.abstractmethod
+    def fetch(self, manifest: AdapterManifest, name: str) -> bytes: ...
+
+
+class StoreSource(AdapterSource):
+    """Straight from the object store (file://, or s3:// with credentials)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def fetch(self, manifest: AdapterManifest, name: str) -> bytes:
+        return self.store.get(adapter_key(manifest.version, name))
+
+
+class AdapterWatcher:
+    def __init__(
+        self,
+        queue: Queue,
+        source: AdapterSource,
+        engine: Engine,
+        cache_dir: Path,
+        *,
+        keep_adapters: int = 2,
+        poll_s: float = 5.0,
+        on_loaded: Callable[[AdapterManifest, float], None] | None = None,
+        on_refused: Callable[[int, str], None] | None = None,
+    ) -> None:
+        if keep_adapters < 1:
+            raise ValueError("keep_adapters must be >= 1")
+        self.queue, self.source, self.engine = queue, source, engine
+        self.cache_dir = cache_dir
+        self.keep_adapters = keep_adapters
+        self.poll_s = poll_s
+        self.on_loaded, self.on_refused = on_loaded, on_refused
+        self.current = 0
+        """The newest loaded version (0: the base model)."""
+        self.refused: dict[int, str] = {}
+        self.load_s: dict[int, float] = {}
+        """Seconds from the start of the download to loaded, per version."""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ control
+    def start(self) -> AdapterWatcher:
+        self._thread = threading.Thread(target=self._run, name="adapter-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        subscription = None
+        while not self._stop.is_set():
+            try:
+                if subscription is None:
+                    subscription = self.queue.subscribe_adapters()
+                    self.sync()  # whatever was announced before we listened
+                manifest = subscription.get(timeout_s=self.poll_s)
+                if manifest is not None:
+                    self.install(manifest)
+                else:
+                    self.sync()
+            except QueueError as err:
+                log.warning("adapter announcements unavailable, retrying: %s", err)
+                if subscription is not None:
+                    subscription.close()
+                subscription = None
+                self._stop.wait(min(self.poll_s, 2.0))
+        if subscription is not None:
+            subscription.close()
+
+    # ------------------------------------------------------------------ installing
+    def sync(self) -> None:
+        """Install the latest announced version if it is newer than ours."""
+        latest = self.queue.latest_adapter()
+        if latest is not None:
+            self.install(latest)
+
+    def install(self, manifest: AdapterManifest) -> bool:
+        """Download, verify and load `manifest`'s adapter; False if refused or not newer."""
+        with self._lock:
+            version = manifest.version
+            if version <= self.current or version in self.refused:
+                return False
+            started = time.monotonic()
+            folder = self.cache_dir / f"v{version}"
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                for entry in manifest.files:
+                    data = self.source.fetch(manifest, entry.name)
+                    verify(entry, data)
+                    (folder / entry.name).write_bytes(data)
+                self.engine.load_adapter(version, folder)
+            except (ProtocolError, StoreError, EngineError, OSError) as err:
+                # StoreError also covers the proxy client's download errors
+                reason = f"{type(err).__name__}: {err}"
+                self.refused[version] = reason
+                shutil.rmtree(folder, ignore_errors=True)
+                log.error("adapter v%d refused, still generating with v%d: %s", version, self.current, reason)
+                if self.on_refused is not None:
+                    self.on_refused(version, reason)
+                return False
+            self.current = version
+            self.load_s[version] = time.monotonic() - started
+            log.info("adapter v%d loaded in %.2fs", version, self.load_s[version])
+            if self.on_loaded is not None:
+                self.on_loaded(manifest, self.load_s[version])
+            self._evict()
+            return True
+
+    def _evict(self) -> None:
+        loaded = self.engine.loaded_versions()
+        for old in loaded[: max(0, len(loaded) - self.keep_adapters)]:
+            self.engine.evict_adapter(old)
+            shutil.rmtree(self.cache_dir / f"v{old}", ignore_errors=True)

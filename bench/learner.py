@@ -1,0 +1,173 @@
+"""Learner step time and adapter publishing cost, by LoRA rank.
+
+On a randomly initialised model with Qwen2.5-0.5B's layer shapes (24 layers, hidden
+896; the vocabulary is the tiny character tokenizer's, so the figures are the
+transformer's, not a 150k-row embedding's), for LoRA ranks 1, 16 and 64:
+
+- step_s: one learner step (forward, backward, optimizer) on a synthetic batch;
+- publish_s: how long the step is blocked by publishing (snapshot + hand-over to the
+  background uploader), against the baseline of publishing inline (serialise, hash,
+  upload, manifest) in the same process;
+- the adapter's size, and the fraction of wall time blocked on publishing.
+
+Usage: python bench/learner.py [--ranks 1 16 64] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# run as a script, this folder would come first on the path, and this file and
+# bench/queue.py would shadow the `learner` package and the standard `queue` module
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import torch
+
+from learner.config import LearnerConfig
+from learner.loss import advantages
+from learner.policy import (
+    Policy,
+    adapter_files,
+    pack_sequences,
+)
+from learner.publish import Publisher, PublishJob
+from learner.tiny import QWEN25_05B_SHAPE, build_tokenizer, save_tiny
+from learner.train import StepBatch, train_on
+from protocol.store import open_store
+
+
+class NullAnnounce:
+    """The queue's announce is measured by bench/queue.py; here it costs nothing."""
+
+    def announce(self, manifest: object) -> str:
+        return "0-1"
+
+
+def synthetic_batch(policy: Policy, groups: int, group_size: int, prompt_len: int, completion_len: int) -> StepBatch:
+    g = torch.Generator().manual_seed(0)
+    vocab = policy.vocab_size
+    prompts, completions = [], []
+    for _ in range(groups):
+        prompt = torch.randint(4, vocab, (prompt_len,), generator=g).tolist()
+        for _ in range(group_size):
+            prompts.append(prompt)
+            completions.append(torch.randint(4, vocab, (completion_len,), generator=g).tolist())
+    seqs = pack_sequences(prompts, completions, policy.pad_id)
+    rewards = torch.rand(len(prompts), generator=g)
+    behaviour = torch.full(seqs.mask_BT.shape, -3.0) * seqs.mask_BT
+    return StepBatch(seqs, behaviour, advantages(rewards, [group_size] * groups, "group"), rewards)
+
+
+def inline_publish(store, version: int, state, config_json: bytes) -> None:  # type: ignore[no-untyped-def]
+    """Baseline: the training thread serialises and uploads the adapter itself."""
+    for name, data in adapter_files(state, config_json).items():
+        store.put(f"adapters/v{version}/{name}", data)
+
+
+def open_bench_store(kind: str, tmp: str):  # type: ignore[no-untyped-def]
+    if kind == "file":
+        return open_store(str(Path(tmp) / "store")), None
+    import logging
+    import os
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one access-log line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    boto3.client("s3").create_bucket(Bucket="bench-adapters")
+    return open_store("s3://bench-adapters/run"), server
+
+
+class RankBench:
+    """One rank's policy, optimizer and batch; `run(mode)` times steps with publishing
+    after each: none, background (the learner's way) or inline (the baseline)."""
+
+    def __init__(self, model_dir: Path, rank: int, store, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+        self.cfg = LearnerConfig(model=str(model_dir), lora_rank=rank, lora_alpha=2 * rank, micro_batch_size=8,
+                                 max_tokens=args.completion_len, learning_rate=1e-5)
+        self.policy = Policy(self.cfg)
+        self.optimizer = torch.optim.AdamW(self.policy.trainable_parameters(), lr=self.cfg.learning_rate)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda _: 1.0)
+        self.batch = synthetic_batch(self.policy, args.groups, args.group_size, args.prompt_len, args.completion_len)
+        self.store = store
+        self.steps = args.steps
+        self.version = rank * 10_000
+        self.publisher = Publisher(store, NullAnnounce(), base_model="bench", rank=rank)  # type: ignore[arg-type]
+        self.step()  # warm-up
+
+    def step(self) -> None:
+        train_on(self.policy, self.optimizer, self.scheduler, self.batch, self.cfg)
+
+    def run(self, mode: str) -> tuple[float, list[float], list[float]]:
+        steps, blocked = [], []
+        started = time.perf_counter()
+        for _ in range(self.steps):
+            t = time.perf_counter()
+            self.step()
+            steps.append(time.perf_counter() - t)
+            self.version += 1
+            t = time.perf_counter()
+            if mode == "background":
+                self.publisher.submit(PublishJob(self.version, self.version, self.policy.adapter_state(),
+                                                 self.policy.adapter_config_json()))
+            elif mode == "inline":
+                inline_publish(self.store, self.version, self.policy.adapter_state(), self.policy.adapter_config_json())
+            blocked.append(time.perf_counter() - t)
+        self.publisher.flush()  # the last upload counts against the mode's wall time
+        return time.perf_counter() - started, steps, blocked
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--steps", type=int, default=3, help="steps per mode (none, background, inline)")
+    parser.add_argument("--store", choices=["file", "s3"], default="file", help="s3: a moto server over HTTP")
+    parser.add_argument("--groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--completion-len", type=int, default=32)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_tiny(Path(tmp) / "model", **QWEN25_05B_SHAPE)
+        store, server = open_bench_store(args.store, tmp)
+        print(f"model: Qwen2.5-0.5B shape ({QWEN25_05B_SHAPE['num_layers']} layers, hidden "
+              f"{QWEN25_05B_SHAPE['hidden_size']}), vocab {len(build_tokenizer())}, float32, "
+              f"{torch.get_num_threads()} threads; batch {args.groups}x{args.group_size} sequences of "
+              f"{args.prompt_len}+{args.completion_len} tokens; store {args.store}; {args.steps} steps per mode")
+        print(f"{'rank':>5} {'adapter MB':>10} {'step_s':>7} {'step_s bg':>9} {'publish_s':>9} "
+              f"{'inline_s':>8} {'ratio':>6} {'upload_s':>8} {'blocked %':>9}")
+        for rank in args.ranks:
+            bench = RankBench(model_dir, rank, store, args)
+            _, steps, _ = bench.run("none")
+            wall_bg, steps_bg, blocked = bench.run("background")
+            _, _, inline = bench.run("inline")
+            bench.publisher.close()
+            size_mb = len(adapter_files(bench.policy.adapter_state(), b"{}")["adapter_model.safetensors"]) / 2**20
+            publish_s, inline_s = statistics.median(blocked), statistics.median(inline)
+            print(f"{rank:>5} {size_mb:>10.2f} {statistics.median(steps):>7.2f} {statistics.median(steps_bg):>9.2f} "
+                  f"{publish_s:>9.4f} {inline_s:>8.3f} {publish_s / inline_s:>6.3f} "
+                  f"{statistics.median(bench.publisher.upload_s):>8.3f} {100 * sum(blocked) / wall_bg:>8.2f}%")
+            del bench
+        if server is not None:
+            server.stop()
+        print("step_s: median step without publishing; step_s bg: with an upload running in the background; "
+              "publish_s: median time the training thread is blocked per publish (snapshot + hand-over); "
+              "inline_s: the baseline, publishing on the training thread; ratio = publish_s / inline_s; "
+              "upload_s: the background thread's upload time; blocked %: blocked time / wall time "
+              "with background publishing every step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,375 @@
+"""Actors: the transformers engine (log-probabilities agree with the learner's), the
+adapter watcher (verifies, refuses corrupt adapters, evicts), TRL-style rewards, and
+the work loop against a real Redis: hot-swap during a generation, SIGKILL of a worker
+mid-batch, SIGTERM handing the lease back, a failing reward."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import toy_rewards
+
+from actors.engine import Engine, EngineError
+from actors.hf_engine import TransformersEngine
+from actors.rewards import RewardError, RewardFn, Scorer, load_reward
+from actors.watcher import AdapterWatcher, StoreSource
+from actors.worker import Worker
+from learner.config import LearnerConfig
+from learner.policy import Policy, pack_sequences
+from learner.publish import Publisher, PublishJob
+from protocol import (
+    AdapterManifest,
+    ChatTurn,
+    Prompt,
+    PromptBatch,
+    QueueConfig,
+    RedisQueue,
+    SamplingParams,
+    open_store,
+    pack_i32,
+)
+from protocol.store import Store, adapter_key
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def learner_policy(tiny_model: Path, seed: int) -> Policy:
+    """A learner policy whose adapter is far from zero (seeded), to publish and compare."""
+    policy = Policy(LearnerConfig(model=str(tiny_model), lora_rank=4))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return policy
+
+
+def publish(store: Store, queue, policy: Policy, version: int) -> None:  # type: ignore[no-untyped-def]
+    publisher = Publisher(store, queue, base_model="tiny", rank=4)
+    publisher.submit(PublishJob(version, version, policy.adapter_state(), policy.adapter_config_json()))
+    publisher.close()
+    assert publisher.published == [version]
+
+
+def learner_logps(policy: Policy, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
+    seqs = pack_sequences([prompt], [tokens], policy.pad_id)
+    with torch.no_grad():
+        logps, _ = policy.forward_logps(seqs, temperature)
+    return logps[0][seqs.mask_BT[0].bool()]
+
+
+def batch_of(prompts: list[list[int]], *, batch_id: str = "b0", n: int = 4, max_tokens: int = 8, temperature: float = 1.0) -> PromptBatch:
+    return PromptBatch(
+        batch_id=batch_id, prompts=[Prompt(id=f"p{i}", token_ids=pack_i32(p), text="x") for i, p in enumerate(prompts)],
+        num_generations=n, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
+        learner_version=0, issued_at=time.time(),
+    )
+
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
+
+
+# -------------------------------------------------------------------------- engine
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_engine_logprobs_agree_with_the_learner(tmp_path: Path, tiny_model: Path, version: int) -> None:
+    """Left-padded batch generation at temperature 0.7: mean |Δ| < 1e-3 against the
+    learner's full-sequence scoring, with and without an adapter."""
+    policy = learner_policy(tiny_model, seed=1)
+    engine = TransformersEngine(str(tiny_model))
+    if version:
+        store = open_store(tmp_path.as_uri())
+        publish(store, type("Q", (), {"announce": lambda self, m: "0-1"})(), policy, 1)
+        folder = tmp_path / "adapters" / "v1"
+        engine.load_adapter(1, folder)
+    sampling = SamplingParams(temperature=0.7, max_tokens=12)
+    samples = engine.generate(PROMPTS, 4, sampling, version)
+    deltas = []
+    with policy.reference() if version == 0 else torch.no_grad():
+        for prompt, group in zip(PROMPTS, samples, strict=True):
+            assert len(group) == 4
+            for s in group:
+                assert len(s.token_ids) == len(s.logprobs) > 0 and s.finish_reason in ("stop", "length")
+                ours = learner_logps(policy, prompt, s.token_ids, 0.7)
+                deltas.append((ours - torch.tensor(s.logprobs)).abs())
+    delta = torch.cat(deltas)
+    assert delta.numel() > 50
+    assert delta.mean().item() < 1e-3, delta.mean().item()
+
+
+def test_engine_refuses_unknown_versions_and_reloads(tmp_path: Path, tiny_model: Path) -> None:
+    engine = TransformersEngine(str(tiny_model))
+    with pytest.raises(EngineError, match="not loaded"):
+        engine.generate(PROMPTS, 1, SamplingParams(max_tokens=2), 3)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(EngineError, match="cannot load adapter v3"):
+        engine.load_adapter(3, tmp_path / "empty")
+    assert engine.loaded_versions() == []
+
+
+# ---------------------------------------------------------------------- watcher
+
+
+class FakeQueue:
+    """Only what the watcher's install path calls (the queue has its own tests)."""
+
+    def __init__(self) -> None:
+        self.latest: AdapterManifest | None = None
+
+    def announce(self, manifest: AdapterManifest) -> str:
+        self.latest = manifest
+        return "0-1"
+
+    def latest_adapter(self) -> AdapterManifest | None:
+        return self.latest
+
+
+def test_watcher_refuses_a_corrupt_adapter_and_keeps_generating(tmp_path: Path, tiny_model: Path) -> None:
+    store = open_store((tmp_path / "store").as_uri())
+    queue = FakeQueue()
+    engine = TransformersEngine(str(tiny_model))
+    watcher = AdapterWatcher(queue, StoreSource(store), engine, tmp_path / "cache", keep_adapters=2)  # type: ignore[arg-type]
+    publish(store, queue, learner_policy(tiny_model, 1), 1)
+    watcher.sync()
+    assert watcher.current == 1 and engine.loaded_versions() == [1]
+
+    publish(store, queue, learner_policy(tiny_model, 2), 2)
+    weights = adapter_key(2, "adapter_model.safetensors")
+    data = bytearray(store.get(weights))
+    data[-1] ^= 0xFF  # one flipped bit in the uploaded weights
+    store.put(weights, bytes(data))
+    watcher.sync()
+    assert watcher.current == 1 and "sha256" in watcher.refused[2]
+    assert engine.loaded_versions() == [1] and not (tmp_path / "cache" / "v2").exists()
+    assert engine.generate(PROMPTS[:1], 2, SamplingParams(max_tokens=3), watcher.current)  # still serving v1
+
+    publish(store, queue, learner_policy(tiny_model, 3), 3)
+    store.delete([adapter_key(3, "adapter_config.json")])
+    watcher.sync()
+    assert "StoreMissing" in watcher.refused[3] and watcher.current == 1
+
+    for v in (4, 5):
+        publish(store, queue, learner_policy(tiny_model, v), v)
+        watcher.sync()
+    assert watcher.current == 5 and engine.loaded_versions() == [4, 5]  # v1 evicted
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["v4", "v5"]
+
+
+# ---------------------------------------------------------------------- rewards
+
+
+def test_reward_specs() -> None:
+    assert load_reward("toy_rewards:digit_first=0.5").weight == 0.5
+    for bad, msg in [("nodots", "expected module:function"), ("no_such_module_x:f", "cannot import"),
+                     ("toy_rewards:missing", "no function"), ("toy_rewards:digit_first=nan", "expected"), ("toy_rewards:digit_first=1e999", "finite")]:
+        with pytest.raises(RewardError, match=msg):
+            load_reward(bad)
+
+
+def test_scorer_follows_trl_conventions() -> None:
+    prompt = Prompt(id="p", text="q", columns={"answer": "7"})
+    scorer = Scorer([load_reward("toy_rewards:digit_first=2"), load_reward("toy_rewards:uses_columns")])
+    s = scorer.score(prompt, "q", ["7a", "b", "12"], [[1, 2], [3], [4, 5]])
+    assert s.error is None and s.rewards == [3.0, 0.0, 2.0]
+    assert s.components[0] == {"digit_first": 1.0, "uses_columns": 1.0}
+    # TRL's own helpers take conversational completions
+    chat = Prompt(id="c", messages=[ChatTurn(role="user", content="hi")])
+    trl = Scorer([load_reward("trl.rewards:think_format_reward")])
+    assert trl.score(chat, "", ["<think>a</think>b", "nope"], [[1], [2]]).rewards == [1.0, 0.0]
+    # abstaining: the others decide; all abstaining fails the group
+    mixed = Scorer([load_reward("toy_rewards:abstains_on_odd"), load_reward("toy_rewards:digit_first")])
+    assert mixed.score(prompt, "q", ["1", "x"], [[1], [1, 2]]).rewards == [1.0, 1.0]
+    alone = Scorer([load_reward("toy_rewards:abstains_on_odd")])
+    assert alone.score(prompt, "q", ["1", "x"], [[1], [1, 2]]).error is not None
+
+
+@pytest.mark.parametrize(
+    ("fn", "message"),
+    [
+        (toy_rewards.broken, "raised ZeroDivisionError: the reward model is down"),
+        (toy_rewards.hangs, "exceeded its time limit of 0.2s"),
+        (lambda prompts, completions, **_: [1.0], "wrong length"),
+        (lambda prompts, completions, **_: [float("nan")] * len(completions), "not a finite number"),
+        (lambda prompts, completions, **_: ["good"] * len(completions), "not a finite number"),
+    ],
+)
+def test_a_failing_reward_fails_the_group_never_scores_zero(fn, message: str) -> None:  # type: ignore[no-untyped-def]
+    scores = Scorer([RewardFn("r", fn)], timeout_s=0.2).score(Prompt(id="p", text="q"), "q", ["a", "b"], [[1], [2]])
+    assert message in scores.error  # type: ignore[operator]
+    assert scores.rewards == [None, None]
+
+
+# ----------------------------------------------------------------- work loop
+
+
+class GatedEngine(TransformersEngine):
+    """The real engine, reporting when a generation starts and ends."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.started = threading.Event()
+        self.spans: list[tuple[int, float, float]] = []
+
+    def generate(self, prompts, n, sampling, version, abort=None):  # type: ignore[no-untyped-def]
+        begin = time.monotonic()
+        self.started.set()
+        try:
+            return super().generate(prompts, n, sampling, version, abort)
+        finally:
+            self.spans.append((version, begin, time.monotonic()))
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    """v2 is announced while a batch generates on v1: that batch finishes on v1 (its
+    log-probabilities are v1's), the next uses v2, and each group says which."""
+    make = lambda: RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))  # noqa: E731
+    queue, store = make(), open_store((tmp_path / "store").as_uri())
+    v1, v2 = learner_policy(tiny_model, 1), learner_policy(tiny_model, 2)
+    publish(store, make(), v1, 1)
+    engine = GatedEngine(str(tiny_model))
+    watcher = AdapterWatcher(make(), StoreSource(store), engine, tmp_path / "cache", poll_s=0.2)
+    watcher.sync()
+    watcher.start()
+    worker = Worker(make(), engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w1", claim_block_s=0.2)
+    loop = threading.Thread(target=worker.work, kwargs={"max_batches": 2})
+    loop.start()
+
+    queue.add_prompts([batch_of(PROMPTS, batch_id="first", max_tokens=160, n=8)])
+    assert engine.started.wait(30)
+    announced_at = time.monotonic()
+    publish(store, make(), v2, 2)  # announced while the first batch is generating
+    deadline = time.monotonic() + 60
+    while watcher.current != 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    queue.add_prompts([batch_of(PROMPTS, batch_id="second", max_tokens=8)])
+    loop.join(timeout=120)
+    watcher.close()
+
+    first_span = engine.spans[0]
+    assert first_span[0] == 1 and first_span[1] < announced_at < first_span[2], "the swap did not overlap a generation"
+    groups = [d.group for d in queue.read_rollouts("t", 100)]
+    assert {(g.batch_id, g.adapter_version) for g in groups} == {("first", 1), ("second", 2)}
+    for g in groups:
+        right, wrong = (v1, v2) if g.adapter_version == 1 else (v2, v1)
+        c = max(g.completions, key=lambda c: len(c.tokens))
+        prompt = g.prompt_tokens.tolist()
+        assert (learner_logps(right, prompt, c.tokens.tolist(), 1.0) - torch.tensor(c.logps)).abs().max() < 1e-3
+        assert (learner_logps(wrong, prompt, c.tokens.tolist(), 1.0) - torch.tensor(c.logps)).abs().max() > 1e-2
+    queue.close()
+
+
+@pytest.mark.redis
+def test_a_failing_reward_is_reported_and_the_worker_goes_on(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    engine = TransformersEngine(str(tiny_model))
+    watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "c")
+    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:broken")]), "w1", claim_block_s=0.2)
+    queue.add_prompts([batch_of(PROMPTS[:1], batch_id="a"), batch_of(PROMPTS[:1], batch_id="b")])
+    assert worker.work(max_batches=2) == 0
+    groups = [d.group for d in queue.read_rollouts("t", 10)]
+    assert len(groups) == 2
+    for g in groups:
+        assert "ZeroDivisionError" in g.error and all(c.reward is None for c in g.completions)  # type: ignore[operator]
+    assert worker.metrics.reward_errors._value.get() == 2
+    queue.close()
+
+
+def _actor_cmd(tiny_model: Path, redis_url: str, run: str, store: Path, worker: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "actors.cli", "run", "--queue", redis_url, "--run", run, "--store", store.as_uri(),
+        "--engine", "transformers", "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
+        "--worker-id", worker, "--lease-timeout-s", "2", "--claim-block-s", "0.5", *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
+def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, timeout: float = 90) -> None:  # type: ignore[type-arg]
+    deadline = time.monotonic() + timeout
+    while queue.stats().leases_by_worker.get(worker, 0) == 0:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the worker never claimed the batch"
+        time.sleep(0.05)
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=4)])
+    victim = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "victim"), cwd=REPO, env=_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_lease(queue, "victim", victim)
+        victim.kill()  # SIGKILL while it holds the lease, mid-batch (the reward takes a second)
+        victim.communicate(timeout=30)
+    finally:
+        if victim.poll() is None:
+            victim.kill()
+            victim.communicate(timeout=30)
+    assert queue.stats().rollouts.length == 0
+    rescuer = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "rescuer"), cwd=REPO, env=_env(),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while queue.stats().rollouts.length < len(PROMPTS):
+            assert rescuer.poll() is None, rescuer.communicate()[0][-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        time.sleep(1.0)  # anything stored twice would show up now
+        rescuer.send_signal(signal.SIGTERM)
+        assert rescuer.wait(timeout=60) == 0
+    finally:
+        if rescuer.poll() is None:
+            rescuer.kill()
+        rescuer.communicate(timeout=30)
+    groups = [d.group for d in queue.read_rollouts("t", 100)]
+    assert len(groups) == len(PROMPTS) == len({g.group_id for g in groups})
+    assert {g.actor_id for g in groups} == {"rescuer"}
+    stats = queue.stats()
+    assert stats.prompts.length == 0 and stats.dead_letters == 0
+    queue.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
+    queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=8, max_tokens=200)])
+    proc = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "spot", "--lease-timeout-s", "600"),
+                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_lease(queue, "spot", proc)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert proc.returncode == 0, out[-3000:]
+    assert time.monotonic() - sent < 20
+    assert "handed lease" in out
+    # handed back, not expired: another worker gets it at once despite the 600 s lease
+    leases = queue.claim("other", 1)
+    assert [lease.batch.batch_id for lease in leases] == ["only"]
+    assert queue.stats().rollouts.length == 0
+    queue.close()
+
+
+def test_test_engines_subclass_the_real_interface() -> None:
+    assert issubclass(GatedEngine, TransformersEngine) and issubclass(TransformersEngine, Engine)
