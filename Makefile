@@ -42,3 +42,4 @@ bench: install
 	$(BIN)/python bench/queue.py
 	$(BIN)/python bench/learner.py
 	$(BIN)/python bench/actor.py
+	$(BIN)/python bench/proxy.py

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     a = run.add_argument
     a("--queue", required=True, help="redis://host:port/db (or https://proxy:port with --token)")
     a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="bearer token for an https:// queue (or SPOTGRPO_TOKEN)")
-    a("--store", help="object store to download adapters from, for a redis:// queue: file:///dir or s3://bucket/prefix")
+    a("--store", help="object store to download adapters from, for a redis:// queue: file:///dir or s3://bucket/prefix "
+                      "(through an https:// proxy the worker needs none)")
     a("--run", default="default", help="run name (must match the learner's --run)")
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.engine import EngineError, open_engine
     from actors.metrics import WorkerMetrics
     from actors.rewards import RewardError, Scorer, load_reward
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
     from actors.worker import Worker
     from protocol import QueueConfig, QueueError, open_queue, open_store
 
@@ -72,9 +73,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
         queue = open_queue(args.queue, QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s), token=args.token)
-        if args.store is None:
+        if args.store is not None:
+            source: AdapterSource = StoreSource(open_store(args.store))
+        elif args.queue.startswith(("https://", "http://")):
+            source = ProxySource(queue)  # presigned downloads: no bucket credentials here
+        else:
             raise ValueError("--store is needed with a redis:// queue (the proxy hands out downloads for https://)")
-        source = StoreSource(open_store(args.store))
     except (RewardError, ValueError) as err:
         print(f"actors run: {err}", file=sys.stderr)
         return 2

@@ -46,6 +46,19 @@ class StoreSource(AdapterSource):
         return self.store.get(adapter_key(manifest.version, name))
 
 
+class ProxySource(AdapterSource):
+    """Through the proxy: presigned URLs, so the worker holds no bucket credentials."""
+
+    def __init__(self, queue: Queue) -> None:
+        fetch = getattr(queue, "fetch_adapter_file", None)
+        if fetch is None:
+            raise ValueError("adapter downloads through the queue need an https:// (proxy) queue")
+        self._fetch = fetch
+
+    def fetch(self, manifest: AdapterManifest, name: str) -> bytes:
+        return self._fetch(manifest.version, name)
+
+
 class AdapterWatcher:
     def __init__(
         self,

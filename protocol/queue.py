@@ -186,8 +186,9 @@ class Queue(abc.ABC):
         """New rollout groups, up to `count`, waiting up to `block_s` for the first."""
 
     @abc.abstractmethod
-    def pending_rollouts(self, consumer: str, count: int) -> list[Delivery]:
-        """Groups read by `consumer` and not yet acknowledged (after a restart)."""
+    def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
+        """Groups read by `consumer` and not yet acknowledged (after a restart), oldest
+        first, starting after delivery id `after`."""
 
     @abc.abstractmethod
     def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:

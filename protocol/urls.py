@@ -1,8 +1,10 @@
-"""Open a queue from the URL a user types: `redis://`, `rediss://` (Redis direct) or,
-once the proxy client lands, `https://` (through the proxy)."""
+"""Open a queue from the URL a user types: `redis://`, `rediss://` (Redis direct) or
+`https://` (through `proxy serve`, with a token; `SPOTGRPO_CA_CERT` names the CA file
+for a self-signed proxy)."""
 
 from __future__ import annotations
 
+import os
 from urllib.parse import urlparse
 
 from protocol.queue import Queue, QueueConfig
@@ -14,8 +16,7 @@ def open_queue(url: str, config: QueueConfig | None = None, token: str | None = 
     if scheme in ("redis", "rediss", "unix"):
         return RedisQueue.from_url(url, config)
     if scheme in ("https", "http"):
-        raise ValueError(
-            f"queue {url!r}: the HTTPS transport (through `proxy serve`) is not in this "
-            "version yet; use redis://host:port/db"
-        )
+        from protocol.http_queue import HttpQueue  # httpx only where it is used
+
+        return HttpQueue(url, token or os.environ.get("SPOTGRPO_TOKEN", ""), config)
     raise ValueError(f"queue {url!r}: use redis://host:port/db or https://proxy:port")

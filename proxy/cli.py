@@ -1,16 +1,104 @@
-"""The `proxy` command."""
+"""The `proxy` command.
+
+`proxy serve --redis redis://… --store s3://… --tokens tokens.toml [--tls-cert C --tls-key K]`
+serves the queue and adapter downloads over HTTPS. `proxy selfsigned` writes a
+certificate and key for local runs.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
+from pathlib import Path
+
+log = logging.getLogger("proxy")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="proxy", description=__doc__)
+    parser = argparse.ArgumentParser(prog="proxy", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("serve", help="Serve the HTTPS proxy in front of Redis and the adapter store.", description="Serve the HTTPS proxy in front of Redis and the adapter store.")
+    serve = sub.add_parser("serve", help="Serve the HTTPS API in front of Redis and the adapter store.",
+                           description="Serve the HTTPS API in front of Redis and the adapter store.")
+    a = serve.add_argument
+    a("--redis", required=True, help="redis://host:port/db")
+    a("--store", required=True, help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed)")
+    a("--tokens", type=Path, default=None, help="tokens TOML file (or the TOML text in SPOTGRPO_TOKENS)")
+    a("--run", default="default", help="run name (the learner's --run)")
+    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    a("--port", type=int, default=8443, help="port (default 8443)")
+    a("--tls-cert", type=Path, help="PEM certificate (chain)")
+    a("--tls-key", type=Path, help="PEM private key")
+    a("--insecure-http", action="store_true", help="serve plain HTTP (only behind a TLS-terminating proxy)")
+    a("--lease-timeout-s", type=float, default=60.0, help="a lease not heartbeated for this long is taken over")
+    a("--max-deliveries", type=int, default=3, help="a batch handed out this often goes to the dead letters")
+    a("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="413 above this")
+    a("--max-messages", type=int, default=512, help="most groups, batches or ids per request")
+    a("--max-long-poll-s", type=float, default=10.0, help="longest wait of a long-poll request")
+    a("--rate-per-s", type=float, default=500.0, help="requests per second per token (burst: twice that)")
+    a("--backlog-limit", type=int, default=100_000, help="503 for submissions while this many groups wait")
+    a("--presign-s", type=int, default=300, help="lifetime of presigned adapter URLs")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    cert = sub.add_parser("selfsigned", help="Write a self-signed certificate and key for local runs.")
+    cert.add_argument("--cert", type=Path, required=True)
+    cert.add_argument("--key", type=Path, required=True)
+    cert.add_argument("--host", action="append", default=None, help="name or IP it is valid for (repeatable; default localhost, 127.0.0.1)")
+    cert.add_argument("--days", type=int, default=30)
     return parser
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from protocol import QueueConfig, RedisQueue, open_store
+    from proxy.app import Context, ProxyLimits, build_app
+    from proxy.auth import TokenError, Tokens
+    from proxy.metrics import ProxyMetrics
+
+    if args.insecure_http == bool(args.tls_cert or args.tls_key):
+        print("proxy serve: give --tls-cert and --tls-key, or --insecure-http (plain HTTP)", file=sys.stderr)
+        return 2
+    if not args.insecure_http and not (args.tls_cert and args.tls_key):
+        print("proxy serve: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
+    try:
+        if args.tokens is not None:
+            tokens = Tokens.from_file(args.tokens)
+        elif os.environ.get("SPOTGRPO_TOKENS"):
+            tokens = Tokens.from_toml(os.environ["SPOTGRPO_TOKENS"], "SPOTGRPO_TOKENS")
+        else:
+            raise TokenError("give --tokens FILE or set SPOTGRPO_TOKENS")
+        config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s, max_deliveries=args.max_deliveries)
+        queue = RedisQueue.from_url(args.redis, config)
+        store = open_store(args.store)
+    except (TokenError, ValueError, OSError) as err:
+        print(f"proxy serve: {err}", file=sys.stderr)
+        return 2
+    limits = ProxyLimits(
+        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_long_poll_s=args.max_long_poll_s,
+        rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,
+    )
+    app = build_app(Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics()))
+    log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
+             args.host, args.port, len(tokens.tokens))
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
+        ssl_keyfile=str(args.tls_key) if args.tls_key else None,
+        timeout_keep_alive=30, timeout_graceful_shutdown=2,
+    )
+    queue.close()
+    return 0
+
+
+def selfsigned(args: argparse.Namespace) -> int:
+    from proxy.tls import write_self_signed
+
+    write_self_signed(args.cert, args.key, args.host or ["localhost", "127.0.0.1"], args.days)
+    print(f"wrote {args.cert} and {args.key}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    # The spine ships the command's shape; its body arrives with its own issue.
-    print(f"proxy {args.command}: not implemented yet in this version of spotgrpo", file=sys.stderr)
-    return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    return serve(args) if args.command == "serve" else selfsigned(args)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@ a real Redis and fakeredis."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -193,3 +195,109 @@ def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"adapters-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+# -------------------------------------------------------------------- proxy fixtures
+
+TOKENS = {
+    "actor": "actor-secret-for-tests-0123456789-abcdef",
+    "learner": "learner-secret-for-tests-0123456789-abcd",
+    "admin": "admin-secret-for-tests-0123456789-abcdefg",
+}
+
+
+@pytest.fixture(scope="session")
+def tls_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from proxy.tls import write_self_signed
+
+    folder = tmp_path_factory.mktemp("tls")
+    write_self_signed(folder / "cert.pem", folder / "key.pem", ["localhost", "127.0.0.1"])
+    return folder / "cert.pem", folder / "key.pem"
+
+
+@pytest.fixture(scope="session")
+def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("tokens") / "tokens.toml"
+    path.write_text("".join(
+        f'[[tokens]]\nname = "{role}-token"\nrole = "{role}"\nsecret = "{secret}"\n' for role, secret in TOKENS.items()
+    ))
+    return path
+
+
+class ProxyProcess:
+    """`proxy serve` as a user runs it, over real TLS on loopback; stopped by its pid."""
+
+    def __init__(self, redis_url: str, store: str, run: str, tls: tuple[Path, Path], tokens: Path,
+                 env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> None:
+        self.port = free_port()
+        self.cmd = [
+            sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_url, "--store", store, "--run", run,
+            "--tokens", str(tokens), "--port", str(self.port), "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]),
+            *extra,
+        ]
+        self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
+        self.ca = str(tls[0])
+        self.log = Path(tls[0]).parent / f"proxy-{self.port}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}"
+
+    def start(self) -> ProxyProcess:
+        import httpx
+
+        with self.log.open("ab") as log:  # a file, not a pipe nobody reads (it would fill and block)
+            self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", verify=self.ssl(), timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"proxy did not start: {self.log.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def ssl(self):  # type: ignore[no-untyped-def]
+        import ssl
+
+        return ssl.create_default_context(cafile=self.ca)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def queue(self, role: str, **config: object):  # type: ignore[no-untyped-def]
+        from protocol.http_queue import HttpQueue
+
+        run = self.cmd[self.cmd.index("--run") + 1]
+        return HttpQueue(self.url, TOKENS[role], QueueConfig(run=run, **config), verify=self.ca)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def make_proxy(redis_server: RedisServer, run_name: str, tls_pair, tokens_file, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """`make_proxy(store=..., extra=(...))` -> a started ProxyProcess on the session's Redis."""
+    started: list[ProxyProcess] = []
+
+    def make(store: str | None = None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
+             redis_url: str | None = None) -> ProxyProcess:
+        proxy = ProxyProcess(redis_url or redis_server.url, store or (tmp_path / "store").as_uri(), run_name,
+                             tls_pair, tokens_file, env, extra)
+        started.append(proxy)
+        return proxy.start()
+
+    yield make
+    for proxy in started:
+        proxy.stop()

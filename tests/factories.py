@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import random
 import time
+from pathlib import Path
 
 from protocol import (
     AdapterFile,
@@ -84,3 +87,12 @@ def manifest(version: int = 1, step: int = 0) -> AdapterManifest:
         ],
         created_at=time.time(),
     )
+
+
+def write_dataset(path: Path, n: int = 200, seed: int = 0) -> Path:
+    """A JSON Lines prompt data set for the toy task (five letters and a colon)."""
+    rng = random.Random(seed)
+    with path.open("w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": "".join(rng.choice("abcdefgh") for _ in range(5)) + ":", "idx": i}) + "\n")
+    return path

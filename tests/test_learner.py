@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import signal
 import subprocess
@@ -18,6 +17,7 @@ import fakeredis
 import numpy as np
 import pytest
 import torch
+from factories import write_dataset
 from rollouts import SyntheticActor
 
 from learner.cli import main as learner_main
@@ -43,14 +43,6 @@ REPO = Path(__file__).resolve().parents[1]
 def digit_first(_prompt: list[int], _tokens: list[int], text: str) -> float:
     """The toy task: 1 when the completion starts with a digit (about 1 in 6 at random)."""
     return 1.0 if text[:1].isdigit() else 0.0
-
-
-def write_dataset(path: Path, n: int = 200, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    with path.open("w") as f:
-        for i in range(n):
-            f.write(json.dumps({"prompt": "".join(rng.choice("abcdefgh") for _ in range(5)) + ":", "idx": i}) + "\n")
-    return path
 
 
 def fake_queue_factory(run: str):  # type: ignore[no-untyped-def]

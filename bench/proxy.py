@@ -1,0 +1,184 @@
+"""Rollout-group submissions through the proxy over TLS, next to Redis direct.
+
+A private redis-server and one `proxy serve` process (TLS, self-signed) on loopback.
+Each submission carries one rollout group of about 32 KB (8 completions of 512
+tokens) against a lease claimed beforehand, from 1, 8 and 64 concurrent client
+threads; the same submissions go straight to Redis through `RedisQueue` in the same
+run. Prints groups/s, p50/p99 latency and the proxy/direct ratio.
+
+Usage: python bench/proxy.py [--groups 1500] [--clients 1 8 64]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# run as a script, this folder would come first on the path and shadow packages
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import os
+import shutil
+import socket
+import ssl
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+
+import httpx
+import redis
+
+from protocol import (
+    Completion,
+    Prompt,
+    PromptBatch,
+    QueueConfig,
+    RedisQueue,
+    RolloutGroup,
+    encode,
+    group_id_for,
+    pack_i32,
+)
+from protocol.http_queue import HttpQueue
+from proxy.tls import write_self_signed
+
+TOKENS = {"actor": "a" * 40, "learner": "l" * 40}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_group(batch: PromptBatch, worker: str) -> RolloutGroup:
+    prompt = batch.prompts[0]
+    completions = [Completion.of(list(range(512)), [-0.5] * 512, finish_reason="length", reward=1.0) for _ in range(8)]
+    return RolloutGroup(
+        group_id=group_id_for(batch.batch_id, prompt.id), batch_id=batch.batch_id, prompt_id=prompt.id,
+        adapter_version=0, actor_id=worker, prompt_token_ids=prompt.token_ids, completions=completions,
+    )
+
+
+def prepare(queue: RedisQueue, n: int, clients: int, tag: str) -> list[list[tuple[str, RolloutGroup]]]:
+    """n one-prompt batches, claimed beforehand, split among the clients."""
+    batches = [
+        PromptBatch(batch_id=f"{tag}-{i}", prompts=[Prompt(id="p", token_ids=pack_i32([1, 2, 3]))], num_generations=8,
+                    learner_version=0, issued_at=time.time())
+        for i in range(n)
+    ]
+    queue.add_prompts(batches)
+    work: list[list[tuple[str, RolloutGroup]]] = [[] for _ in range(clients)]
+    for c in range(clients):
+        share = n // clients + (1 if c < n % clients else 0)
+        for lease in queue.claim(f"{tag}-w{c}", share) if share else []:
+            work[c].append((lease.lease_id, make_group(lease.batch, f"{tag}-w{c}")))
+    return work
+
+
+def run(make_queue, work: list[list[tuple[str, RolloutGroup]]], tag: str) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    latencies: list[float] = []
+    lock = threading.Lock()
+    barrier = threading.Barrier(len(work) + 1)
+
+    def client(c: int) -> None:
+        q = make_queue()
+        mine = []
+        barrier.wait()
+        for lease_id, group in work[c]:
+            t = time.perf_counter()
+            q.submit(f"{tag}-w{c}", lease_id, [group])
+            mine.append(time.perf_counter() - t)
+        with lock:
+            latencies.extend(mine)
+        q.close()
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(len(work))]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    started = time.perf_counter()
+    for t in threads:
+        t.join()
+    return len(latencies) / (time.perf_counter() - started), latencies
+
+
+def pct(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100)[int(q) - 1] * 1000 if len(values) > 1 else values[0] * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--groups", type=int, default=1500)
+    parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
+    args = parser.parse_args()
+    tmp = Path(tempfile.mkdtemp())
+    redis_port, proxy_port = free_port(), free_port()
+    redis_proc = subprocess.Popen(
+        [shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
+         "--appendonly", "no"], stdout=subprocess.DEVNULL,
+    )
+    write_self_signed(tmp / "cert.pem", tmp / "key.pem", ["127.0.0.1"])
+    (tmp / "tokens.toml").write_text("".join(
+        f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in TOKENS.items()))
+    run_name = f"bench-{uuid.uuid4().hex[:6]}"
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    proxy_proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_url, "--store", (tmp / "store").as_uri(),
+         "--run", run_name, "--tokens", str(tmp / "tokens.toml"), "--port", str(proxy_port),
+         "--tls-cert", str(tmp / "cert.pem"), "--tls-key", str(tmp / "key.pem"), "--rate-per-s", "1000000",
+         "--max-long-poll-s", "1", "--log-level", "warning"],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    url = f"https://127.0.0.1:{proxy_port}"
+    ctx = ssl.create_default_context(cafile=str(tmp / "cert.pem"))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz", verify=ctx, timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        config = QueueConfig(run=run_name, lease_timeout_s=600)
+        setup = RedisQueue(redis.Redis(port=redis_port), config)
+        sample = PromptBatch(batch_id="x", prompts=[Prompt(id="p", token_ids=pack_i32([1]))], num_generations=1,
+                             learner_version=0, issued_at=time.time())
+        size = len(encode(make_group(sample, "w")))
+        print(f"one proxy process (uvicorn, TLS) and one redis-server on loopback, {os.cpu_count()} cores shared with "
+              f"the clients; {args.groups} submissions of one {size / 1024:.0f} KB group each per row")
+        print(f"{'clients':>7} {'transport':>9} {'groups/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'ratio':>6}")
+        for clients in args.clients:
+            rows = {}
+            for transport in ("direct", "proxy"):
+                tag = f"{transport}{clients}"
+                work = prepare(setup, args.groups, clients, tag)
+                if transport == "direct":
+                    def make_queue():  # type: ignore[no-untyped-def]
+                        return RedisQueue(redis.Redis(port=redis_port), config)
+                else:
+                    def make_queue():  # type: ignore[no-untyped-def]
+                        return HttpQueue(url, TOKENS["actor"], config, verify=ctx)
+                rate, lat = run(make_queue, work, tag)
+                rows[transport] = rate
+                ratio = f"{rate / rows['direct']:.2f}" if transport == "proxy" else ""
+                print(f"{clients:>7} {transport:>9} {rate:>9.0f} {pct(lat, 50):>7.2f} {pct(lat, 99):>7.2f} {ratio:>6}")
+                while setup.read_rollouts("bench-learner", 1000):  # keep the stream from growing
+                    pass
+        setup.close()
+    finally:
+        proxy_proc.terminate()
+        proxy_proc.wait(timeout=10)
+        redis_proc.terminate()
+        redis_proc.wait(timeout=10)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""Request and response bodies of the proxy's HTTP API (MessagePack, `application/vnd.msgpack`).
+
+Each is a typed message with a `type` tag and a `schema` version, like the stream
+messages, and carries those messages (`PromptBatch`, `RolloutGroup`, `AdapterManifest`)
+inside it, validated the same way. The queue's result records (`Lease`, `Delivery`,
+`SubmitResult`, ...) travel as they are. `decode_body` raises `ProtocolError` (only),
+with the offending field first; the proxy turns it into a 400.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Annotated, Any
+
+import msgspec
+
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    DEFAULT_LIMITS,
+    SCHEMA_VERSION,
+    AdapterManifest,
+    Ident,
+    Limits,
+    NonNegInt,
+    PosInt,
+    PromptBatch,
+    RolloutGroup,
+    _check_limits,
+    _check_schema,
+    _field_path,
+)
+from protocol.queue import AdapterEvent, DeadLetter, Delivery, Lease, QueueStats, SubmitResult
+
+CONTENT_TYPE = "application/vnd.msgpack"
+ACCEPTED_CONTENT_TYPES = frozenset({CONTENT_TYPE, "application/msgpack", "application/x-msgpack"})
+
+MAX_ITEMS = 4096
+"""Upper bound on the entries of any list in a body; the proxy applies a lower limit."""
+
+EntryId = Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$")]
+"""A Redis stream entry id (lease ids, delivery ids and event ids are all of this form)."""
+BlockS = Annotated[float, msgspec.Meta(ge=0.0, le=60.0)]
+Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_ITEMS)]
+
+
+class _Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    schema: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+
+
+# ----------------------------------------------------------------- actor routes
+
+
+class ClaimRequest(_Body, tag="claim"):
+    worker: Ident
+    count: Count = 1
+    block_s: BlockS = 0.0
+    """Long-poll: wait up to this long for a batch (the proxy may cap it)."""
+
+
+class ClaimResponse(_Body, tag="leases"):
+    leases: list[Lease]
+
+
+class HeartbeatRequest(_Body, tag="heartbeat"):
+    worker: Ident
+    lease_ids: Annotated[list[EntryId], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
+class HeartbeatResponse(_Body, tag="held"):
+    lease_ids: list[str]
+
+
+class SubmitRequest(_Body, tag="submit"):
+    worker: Ident
+    lease_id: EntryId
+    groups: Annotated[list[RolloutGroup], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
+
+
+class SubmitResponse(_Body, tag="submitted"):
+    result: SubmitResult
+
+
+class ReleaseRequest(_Body, tag="release"):
+    worker: Ident
+    lease_id: EntryId
+
+
+class ReleaseResponse(_Body, tag="released"):
+    released: bool
+
+
+class AdapterDownload(_Body, tag="adapter_download"):
+    """Where to fetch each file of an adapter version: short-lived presigned URLs, or
+    the proxy's own file route (which needs the actor's token) for a file:// store."""
+
+    manifest: AdapterManifest
+    urls: dict[str, str]
+    proxied: bool
+    """True when the URLs are the proxy's own and need the bearer token."""
+
+
+# --------------------------------------------------------------- learner routes
+
+
+class AddPromptsRequest(_Body, tag="add_prompts"):
+    batches: Annotated[list[PromptBatch], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
+
+
+class AddPromptsResponse(_Body, tag="added"):
+    added: NonNegInt
+
+
+class ReadRolloutsRequest(_Body, tag="read_rollouts"):
+    consumer: Ident
+    count: Count = 1
+    block_s: BlockS = 0.0
+    pending: bool = False
+    """Read the consumer's pending (delivered, unacknowledged) groups instead of new ones."""
+    after: str = "0"
+
+
+class RolloutsResponse(_Body, tag="rollouts"):
+    deliveries: list[Delivery]
+
+
+class AckRequest(_Body, tag="ack"):
+    delivery_ids: Annotated[list[EntryId], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
+class AckResponse(_Body, tag="acked"):
+    acked: NonNegInt
+
+
+class AnnounceRequest(_Body, tag="announce"):
+    manifest: AdapterManifest
+
+
+class AnnounceResponse(_Body, tag="announced"):
+    event_id: str
+
+
+class LatestAdapterResponse(_Body, tag="latest_adapter"):
+    manifest: AdapterManifest | None
+
+
+class AdapterEventsResponse(_Body, tag="adapter_events"):
+    events: list[AdapterEvent]
+
+
+class DeadLettersResponse(_Body, tag="dead_letters"):
+    entries: list[DeadLetter]
+
+
+class StatsResponse(_Body, tag="stats"):
+    stats: QueueStats
+
+
+class ErrorResponse(_Body, tag="error"):
+    status: PosInt
+    error: str
+
+
+REQUESTS = (
+    ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, AddPromptsRequest,
+    ReadRolloutsRequest, AckRequest, AnnounceRequest,
+)  # fmt: skip
+RESPONSES = (
+    ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, AdapterDownload,
+    AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
+    AdapterEventsResponse, DeadLettersResponse, StatsResponse, ErrorResponse,
+)  # fmt: skip
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+@cache
+def _decoder(cls: type) -> msgspec.msgpack.Decoder[Any]:
+    return msgspec.msgpack.Decoder(cls)
+
+
+def encode_body(body: _Body) -> bytes:
+    return _ENCODER.encode(body)
+
+
+def decode_body(data: bytes, cls: type[Any], limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Parse and validate one body of type `cls`, nested messages included."""
+    if len(data) > limits.max_message_bytes:
+        raise ProtocolError(f"body: {len(data)} bytes exceed the limit of {limits.max_message_bytes}")
+    try:
+        body = _decoder(cls).decode(data)
+    except ProtocolError:
+        raise
+    except msgspec.MsgspecError as err:
+        raise ProtocolError(_field_path(err)) from None
+    except RecursionError:
+        raise ProtocolError("body: nested too deeply") from None
+    for msg in _nested(body):
+        _check_limits(msg, limits)
+    return body
+
+
+def _nested(body: Any) -> list[Any]:
+    if isinstance(body, SubmitRequest):
+        return list(body.groups)
+    if isinstance(body, AddPromptsRequest):
+        return list(body.batches)
+    if isinstance(body, ClaimResponse):
+        return [lease.batch for lease in body.leases]
+    if isinstance(body, RolloutsResponse):
+        return [d.group for d in body.deliveries]
+    return []
+
+
+def schema_components() -> tuple[dict[str, Any], dict[str, Any]]:
+    """JSON Schemas of every body, for the OpenAPI document: ({name: ref}, components)."""
+    refs, components = msgspec.json.schema_components(
+        REQUESTS + RESPONSES, ref_template="#/components/schemas/{name}"
+    )
+    return {cls.__name__: ref for cls, ref in zip(REQUESTS + RESPONSES, refs, strict=True)}, components

@@ -1,0 +1,336 @@
+"""The queue over HTTPS, through `proxy serve`: the same `Queue` as Redis direct.
+
+httpx with keep-alive and timeouts. Connection errors, 429 and 503 are retried with
+capped exponential backoff (honouring Retry-After) for up to `retry_s`; after that the
+call raises `QueueUnavailable`, like the Redis transport, and the caller's own backoff
+takes over. Every route is idempotent or safe to repeat (groups and batches are stored
+by id; a claim whose answer was lost leaves a lease that expires and is claimed again),
+except reading rollouts, whose lost answers are recovered from the pending list on the
+next read, as the Redis transport does.
+
+Adapter announcements arrive as server-sent events (`subscribe_adapters`), resumed
+with Last-Event-ID after a dropped connection; adapter files come from presigned URLs
+(no bucket credentials needed) or the proxy itself (`fetch_adapter_file`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import os
+import queue as stdqueue
+import ssl
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import httpx
+
+from protocol.errors import (
+    LeaseMismatch,
+    ProtocolError,
+    QueueError,
+    QueueUnavailable,
+    VersionConflict,
+)
+from protocol.http import (
+    CONTENT_TYPE,
+    AckRequest,
+    AckResponse,
+    AdapterDownload,
+    AdapterEventsResponse,
+    AddPromptsRequest,
+    AddPromptsResponse,
+    AnnounceRequest,
+    AnnounceResponse,
+    ClaimRequest,
+    ClaimResponse,
+    DeadLettersResponse,
+    ErrorResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LatestAdapterResponse,
+    ReadRolloutsRequest,
+    ReleaseRequest,
+    ReleaseResponse,
+    RolloutsResponse,
+    StatsResponse,
+    SubmitRequest,
+    SubmitResponse,
+    decode_body,
+    encode_body,
+)
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, decode
+from protocol.queue import (
+    AdapterEvent,
+    AdapterSubscription,
+    DeadLetter,
+    Delivery,
+    Lease,
+    Queue,
+    QueueConfig,
+    QueueStats,
+    SubmitResult,
+)
+from protocol.store import StoreError, StoreMissing
+
+log = logging.getLogger(__name__)
+
+
+class QueueForbidden(QueueError, PermissionError):
+    """The proxy refused the token (401) or its role (403): retrying will not help."""
+
+
+class HttpQueue(Queue):
+    def __init__(
+        self,
+        url: str,
+        token: str,
+        config: QueueConfig | None = None,
+        *,
+        verify: str | bool | ssl.SSLContext | None = None,
+        retry_s: float = 30.0,
+        timeout_s: float = 30.0,
+    ) -> None:
+        if not token:
+            raise ValueError("an https:// queue needs a token (--token or SPOTGRPO_TOKEN)")
+        self.config = config or QueueConfig()
+        self.url = url.rstrip("/")
+        self.retry_s = retry_s
+        if verify is None:  # a private CA or a self-signed proxy certificate
+            verify = os.environ.get("SPOTGRPO_CA_CERT") or True
+        if isinstance(verify, str):
+            verify = ssl.create_default_context(cafile=verify)
+        self._verify = verify
+        self.client = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE},
+            verify=verify,
+            timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+        )
+        self._received: dict[str, set[str]] = {}
+        self._resync: set[str] = set()
+        self._subscriptions: list[SseSubscription] = []
+
+    # ------------------------------------------------------------------ plumbing
+    def _call(self, method: str, path: str, response: type, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+        content = encode_body(body) if body is not None else None
+        headers = {"Content-Type": CONTENT_TYPE} if content is not None else None
+        deadline, backoff = time.monotonic() + self.retry_s, 0.25
+        while True:
+            try:
+                r = self.client.request(method, path, content=content, headers=headers, params=params)
+            except httpx.TransportError as err:
+                problem, wait = f"{type(err).__name__}: {err}", backoff
+            else:
+                if r.status_code == 200:
+                    return decode_body(r.content, response)
+                message = _error_text(r)
+                if r.status_code in (429, 502, 503, 504):
+                    problem, wait = f"{r.status_code} {message}", _retry_after(r, backoff)
+                else:
+                    raise _error(r.status_code, message, path)
+            if time.monotonic() + wait > deadline:
+                raise QueueUnavailable(f"{self.url}{path}: {problem}")
+            log.debug("%s %s: %s; retrying in %.2fs", method, path, problem, wait)
+            time.sleep(wait)
+            backoff = min(backoff * 2, 5.0)
+
+    # -------------------------------------------------------------------- prompts
+    def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
+        if not batches:
+            return 0
+        return self._call("POST", "/v1/prompts", AddPromptsResponse, AddPromptsRequest(batches=list(batches))).added
+
+    def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
+        return self._call("POST", "/v1/leases/claim", ClaimResponse, ClaimRequest(worker=worker, count=count, block_s=block_s)).leases
+
+    def heartbeat(self, worker: str, lease_ids: Sequence[str]) -> list[str]:
+        body = HeartbeatRequest(worker=worker, lease_ids=list(lease_ids))
+        return self._call("POST", "/v1/leases/heartbeat", HeartbeatResponse, body).lease_ids
+
+    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
+        body = SubmitRequest(worker=worker, lease_id=lease_id, groups=list(groups))
+        return self._call("POST", "/v1/leases/submit", SubmitResponse, body).result
+
+    def release(self, worker: str, lease_id: str) -> bool:
+        body = ReleaseRequest(worker=worker, lease_id=lease_id)
+        return self._call("POST", "/v1/leases/release", ReleaseResponse, body).released
+
+    # ------------------------------------------------------------------- rollouts
+    def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
+        received = self._received.setdefault(consumer, set())
+        if consumer in self._resync:  # an earlier answer may have been lost on the way
+            missed = [d for d in self.pending_rollouts(consumer, count) if d.delivery_id not in received]
+            self._resync.discard(consumer)
+            if missed:
+                received.update(d.delivery_id for d in missed)
+                return missed
+        body = ReadRolloutsRequest(consumer=consumer, count=count, block_s=block_s)
+        try:
+            deliveries = self._call("POST", "/v1/rollouts/read", RolloutsResponse, body).deliveries
+        except QueueUnavailable:
+            self._resync.add(consumer)
+            raise
+        received.update(d.delivery_id for d in deliveries)
+        return deliveries
+
+    def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
+        body = ReadRolloutsRequest(consumer=consumer, count=count, pending=True, after=after)
+        return self._call("POST", "/v1/rollouts/read", RolloutsResponse, body).deliveries
+
+    def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:
+        ids = list(delivery_ids)
+        acked = 0
+        for i in range(0, len(ids), 256):
+            chunk = ids[i : i + 256]
+            acked += self._call("POST", "/v1/rollouts/ack", AckResponse, AckRequest(delivery_ids=chunk)).acked
+            for received in self._received.values():
+                received.difference_update(chunk)
+        return acked
+
+    def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
+        return self._call("GET", "/v1/dead-letters", DeadLettersResponse, params={"after": after, "count": count}).entries
+
+    # ------------------------------------------------------------------- adapters
+    def announce(self, manifest: AdapterManifest) -> str:
+        return self._call("POST", "/v1/adapters/announce", AnnounceResponse, AnnounceRequest(manifest=manifest)).event_id
+
+    def latest_adapter(self) -> AdapterManifest | None:
+        return self._call("GET", "/v1/adapters/latest", LatestAdapterResponse).manifest
+
+    def adapter_events(self, after: str = "0", count: int = 100, block_s: float = 0.0) -> list[AdapterEvent]:
+        params = {"after": after, "count": count, "block_ms": int(block_s * 1000)}
+        return self._call("GET", "/v1/adapters/history", AdapterEventsResponse, params=params).events
+
+    def subscribe_adapters(self) -> AdapterSubscription:
+        sub = SseSubscription(self.client, "/v1/adapters/events")
+        self._subscriptions.append(sub)
+        return sub
+
+    def fetch_adapter_file(self, version: int, name: str) -> bytes:
+        """One file of an adapter: from its presigned URL, or from the proxy itself.
+        Raises StoreError (StoreMissing for a version or file that does not exist)."""
+        try:
+            download = self._call("GET", f"/v1/adapters/{version}", AdapterDownload)
+        except QueueError as err:
+            if "404" in str(err):
+                raise StoreMissing(f"adapter v{version}: {err}") from None
+            raise StoreError(f"adapter v{version}: {err}") from err
+        url = download.urls.get(name)
+        if url is None:
+            raise StoreMissing(f"adapter v{version} has no file {name}")
+        try:
+            if download.proxied and url.startswith("/"):
+                r = self.client.get(url)
+            else:  # presigned: no proxy token goes to the bucket
+                r = httpx.get(url, timeout=60.0, verify=self._verify)
+        except httpx.TransportError as err:
+            raise StoreError(f"adapter v{version}/{name}: {err}") from err
+        if r.status_code == 404:
+            raise StoreMissing(f"adapter v{version}/{name}: 404")
+        if r.status_code != 200:
+            raise StoreError(f"adapter v{version}/{name}: HTTP {r.status_code}")
+        return r.content
+
+    # ------------------------------------------------------------------- everyone
+    def stats(self) -> QueueStats:
+        return self._call("GET", "/v1/stats", StatsResponse).stats
+
+    def close(self) -> None:
+        for sub in self._subscriptions:
+            sub.close()
+        self.client.close()
+
+
+def _error_text(r: httpx.Response) -> str:
+    with contextlib.suppress(ProtocolError):
+        return decode_body(r.content, ErrorResponse).error
+    return r.text[:200]
+
+
+def _retry_after(r: httpx.Response, default: float) -> float:
+    try:
+        return min(30.0, max(0.05, float(r.headers.get("retry-after", default))))
+    except ValueError:
+        return default
+
+
+def _error(status: int, message: str, path: str) -> QueueError | ProtocolError:
+    if status in (400, 413, 415):
+        return ProtocolError(message)
+    if status in (401, 403):
+        return QueueForbidden(f"{status} {path}: {message}")
+    if status == 409:
+        return VersionConflict(message) if "announce" in path else LeaseMismatch(message)
+    return QueueError(f"{status} {path}: {message}")
+
+
+class SseSubscription(AdapterSubscription):
+    """Adapter announcements from the proxy's event stream, read by a background thread
+    that reconnects with Last-Event-ID, so a dropped connection loses nothing."""
+
+    def __init__(self, client: httpx.Client, path: str) -> None:
+        self.client, self.path = client, path
+        self.last_event_id: str | None = None
+        self._items: stdqueue.Queue[AdapterManifest] = stdqueue.Queue(maxsize=1000)
+        self._stop = threading.Event()
+        self._response: httpx.Response | None = None
+        self._thread = threading.Thread(target=self._run, name="adapter-events", daemon=True)
+        self._thread.start()
+
+    def get(self, timeout_s: float) -> AdapterManifest | None:
+        try:
+            return self._items.get(timeout=timeout_s)
+        except stdqueue.Empty:
+            return None
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._response is not None:
+            with contextlib.suppress(Exception):
+                self._response.close()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        backoff = 0.25
+        while not self._stop.is_set():
+            headers = {"Accept": "text/event-stream"}
+            if self.last_event_id is not None:
+                headers["Last-Event-ID"] = self.last_event_id
+            try:
+                with self.client.stream("GET", self.path, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0)) as r:
+                    self._response = r
+                    if r.status_code != 200:
+                        raise QueueError(f"events: HTTP {r.status_code}")
+                    backoff = 0.25
+                    for event_id, data in _sse_events(r.iter_lines()):
+                        manifest = decode(base64.b64decode(data))
+                        if isinstance(manifest, AdapterManifest):
+                            self._items.put(manifest)
+                        self.last_event_id = event_id
+            except (httpx.HTTPError, QueueError, ProtocolError, ValueError) as err:
+                if self._stop.is_set():
+                    return
+                log.debug("adapter events: %s; reconnecting in %.2fs", err, backoff)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+
+def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
+    """(id, data) of each event in a text/event-stream (comments and blank keep-alives skipped)."""
+    event_id, data = "", []
+    for line in lines:
+        if not line:
+            if data:
+                yield event_id, "".join(data)
+            event_id, data = "", []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("id:"):
+            event_id = line[3:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].strip())

@@ -1,0 +1,502 @@
+"""The proxy's HTTP API: a Starlette app in front of the queue and the adapter store.
+
+Stateless: every request is served from Redis and the store, so any number of proxies
+can run behind a load balancer and a restarted one loses nothing. Leases are taken over
+and poison batches dead-lettered inside the queue's claim, so no janitor is needed.
+
+Each route is declared once in `ROUTES` with the roles that may call it, its request
+and response bodies and its handler; the app, the auth checks and `/openapi.json` are
+all generated from that table, so a route cannot exist without its roles.
+
+Errors: 400 malformed body (the protocol error's text), 401 no or unknown token, 403
+wrong role, 404, 408 body too slow, 409 lease or version conflict, 413 body too large,
+415 wrong content type, 429 over the token's rate (Retry-After), 503 Redis down or the
+rollout backlog over its limit (Retry-After). Every error body is an `ErrorResponse`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from protocol import (
+    LeaseMismatch,
+    ProtocolError,
+    Queue,
+    QueueUnavailable,
+    VersionConflict,
+    encode,
+)
+from protocol.http import (
+    ACCEPTED_CONTENT_TYPES,
+    CONTENT_TYPE,
+    AckRequest,
+    AckResponse,
+    AdapterDownload,
+    AdapterEventsResponse,
+    AddPromptsRequest,
+    AddPromptsResponse,
+    AnnounceRequest,
+    AnnounceResponse,
+    ClaimRequest,
+    ClaimResponse,
+    DeadLettersResponse,
+    ErrorResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LatestAdapterResponse,
+    ReadRolloutsRequest,
+    ReleaseRequest,
+    ReleaseResponse,
+    RolloutsResponse,
+    StatsResponse,
+    SubmitRequest,
+    SubmitResponse,
+    decode_body,
+    encode_body,
+    schema_components,
+)
+from protocol.messages import DEFAULT_LIMITS, Limits
+from protocol.store import FileStore, Store, StoreError, StoreMissing, adapter_key
+from proxy.auth import Role, Token, Tokens
+from proxy.metrics import MetricsMiddleware, ProxyMetrics
+
+log = logging.getLogger(__name__)
+
+_FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_ENTRY_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    max_body_bytes: int = 16 * 1024 * 1024
+    """413 above this."""
+    max_messages: int = 512
+    """Most groups, batches or ids in one request."""
+    max_long_poll_s: float = 10.0
+    """Long-polls (claim, read, events) wait at most this long per request."""
+    rate_per_s: float = 500.0
+    """Sustained requests per second per token (token bucket)."""
+    burst: float = 1000.0
+    backlog_limit: int = 100_000
+    """503 for submissions while more rollout groups than this wait for the learner."""
+    body_timeout_s: float = 30.0
+    """408 when a client takes longer than this to send its body."""
+    presign_s: int = 300
+    """Lifetime of presigned adapter URLs."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    body = encode_body(ErrorResponse(status=status, error=message))
+    return Response(body, status_code=status, media_type=CONTENT_TYPE, headers=headers)
+
+
+class RateLimiter:
+    """Token bucket per token name (the event loop is single-threaded: no lock)."""
+
+    def __init__(self, rate: float, burst: float) -> None:
+        self.rate, self.burst = rate, burst
+        self._buckets: dict[str, tuple[float, float]] = {}
+
+    def retry_after(self, name: str) -> float:
+        """0 if the request may go ahead (and is counted), else seconds to wait."""
+        now = time.monotonic()
+        level, last = self._buckets.get(name, (self.burst, now))
+        level = min(self.burst, level + (now - last) * self.rate)
+        if level < 1.0:
+            self._buckets[name] = (level, now)
+            return (1.0 - level) / self.rate
+        self._buckets[name] = (level - 1.0, now)
+        return 0.0
+
+
+@dataclass
+class Context:
+    queue: Queue
+    store: Store
+    tokens: Tokens
+    limits: ProxyLimits
+    metrics: ProxyMetrics
+    wire_limits: Limits = DEFAULT_LIMITS
+    rate: RateLimiter = field(init=False)
+    _backlog: tuple[float, int] = (0.0, 0)
+
+    def __post_init__(self) -> None:
+        self.rate = RateLimiter(self.limits.rate_per_s, self.limits.burst)
+
+    def block(self, requested: float) -> float:
+        return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)
+
+    def backlog(self) -> int:
+        """Waiting rollout groups, re-read at most once a second."""
+        at, value = self._backlog
+        if time.monotonic() - at > 1.0:
+            value = self.queue.stats().rollouts.waiting
+            self._backlog = (time.monotonic(), value)
+        return value
+
+    def check_count(self, what: str, n: int) -> None:
+        if n > self.limits.max_messages:
+            raise ApiError(413, f"{what}: {n} entries exceed this proxy's limit of {self.limits.max_messages}")
+
+
+# --------------------------------------------------------------------- handlers
+# Plain functions run in a worker thread: (ctx, token, body, request params) -> response body.
+
+
+def claim(ctx: Context, token: Token, body: ClaimRequest, params: dict[str, str]) -> ClaimResponse:
+    ctx.check_count("count", body.count)
+    return ClaimResponse(leases=ctx.queue.claim(body.worker, body.count, ctx.block(body.block_s)))
+
+
+def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[str, str]) -> HeartbeatResponse:
+    ctx.check_count("lease_ids", len(body.lease_ids))
+    return HeartbeatResponse(lease_ids=ctx.queue.heartbeat(body.worker, body.lease_ids))
+
+
+def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, str]) -> SubmitResponse:
+    ctx.check_count("groups", len(body.groups))
+    if ctx.backlog() > ctx.limits.backlog_limit:
+        ctx.metrics.backpressure.inc()
+        raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
+    return SubmitResponse(result=ctx.queue.submit(body.worker, body.lease_id, body.groups))
+
+
+def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, str]) -> ReleaseResponse:
+    return ReleaseResponse(released=ctx.queue.release(body.worker, body.lease_id))
+
+
+def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
+    ctx.check_count("batches", len(body.batches))
+    return AddPromptsResponse(added=ctx.queue.add_prompts(body.batches))
+
+
+def read_rollouts(ctx: Context, token: Token, body: ReadRolloutsRequest, params: dict[str, str]) -> RolloutsResponse:
+    ctx.check_count("count", body.count)
+    if body.pending:
+        if body.after != "0" and not _ENTRY_ID.match(body.after):
+            raise ApiError(400, "after: not a stream entry id")
+        return RolloutsResponse(deliveries=ctx.queue.pending_rollouts(body.consumer, body.count, body.after))
+    return RolloutsResponse(deliveries=ctx.queue.read_rollouts(body.consumer, body.count, ctx.block(body.block_s)))
+
+
+def ack(ctx: Context, token: Token, body: AckRequest, params: dict[str, str]) -> AckResponse:
+    ctx.check_count("delivery_ids", len(body.delivery_ids))
+    return AckResponse(acked=ctx.queue.ack_rollouts(body.delivery_ids))
+
+
+def announce(ctx: Context, token: Token, body: AnnounceRequest, params: dict[str, str]) -> AnnounceResponse:
+    return AnnounceResponse(event_id=ctx.queue.announce(body.manifest))
+
+
+def latest_adapter(ctx: Context, token: Token, body: None, params: dict[str, str]) -> LatestAdapterResponse:
+    return LatestAdapterResponse(manifest=ctx.queue.latest_adapter())
+
+
+def adapter_history(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AdapterEventsResponse:
+    after = params.get("after", "0")
+    if after != "0" and not _ENTRY_ID.match(after):
+        raise ApiError(400, "after: not an event id")
+    count = _int_param(params, "count", 100, 1, ctx.limits.max_messages)
+    wait = _int_param(params, "block_ms", 0, 0, 60_000) / 1000
+    return AdapterEventsResponse(events=ctx.queue.adapter_events(after=after, count=count, block_s=ctx.block(wait)))
+
+
+def dead_letters(ctx: Context, token: Token, body: None, params: dict[str, str]) -> DeadLettersResponse:
+    after = params.get("after", "0")
+    if after != "0" and not _ENTRY_ID.match(after):
+        raise ApiError(400, "after: not a stream entry id")
+    count = _int_param(params, "count", 100, 1, ctx.limits.max_messages)
+    return DeadLettersResponse(entries=ctx.queue.dead_letters(after=after, count=count))
+
+
+def stats(ctx: Context, token: Token, body: None, params: dict[str, str]) -> StatsResponse:
+    return StatsResponse(stats=ctx.queue.stats())
+
+
+def adapter_download(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AdapterDownload:
+    version = _version(params["version"])
+    try:
+        manifest = ctx.store.read_manifest(version)
+    except StoreMissing:
+        raise ApiError(404, f"adapter v{version} does not exist") from None
+    urls: dict[str, str] = {}
+    proxied = isinstance(ctx.store, FileStore)
+    for f in manifest.files:
+        url = None if proxied else ctx.store.presign(adapter_key(version, f.name), ctx.limits.presign_s)
+        urls[f.name] = url or f"/v1/adapters/{version}/files/{f.name}"
+        proxied = proxied or url is None
+    return AdapterDownload(manifest=manifest, urls=urls, proxied=proxied)
+
+
+def _version(text: str) -> int:
+    if not text.isdigit() or len(text) > 9 or int(text) < 1:
+        raise ApiError(400, f"version: {text[:32]!r} is not an adapter version (1, 2, ...)")
+    return int(text)
+
+
+def _int_param(params: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = params.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ApiError(400, f"{name}: must be an integer in [{low}, {high}]")
+    return int(text)
+
+
+# ----------------------------------------------------------------------- routes
+
+
+@dataclass(frozen=True)
+class RouteSpec:
+    method: str
+    path: str
+    roles: frozenset[str]
+    """Who may call it; empty: no token needed."""
+    summary: str
+    handler: Callable[..., Any] | None = None
+    request: type | None = None
+    response: type | None = None
+
+
+def _r(method: str, path: str, roles: set[Role] | set[str], summary: str, handler=None, request=None, response=None) -> RouteSpec:  # type: ignore[no-untyped-def]
+    return RouteSpec(method, path, frozenset(roles), summary, handler, request, response)
+
+
+ROUTES: list[RouteSpec] = [
+    _r("POST", "/v1/leases/claim", {"actor"}, "Claim prompt batches (long-poll); expired leases are taken over first.", claim, ClaimRequest, ClaimResponse),
+    _r("POST", "/v1/leases/heartbeat", {"actor"}, "Extend leases; returns those still held.", heartbeat, HeartbeatRequest, HeartbeatResponse),
+    _r("POST", "/v1/leases/submit", {"actor"}, "Store a batch's rollout groups and acknowledge its lease (idempotent by group id).", submit, SubmitRequest, SubmitResponse),
+    _r("POST", "/v1/leases/release", {"actor"}, "Hand a lease back unfinished.", release, ReleaseRequest, ReleaseResponse),
+    _r("GET", "/v1/adapters/latest", {"actor", "learner"}, "The newest announced adapter manifest.", latest_adapter, None, LatestAdapterResponse),
+    _r("GET", "/v1/adapters/events", {"actor", "learner"}, "Adapter announcements as server-sent events; resumes after Last-Event-ID."),
+    _r("GET", "/v1/adapters/history", {"actor", "learner"}, "Announcements after ?after= (up to ?count=, waiting up to ?block_ms=).", adapter_history, None, AdapterEventsResponse),
+    _r("GET", "/v1/adapters/{version}", {"actor"}, "Manifest and short-lived download URLs of one adapter version.", adapter_download, None, AdapterDownload),
+    _r("GET", "/v1/adapters/{version}/files/{name}", {"actor"}, "One adapter file, streamed by the proxy (file:// stores)."),
+    _r("POST", "/v1/prompts", {"learner"}, "Queue prompt batches (idempotent by batch id).", add_prompts, AddPromptsRequest, AddPromptsResponse),
+    _r("POST", "/v1/rollouts/read", {"learner"}, "Read new (or, with pending, unacknowledged) rollout groups.", read_rollouts, ReadRolloutsRequest, RolloutsResponse),
+    _r("POST", "/v1/rollouts/ack", {"learner"}, "Acknowledge consumed rollout groups.", ack, AckRequest, AckResponse),
+    _r("POST", "/v1/adapters/announce", {"learner"}, "Make a manifest the latest adapter.", announce, AnnounceRequest, AnnounceResponse),
+    _r("GET", "/v1/dead-letters", {"learner", "admin"}, "Dead-lettered batches after ?after=, up to ?count=.", dead_letters, None, DeadLettersResponse),
+    _r("GET", "/v1/stats", {"learner", "admin"}, "Stream depths, leases by worker, latest version.", stats, None, StatsResponse),
+    _r("GET", "/metrics", {"admin"}, "Prometheus metrics."),
+    _r("GET", "/healthz", set(), "200 when Redis answers."),
+    _r("GET", "/openapi.json", set(), "This document."),
+]
+
+
+def build_app(ctx: Context) -> Starlette:
+    special: dict[str, Callable[..., Any]] = {
+        "/v1/adapters/events": _events,
+        "/v1/adapters/{version}/files/{name}": _file,
+        "/metrics": _metrics,
+        "/healthz": _healthz,
+        "/openapi.json": _openapi,
+    }
+    routes = [
+        Route(spec.path, _endpoint(spec, special.get(spec.path)), methods=[spec.method], name=spec.path)
+        for spec in ROUTES
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # long-polls hold a worker thread each; the default 40 would starve submissions
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+        yield
+
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(MetricsMiddleware, metrics=ctx.metrics)])
+    app.state.ctx = ctx
+    return app
+
+
+def _endpoint(spec: RouteSpec, special: Callable[..., Any] | None) -> Callable[[Request], Any]:
+    async def endpoint(request: Request) -> Response:
+        ctx: Context = request.app.state.ctx
+        try:
+            token = _authorise(ctx, spec, request)
+            if special is not None:
+                return await special(ctx, token, request)
+            body = await _read_body(ctx, spec, request) if spec.request is not None else None
+            params = {**request.query_params, **request.path_params}
+            result = await run_in_threadpool(spec.handler, ctx, token, body, params)  # type: ignore[arg-type]
+            return Response(encode_body(result), media_type=CONTENT_TYPE)
+        except ApiError as err:
+            return error_response(err.status, err.message, err.headers)
+        except (ProtocolError, ValueError) as err:  # the queue refused the arguments
+            if isinstance(err, LeaseMismatch | VersionConflict):
+                return error_response(409, str(err))
+            return error_response(400, str(err))
+        except QueueUnavailable as err:
+            log.warning("%s %s: redis unavailable: %s", spec.method, spec.path, err)
+            return error_response(503, "the queue is unavailable; retry", {"Retry-After": "1"})
+        except StoreError as err:
+            log.warning("%s %s: store error: %s", spec.method, spec.path, err)
+            return error_response(503, "the adapter store is unavailable; retry", {"Retry-After": "2"})
+
+    endpoint.__name__ = spec.path
+    return endpoint
+
+
+def _authorise(ctx: Context, spec: RouteSpec, request: Request) -> Token | None:
+    if not spec.roles:
+        return None
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    token = ctx.tokens.check(secret.strip()) if scheme.lower() == "bearer" and secret else None
+    if token is None:
+        raise ApiError(401, "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
+    if token.role not in spec.roles:
+        raise ApiError(403, f"role {token.role} may not call {spec.method} {spec.path}")
+    wait = ctx.rate.retry_after(token.name)
+    if wait > 0:
+        ctx.metrics.rate_limited.labels(token=token.name).inc()
+        raise ApiError(429, "too many requests for this token", {"Retry-After": str(max(1, round(wait)))})
+    request.state.token = token
+    return token
+
+
+async def _read_body(ctx: Context, spec: RouteSpec, request: Request) -> Any:
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media not in ACCEPTED_CONTENT_TYPES:
+        raise ApiError(415, f"content type must be {CONTENT_TYPE}, got {media or 'none'}")
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > ctx.limits.max_body_bytes):
+        raise ApiError(413, f"body over the limit of {ctx.limits.max_body_bytes} bytes")
+    chunks, size = [], 0
+    try:
+        async with asyncio.timeout(ctx.limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > ctx.limits.max_body_bytes:
+                    raise ApiError(413, f"body over the limit of {ctx.limits.max_body_bytes} bytes")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the body took longer than {ctx.limits.body_timeout_s:g}s to arrive") from None
+    limits = Limits(**{**_limits_dict(ctx.wire_limits), "max_message_bytes": ctx.limits.max_body_bytes})
+    return decode_body(b"".join(chunks), spec.request, limits)  # type: ignore[arg-type]
+
+
+def _limits_dict(limits: Limits) -> dict[str, int]:
+    return {f: getattr(limits, f) for f in limits.__struct_fields__}
+
+
+# ---------------------------------------------------------------- special routes
+
+
+async def _events(ctx: Context, token: Token | None, request: Request) -> Response:
+    last = request.headers.get("last-event-id") or request.query_params.get("after")
+    if last is not None and last != "0" and not _ENTRY_ID.match(last):
+        raise ApiError(400, "Last-Event-ID: not an event id")
+
+    async def stream() -> AsyncIterator[str]:
+        after = last
+        if after is None:  # a new subscriber: only the newest announcement, then what follows
+            after, newest = "0", None
+            while page := await run_in_threadpool(ctx.queue.adapter_events, after, 1000, 0.0):
+                after, newest = page[-1].event_id, page[-1]
+            if newest is not None:
+                yield _sse(newest)
+        yield ": connected\n\n"
+        while True:
+            try:
+                events = await run_in_threadpool(ctx.queue.adapter_events, after, 100, ctx.block(5.0))
+            except QueueUnavailable:
+                yield ": queue unavailable\n\n"
+                await asyncio.sleep(1.0)
+                continue
+            for event in events:
+                after = event.event_id
+                yield _sse(event)
+            if not events:
+                yield ": keep-alive\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+def _sse(event: Any) -> str:
+    data = base64.b64encode(encode(event.manifest)).decode()
+    return f"id: {event.event_id}\nevent: adapter\ndata: {data}\n\n"
+
+
+async def _file(ctx: Context, token: Token | None, request: Request) -> Response:
+    version = _version(request.path_params["version"])
+    name = request.path_params["name"]
+    if not _FILE_NAME.match(name):
+        raise ApiError(400, "name: not a plain file name")
+    if not isinstance(ctx.store, FileStore):
+        raise ApiError(404, "this proxy hands out presigned URLs for its store; use them")
+    try:
+        manifest = await run_in_threadpool(ctx.store.read_manifest, version)
+    except StoreMissing:
+        raise ApiError(404, f"adapter v{version} does not exist") from None
+    if name not in {f.name for f in manifest.files}:
+        raise ApiError(404, f"adapter v{version} has no file {name}")
+    return FileResponse(ctx.store.local_path(adapter_key(version, name)), media_type="application/octet-stream")
+
+
+async def _metrics(ctx: Context, token: Token | None, request: Request) -> Response:
+    body, content_type = await run_in_threadpool(ctx.metrics.render, ctx.queue)
+    return Response(body, media_type=content_type)
+
+
+async def _healthz(ctx: Context, token: Token | None, request: Request) -> Response:
+    try:
+        await run_in_threadpool(ctx.queue.latest_adapter)
+    except QueueUnavailable:
+        return JSONResponse({"status": "redis unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+async def _openapi(ctx: Context, token: Token | None, request: Request) -> Response:
+    return JSONResponse(openapi_document())
+
+
+def openapi_document() -> dict[str, Any]:
+    refs, components = schema_components()
+    paths: dict[str, dict[str, Any]] = {}
+    for spec in ROUTES:
+        op: dict[str, Any] = {
+            "summary": spec.summary,
+            "x-roles": sorted(spec.roles),
+            "security": [{"bearer": []}] if spec.roles else [],
+            "responses": {"200": {"description": "OK"}},
+        }
+        if spec.response is not None:
+            op["responses"]["200"]["content"] = {CONTENT_TYPE: {"schema": refs[spec.response.__name__]}}
+        if spec.request is not None:
+            op["requestBody"] = {"required": True, "content": {CONTENT_TYPE: {"schema": refs[spec.request.__name__]}}}
+        parameters = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+                      for p in re.findall(r"{(\w+)}", spec.path)]
+        if parameters:
+            op["parameters"] = parameters
+        if spec.roles:
+            for status, what in (("401", "no or unknown token"), ("403", "wrong role"), ("429", "rate limited")):
+                op["responses"][status] = {"description": what, "content": {CONTENT_TYPE: {"schema": refs["ErrorResponse"]}}}
+        paths.setdefault(spec.path, {})[spec.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "spotgrpo proxy", "version": "1"},
+        "paths": paths,
+        "components": {"schemas": components, "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+    }

@@ -1,0 +1,90 @@
+"""Prometheus metrics of the proxy: requests by route and status, latency, and the
+queue's state read at scrape time. The request metrics come from a pure ASGI
+middleware (no BaseHTTPMiddleware: it would buffer streaming responses)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from starlette.routing import Match
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from protocol import Queue, QueueUnavailable
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("spotgrpo_proxy_requests", "Requests by route, method and status", ["route", "method", "status"], registry=r)
+        self.latency = Histogram(
+            "spotgrpo_proxy_request_seconds", "Request latency by route", ["route", "method"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
+        )
+        self.rate_limited = Counter("spotgrpo_proxy_rate_limited", "Requests refused with 429, by token name", ["token"], registry=r)
+        self.backpressure = Counter("spotgrpo_proxy_backpressure", "Submissions refused with 503 (rollout backlog)", registry=r)
+        self.depth = Gauge("spotgrpo_queue_entries", "Entries per stream and state", ["stream", "state"], registry=r)
+        self.leases = Gauge("spotgrpo_queue_leases", "Outstanding prompt leases", registry=r)
+        self.dead_letters = Gauge("spotgrpo_queue_dead_letters", "Entries in the dead-letter stream", registry=r)
+        self.latest_version = Gauge("spotgrpo_adapter_latest_version", "Latest announced adapter version", registry=r)
+        self.queue_up = Gauge("spotgrpo_queue_up", "1 when Redis answered the last scrape", registry=r)
+
+    def render(self, queue: Queue) -> tuple[bytes, str]:
+        try:
+            stats = queue.stats()
+        except QueueUnavailable:
+            self.queue_up.set(0)
+        else:
+            self.queue_up.set(1)
+            for name, s in (("prompts", stats.prompts), ("rollouts", stats.rollouts)):
+                self.depth.labels(name, "pending").set(s.pending)
+                self.depth.labels(name, "waiting").set(s.waiting)
+            self.leases.set(sum(stats.leases_by_worker.values()))
+            self.dead_letters.set(stats.dead_letters)
+            self.latest_version.set(stats.latest_adapter_version)
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Counts and times every HTTP request by its route template (not its raw path, so
+    the label set stays bounded whatever clients send)."""
+
+    def __init__(self, app: ASGIApp, metrics: ProxyMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = _route_of(scope)
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def send_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+                # time to the response head: long streams (events) would swamp the histogram
+                self.metrics.latency.labels(route, scope["method"]).observe(time.perf_counter() - started)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            self.metrics.requests.labels(route, scope["method"], str(status["code"])).inc()
+
+
+def _route_of(scope: Scope) -> str:
+    app: Any = scope.get("app")
+    for route in getattr(app, "routes", []):
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return route.path
+    return "unmatched"

@@ -1,0 +1,418 @@
+"""The HTTPS proxy, run as `proxy serve` over real TLS on loopback with a real Redis
+(and moto's S3 for presigned downloads): the route x role x token matrix generated from
+/openapi.json, bad bodies, a fuzz that must only ever yield 4xx and change nothing,
+limits, SSE resume, SIGKILL mid-traffic, and the queue client."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import msgspec
+import pytest
+from conftest import TOKENS
+from factories import batch, group
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from protocol import AdapterManifest, ProtocolError, QueueUnavailable, encode, to_json
+from protocol.http import CONTENT_TYPE, ClaimRequest, SubmitRequest, encode_body
+from protocol.http_queue import QueueForbidden
+from protocol.store import adapter_key, file_entry, open_store
+from proxy.app import ROUTES
+from proxy.auth import TokenError, Tokens
+
+pytestmark = pytest.mark.redis
+
+PATH_VALUES = {"version": "1", "name": "adapter_model.safetensors"}
+
+
+def _client(proxy, role: str | None = None, secret: str | None = None) -> httpx.Client:  # type: ignore[no-untyped-def]
+    headers = {}
+    if role is not None or secret is not None:
+        headers["Authorization"] = f"Bearer {secret or TOKENS[role]}"  # type: ignore[index]
+    return httpx.Client(base_url=proxy.url, verify=proxy.ssl(), headers=headers, timeout=15)
+
+
+def _state(queue) -> tuple:  # type: ignore[no-untyped-def]
+    s = queue.stats()
+    return (s.prompts.length, s.prompts.pending, s.rollouts.length, s.dead_letters, s.latest_adapter_version)
+
+
+# ------------------------------------------------------------------------ auth
+
+
+def test_tokens_file_validation() -> None:
+    good = 'name = "a"\nrole = "actor"\nsecret = "%s"\n' % ("x" * 32)
+    assert Tokens.from_toml("[[tokens]]\n" + good).check("x" * 32).role == "actor"  # type: ignore[union-attr]
+    assert Tokens.from_toml("[[tokens]]\n" + good).check("y" * 32) is None
+    for text, msg in [
+        ('[[tokens]]\nname = "a"\nrole = "actor"\nsecret = "short"\n', "at least 32"),
+        ('[[tokens]]\nname = "a"\nrole = "root"\nsecret = "%s"\n' % ("x" * 32), "role must be"),
+        ("[[tokens]]\n" + good + "[[tokens]]\n" + good, "unique"),
+        ("tokens = 3", "expected"),
+        ("[[tokens]]\n" + good + 'extra = "no"\n', "only name, role and secret"),
+        ("[", "tokens"),
+    ]:
+        with pytest.raises(TokenError, match=msg):
+            Tokens.from_toml(text)
+    assert "x" * 32 not in repr(Tokens.from_toml("[[tokens]]\n" + good).tokens)
+
+
+def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    """Generated from /openapi.json: a route added without roles would fail here."""
+    proxy = make_proxy()
+    with _client(proxy) as anonymous:
+        doc = anonymous.get("/openapi.json").json()
+    public = {("/healthz", "get"), ("/openapi.json", "get")}
+    checked = 0
+    for path, methods in doc["paths"].items():
+        url = path.format(**PATH_VALUES)
+        for method, op in methods.items():
+            roles = set(op["x-roles"])
+            if (path, method) in public:
+                assert roles == set() and op["security"] == []
+                continue
+            assert roles, f"{method.upper()} {path} has no roles"
+            cases = [(None, None, 401), (None, "not-a-token-" + "z" * 30, 401)]
+            cases += [(role, None, None if role in roles else 403) for role in TOKENS]
+            for role, secret, expected in cases:
+                with _client(proxy, role, secret) as client:
+                    headers = {"Content-Type": CONTENT_TYPE}
+                    with client.stream(method.upper(), url, content=b"", headers=headers) as r:
+                        status = r.status_code
+                if expected is None:
+                    assert status not in (401, 403), (method, path, role, status)
+                else:
+                    assert status == expected, (method, path, role, secret, status)
+                checked += 1
+    assert checked == 5 * sum(1 for spec in ROUTES if spec.roles) and checked >= 16 * 5
+
+
+# -------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("body", "content_type", "status", "message"),
+    [
+        (b"\x93\x01\x02", CONTENT_TYPE, 400, "message: Expected `object`"),
+        (encode_body(ClaimRequest(worker="w"))[:-3], CONTENT_TYPE, 400, ""),
+        (b"\xc1garbage", CONTENT_TYPE, 400, ""),
+        (encode_body(ClaimRequest(worker="w")), "application/json", 415, "content type"),
+        (encode_body(ClaimRequest(worker="w")), "", 415, "content type"),
+        (msgspec.msgpack.encode({"type": "claim", "schema": 1, "worker": "w", "sneaky": 1}), CONTENT_TYPE, 400, "sneaky"),
+        (msgspec.msgpack.encode({"type": "claim", "schema": 99, "worker": "w"}), CONTENT_TYPE, 400, "schema"),
+        (msgspec.msgpack.encode({"type": "submit", "schema": 1, "worker": "w"}), CONTENT_TYPE, 400, "Invalid value 'submit'"),
+    ],
+)
+def test_malformed_bodies_get_4xx_and_change_nothing(make_proxy, body: bytes, content_type: str, status: int, message: str) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    learner = proxy.queue("learner")
+    learner.add_prompts([batch(1)])
+    before = _state(learner)
+    with _client(proxy, "actor") as client:
+        r = client.post("/v1/leases/claim", content=body, headers={"Content-Type": content_type} if content_type else {})
+    assert r.status_code == status
+    if message:
+        assert message in r.content.decode(errors="replace")
+    assert _state(learner) == before
+    learner.close()
+
+
+def test_protocol_violations_inside_valid_msgpack(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    b = batch(2)
+    learner.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    body = msgspec.msgpack.decode(encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[group(b, 0)])))
+    cases = {
+        "group_id": ("group_id", "0" * 32),  # not derived from batch and prompt
+        "logprobs": ("completions", [{**body["groups"][0]["completions"][0], "logprobs": b"\x00\x00\xc0\x7f" * 4}]),  # NaN
+        "token_ids": ("completions", [{**body["groups"][0]["completions"][0], "token_ids": b"\x01\x00\x00"}]),
+    }
+    with _client(proxy, "actor") as client:
+        for expected, (field, value) in cases.items():
+            tampered = {**body, "groups": [{**body["groups"][0], field: value}]}
+            r = client.post("/v1/leases/submit", content=msgspec.msgpack.encode(tampered), headers={"Content-Type": CONTENT_TYPE})
+            assert r.status_code == 400 and expected.encode() in r.content, (expected, r.content)
+    assert learner.stats().rollouts.length == 0
+    assert actor.heartbeat("w", [lease.lease_id]) == [lease.lease_id]  # the lease is untouched
+    learner.close()
+    actor.close()
+
+
+def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy(extra=("--max-body-bytes", "4096", "--max-messages", "3"))
+    learner = proxy.queue("learner")
+    with _client(proxy, "learner") as client:
+        r = client.post("/v1/prompts", content=b"\x00" * 5000, headers={"Content-Type": CONTENT_TYPE})
+        assert r.status_code == 413
+
+        def chunks():  # type: ignore[no-untyped-def]
+            for _ in range(10):
+                yield b"\x00" * 1000
+
+        r = client.post("/v1/prompts", content=chunks(), headers={"Content-Type": CONTENT_TYPE})  # no length header
+        assert r.status_code == 413
+    with pytest.raises(ProtocolError, match="limit of 3"):
+        learner.add_prompts([batch(i, prompts=1) for i in range(4)])
+    assert learner.stats().prompts.length == 0
+    learner.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/adapters/1/files/..", "/v1/adapters/1/files/..%2F..%2Fetc%2Fpasswd",
+                                  "/v1/adapters/..%2F1/files/x", "/v1/adapters/0", "/v1/adapters/-1",
+                                  "/v1/adapters/1/files/.hidden", "/v1/adapters/99999999999"])
+def test_adapter_paths_cannot_leave_the_adapter_prefix(make_proxy, path: str) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    with _client(proxy, "actor") as client:
+        r = client.get(path)
+    assert r.status_code in (400, 404)
+
+
+@pytest.mark.slow
+def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    learner = proxy.queue("learner")
+    learner.add_prompts([batch(1)])
+    before = _state(learner)
+    routes = [("actor", "/v1/leases/claim"), ("actor", "/v1/leases/heartbeat"), ("actor", "/v1/leases/submit"),
+              ("actor", "/v1/leases/release"), ("learner", "/v1/prompts"), ("learner", "/v1/rollouts/read"),
+              ("learner", "/v1/rollouts/ack"), ("learner", "/v1/adapters/announce")]
+    clients = {role: _client(proxy, role) for role in ("actor", "learner")}
+    json_like = st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=20),
+        lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+        max_leaves=12,
+    )
+    type_tags = st.sampled_from(["claim", "heartbeat", "submit", "release", "add_prompts", "read_rollouts", "ack", "announce", "x"])
+    structured = st.builds(lambda tag, rest: msgspec.msgpack.encode({"type": tag, "schema": 1, **rest}),
+                           type_tags, st.dictionaries(st.sampled_from(["worker", "lease_id", "groups", "batches", "count",
+                                                                       "consumer", "delivery_ids", "manifest", "block_s"]),
+                                                      json_like, max_size=4))
+    bodies = st.binary(max_size=200) | json_like.map(msgspec.msgpack.encode) | structured
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from(routes), bodies)
+    def fuzz(route, body) -> None:  # type: ignore[no-untyped-def]
+        role, path = route
+        r = clients[role].post(path, content=body, headers={"Content-Type": CONTENT_TYPE})
+        assert 400 <= r.status_code < 500, (path, body, r.status_code, r.content[:200])
+
+    try:
+        fuzz()
+    finally:
+        for c in clients.values():
+            c.close()
+    assert _state(learner) == before
+    learner.close()
+
+
+# ------------------------------------------------------------------------- limits
+
+
+def test_rate_limit_429_with_retry_after(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy(extra=("--rate-per-s", "2"))
+    with _client(proxy, "admin") as client:
+        statuses = [client.get("/v1/stats") for _ in range(8)]
+    limited = [r for r in statuses if r.status_code == 429]
+    assert limited and statuses[0].status_code == 200
+    assert int(limited[0].headers["retry-after"]) >= 1
+    with _client(proxy, "learner") as other:  # per token: another token is not affected
+        assert other.get("/v1/stats").status_code == 200
+
+
+def test_backpressure_503_and_the_client_keeps_its_groups(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy(extra=("--backlog-limit", "0"))
+    learner = proxy.queue("learner")
+    actor = proxy.queue("actor")
+    actor.retry_s = 1.5
+    b = batch(3)
+    learner.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    assert actor.submit("w", lease.lease_id, [group(b, 0), group(b, 1)]).stored == 2  # backlog 0 -> accepted
+    time.sleep(1.1)  # the proxy re-reads the backlog once a second
+    with pytest.raises(QueueUnavailable, match="503"):
+        actor.submit("w", lease.lease_id, [group(b, 0), group(b, 1)])
+    learner.read_rollouts("l", 10)
+    assert learner.stats().rollouts.length == 2
+    learner.close()
+    actor.close()
+
+
+def test_wrong_role_through_the_client_is_not_retried(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    actor = proxy.queue("actor")
+    started = time.monotonic()
+    with pytest.raises(QueueForbidden, match="403"):
+        actor.add_prompts([batch(1)])
+    assert time.monotonic() - started < 2
+    actor.close()
+
+
+# ----------------------------------------------------------------- adapters
+
+
+def _manifest(store, version: int) -> AdapterManifest:  # type: ignore[no-untyped-def]
+    files = {"adapter_model.safetensors": f"weights-{version}".encode(), "adapter_config.json": b"{}"}
+    for name, data in files.items():
+        store.put(adapter_key(version, name), data)
+    manifest = AdapterManifest(version=version, step=version, base_model="m", rank=1,
+                               files=[file_entry(n, d) for n, d in files.items()], created_at=time.time())
+    store.put(adapter_key(version, "manifest.json"), to_json(manifest))
+    return manifest
+
+
+def test_adapter_downloads_from_a_file_store_are_streamed_by_the_proxy(make_proxy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy(store=(tmp_path / "s").as_uri())
+    store = open_store((tmp_path / "s").as_uri())
+    _manifest(store, 1)
+    actor = proxy.queue("actor")
+    assert actor.fetch_adapter_file(1, "adapter_model.safetensors") == b"weights-1"
+    with _client(proxy, "actor") as client:
+        assert client.get("/v1/adapters/1/files/manifest.json").status_code == 404  # only the manifest's files
+    actor.close()
+
+
+@pytest.mark.s3
+def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_server) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy(store=f"s3://{s3_bucket}/run", env=moto_server.env())
+    store = open_store(f"s3://{s3_bucket}/run")
+    _manifest(store, 2)
+    actor = proxy.queue("actor")
+    with _client(proxy, "actor") as client:
+        from protocol.http import AdapterDownload, decode_body
+
+        download = decode_body(client.get("/v1/adapters/2").content, AdapterDownload)
+    assert not download.proxied and all("Signature" in u for u in download.urls.values())
+    assert actor.fetch_adapter_file(2, "adapter_model.safetensors") == b"weights-2"
+    actor.close()
+
+
+@pytest.mark.slow
+def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(make_proxy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    store = open_store((tmp_path / "store").as_uri())
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    sub = actor.subscribe_adapters()
+    time.sleep(0.5)
+    learner.announce(_manifest(store, 1))
+    assert sub.get(10).version == 1  # type: ignore[union-attr]
+    proxy.kill()  # the event stream drops
+    direct = __import__("protocol").RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1],
+                                                         __import__("protocol").QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1]))
+    direct.announce(_manifest(store, 2))  # announced while the proxy is down
+    direct.announce(_manifest(store, 3))
+    proxy.start()  # same port
+    got = [sub.get(20), sub.get(20)]
+    assert [m.version for m in got if m is not None] == [2, 3]
+    learner.announce(_manifest(store, 4))
+    assert sub.get(10).version == 4  # type: ignore[union-attr]
+    assert sub.get(0.5) is None  # nothing twice
+    sub.close()
+    direct.close()
+    learner.close()
+    actor.close()
+
+
+@pytest.mark.slow
+def test_proxy_killed_mid_traffic_loses_no_submitted_group(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    learner = proxy.queue("learner")
+    batches = [batch(i, prompts=4) for i in range(40)]
+    learner.add_prompts(batches)
+    done: list[str] = []
+    errors: list[BaseException] = []
+
+    def work(worker: str) -> None:
+        q = proxy.queue("actor", lease_timeout_s=2)
+        try:
+            while True:
+                leases = q.claim(worker, 1)
+                if not leases:
+                    if len(done) >= len(batches):
+                        return
+                    time.sleep(0.05)
+                    continue
+                b = leases[0].batch
+                q.submit(worker, leases[0].lease_id, [group(b, i, actor=worker) for i in range(len(b.prompts))])
+                done.append(b.batch_id)
+        except BaseException as err:  # surfaced below
+            errors.append(err)
+        finally:
+            q.close()
+
+    threads = [threading.Thread(target=work, args=(f"w{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    while len(done) < 10:
+        time.sleep(0.01)
+    proxy.kill()
+    time.sleep(1.0)
+    proxy.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    groups = []
+    while page := learner.read_rollouts("l", 500):
+        groups.extend(d.group for d in page)
+    assert len(groups) == 40 * 4 == len({g.group_id for g in groups})
+    stats = learner.stats()
+    assert stats.prompts.length == 0 and stats.dead_letters == 0
+    learner.close()
+
+
+def test_encode_is_what_the_proxy_serves() -> None:
+    assert encode  # the SSE payload is protocol.encode(manifest), base64 in the data line
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucket, moto_server, tiny_model, tmp_path, run_name) -> None:  # type: ignore[no-untyped-def]
+    """`learner run --queue https://…` and `actors run --queue https://…`: the learner
+    publishes to S3, the actor downloads through presigned URLs holding no AWS
+    credentials, and the run completes."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from factories import write_dataset
+
+    repo = Path(__file__).resolve().parents[1]
+    store = f"s3://{s3_bucket}/run"
+    proxy = make_proxy(store=store, env=moto_server.env())
+    base_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    base_env.update(PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests")]), SPOTGRPO_CA_CERT=proxy.ca)
+    actor = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run_name, "--engine", "transformers",
+         "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--worker-id", "remote-1", "--claim-block-s", "1"],
+        cwd=repo, env={**base_env, "SPOTGRPO_TOKEN": TOKENS["actor"]},  # no AWS variables at all
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        learner = subprocess.run(
+            [sys.executable, "-m", "learner.cli", "run", "--run", run_name, "--queue", proxy.url, "--store", store,
+             "--model", str(tiny_model), "--dataset", str(write_dataset(tmp_path / "data.jsonl")),
+             "--run-dir", str(tmp_path / "run"), "--steps", "4", "--groups-per-step", "4", "--prompts-per-batch", "2",
+             "--max-inflight", "8", "--num-generations", "4", "--max-tokens", "4", "--checkpoint-every", "2",
+             "--no-tensorboard"],
+            cwd=repo, env={**base_env, **moto_server.env(), "SPOTGRPO_TOKEN": TOKENS["learner"]},
+            capture_output=True, text=True, timeout=300,
+        )
+        assert learner.returncode == 0, learner.stderr[-3000:]
+        actor.send_signal(signal.SIGTERM)
+        out, _ = actor.communicate(timeout=60)
+    finally:
+        if actor.poll() is None:
+            actor.kill()
+            actor.communicate(timeout=30)
+    assert actor.returncode == 0, out[-3000:]
+    assert "refused" not in out
+    assert "loaded" in out, out[-3000:]  # presigned download, verified, loaded
+    rows = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert max(r["adapter_version"] for r in rows) >= 3
