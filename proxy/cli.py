@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--rate-per-s", type=float, default=500.0, help="requests per second per token (burst: twice that)")
     a("--backlog-limit", type=int, default=100_000, help="503 for submissions while this many groups wait")
     a("--presign-s", type=int, default=300, help="lifetime of presigned adapter URLs")
+    a("--body-timeout-s", type=float, default=30.0, help="408 when a request body takes longer than this to arrive")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     cert = sub.add_parser("selfsigned", help="Write a self-signed certificate and key for local runs.")
@@ -79,6 +80,7 @@ def serve(args: argparse.Namespace) -> int:
     limits = ProxyLimits(
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_long_poll_s=args.max_long_poll_s,
         rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,
+        body_timeout_s=args.body_timeout_s,
     )
     app = build_app(Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics()))
     log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",

@@ -26,6 +26,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGKILL by process id, and reap it."""
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM by process id; SIGKILL if it has not exited after 10 s."""
+    if proc is not None and proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            kill_process(proc)
+
+
 class RedisServer:
     """One redis-server process on loopback, started and stopped by its process id."""
 
@@ -65,18 +82,10 @@ class RedisServer:
 
     def kill(self) -> None:
         """SIGKILL: no shutdown save, like a crash."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        kill_process(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
 
 
 @pytest.fixture(scope="session")
@@ -266,18 +275,10 @@ class ProxyProcess:
         return ssl.create_default_context(cafile=self.ca)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        kill_process(self.proc)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
+        stop_process(self.proc)
 
     def queue(self, role: str, **config: object):  # type: ignore[no-untyped-def]
         from protocol.http_queue import HttpQueue
@@ -300,4 +301,4 @@ def make_proxy(redis_server: RedisServer, run_name: str, tls_pair, tokens_file, 
 
     yield make
     for proxy in started:
-        proxy.stop()
+        proxy.kill()  # nothing here depends on a graceful shutdown, which waits out keep-alives

@@ -127,3 +127,18 @@ class SyntheticActor:
             adapter_version=self.version, actor_id=self.worker, prompt_token_ids=prompt.token_ids,
             completions=completions,
         )
+
+
+def perturbed_policy(model_dir: Path, seed: int, rank: int = 4, scale: float = 0.3):  # -> learner.policy.Policy
+    """A learner policy whose LoRA B matrices are seeded noise, so its adapter is far from
+    the base model: something to publish, load elsewhere and compare log-probabilities with."""
+    from learner.config import LearnerConfig
+    from learner.policy import Policy
+
+    policy = Policy(LearnerConfig(model=str(model_dir), lora_rank=rank))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+    return policy

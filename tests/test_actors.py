@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 import toy_rewards
+from rollouts import perturbed_policy
 
 from actors.engine import Engine, EngineError
 from actors.hf_engine import TransformersEngine
 from actors.rewards import RewardError, RewardFn, Scorer, load_reward
 from actors.watcher import AdapterWatcher, StoreSource
 from actors.worker import Worker
-from learner.config import LearnerConfig
 from learner.policy import Policy, pack_sequences
 from learner.publish import Publisher, PublishJob
 from protocol import (
@@ -42,14 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def learner_policy(tiny_model: Path, seed: int) -> Policy:
-    """A learner policy whose adapter is far from zero (seeded), to publish and compare."""
-    policy = Policy(LearnerConfig(model=str(tiny_model), lora_rank=4))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return policy
+    return perturbed_policy(tiny_model, seed)
 
 
 def publish(store: Store, queue, policy: Policy, version: int) -> None:  # type: ignore[no-untyped-def]
@@ -373,3 +366,22 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_m
 
 def test_test_engines_subclass_the_real_interface() -> None:
     assert issubclass(GatedEngine, TransformersEngine) and issubclass(TransformersEngine, Engine)
+
+
+def test_worker_metrics_are_served_for_prometheus() -> None:
+    import httpx
+    from conftest import free_port
+
+    from actors.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics()
+    port = free_port()
+    server, _ = metrics.serve(port, host="127.0.0.1")
+    metrics.tokens.inc(42)
+    metrics.adapter_version.set(7)
+    try:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "spotgrpo_actor_tokens_total 42.0" in text and "spotgrpo_actor_adapter_version 7.0" in text

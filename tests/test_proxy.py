@@ -416,3 +416,23 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
     rows = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["adapter_version"] for r in rows) >= 3
+
+
+def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy(extra=("--body-timeout-s", "1"))
+
+    def trickle():  # type: ignore[no-untyped-def]
+        yield b"\x83"
+        time.sleep(2.5)  # a client that stalls mid-body
+        yield b"\x00"
+
+    with _client(proxy, "actor") as client:
+        r = client.post("/v1/leases/claim", content=trickle(), headers={"Content-Type": CONTENT_TYPE})
+        assert r.status_code == 408
+        client.get("/v1/adapters/latest")
+    with _client(proxy, "admin") as admin:
+        text = admin.get("/metrics").text
+    assert 'spotgrpo_proxy_requests_total{method="POST",route="/v1/leases/claim",status="408"} 1.0' in text
+    assert 'route="/v1/adapters/latest",status="200"' in text
+    assert 'spotgrpo_queue_entries{state="waiting",stream="prompts"}' in text
+    assert "spotgrpo_queue_up 1.0" in text

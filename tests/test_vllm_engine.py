@@ -19,8 +19,9 @@ pytestmark = [
 ]
 vllm = pytest.importorskip("vllm", reason="the vllm engine is tested in .venv-vllm (make test-vllm)")
 
+from rollouts import perturbed_policy  # noqa: E402
+
 from actors.vllm_engine import VLLMEngine  # noqa: E402
-from learner.config import LearnerConfig  # noqa: E402
 from learner.policy import Policy, adapter_files, pack_sequences  # noqa: E402
 from protocol import SamplingParams  # noqa: E402
 
@@ -28,12 +29,7 @@ PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [14]]
 
 
 def _adapter(tiny_model: Path, folder: Path, seed: int) -> Policy:
-    policy = Policy(LearnerConfig(model=str(tiny_model), lora_rank=4))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    policy = perturbed_policy(tiny_model, seed)
     folder.mkdir(parents=True)
     for name, data in adapter_files(policy.adapter_state(), policy.adapter_config_json()).items():
         (folder / name).write_bytes(data)
