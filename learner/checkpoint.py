@@ -55,6 +55,9 @@ class LearnerState:
     """Run-long counters: trained groups, drops and rejections by reason."""
     unacked: dict[str, str] = field(default_factory=dict)
     """group id -> delivery id of groups consumed and not yet acknowledged."""
+    outstanding: dict[str, list[Any]] = field(default_factory=dict)
+    """batch id -> [first data position, prompts, ids of the prompts consumed so far] for
+    batches issued and not fully consumed (at most max_inflight prompts' worth)."""
     rng: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -68,21 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
-    if not overrides and args.config is None:
-        print(
-            "learner run: the embedded default (no arguments) is not in this version yet; "
-            "give --queue, --store, --model and --dataset",
-            file=sys.stderr,
-        )
-        return 2
     try:
         cfg = load_config(args.config, overrides)
+        embedded = not cfg.queue
+        if embedded:  # no queue anywhere: the whole system on this machine
+            from learner.embedded import EMBEDDED_DEFAULTS
+
+            cfg = load_config(args.config, overrides, defaults=EMBEDDED_DEFAULTS)
         if cfg.token is None and os.environ.get("SPOTGRPO_TOKEN"):
             cfg.token = os.environ["SPOTGRPO_TOKEN"]
-        cfg.require_distributed()
+        if not embedded:
+            cfg.require_distributed()
     except ConfigError as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
+    if embedded:
+        from learner.embedded import run_embedded
+
+        return run_embedded(cfg, stop_on_signals)
 
     from learner.loop import Learner, LearnerError
     from protocol import QueueConfig, open_queue, open_store
@@ -94,14 +97,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, LearnerError) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
-
-    def stop(signum: int, _frame: object) -> None:
-        log.warning("%s: stopping after a checkpoint (again to abort)", signal.Signals(signum).name)
-        learner.stop_requested.set()
-        signal.signal(signum, signal.SIG_DFL)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stop_on_signals(learner)
     try:
         state = learner.run()
     except LearnerError as err:
@@ -111,6 +107,18 @@ def run(args: argparse.Namespace) -> int:
         queue.close()
     log.info("done: step %d, adapter v%d, totals %s", state.step, state.policy_version, state.totals)
     return 0
+
+
+def stop_on_signals(learner: Any) -> None:
+    """SIGTERM and Ctrl-C stop the learner after a checkpoint; a second one aborts."""
+
+    def stop(signum: int, _frame: object) -> None:
+        log.warning("%s: stopping after a checkpoint (again to abort)", signal.Signals(signum).name)
+        learner.stop_requested.set()
+        signal.signal(signum, signal.SIG_DFL)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,6 +89,9 @@ class LearnerConfig(BaseModel):
     loss_agg: Literal["token_mean", "seq_mean", "constant"] = Field("token_mean", description="Token mean over the batch (DAPO), per-sequence mean (GRPO), or constant normaliser (Dr. GRPO).")
     beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the base model (adapter disabled).")
 
+    # -- the embedded default
+    actors: int = Field(2, ge=0, le=64, description="Actor processes the embedded default starts (no --queue given).")
+
     # -- reporting
     tensorboard: bool = Field(True, description="Write TensorBoard event files when tensorboard is installed.")
     log_every: int = Field(1, ge=1, description="Console line every this many steps.")
@@ -128,8 +131,10 @@ class LearnerConfig(BaseModel):
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
 
 
-def load_config(toml_path: Path | None, overrides: dict[str, object]) -> LearnerConfig:
-    """The TOML file's values, then `overrides` (flags the user gave) on top."""
+def load_config(
+    toml_path: Path | None, overrides: dict[str, object], defaults: dict[str, object] | None = None
+) -> LearnerConfig:
+    """`defaults`, then the TOML file's values, then `overrides` (flags the user gave)."""
     values: dict[str, object] = {}
     if toml_path is not None:
         try:
@@ -137,7 +142,7 @@ def load_config(toml_path: Path | None, overrides: dict[str, object]) -> Learner
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ConfigError(f"--config {toml_path}: {err}") from err
         values = values.get("learner", values)  # a [learner] table or top-level keys
-    values.update(overrides)
+    values = {**(defaults or {}), **values, **overrides}
     try:
         return LearnerConfig(**values)
     except ValidationError as err:

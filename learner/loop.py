@@ -12,6 +12,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,6 +74,10 @@ class Learner:
         self._replay: list[Delivery] = []
         self._collected: list[RolloutGroup] = []
         self._dropped: list[tuple[str, str]] = []
+        self._dropped_rewards: list[float] = []
+        """Rewards of groups dropped as stale or flat: still a measure of the policy."""
+        self.on_step: Callable[[dict[str, Any]], None] | None = None
+        """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
         self.metrics: MetricsLog | None = None
 
@@ -130,6 +135,8 @@ class Learner:
         self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0)
         self._replay_pending()
         if ckpt is not None:
+            self._purge_completed()
+            self._reissue_outstanding()
             self.publish()  # actors switch to the restored policy under a new number
         return resumed_at
 
@@ -154,39 +161,56 @@ class Learner:
     def feed(self) -> None:
         """Issue prompt batches until `max_inflight` prompts are outstanding."""
         cfg, state = self.cfg, self.state
-        sampling = SamplingParams(
-            temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens, seed=None
-        )
         batches = []
         cursor, issued = state.cursor, state.batches_issued
         while cursor - state.consumed_prompts + cfg.prompts_per_batch <= cfg.max_inflight:
-            batches.append(
-                PromptBatch(
-                    batch_id=f"{cfg.run}-b{issued}",
-                    prompts=[self.source.prompt(cursor + i) for i in range(cfg.prompts_per_batch)],
-                    num_generations=cfg.num_generations,
-                    sampling=sampling,
-                    learner_version=state.policy_version,
-                    issued_at=time.time(),
-                )
-            )
+            batches.append(self._batch(f"{cfg.run}-b{issued}", cursor, cfg.prompts_per_batch))
             cursor, issued = cursor + cfg.prompts_per_batch, issued + 1
         if batches:
             self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
+            for b in batches:
+                state.outstanding.setdefault(b.batch_id, [int(b.prompts[0].id[1:]), len(b.prompts), []])
             state.cursor, state.batches_issued = cursor, issued
+
+    def _batch(self, batch_id: str, start: int, n: int) -> PromptBatch:
+        cfg = self.cfg
+        return PromptBatch(
+            batch_id=batch_id,
+            prompts=[self.source.prompt(start + i) for i in range(n)],
+            num_generations=cfg.num_generations,
+            sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens),
+            learner_version=self.state.policy_version,
+            issued_at=time.time(),
+        )
+
+    def _reissue_outstanding(self) -> None:
+        """Batches the checkpoint says are not fully consumed go to the queue again: a
+        no-op where the queue kept them (ids are deduplicated), and their recovery where
+        it did not (a Redis without persistence, the embedded default's in-process one)."""
+        batches = [self._batch(batch_id, start, n) for batch_id, (start, n, _) in self.state.outstanding.items()]
+        if batches:
+            added = self._retry(lambda: self.queue.add_prompts(batches))
+            if added:
+                log.warning("the queue had lost %d of %d outstanding batches; issued them again", added, len(batches))
 
     def poll_dead_letters(self) -> None:
         """A dead-lettered batch's prompts will never come back: free their slots."""
         for dl in self.queue.dead_letters(after=self.state.dead_letter_after, count=100):
             self.state.dead_letter_after = dl.entry_id
-            lost = 1 if dl.source == "rollouts" else (len(dl.batch.prompts) if dl.batch else self.cfg.prompts_per_batch)
+            if dl.source == "rollouts":
+                lost = 1
+            else:
+                entry = self.state.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
+                lost = entry[1] - len(entry[2]) if entry else (len(dl.batch.prompts) if dl.batch else self.cfg.prompts_per_batch)
             self.state.consumed_prompts += lost
-            self.state.count(f"dead_lettered_{dl.source}")
+            self.state.count(f"dead_letter_entries_{dl.source}")
+            self.state.count("dead_lettered_prompts", lost)
             log.warning("dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source, dl.reason, lost)
 
     # --------------------------------------------------------------- collecting
     def collect(self, n: int) -> list[RolloutGroup] | None:
         """Block until `n` groups pass the filters; None if a stop was requested."""
+        self._purge_completed()
         backoff = 0.5
         while len(self._collected) < n:
             if self.stop_requested.is_set():
@@ -207,22 +231,49 @@ class Learner:
                 continue
             for d in deliveries:
                 self.state.unacked[d.group.group_id] = d.delivery_id
-                self.state.consumed_prompts += 1
+                entry = self.state.outstanding.get(d.group.batch_id)
+                if entry is not None and d.group.prompt_id in entry[2]:
+                    # only a queue that lost its dedup record (a fresh in-process Redis
+                    # after --resume) can hand out a consumed prompt's group again
+                    self._dropped.append((d.group.group_id, "rejected_duplicate"))
+                    self.state.count("rejected_duplicate")
+                    continue
+                self._consume(d.group)
                 reason = self.judge(d.group)
                 if reason is None:
                     self._collected.append(d.group)
                 else:
                     self._dropped.append((d.group.group_id, reason))
                     self.state.count(reason)
+                    if reason.startswith("dropped_"):
+                        self._dropped_rewards.extend(float(r) for r in d.group.rewards)  # type: ignore[arg-type]
         groups, self._collected = self._collected, []
         return groups
+
+    def _consume(self, group: RolloutGroup, undo: bool = False) -> None:
+        """Count a group's prompt as consumed (or, with `undo`, not consumed after all).
+        Completed batches leave `outstanding` at the next collection (`_purge_completed`),
+        so an undo always finds its entry."""
+        self.state.consumed_prompts += -1 if undo else 1
+        entry = self.state.outstanding.get(group.batch_id)
+        if entry is None:
+            return
+        if undo:
+            entry[2].remove(group.prompt_id)
+        else:
+            entry[2].append(group.prompt_id)
+
+    def _purge_completed(self) -> None:
+        done = [b for b, (_, n, consumed) in self.state.outstanding.items() if len(consumed) >= n]
+        for batch_id in done:
+            del self.state.outstanding[batch_id]
 
     def _abandon_collection(self) -> None:
         """Groups collected for a step that will not run are not consumed: forget them,
         so the checkpoint does not claim them and they stay pending for the next run."""
         for g in self._collected:
             del self.state.unacked[g.group_id]
-            self.state.consumed_prompts -= 1
+            self._consume(g, undo=True)
         self._collected = []
 
     def judge(self, group: RolloutGroup) -> str | None:
@@ -270,6 +321,9 @@ class Learner:
         """Write a checkpoint, then acknowledge what it holds. A store outage that outlasts
         the retries skips this checkpoint (nothing is acknowledged, so nothing is lost);
         only the final one must succeed."""
+        # a completed batch must not be re-issued on resume: its groups would be new to a
+        # queue that lost its records, and nothing would be left to recognise them by
+        self._purge_completed()
         try:
             save_checkpoint(
                 self.store, self.state, self.policy.adapter_state(), self.optimizer, self.scheduler,
@@ -311,11 +365,15 @@ class Learner:
     ) -> None:
         staleness = [trained_with - g.adapter_version for g in groups]
         dropped = self._dropped
+        # the policy's reward: every scored completion consumed this step, the flat and
+        # stale groups included (the trained groups alone overstate it early on)
+        scored = torch.cat([rewards_N, torch.tensor(self._dropped_rewards, dtype=rewards_N.dtype)])
         row = clean({
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
-            "reward_mean": float(rewards_N.mean()),
-            "reward_std": float(rewards_N.std()) if rewards_N.numel() > 1 else 0.0,
+            "reward_mean": float(scored.mean()),
+            "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
+            "reward_trained_mean": float(rewards_N.mean()),
             "groups": len(groups),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
@@ -333,6 +391,8 @@ class Learner:
         })
         assert self.metrics is not None
         self.metrics.write(row, [g.group_id for g in groups], dropped)
-        self._dropped = []
+        self._dropped, self._dropped_rewards = [], []
+        if self.on_step is not None:
+            self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:
             log.info(console_line(row, self.cfg.steps))

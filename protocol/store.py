@@ -17,6 +17,7 @@ JSON are read back from a store.
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import os
 import re
@@ -165,7 +166,11 @@ class FileStore(Store):
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
-            self._path(key).unlink(missing_ok=True)
+            path = self._path(key)
+            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # folders left empty go too, like S3 "folders"
+                for parent in path.relative_to(self.root).parents[:-1]:
+                    (self.root / parent).rmdir()
 
     def local_path(self, key: str) -> Path:
         """Where `key` lies on disk (the proxy streams file:// adapters itself)."""

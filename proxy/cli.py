@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve the HTTPS API in front of Redis and the adapter store.",
                            description="Serve the HTTPS API in front of Redis and the adapter store.")
     a = serve.add_argument
-    a("--redis", required=True, help="redis://host:port/db")
+    a("--redis", required=True, help="redis://host:port/db, or memory:// for an in-process Redis (fakeredis; gone when the proxy exits)")
     a("--store", required=True, help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed)")
     a("--tokens", type=Path, default=None, help="tokens TOML file (or the TOML text in SPOTGRPO_TOKENS)")
     a("--run", default="default", help="run name (the learner's --run)")
@@ -72,7 +72,12 @@ def serve(args: argparse.Namespace) -> int:
         else:
             raise TokenError("give --tokens FILE or set SPOTGRPO_TOKENS")
         config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s, max_deliveries=args.max_deliveries)
-        queue = RedisQueue.from_url(args.redis, config)
+        if args.redis == "memory://":  # the embedded default: no Redis to install
+            import fakeredis
+
+            queue = RedisQueue(fakeredis.FakeRedis(server=fakeredis.FakeServer(version=(7, 0))), config)
+        else:
+            queue = RedisQueue.from_url(args.redis, config)
         store = open_store(args.store)
     except (TokenError, ValueError, OSError) as err:
         print(f"proxy serve: {err}", file=sys.stderr)

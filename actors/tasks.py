@@ -1,0 +1,12 @@
+"""Reward functions of the built-in task (see `learner/tasks.py`), with TRL's signature."""
+
+from __future__ import annotations
+
+
+def _text(completion: object) -> str:
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)  # type: ignore[index]
+
+
+def next_digit(prompts: list, completions: list, answer: list, **_: object) -> list[float]:
+    """1.0 when the completion starts with the answer digit, else 0."""
+    return [1.0 if _text(c).lstrip()[:1] == str(a) else 0.0 for c, a in zip(completions, answer, strict=True)]

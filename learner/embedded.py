@@ -1,0 +1,269 @@
+"""The embedded default: `learner run` with no arguments runs the whole system here.
+
+The same code paths as a distributed run, as processes started with the commands a user
+would type: `proxy selfsigned` and `proxy serve` on loopback over TLS, with role tokens
+made for the run and an in-process Redis (`--redis memory://`, fakeredis); `actors run`
+workers with the `transformers` engine talking HTTPS to the proxy; and this learner,
+also through the proxy, publishing to a `file://` store under the run directory. Model
+and data are built locally (`learner/tiny.py`, `learner/tasks.py`); nothing is downloaded.
+
+Shutdown order: the learner stops (at its step budget or on Ctrl-C, with a checkpoint);
+the queue's outstanding work is counted for the summary; the actors get SIGTERM (they
+hand their leases back); then the proxy gets SIGTERM. `learner run --resume` continues
+from the checkpoint: the in-process Redis starts empty and the learner re-issues what it
+had issued after its checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from learner.config import LearnerConfig
+from learner.tasks import REWARD, write_next_digit_dataset
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DEFAULTS: dict[str, Any] = {
+    "run": "demo",
+    "steps": 150,
+    "lora_rank": 8,
+    "lora_alpha": 16.0,
+    "learning_rate": 3e-3,
+    "num_generations": 8,
+    "prompts_per_batch": 4,
+    "groups_per_step": 16,
+    "max_inflight": 48,
+    "max_staleness": 4,
+    "max_tokens": 2,
+    "temperature": 1.0,
+    "checkpoint_every": 20,
+    "micro_batch_size": 64,
+}
+"""What `learner run` with no arguments trains: the next-digit task on a small model.
+Any flag the user gives overrides these."""
+
+LEASE_TIMEOUT_S = 10.0
+ROLES = ("actor", "learner", "admin")
+
+
+def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
+    """Fill in what the user left out (a small model, the built-in data set and reward, a
+    file store) and make the run's certificate and tokens; all of it stays in the run
+    directory, so `--resume` finds it again. Returns the config and the tokens file."""
+    from learner.tiny import save_tiny
+
+    run_dir = cfg.resolved_run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    updates: dict[str, Any] = {}
+    if not cfg.model:
+        model = run_dir / "model"
+        if not (model / "config.json").exists():
+            save_tiny(model, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
+        updates["model"] = str(model.resolve())
+    if not cfg.dataset:
+        data = run_dir / "next_digit.jsonl"
+        if not data.exists():
+            write_next_digit_dataset(data)
+        updates["dataset"] = str(data.resolve())
+        if not cfg.reward:
+            updates["reward"] = [REWARD]
+    elif not cfg.reward:
+        raise ValueError("--dataset without --reward: the actors need a reward function for your data")
+    if not cfg.store:
+        updates["store"] = (run_dir / "store").resolve().as_uri()
+    tls = run_dir / "tls"
+    if not (tls / "cert.pem").exists():
+        subprocess.run(
+            [sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"),
+             "--key", str(tls / "key.pem"), "--host", "127.0.0.1", "--host", "localhost"],
+            check=True, stdout=subprocess.DEVNULL,
+        )
+    tokens = run_dir / "tokens.toml"
+    if not tokens.exists():
+        tokens.touch(mode=0o600)
+        tokens.write_text("".join(
+            f'[[tokens]]\nname = "local-{role}"\nrole = "{role}"\nsecret = "{secrets.token_urlsafe(32)}"\n'
+            for role in ROLES
+        ))
+    return cfg.model_copy(update=updates), tokens
+
+
+def read_secrets(tokens: Path) -> dict[str, str]:
+    import tomllib
+
+    return {t["role"]: t["secret"] for t in tomllib.loads(tokens.read_text())["tokens"]}
+
+
+class LocalSystem:
+    """The proxy and actor processes of one embedded run."""
+
+    def __init__(self, cfg: LearnerConfig, tokens: Path, actors: int) -> None:
+        self.cfg = cfg
+        self.run_dir = cfg.resolved_run_dir
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.tokens_file = tokens
+        self.secrets = read_secrets(tokens)
+        self.n_actors = actors
+        self.cert, self.key = self.run_dir / "tls" / "cert.pem", self.run_dir / "tls" / "key.pem"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"https://127.0.0.1:{self.port}"
+        self.proxy: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proxy = _spawn(
+            [sys.executable, "-m", "proxy.cli", "serve", "--redis", "memory://", "--store", self.cfg.store,
+             "--run", self.cfg.run, "--tokens", str(self.tokens_file), "--port", str(self.port),
+             "--tls-cert", str(self.cert), "--tls-key", str(self.key), "--lease-timeout-s", str(LEASE_TIMEOUT_S),
+             "--log-level", "warning"],
+            env, self.logs / "proxy.log",
+        )
+        self._wait_healthy()
+        actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),
+                     "OMP_NUM_THREADS": "1"}  # several processes share the cores
+        for i in range(self.n_actors):
+            cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
+                   "--engine", "transformers", "--model", self.cfg.model, "--worker-id", f"local-{i}",
+                   "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
+            for spec in self.cfg.reward:
+                cmd += ["--reward", spec]
+            self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log"))
+
+    def _wait_healthy(self) -> None:
+        import httpx
+
+        context = ssl.create_default_context(cafile=str(self.cert))
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/healthz", verify=context, timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            assert self.proxy is not None
+            if self.proxy.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the proxy did not start; see {self.logs / 'proxy.log'}")
+            time.sleep(0.1)
+
+    def alive(self) -> int:
+        return sum(1 for w in self.workers if w.poll() is None)
+
+    def stop(self) -> None:
+        for proc in self.workers:  # SIGTERM: they hand their leases back and exit 0
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.workers:
+            _wait_or_kill(proc, 30)
+        if self.proxy is not None and self.proxy.poll() is None:
+            self.proxy.terminate()
+            _wait_or_kill(self.proxy, 15)
+
+
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _wait_or_kill(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def accounting(state: Any, cfg: LearnerConfig, stats: Any | None) -> dict[str, Any]:
+    """Where every issued prompt went: trained, dropped (by reason), dead-lettered, or
+    still in the queue when the run stopped."""
+    totals = dict(state.totals)
+    # a duplicate is a second copy of a consumed prompt's group, not a prompt of its own
+    dropped = {k: v for k, v in totals.items() if k.startswith(("dropped_", "rejected_")) and k != "rejected_duplicate"}
+    dead = totals.get("dead_lettered_prompts", 0)
+    out: dict[str, Any] = {
+        "issued": state.cursor,
+        "trained": totals.get("trained_groups", 0),
+        "dropped": dropped,
+        "dead_lettered": dead,
+        "duplicates_skipped": totals.get("rejected_duplicate", 0),
+    }
+    if stats is not None:
+        out["in_queue"] = (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length
+        out["leases_at_end"] = dict(stats.leases_by_worker)
+        out["balanced"] = out["issued"] == out["trained"] + sum(dropped.values()) + dead + out["in_queue"]
+    return out
+
+
+def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
+    """Prepare, start the proxy and actors, train with a live display, then stop
+    everything, plot and summarise. `on_learner(learner)` installs the signal handlers."""
+    from rich.console import Console
+
+    from learner.loop import Learner, LearnerError
+    from learner.progress import LiveProgress, plot, summarise
+    from protocol import QueueConfig, open_store
+    from protocol.http_queue import HttpQueue
+
+    console = Console(stderr=True)
+    started = time.monotonic()
+    try:
+        cfg, tokens = prepare(cfg)
+    except (ValueError, OSError, subprocess.CalledProcessError) as err:
+        console.print(f"learner run: {err}")
+        return 2
+    console.print(
+        f"[bold]spotgrpo embedded run[/bold] '{cfg.run}' in {cfg.resolved_run_dir}: proxy (TLS, in-process Redis), "
+        f"{cfg.actors} transformers actor(s), learner; model {cfg.model}, reward {', '.join(cfg.reward)}; "
+        f"{cfg.steps} steps. Ctrl-C stops with a checkpoint; `learner run --resume` continues."
+    )
+    system = LocalSystem(cfg, tokens, cfg.actors)
+    queue = None
+    stats = None
+    state = None
+    try:
+        system.start()
+        queue = HttpQueue(system.url, system.secrets["learner"], QueueConfig(run=cfg.run), verify=str(system.cert))
+        cfg = cfg.model_copy(update={"queue": system.url, "token": system.secrets["learner"]})
+        learner = Learner(cfg, queue, open_store(cfg.store))
+        on_learner(learner)
+        for chatty in ("learner.loop", "learner.publish", "matplotlib"):  # the live table shows each step
+            logging.getLogger(chatty).setLevel(logging.WARNING)
+        with LiveProgress(cfg.steps, system.alive, queue.stats, console) as progress:
+            learner.on_step = progress.update
+            state = learner.run()
+        try:
+            stats = queue.stats()
+        except Exception as err:  # the summary can do without it
+            log.warning("no final queue statistics: %s", err)
+    except (LearnerError, RuntimeError, OSError) as err:
+        console.print(f"learner run: {err}")
+        return 2
+    finally:
+        system.stop()
+        if queue is not None:
+            queue.close()
+    curve = plot(cfg.resolved_run_dir)
+    summary = summarise(cfg.resolved_run_dir, time.monotonic() - started, {
+        "accounting": accounting(state, cfg, stats) if state is not None else {},
+        "curve": str(curve) if curve else None,
+        "metrics": str(cfg.resolved_run_dir / "metrics.jsonl"),
+    })
+    console.print(
+        f"[bold]done[/bold]: {summary['steps']} steps in {summary['wall_s']}s; reward {summary['reward_first_5']} "
+        f"(first 5 steps) -> {summary['reward_last_5']} (last 5); max staleness {summary['staleness_max']}; "
+        f"adapter v{summary['adapter_version']}.\n  plot {summary['curve']}\n  metrics {summary['metrics']}\n"
+        f"  summary {cfg.resolved_run_dir / 'summary.json'}"
+    )
+    return 0

@@ -1,0 +1,115 @@
+"""What the embedded default shows: a live table while it runs, a PNG of reward and
+staleness against step, and a summary at the end."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+
+class LiveProgress:
+    """A rich table refreshed at every step: step, reward, staleness, groups/s, adapter
+    version, actors alive, queue depths."""
+
+    def __init__(self, total_steps: int, actors_alive: Callable[[], int], queue_stats: Callable[[], Any], console: Console) -> None:
+        self.total = total_steps
+        self.actors_alive = actors_alive
+        self.queue_stats = queue_stats
+        self.console = console
+        self.started = time.monotonic()
+        self.rows: list[dict[str, Any]] = []
+        self.live = Live(self._render(), console=console, refresh_per_second=4, transient=False)
+
+    def __enter__(self) -> LiveProgress:
+        self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.live.__exit__(*exc)  # type: ignore[arg-type]
+
+    def update(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        self.live.update(self._render())
+
+    def _render(self) -> Table:
+        table = Table(expand=False, padding=(0, 1))
+        # short headers: the table must fit an 80-column terminal
+        for name in ("step", "reward", "last5", "stale", "max", "grp/s", "ver", "actors", "q:prm", "q:rol"):
+            table.add_column(name, justify="right", no_wrap=True)
+        if not self.rows:
+            table.add_row("0", "-", "-", "-", "-", "-", "v0", str(self.actors_alive()), "-", "-")
+            return table
+        row = self.rows[-1]
+        recent = [r["reward_mean"] for r in self.rows[-5:]]
+        elapsed = max(time.monotonic() - self.started, 1e-6)
+        groups = sum(r["groups"] + r["dropped_stale"] + r["dropped_flat"] + r["rejected"] for r in self.rows)
+        try:
+            stats = self.queue_stats()
+            queued = (str(stats.prompts.waiting + stats.prompts.pending), str(stats.rollouts.waiting))
+        except Exception:  # the display must never take the run down
+            queued = ("?", "?")
+        table.add_row(
+            f"{row['step']}/{self.total}", f"{row['reward_mean']:.3f}", f"{sum(recent) / len(recent):.3f}",
+            f"{row['staleness_mean']:.2f}", str(row["staleness_max"]), f"{groups / elapsed:.1f}",
+            f"v{row['adapter_version']}", str(self.actors_alive()), *queued,
+        )
+        return table
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def plot(run_dir: Path) -> Path | None:
+    """reward and staleness against step, as `curve.png` in the run directory."""
+    rows = read_metrics(run_dir)
+    if not rows:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, [r["reward_mean"] for r in rows], label="reward (all completions)")
+    top.plot(steps, [r.get("reward_trained_mean", r["reward_mean"]) for r in rows], alpha=0.5, label="reward (trained groups)")
+    top.set_ylabel("reward")
+    top.legend(loc="lower right")
+    top.grid(alpha=0.3)
+    bottom.plot(steps, [r["staleness_mean"] for r in rows], label="mean")
+    bottom.plot(steps, [r["staleness_max"] for r in rows], label="max", linestyle="--")
+    bottom.set_ylabel("staleness (versions)")
+    bottom.set_xlabel("step")
+    bottom.legend(loc="upper right")
+    bottom.grid(alpha=0.3)
+    fig.suptitle(f"spotgrpo run: {run_dir.name}")
+    fig.tight_layout()
+    out = run_dir / "curve.png"
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def summarise(run_dir: Path, wall_s: float, extra: dict[str, Any]) -> dict[str, Any]:
+    rows = read_metrics(run_dir)
+    head, tail = rows[:5], rows[-5:]
+    summary: dict[str, Any] = {
+        "steps": rows[-1]["step"] if rows else 0,
+        "wall_s": round(wall_s, 1),
+        "reward_first_5": round(sum(r["reward_mean"] for r in head) / len(head), 4) if head else None,
+        "reward_last_5": round(sum(r["reward_mean"] for r in tail) / len(tail), 4) if tail else None,
+        "staleness_max": max((r["staleness_max"] for r in rows), default=0),
+        "adapter_version": rows[-1]["adapter_version"] if rows else 0,
+        **extra,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,160 @@
+"""`learner run` with no arguments, as a user runs it, and the compose file."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from learner.embedded import LEASE_TIMEOUT_S
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _learner_exe() -> str:
+    exe = shutil.which("learner", path=str(Path(sys.executable).parent))
+    assert exe is not None, "the learner console script is not installed"
+    return exe
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) -> None:
+    """The embedded default, trimmed to 40 steps: reward clearly up, staleness within its
+    bound, a plot and metrics, every issued prompt accounted for."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "40"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    assert last > first + 0.2, (first, last)
+    assert max(r["staleness_max"] for r in rows) <= 4  # the embedded max_staleness
+    assert (run_dir / "curve.png").stat().st_size > 10_000
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["accounting"]["balanced"] and summary["accounting"]["dead_lettered"] == 0
+    assert "reward" in proc.stderr and "done" in proc.stderr
+
+
+@pytest.mark.slow
+def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tmp_path: Path) -> None:
+    """SIGKILL one of the two actor processes early: the other carries on and takes the
+    dead one's lease over. Ctrl-C stops the run with a checkpoint; `--resume` finishes
+    it. Every step once, every rollout group trained at most once, and every issued
+    prompt trained, dropped with a counted reason, dead-lettered or still queued."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    cmd = [_learner_exe(), "run", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen([*cmd, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 240
+        victim, steps, killed_at = None, 0, float("inf")
+        # stop once 40 steps are done and the dead worker's lease has had time to expire
+        while steps < 40 or time.monotonic() - killed_at < LEASE_TIMEOUT_S + 5:
+            assert proc.poll() is None and time.monotonic() < deadline, "the run stalled"
+            path = run_dir / "metrics.jsonl"
+            steps = len(path.read_text().splitlines()) if path.exists() else 0
+            if victim is None and steps >= 3:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    if "actors.cli" in " ".join(child.cmdline()) and "local-0" in child.cmdline():
+                        victim = child
+                        victim.send_signal(signal.SIGKILL)
+                        killed_at = time.monotonic()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate(timeout=30)
+    assert victim is not None
+    assert proc.returncode == 0, out[-4000:]
+    first = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert first["balanced"], first
+    assert "local-0" not in first["leases_at_end"], "the dead worker's lease was never taken over"
+    stopped_at = json.loads((run_dir / "store" / "checkpoints" / "latest.json").read_text())["step"]
+    assert stopped_at >= 40
+    total = stopped_at + 10  # the step budget is a total: the resumed run does 10 more
+
+    resumed = subprocess.run([*cmd, "--resume", "--steps", str(total)], capture_output=True, text=True,
+                             timeout=300, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in _rows(run_dir)] == list(range(1, total + 1))
+    consumed = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
+    trained = [g for c in consumed for g in c["trained"]]
+    assert len(trained) == len(set(trained)) == total * 16
+    second = json.loads((run_dir / "summary.json").read_text())["accounting"]
+    assert second["balanced"] and second["dead_lettered"] == 0, second
+    assert "Traceback" not in (run_dir / "logs" / "proxy.log").read_text()
+
+
+def test_config_file_values_are_checked_in_the_embedded_default_too(tmp_path: Path) -> None:
+    from learner.cli import main
+
+    (tmp_path / "c.toml").write_text('steps = 0\n')
+    assert main(["run", "--config", str(tmp_path / "c.toml")]) == 2  # bounds are checked first
+
+
+# ------------------------------------------------------------------------ compose
+
+
+def _substitute(value: str, env: dict[str, str]) -> str:
+    def one(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(3)
+        return env.get(name) or (default or "")
+
+    return re.sub(r"\$\{(\w+)(:?-([^}]*))?\}", one, value)
+
+
+def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
+    compose = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())
+    env = dict(line.split("=", 1) for line in (REPO / "compose" / ".env.example").read_text().splitlines()
+               if line and not line.startswith("#"))
+    services = compose["services"]
+    assert {"redis", "minio", "proxy", "learner", "actors"} <= set(services)
+    assert "--appendonly" in services["redis"]["command"]
+    ours = {}
+    for name, service in services.items():
+        command = service.get("command")
+        if isinstance(command, str):
+            command = shlex.split(command)
+        if command and command[0] in ("learner", "actors", "proxy"):
+            ours[name] = [_substitute(part, env) for part in command]
+        for dep in service.get("depends_on", []):
+            assert dep in services, f"{name} depends on a missing service {dep}"
+    assert set(ours) == {"proxy", "learner", "actors"}
+    from actors.cli import build_parser as actors_parser
+    from learner.cli import build_parser as learner_parser
+    from proxy.cli import build_parser as proxy_parser
+
+    parsers = {"learner": learner_parser(), "actors": actors_parser(), "proxy": proxy_parser()}
+    for command in ours.values():
+        exe = shutil.which(command[0], path=str(Path(sys.executable).parent))
+        assert exe is not None
+        helped = subprocess.run([exe, command[1], "--help"], capture_output=True, text=True, timeout=60)
+        assert helped.returncode == 0, helped.stderr
+        parsers[command[0]].parse_args(command[1:])  # every flag exists and parses (SystemExit otherwise)
+    assert "--insecure-http" not in ours["proxy"] and "--tls-cert" in ours["proxy"]
+    assert "AWS_ACCESS_KEY_ID" not in services["actors"].get("environment", {})  # least privilege
+    tokens = (REPO / "compose" / "tokens.example.toml").read_text()
+    from proxy.auth import Tokens
+
+    assert {t.role for t in Tokens.from_toml(tokens).tokens} == {"actor", "learner", "admin"}
+    worker = (REPO / "compose" / "spot-worker.sh").read_text()
+    assert "actors run --queue" in worker and os.access(REPO / "compose" / "spot-worker.sh", os.X_OK)
