@@ -158,3 +158,11 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
     assert {t.role for t in Tokens.from_toml(tokens).tokens} == {"actor", "learner", "admin"}
     worker = (REPO / "compose" / "spot-worker.sh").read_text()
     assert "actors run --queue" in worker and os.access(REPO / "compose" / "spot-worker.sh", os.X_OK)
+
+
+def test_readme_documents_every_learner_flag() -> None:
+    from learner.config import LearnerConfig
+
+    readme = (REPO / "README.md").read_text()
+    missing = [n for n in LearnerConfig.model_fields if f"`--{n.replace('_', '-')}`" not in readme]
+    assert not missing, f"README's configuration reference lacks {missing}"
