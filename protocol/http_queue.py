@@ -111,6 +111,8 @@ class HttpQueue(Queue):
             timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
             limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
         )
+        self.retried = False
+        """Whether the last call needed more than one attempt."""
         self._received: dict[str, set[str]] = {}
         self._resync: set[str] = set()
         self._subscriptions: list[SseSubscription] = []
@@ -120,6 +122,7 @@ class HttpQueue(Queue):
         content = encode_body(body) if body is not None else None
         headers = {"Content-Type": CONTENT_TYPE} if content is not None else None
         deadline, backoff = time.monotonic() + self.retry_s, 0.25
+        self.retried = False
         while True:
             try:
                 r = self.client.request(method, path, content=content, headers=headers, params=params)
@@ -136,6 +139,7 @@ class HttpQueue(Queue):
             if time.monotonic() + wait > deadline:
                 raise QueueUnavailable(f"{self.url}{path}: {problem}")
             log.debug("%s %s: %s; retrying in %.2fs", method, path, problem, wait)
+            self.retried = True
             time.sleep(wait)
             backoff = min(backoff * 2, 5.0)
 
@@ -175,6 +179,8 @@ class HttpQueue(Queue):
         except QueueUnavailable:
             self._resync.add(consumer)
             raise
+        if self.retried:  # an earlier attempt may have been served and its answer lost
+            self._resync.add(consumer)
         received.update(d.delivery_id for d in deliveries)
         return deliveries
 

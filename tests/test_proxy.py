@@ -17,7 +17,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import AdapterManifest, ProtocolError, QueueUnavailable, encode, to_json
-from protocol.http import CONTENT_TYPE, ClaimRequest, SubmitRequest, encode_body
+from protocol.http import (
+    CONTENT_TYPE,
+    ClaimRequest,
+    ReadRolloutsRequest,
+    SubmitRequest,
+    encode_body,
+)
 from protocol.http_queue import QueueForbidden
 from protocol.store import adapter_key, file_entry, open_store
 from proxy.app import ROUTES
@@ -436,3 +442,23 @@ def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:  #
     assert 'route="/v1/adapters/latest",status="200"' in text
     assert 'spotgrpo_queue_entries{state="waiting",stream="prompts"}' in text
     assert "spotgrpo_queue_up 1.0" in text
+
+
+def test_a_read_whose_answer_was_lost_is_recovered(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    """The proxy serves a read but the answer never arrives (the connection drops): the
+    client's next read returns those groups from the pending list instead of losing them."""
+    proxy = make_proxy()
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    b = batch(5, prompts=3)
+    learner.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    actor.submit("w", lease.lease_id, [group(b, i) for i in range(3)])
+    with _client(proxy, "learner") as raw:  # a read whose answer is thrown away
+        body = encode_body(ReadRolloutsRequest(consumer="learner-0", count=10))
+        assert raw.post("/v1/rollouts/read", content=body, headers={"Content-Type": CONTENT_TYPE}).status_code == 200
+    learner._resync.add("learner-0")  # what the client records after a failed or retried read
+    recovered = learner.read_rollouts("learner-0", 10)
+    assert sorted(d.group.prompt_id for d in recovered) == ["p0", "p1", "p2"]
+    assert learner.read_rollouts("learner-0", 10) == []
+    learner.close()
+    actor.close()
