@@ -21,6 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from actors.engine import Engine, EngineError
 from protocol import AdapterManifest, ProtocolError, Queue, QueueError
@@ -47,16 +48,19 @@ class StoreSource(AdapterSource):
 
 
 class ProxySource(AdapterSource):
-    """Through the proxy: presigned URLs, so the worker holds no bucket credentials."""
+    """Through the proxy: presigned URLs, so the worker holds no bucket credentials. The
+    URLs of a version are asked for once, for all its files."""
 
     def __init__(self, queue: Queue) -> None:
-        fetch = getattr(queue, "fetch_adapter_file", None)
-        if fetch is None:
+        if not hasattr(queue, "adapter_download"):
             raise ValueError("adapter downloads through the queue need an https:// (proxy) queue")
-        self._fetch = fetch
+        self.queue: Any = queue
+        self._download: Any = None
 
     def fetch(self, manifest: AdapterManifest, name: str) -> bytes:
-        return self._fetch(manifest.version, name)
+        if self._download is None or self._download.manifest.version != manifest.version:
+            self._download = self.queue.adapter_download(manifest.version)
+        return self.queue.fetch_adapter_file(self._download, name)
 
 
 class AdapterWatcher:

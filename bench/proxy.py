@@ -29,7 +29,6 @@ import threading
 import time
 import uuid
 
-import httpx
 import redis
 
 from protocol import (
@@ -43,7 +42,7 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
-from protocol.http_queue import HttpQueue
+from protocol.http_queue import HttpQueue, wait_for_proxy
 from proxy.tls import write_self_signed
 
 TOKENS = {"actor": "a" * 40, "learner": "l" * 40}
@@ -137,15 +136,7 @@ def main() -> None:
     url = f"https://127.0.0.1:{proxy_port}"
     ctx = ssl.create_default_context(cafile=str(tmp / "cert.pem"))
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{url}/healthz", verify=ctx, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        wait_for_proxy(url, str(tmp / "cert.pem"), proxy_proc)
         config = QueueConfig(run=run_name, lease_timeout_s=600)
         setup = RedisQueue(redis.Redis(port=redis_port), config)
         sample = PromptBatch(batch_id="x", prompts=[Prompt(id="p", token_ids=pack_i32([1]))], num_generations=1,

@@ -20,7 +20,6 @@ import logging
 import os
 import secrets
 import socket
-import ssl
 import subprocess
 import sys
 import time
@@ -143,20 +142,13 @@ class LocalSystem:
             self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log"))
 
     def _wait_healthy(self) -> None:
-        import httpx
+        from protocol import QueueUnavailable
+        from protocol.http_queue import wait_for_proxy
 
-        context = ssl.create_default_context(cafile=str(self.cert))
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", verify=context, timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            assert self.proxy is not None
-            if self.proxy.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the proxy did not start; see {self.logs / 'proxy.log'}")
-            time.sleep(0.1)
+        try:
+            wait_for_proxy(self.url, str(self.cert), self.proxy)
+        except QueueUnavailable as err:
+            raise RuntimeError(f"{err}; see {self.logs / 'proxy.log'}") from None
 
     def alive(self) -> int:
         return sum(1 for w in self.workers if w.poll() is None)

@@ -32,7 +32,7 @@ from protocol import (
     RolloutGroup,
     SamplingParams,
 )
-from protocol.store import Store, StoreError
+from protocol.store import Store, StoreError, retrying
 
 log = logging.getLogger(__name__)
 
@@ -345,18 +345,12 @@ class Learner:
         self.state.unacked = {}
         log.info("checkpoint at step %d", self.state.step)
 
-    def _retry(self, fn: Any, attempts: int = 30) -> Any:
-        backoff = 0.5
-        for attempt in range(attempts):
-            try:
-                return fn()
-            except QueueUnavailable as err:
-                if attempt == attempts - 1:
-                    raise
-                log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
-        raise AssertionError("unreachable")
+    def _retry(self, fn: Any) -> Any:
+        """A queue call at start-up, retried through a queue outage of about five minutes."""
+        return retrying(
+            fn, what="queue", retry_on=(QueueUnavailable,), attempts=35,
+            on_retry=lambda n, err: log.warning("queue unavailable (attempt %d), retrying: %s", n, err),
+        )
 
     # ----------------------------------------------------------------- metrics
     def report(

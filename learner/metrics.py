@@ -64,7 +64,7 @@ class MetricsLog:
                 self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
 
     def write(self, row: dict[str, Any], trained: list[str], dropped: list[tuple[str, str]]) -> None:
-        self._metrics.write(json.dumps(row, allow_nan=False, default=_finite) + "\n")
+        self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
         self._metrics.flush()
         self._consumed.write(json.dumps({"step": row["step"], "trained": trained, "dropped": dropped}) + "\n")
         self._consumed.flush()
@@ -78,10 +78,6 @@ class MetricsLog:
         self._consumed.close()
         if self._tb is not None:
             self._tb.close()
-
-
-def _finite(value: Any) -> Any:
-    raise TypeError(f"not JSON serialisable: {value!r}")
 
 
 def clean(row: dict[str, Any]) -> dict[str, Any]:

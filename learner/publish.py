@@ -18,12 +18,13 @@ import logging
 import queue as stdqueue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from learner.policy import adapter_files
-from protocol import AdapterManifest, Queue, QueueError, to_json
+from protocol import AdapterManifest, Queue, QueueError, QueueUnavailable, to_json
 from protocol.store import (
     MANIFEST,
     Store,
@@ -120,15 +121,10 @@ class Publisher:
             finally:
                 self._jobs.task_done()
 
-    def _retry(self, what: str, fn) -> object:
-        def once() -> object:
-            try:
-                return fn()
-            except QueueError as err:  # QueueUnavailable and friends: retry like a store error
-                raise StoreError(str(err)) from err
-
+    def _retry(self, what: str, fn: Callable[[], object]) -> object:
+        """Store and queue outages are retried alike; a VersionConflict is not an outage."""
         return retrying(
-            once, what=what, attempts=self.attempts, base_s=self.backoff_s,
+            fn, what=what, retry_on=(StoreError, QueueUnavailable), attempts=self.attempts, base_s=self.backoff_s,
             on_retry=lambda n, err: log.warning("%s failed (attempt %d), retrying: %s", what, n, err),
         )
 

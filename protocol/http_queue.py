@@ -10,7 +10,8 @@ next read, as the Redis transport does.
 
 Adapter announcements arrive as server-sent events (`subscribe_adapters`), resumed
 with Last-Event-ID after a dropped connection; adapter files come from presigned URLs
-(no bucket credentials needed) or the proxy itself (`fetch_adapter_file`).
+(no bucket credentials needed) or the proxy itself (`adapter_download`, then
+`fetch_adapter_file` per file).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 import queue as stdqueue
 import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -79,8 +81,32 @@ from protocol.store import StoreError, StoreMissing
 log = logging.getLogger(__name__)
 
 
+def wait_for_proxy(
+    url: str, ca_file: str | None, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 60.0
+) -> None:
+    """Block until `proxy serve` at `url` answers /healthz with 200. Raises QueueUnavailable
+    when it does not within `timeout_s`, or at once when its process `proc` has exited."""
+    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url.rstrip('/')}/healthz", verify=verify, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc is not None and proc.poll() is not None:
+            raise QueueUnavailable(f"the proxy for {url} exited with status {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise QueueUnavailable(f"the proxy at {url} did not answer within {timeout_s:g}s")
+        time.sleep(0.1)
+
+
 class QueueForbidden(QueueError, PermissionError):
     """The proxy refused the token (401) or its role (403): retrying will not help."""
+
+
+class QueueNotFound(QueueError, LookupError):
+    """The proxy has no such thing (404): an adapter version that does not exist."""
 
 
 class HttpQueue(Queue):
@@ -217,22 +243,26 @@ class HttpQueue(Queue):
         self._subscriptions.append(sub)
         return sub
 
-    def fetch_adapter_file(self, version: int, name: str) -> bytes:
-        """One file of an adapter: from its presigned URL, or from the proxy itself.
-        Raises StoreError (StoreMissing for a version or file that does not exist)."""
+    def adapter_download(self, version: int) -> AdapterDownload:
+        """The manifest of adapter `version` and a URL per file (presigned, or the proxy's
+        own). Raises StoreMissing for a version that does not exist, else StoreError."""
         try:
-            download = self._call("GET", f"/v1/adapters/{version}", AdapterDownload)
+            return self._call("GET", f"/v1/adapters/{version}", AdapterDownload)
+        except QueueNotFound as err:
+            raise StoreMissing(f"adapter v{version}: {err}") from None
         except QueueError as err:
-            if "404" in str(err):
-                raise StoreMissing(f"adapter v{version}: {err}") from None
             raise StoreError(f"adapter v{version}: {err}") from err
+
+    def fetch_adapter_file(self, download: AdapterDownload, name: str) -> bytes:
+        """One file of `download`'s adapter; no proxy token goes to a presigned URL."""
+        version = download.manifest.version
         url = download.urls.get(name)
         if url is None:
             raise StoreMissing(f"adapter v{version} has no file {name}")
         try:
             if download.proxied and url.startswith("/"):
                 r = self.client.get(url)
-            else:  # presigned: no proxy token goes to the bucket
+            else:
                 r = httpx.get(url, timeout=60.0, verify=self._verify)
         except httpx.TransportError as err:
             raise StoreError(f"adapter v{version}/{name}: {err}") from err
@@ -272,6 +302,8 @@ def _error(status: int, message: str, path: str) -> QueueError | ProtocolError:
         return QueueForbidden(f"{status} {path}: {message}")
     if status == 409:
         return VersionConflict(message) if "announce" in path else LeaseMismatch(message)
+    if status == 404:
+        return QueueNotFound(f"404 {path}: {message}")
     return QueueError(f"{status} {path}: {message}")
 
 

@@ -284,20 +284,25 @@ def retrying(
     fn: Callable[[], T],
     *,
     what: str,
+    retry_on: tuple[type[Exception], ...] = (StoreError,),
     attempts: int = 5,
     base_s: float = 0.5,
     max_s: float = 10.0,
     on_retry: Callable[[int, Exception], None] | None = None,
 ) -> T:
-    """Call `fn`, retrying StoreError (not StoreMissing) with capped exponential backoff."""
+    """Call `fn`, retrying the `retry_on` errors with capped exponential backoff. A missing
+    key is never retried. A store that still fails raises StoreError("gave up ..."); any
+    other error is re-raised as it was after the last attempt."""
     for attempt in range(1, attempts + 1):
         try:
             return fn()
         except StoreMissing:
             raise
-        except StoreError as err:
+        except retry_on as err:
             if attempt == attempts:
-                raise StoreError(f"{what}: gave up after {attempts} attempts: {err}") from err
+                if isinstance(err, StoreError):
+                    raise StoreError(f"{what}: gave up after {attempts} attempts: {err}") from err
+                raise
             if on_retry is not None:
                 on_retry(attempt, err)
             time.sleep(min(max_s, base_s * 2 ** (attempt - 1)))

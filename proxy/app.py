@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import msgspec
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -140,10 +141,13 @@ class Context:
     metrics: ProxyMetrics
     wire_limits: Limits = DEFAULT_LIMITS
     rate: RateLimiter = field(init=False)
+    body_limits: Limits = field(init=False)
+    """The wire limits with this proxy's body size: what every request body is decoded with."""
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
         self.rate = RateLimiter(self.limits.rate_per_s, self.limits.burst)
+        self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
 
     def block(self, requested: float) -> float:
         return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)
@@ -393,12 +397,7 @@ async def _read_body(ctx: Context, spec: RouteSpec, request: Request) -> Any:
                 chunks.append(chunk)
     except TimeoutError:
         raise ApiError(408, f"the body took longer than {ctx.limits.body_timeout_s:g}s to arrive") from None
-    limits = Limits(**{**_limits_dict(ctx.wire_limits), "max_message_bytes": ctx.limits.max_body_bytes})
-    return decode_body(b"".join(chunks), spec.request, limits)  # type: ignore[arg-type]
-
-
-def _limits_dict(limits: Limits) -> dict[str, int]:
-    return {f: getattr(limits, f) for f in limits.__struct_fields__}
+    return decode_body(b"".join(chunks), spec.request, ctx.body_limits)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- special routes

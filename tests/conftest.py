@@ -26,10 +26,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kill_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGKILL by process id, and reap it."""
-    if proc is not None and proc.poll() is None:
+def kill_process(proc: subprocess.Popen | None) -> None:  # type: ignore[type-arg]
+    """SIGKILL by process id if it still runs, and reap it (draining its pipes, if any)."""
+    if proc is None:
+        return
+    if proc.poll() is None:
         proc.kill()
+    if proc.stdout is not None and not proc.stdout.closed:
+        proc.communicate(timeout=30)
+    else:
         proc.wait(timeout=10)
 
 
@@ -254,20 +259,16 @@ class ProxyProcess:
         return f"https://127.0.0.1:{self.port}"
 
     def start(self) -> ProxyProcess:
-        import httpx
+        from protocol import QueueUnavailable
+        from protocol.http_queue import wait_for_proxy
 
         with self.log.open("ab") as log:  # a file, not a pipe nobody reads (it would fill and block)
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if httpx.get(f"{self.url}/healthz", verify=self.ssl(), timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"proxy did not start: {self.log.read_text()[-2000:]}")
-            time.sleep(0.1)
+        try:
+            wait_for_proxy(self.url, self.ca, self.proc, timeout_s=30)
+        except QueueUnavailable as err:
+            raise RuntimeError(f"{err}: {self.log.read_text()[-2000:]}") from None
+        return self
 
     def ssl(self):  # type: ignore[no-untyped-def]
         import ssl

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import toy_rewards
+from conftest import kill_process
 from rollouts import perturbed_policy
 
 from actors.engine import Engine, EngineError
@@ -311,9 +312,7 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
         victim.kill()  # SIGKILL while it holds the lease, mid-batch (the reward takes a second)
         victim.communicate(timeout=30)
     finally:
-        if victim.poll() is None:
-            victim.kill()
-            victim.communicate(timeout=30)
+        kill_process(victim)
     assert queue.stats().rollouts.length == 0
     rescuer = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "rescuer"), cwd=REPO, env=_env(),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -327,9 +326,7 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
         rescuer.send_signal(signal.SIGTERM)
         assert rescuer.wait(timeout=60) == 0
     finally:
-        if rescuer.poll() is None:
-            rescuer.kill()
-        rescuer.communicate(timeout=30)
+        kill_process(rescuer)
     groups = [d.group for d in queue.read_rollouts("t", 100)]
     assert len(groups) == len(PROMPTS) == len({g.group_id for g in groups})
     assert {g.actor_id for g in groups} == {"rescuer"}
@@ -351,9 +348,7 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_m
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        kill_process(proc)
     assert proc.returncode == 0, out[-3000:]
     assert time.monotonic() - sent < 20
     assert "handed lease" in out

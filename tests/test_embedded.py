@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import kill_process
 
 from learner.embedded import LEASE_TIMEOUT_S
 
@@ -80,9 +81,7 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         out, _ = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        kill_process(proc)
     assert victim is not None
     assert proc.returncode == 0, out[-4000:]
     first = json.loads((run_dir / "summary.json").read_text())["accounting"]

@@ -17,6 +17,7 @@ import fakeredis
 import numpy as np
 import pytest
 import torch
+from conftest import kill_process
 from factories import write_dataset
 from rollouts import SyntheticActor
 
@@ -279,8 +280,7 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tin
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
     finally:
-        if first.poll() is None:
-            first.kill()
+        kill_process(first)
         log1.close()
     version_at_kill = queue.latest_adapter().version  # type: ignore[union-attr]
 
@@ -395,9 +395,7 @@ def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Pat
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate(timeout=30)
+        kill_process(proc)
     assert proc.returncode == 0, out[-2000:]
     store = open_store((tmp_path / "store").as_uri())
     assert json.loads(store.get("checkpoints/latest.json"))["step"] == 0

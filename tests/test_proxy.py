@@ -11,7 +11,7 @@ import time
 import httpx
 import msgspec
 import pytest
-from conftest import TOKENS
+from conftest import TOKENS, kill_process
 from factories import batch, group
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,7 +25,7 @@ from protocol.http import (
     encode_body,
 )
 from protocol.http_queue import QueueForbidden
-from protocol.store import adapter_key, file_entry, open_store
+from protocol.store import StoreMissing, adapter_key, file_entry, open_store
 from proxy.app import ROUTES
 from proxy.auth import TokenError, Tokens
 
@@ -276,7 +276,9 @@ def test_adapter_downloads_from_a_file_store_are_streamed_by_the_proxy(make_prox
     store = open_store((tmp_path / "s").as_uri())
     _manifest(store, 1)
     actor = proxy.queue("actor")
-    assert actor.fetch_adapter_file(1, "adapter_model.safetensors") == b"weights-1"
+    assert actor.fetch_adapter_file(actor.adapter_download(1), "adapter_model.safetensors") == b"weights-1"
+    with pytest.raises(StoreMissing):
+        actor.adapter_download(9)
     with _client(proxy, "actor") as client:
         assert client.get("/v1/adapters/1/files/manifest.json").status_code == 404  # only the manifest's files
     actor.close()
@@ -293,7 +295,7 @@ def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_ser
 
         download = decode_body(client.get("/v1/adapters/2").content, AdapterDownload)
     assert not download.proxied and all("Signature" in u for u in download.urls.values())
-    assert actor.fetch_adapter_file(2, "adapter_model.safetensors") == b"weights-2"
+    assert actor.fetch_adapter_file(actor.adapter_download(2), "adapter_model.safetensors") == b"weights-2"
     actor.close()
 
 
@@ -413,9 +415,7 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
         actor.send_signal(signal.SIGTERM)
         out, _ = actor.communicate(timeout=60)
     finally:
-        if actor.poll() is None:
-            actor.kill()
-            actor.communicate(timeout=30)
+        kill_process(actor)
     assert actor.returncode == 0, out[-3000:]
     assert "refused" not in out
     assert "loaded" in out, out[-3000:]  # presigned download, verified, loaded
