@@ -6,10 +6,15 @@ Public API: the messages, `encode`/`decode` (MessagePack), `ProtocolError`, the
 """
 
 from protocol.errors import (
+    LeaseLost,
     LeaseMismatch,
     ProtocolError,
     QueueError,
+    QueueForbidden,
+    QueueRefused,
+    QueueTLSError,
     QueueUnavailable,
+    SubmissionRejected,
     VersionConflict,
 )
 from protocol.keys import Keys
@@ -47,6 +52,7 @@ from protocol.queue import (
     QueueStats,
     StreamStats,
     SubmitResult,
+    is_entry_id,
 )
 from protocol.redis_queue import RedisQueue
 from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
@@ -66,6 +72,7 @@ __all__ = [
     "FileStore",
     "Keys",
     "Lease",
+    "LeaseLost",
     "LeaseMismatch",
     "Limits",
     "Message",
@@ -75,7 +82,10 @@ __all__ = [
     "Queue",
     "QueueConfig",
     "QueueError",
+    "QueueForbidden",
+    "QueueRefused",
     "QueueStats",
+    "QueueTLSError",
     "QueueUnavailable",
     "RedisQueue",
     "RolloutGroup",
@@ -85,12 +95,14 @@ __all__ = [
     "StoreError",
     "StoreMissing",
     "StreamStats",
+    "SubmissionRejected",
     "SubmitResult",
     "VersionConflict",
     "decode",
     "encode",
     "from_json",
     "group_id_for",
+    "is_entry_id",
     "open_queue",
     "open_store",
     "pack_f32",

@@ -20,9 +20,55 @@ class QueueUnavailable(QueueError, ConnectionError):
     """The queue's backend could not be reached; retrying later is the right answer."""
 
 
-class LeaseMismatch(QueueError, ValueError):
+class QueueRefused(QueueError):
+    """The queue refused the call for good: retrying the same call cannot succeed.
+    Subclasses say why; `code` names the kind on the wire (the proxy's error bodies)."""
+
+    code = "refused"
+
+
+class QueueForbidden(QueueRefused, PermissionError):
+    """The token was refused (401) or its role may not do this (403)."""
+
+    code = "forbidden"
+
+
+class QueueTLSError(QueueRefused, ConnectionError):
+    """The server's certificate did not verify against the CA: a configuration error,
+    never an outage, so it is not retried."""
+
+    code = "tls"
+
+
+class LeaseMismatch(QueueRefused, ValueError):
     """Rollout groups were submitted against a lease for a different prompt batch."""
 
+    code = "lease_mismatch"
 
-class VersionConflict(QueueError, ValueError):
+
+class LeaseLost(QueueRefused, LookupError):
+    """The lease named is not this worker's: it never existed, is finished or
+    dead-lettered, is not claimed, or is held by another worker. Nothing was stored."""
+
+    code = "lease_lost"
+
+
+class SubmissionRejected(QueueRefused, ValueError):
+    """Rollout groups do not answer their lease's batch (a prompt not in the batch, a
+    group twice, the wrong number of completions, a completion over max_tokens, prompt
+    tokens other than the issued ones). The whole submission was refused."""
+
+    code = "submission_rejected"
+
+
+class VersionConflict(QueueRefused, ValueError):
     """An adapter version was announced that does not move the latest version forward."""
+
+    code = "version_conflict"
+
+
+REFUSALS: dict[str, type[QueueRefused]] = {
+    cls.code: cls
+    for cls in (QueueForbidden, QueueTLSError, LeaseMismatch, LeaseLost, SubmissionRejected, VersionConflict)
+}
+"""Refusals by their wire code, so the HTTPS client raises what the proxy's queue raised."""

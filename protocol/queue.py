@@ -9,8 +9,16 @@ Semantics every transport keeps:
   rollout groups are submitted. A lease not heartbeated for `lease_timeout_s` is
   taken over by the next `claim` of any worker; a batch delivered `max_deliveries`
   times and still not finished goes to the dead-letter stream with its count.
-- `submit` appends the groups and acknowledges the lease in one atomic step and is
-  idempotent by group id, so a retried or duplicated submit stores each group once.
+- `submit` is checked against the lease it names, atomically: the lease is held by
+  this worker, and the groups answer its batch (one per prompt id of the batch, none
+  extra, `num_generations` completions each, none over `max_tokens`, the issued prompt
+  tokens). A submission failing any check is refused whole and changes nothing.
+- A lease's groups may come in several submissions; the one that gives the last
+  prompt its group finishes the lease. A partial submission keeps the lease held (and
+  counts as a heartbeat). Every call is idempotent by group id: a retried call whose
+  groups are all stored answers as a duplicate, even after the lease is finished.
+- A lease that expires `max_deliveries` times goes to the dead letters naming the
+  group ids still missing, so a partly answered batch loses no prompt uncounted.
 - `add_prompts` is idempotent by batch id, so a retried or re-issued batch is queued once.
 - Rollout groups stay pending for the learner until it acknowledges them (after the
   checkpoint that consumed them); after a crash `pending_rollouts` hands them back.
@@ -27,6 +35,18 @@ from dataclasses import dataclass, field
 from typing import Self
 
 from protocol.messages import DEFAULT_LIMITS, AdapterManifest, Limits, PromptBatch, RolloutGroup
+
+_MAX_U64 = 2**64 - 1
+
+
+def is_entry_id(text: object) -> bool:
+    """A stream entry id as Redis accepts it: `<ms>-<seq>`, both parts within 64 bits.
+    Lease, delivery and event ids are all of this form."""
+    if not isinstance(text, str) or len(text) > 41:
+        return False
+    ms, sep, seq = text.partition("-")
+    return bool(sep) and ms.isascii() and seq.isascii() and ms.isdigit() and seq.isdigit() \
+        and int(ms) <= _MAX_U64 and int(seq) <= _MAX_U64
 
 
 @dataclass(frozen=True)
@@ -77,8 +97,13 @@ class SubmitResult:
     duplicates: int
     """Groups skipped because a group with the same id was stored before."""
     lease_held: bool
-    """False when the lease had expired or passed to another worker; the groups were
-    still stored (deduplicated), so the work is not lost."""
+    """True when this worker held the lease at the call; False only for a call whose
+    groups were all stored already (a retry after the lease was finished)."""
+    finished: bool = True
+    """The lease is done: every prompt of its batch has its group (or, for a retry,
+    the lease is gone). False after a partial submission: the lease stays held."""
+    missing: int = 0
+    """Prompts of the batch still without a group; 0 once finished."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +129,9 @@ class DeadLetter:
     last_worker: str
     batch: PromptBatch | None
     """None when the payload was unreadable or missing, or is not a prompt batch."""
+    missing_groups: list[str] | None = None
+    """For a batch: the group ids it still lacked (the prompts lost with it; the groups
+    of its other prompts were stored and reach the learner). None when unknown."""
 
 
 @dataclass(frozen=True)
@@ -173,7 +201,9 @@ class Queue(abc.ABC):
 
     @abc.abstractmethod
     def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
-        """Append the batch's rollout groups and acknowledge its lease, atomically."""
+        """Append some or all of the lease's rollout groups, atomically and checked
+        against the lease; the call that completes the batch finishes the lease.
+        Raises `LeaseLost`, `LeaseMismatch` or `SubmissionRejected` (nothing stored)."""
 
     @abc.abstractmethod
     def release(self, worker: str, lease_id: str) -> bool:
@@ -222,6 +252,11 @@ class Queue(abc.ABC):
     # -- everyone
     @abc.abstractmethod
     def stats(self) -> QueueStats: ...
+
+    def stop_retrying(self) -> None:
+        """From now on, fail fast instead of retrying through an outage (a process on
+        its way out). Transports without retries of their own need do nothing."""
+        return None
 
     @abc.abstractmethod
     def close(self) -> None: ...

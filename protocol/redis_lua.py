@@ -25,21 +25,42 @@ local function pending_entry(key, group, id)
   return redis.call('XPENDING', key, group, id, id, 1)[1]
 end
 
+-- The group ids of a batch's prompts not yet stored, from the entry's expected-groups
+-- field `g` ("<group id>:<prompt digest>;" per prompt, see ADD_PROMPTS).
+local function missing_groups(expected, seen)
+  local out = {}
+  if not expected then return out end
+  for gid in string.gmatch(expected, '(%x+):') do
+    if redis.call('SISMEMBER', seen, gid) == 0 then table.insert(out, gid) end
+  end
+  return out
+end
+
 -- Moves entry `id` of `stream` (named `source` in the record) to the dead letters.
-local function dead_letter(stream, source, dead, group, id, payload, deliveries, worker, reason, now)
-  redis.call('XADD', dead, '*', 'source', source, 'lease', id, 'm', payload or '',
-             'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now)
+-- For a prompt batch, `seen` (the groups-seen set) lets the record name the group ids
+-- still missing: exactly the prompts lost with it.
+local function dead_letter(stream, source, dead, group, id, flat, deliveries, worker, reason, now, seen)
+  local record = {'source', source, 'lease', id, 'm', field(flat, 'm') or '',
+                  'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now}
+  if seen and field(flat, 'g') then
+    table.insert(record, 'missing')
+    table.insert(record, table.concat(missing_groups(field(flat, 'g'), seen), ' '))
+  end
+  redis.call('XADD', dead, '*', unpack(record))
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)
 end
 """
 
 ADD_PROMPTS = r"""
--- KEYS: prompts, batches_seen   ARGV: (batch_id, payload)*
+-- KEYS: prompts, batches_seen   ARGV: (batch_id, payload, num_generations, max_tokens, expected)*
+-- `expected` lists "<group id>:<prompt digest>;" for each prompt: what SUBMIT checks
+-- groups against without decoding the batch.
 local added = 0
-for i = 1, #ARGV, 2 do
+for i = 1, #ARGV, 5 do
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[1], '*', 'b', ARGV[i], 'm', ARGV[i + 1])
+    redis.call('XADD', KEYS[1], '*', 'b', ARGV[i], 'm', ARGV[i + 1], 'n', ARGV[i + 2],
+               't', ARGV[i + 3], 'g', ARGV[i + 4])
     added = added + 1
   end
 end
@@ -49,7 +70,7 @@ return added
 CLAIM_EXPIRED = (
     _HELPERS
     + r"""
--- KEYS: prompts, dead   ARGV: group, worker, lease_ms, max_deliveries, count, now
+-- KEYS: prompts, dead, groups_seen   ARGV: group, worker, lease_ms, max_deliveries, count, now
 -- Takes over leases idle longer than lease_ms; dead-letters batches delivered
 -- max_deliveries times already. Returns {{id, deliveries, payload}...}.
 local group, worker, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -60,8 +81,8 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
   local id, owner, n = p[1], p[2], tonumber(p[4])
   if n >= max_deliveries then
     local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
-    dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, entry and field(entry[2], 'm'), n, owner,
-                'max_deliveries', now)
+    dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, entry and entry[2], n, owner,
+                'max_deliveries', now, KEYS[3])
     dead = dead + 1
   else
     local entry = redis.call('XCLAIM', KEYS[1], group, worker, lease_ms, id)[1]
@@ -70,7 +91,7 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
       table.insert(out, {id, n + 1, payload})
     else
       -- the payload was deleted behind our back (not by us): account for it, never drop it
-      dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, '', n, owner, 'missing', now)
+      dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, nil, n, owner, 'missing', now, nil)
       dead = dead + 1
     end
   end
@@ -87,8 +108,8 @@ DEAD_LETTER = (
 local p = pending_entry(KEYS[1], ARGV[1], ARGV[2])
 if not p then return 0 end
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
-dead_letter(KEYS[1], ARGV[3], KEYS[2], ARGV[1], ARGV[2], entry and field(entry[2], 'm'), p[4],
-            p[2], ARGV[4], ARGV[5])
+dead_letter(KEYS[1], ARGV[3], KEYS[2], ARGV[1], ARGV[2], entry and entry[2], p[4],
+            p[2], ARGV[4], ARGV[5], nil)
 return 1
 """
 )
@@ -113,19 +134,67 @@ return held
 SUBMIT = (
     _HELPERS
     + r"""
--- KEYS: prompts, rollouts, groups_seen   ARGV: group, worker, lease_id, batch_id, (group_id, payload)*
--- Appends the groups not stored before and acknowledges the lease, atomically.
--- A worker whose lease passed to another still has its finished groups stored
--- (deduplicated); the batch is done either way. Returns {stored, duplicates, held}.
-local group, worker, lease = ARGV[1], ARGV[2], ARGV[3]
-local entry = redis.call('XRANGE', KEYS[1], lease, lease)[1]
-if entry and field(entry[2], 'b') ~= ARGV[4] then
-  return redis.error_reply('LEASE_MISMATCH lease ' .. lease .. ' holds batch ' ..
-                           tostring(field(entry[2], 'b')) .. ', not ' .. ARGV[4])
+-- KEYS: prompts, rollouts, groups_seen
+-- ARGV: group, worker, lease_id, batch_id, (group_id, payload, completions, longest, digest)*
+-- Checks every group against the lease before the first write, stores the new ones, and
+-- finishes the lease when every prompt of its batch has its group; a partial submission
+-- keeps the lease and resets its idle time. Returns {stored, duplicates, held, finished,
+-- missing}, or an error naming the first failed check (nothing written).
+local group, worker, lease, batch = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
+local function all_stored()
+  for i = 5, #ARGV, 5 do
+    if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then return false end
+  end
+  return true
 end
-local p = pending_entry(KEYS[1], group, lease)
+local entry = redis.call('XRANGE', KEYS[1], lease, lease)[1]
+local p = entry and pending_entry(KEYS[1], group, lease)
+if not (p and p[2] == worker) and all_stored() then
+  -- a retry whose groups are all in (its answer was lost, or another worker finished
+  -- the batch first): nothing to do, and nothing to refuse
+  return {0, (#ARGV - 4) / 5, 0, p and 0 or 1, 0}
+end
+if not entry then
+  return redis.error_reply('LEASE_LOST lease ' .. lease ..
+                           ' is not outstanding: never issued, finished or dead-lettered')
+end
+if field(entry[2], 'b') ~= batch then
+  return redis.error_reply('LEASE_MISMATCH lease ' .. lease .. ' holds batch ' ..
+                           tostring(field(entry[2], 'b')) .. ', not ' .. batch)
+end
+if not p then
+  return redis.error_reply('LEASE_LOST lease ' .. lease .. ' is not claimed by anyone')
+end
+if p[2] ~= worker then
+  return redis.error_reply('LEASE_LOST lease ' .. lease .. ' is held by another worker')
+end
+local expected, n, longest = field(entry[2], 'g') or '', field(entry[2], 'n'), tonumber(field(entry[2], 't'))
+local seen_here = {}
+for i = 5, #ARGV, 5 do
+  local gid = ARGV[i]
+  local at = string.find(expected, gid .. ':', 1, true)
+  if not at then
+    return redis.error_reply('REJECTED group ' .. gid .. ' answers no prompt of batch ' .. batch)
+  end
+  if seen_here[gid] then
+    return redis.error_reply('REJECTED group ' .. gid .. ' appears twice')
+  end
+  seen_here[gid] = true
+  if ARGV[i + 2] ~= n then
+    return redis.error_reply('REJECTED group ' .. gid .. ' has ' .. ARGV[i + 2] ..
+                             ' completions; the batch asks for ' .. n)
+  end
+  if tonumber(ARGV[i + 3]) > longest then
+    return redis.error_reply('REJECTED group ' .. gid .. ' has a completion of ' .. ARGV[i + 3] ..
+                             ' tokens; the batch allows ' .. longest)
+  end
+  local digest = string.sub(expected, at + #gid + 1, at + #gid + #ARGV[i + 4])
+  if digest ~= string.rep('-', #digest) and digest ~= ARGV[i + 4] then
+    return redis.error_reply('REJECTED group ' .. gid .. ' has prompt tokens other than the issued ones')
+  end
+end
 local stored, dups = 0, 0
-for i = 5, #ARGV, 2 do
+for i = 5, #ARGV, 5 do
   if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
     redis.call('XADD', KEYS[2], '*', 'g', ARGV[i], 'm', ARGV[i + 1])
     stored = stored + 1
@@ -133,13 +202,14 @@ for i = 5, #ARGV, 2 do
     dups = dups + 1
   end
 end
-local held = 0
-if p then
-  if p[2] == worker then held = 1 end
+local missing = #missing_groups(expected, KEYS[3])
+if missing == 0 then
   redis.call('XACK', KEYS[1], group, lease)
   redis.call('XDEL', KEYS[1], lease)
+else
+  redis.call('XCLAIM', KEYS[1], group, worker, 0, lease, 'JUSTID')
 end
-return {stored, dups, held}
+return {stored, dups, 1, missing == 0 and 1 or 0, missing}
 """
 )
 

@@ -9,6 +9,7 @@ lease acknowledged without its groups stored, or the other way round.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import re
 import time
@@ -20,10 +21,12 @@ import redis.exceptions
 
 from protocol import redis_lua
 from protocol.errors import (
+    LeaseLost,
     LeaseMismatch,
     ProtocolError,
     QueueError,
     QueueUnavailable,
+    SubmissionRejected,
     VersionConflict,
 )
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, Keys
@@ -35,6 +38,7 @@ from protocol.messages import (
     RolloutGroup,
     decode,
     encode,
+    group_id_for,
 )
 from protocol.queue import (
     AdapterEvent,
@@ -47,13 +51,13 @@ from protocol.queue import (
     QueueStats,
     StreamStats,
     SubmitResult,
+    is_entry_id,
 )
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest)
-_STREAM_ID = re.compile(r"^\d{1,20}-\d{1,20}$")
 _WORKER = re.compile(r"^[^\x00-\x20]{1,256}$")
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
 
@@ -67,8 +71,22 @@ def _check_worker(worker: str) -> None:
 
 def _check_ids(field: str, ids: Sequence[str]) -> None:
     for i in ids:
-        if not isinstance(i, str) or not _STREAM_ID.match(i):
-            raise ValueError(f"{field}: {i!r} is not a stream entry id")
+        if not is_entry_id(i):
+            raise ValueError(f"{field}: {str(i)[:48]!r} is not a stream entry id")
+
+
+_NO_TOKENS = "-" * 16
+"""The digest of a prompt the learner sent without token ids (the actor tokenizes)."""
+
+
+def prompt_digest(token_ids: bytes | None) -> str:
+    """16 hex characters naming a prompt's packed token ids, as SUBMIT compares them."""
+    return _NO_TOKENS if token_ids is None else hashlib.blake2b(token_ids, digest_size=8).hexdigest()
+
+
+def _expected_groups(b: PromptBatch) -> str:
+    """The batch's `g` field: "<group id>:<prompt digest>;" per prompt."""
+    return "".join(f"{group_id_for(b.batch_id, p.id)}:{prompt_digest(p.token_ids)};" for p in b.prompts)
 
 
 def _s(value: bytes | str | None) -> str:
@@ -133,10 +151,9 @@ class RedisQueue(Queue):
             raise QueueUnavailable(f"redis unreachable: {err}") from err
         except redis.exceptions.ResponseError as err:
             text = str(err)
-            if "LEASE_MISMATCH" in text:
-                raise LeaseMismatch(text.split("LEASE_MISMATCH ", 1)[1]) from None
-            if "VERSION_CONFLICT" in text:
-                raise VersionConflict(text.split("VERSION_CONFLICT ", 1)[1]) from None
+            for marker, cls in _REFUSALS.items():
+                if marker in text:
+                    raise cls(text.split(f"{marker} ", 1)[1]) from None
             raise QueueError(f"redis: {text}") from err
 
     def _ensure_groups(self) -> None:
@@ -178,7 +195,8 @@ class RedisQueue(Queue):
         for b in batches:
             if not isinstance(b, PromptBatch):
                 raise ProtocolError(f"add_prompts: expected PromptBatch, got {type(b).__name__}")
-            args += [b.batch_id, encode(b, self.config.limits)]
+            args += [b.batch_id, encode(b, self.config.limits), b.num_generations, b.sampling.max_tokens,
+                     _expected_groups(b)]
         if not args:
             return 0
         return int(self._script("ADD_PROMPTS", [self.keys.prompts, self.keys.batches_seen], args))
@@ -190,7 +208,7 @@ class RedisQueue(Queue):
         block_ms = self._block_ms(block_s)
         expired = self._script(
             "CLAIM_EXPIRED",
-            [self.keys.prompts, self.keys.dead_letters],
+            [self.keys.prompts, self.keys.dead_letters, self.keys.groups_seen],
             [
                 ACTORS_GROUP,
                 worker,
@@ -245,17 +263,22 @@ class RedisQueue(Queue):
         for g in groups:
             if not isinstance(g, RolloutGroup):
                 raise ProtocolError(f"groups: expected RolloutGroup, got {type(g).__name__}")
-            args += [g.group_id, encode(g, self.config.limits)]
+            longest = max(len(c.token_ids) // 4 for c in g.completions)
+            args += [g.group_id, encode(g, self.config.limits), len(g.completions), longest,
+                     prompt_digest(g.prompt_token_ids)]
         batch_ids = {g.batch_id for g in groups}
         if len(batch_ids) != 1:
             raise ProtocolError(
                 f"groups: all groups of a submit belong to one batch, got {sorted(batch_ids)}"
             )
         args[3] = batch_ids.pop()
-        stored, dups, held = self._script(
+        stored, dups, held, finished, missing = self._script(
             "SUBMIT", [self.keys.prompts, self.keys.rollouts, self.keys.groups_seen], args
         )
-        return SubmitResult(stored=int(stored), duplicates=int(dups), lease_held=bool(held))
+        return SubmitResult(
+            stored=int(stored), duplicates=int(dups), lease_held=bool(held), finished=bool(finished),
+            missing=int(missing),
+        )
 
     def release(self, worker: str, lease_id: str) -> bool:
         _check_worker(worker)
@@ -350,6 +373,7 @@ class RedisQueue(Queue):
         for raw_id, flat in entries:
             f = _fields(flat)
             batch = None
+            missing = _s(f["missing"]).split() if "missing" in f else None
             if f.get("source") == b"prompts" and f.get("m"):
                 with contextlib.suppress(ProtocolError):  # unreadable ones are why some are here
                     batch = _decode_as(f["m"], PromptBatch, self.config.limits)
@@ -362,6 +386,7 @@ class RedisQueue(Queue):
                     deliveries=int(f.get("deliveries") or 0),
                     last_worker=_s(f.get("worker")),
                     batch=batch,
+                    missing_groups=missing,
                 )
             )
         return out
@@ -440,6 +465,15 @@ class RedisQueue(Queue):
 
     def close(self) -> None:
         self._r.close()
+
+
+_REFUSALS = {
+    "LEASE_MISMATCH": LeaseMismatch,
+    "LEASE_LOST": LeaseLost,
+    "REJECTED": SubmissionRejected,
+    "VERSION_CONFLICT": VersionConflict,
+}
+"""Markers the Lua scripts put before a refusal's text, and what each raises."""
 
 
 def _decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:

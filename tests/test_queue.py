@@ -10,6 +10,7 @@ from factories import batch, group, groups, manifest
 
 from protocol import (
     Keys,
+    LeaseLost,
     LeaseMismatch,
     RedisQueue,
     VersionConflict,
@@ -145,14 +146,17 @@ def test_slow_worker_whose_lease_was_taken_over_stores_nothing_twice(make_queue)
     assert q.stats().prompts.pending == 0
 
 
-def test_slow_worker_finishing_first_completes_the_batch(make_queue) -> None:
+def test_slow_worker_cannot_submit_a_lease_taken_over(make_queue) -> None:
+    """A lease belongs to its holder: the slow worker's groups are refused whole (the
+    holder redoes them), so no token can front-run the worker that holds a batch."""
     q, slow, fast = _lease_taken_over(make_queue)
-    late = q.submit("slow", slow.lease_id, groups(slow.batch, actor="slow"))
-    assert (late.stored, late.lease_held) == (2, False)
-    assert q.heartbeat("fast", [fast.lease_id]) == []  # the batch is done: fast may stop
-    again = q.submit("fast", fast.lease_id, groups(fast.batch, actor="fast"))
-    assert (again.stored, again.duplicates) == (0, 2)
-    assert len(q.read_rollouts("learner", 100)) == 2
+    with pytest.raises(LeaseLost, match="another worker"):
+        q.submit("slow", slow.lease_id, groups(slow.batch, actor="slow"))
+    assert q.read_rollouts("learner", 100) == []
+    assert q.heartbeat("fast", [fast.lease_id]) == [fast.lease_id]
+    done = q.submit("fast", fast.lease_id, groups(fast.batch, actor="fast"))
+    assert (done.stored, done.duplicates, done.finished) == (2, 0, True)
+    assert {d.group.actor_id for d in q.read_rollouts("learner", 100)} == {"fast"}
 
 
 def test_submit_for_the_wrong_batch_changes_nothing(make_queue) -> None:
