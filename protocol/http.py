@@ -161,6 +161,10 @@ class StatsResponse(_Body, tag="stats"):
 class ErrorResponse(_Body, tag="error"):
     status: PosInt
     error: str
+    """One line saying what was wrong; never a traceback."""
+    code: str = ""
+    """For a refusal, its kind (`lease_lost`, `submission_rejected`, ...: the `code` of the
+    `QueueRefused` subclass the client should raise); empty for other errors."""
 
 
 REQUESTS = (

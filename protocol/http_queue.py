@@ -8,6 +8,12 @@ by id; a claim whose answer was lost leaves a lease that expires and is claimed 
 except reading rollouts, whose lost answers are recovered from the pending list on the
 next read, as the Redis transport does.
 
+Refusals are not retried: a 4xx raises at once (401/403 as `QueueForbidden`, a
+refused submission as what the proxy's queue raised, by the error's `code`), and so
+does a certificate that does not verify (`QueueTLSError`): both are configuration
+errors, not outages. `stop_retrying()` makes every later call fail fast and wakes a
+call sleeping between attempts, so a worker on its way out exits in seconds.
+
 Adapter announcements arrive as server-sent events (`subscribe_adapters`), resumed
 with Last-Event-ID after a dropped connection; adapter files come from presigned URLs
 (no bucket credentials needed) or the proxy itself (`adapter_download`, then
@@ -31,9 +37,12 @@ from typing import Any
 import httpx
 
 from protocol.errors import (
+    REFUSALS,
     LeaseMismatch,
     ProtocolError,
     QueueError,
+    QueueForbidden,
+    QueueTLSError,
     QueueUnavailable,
     VersionConflict,
 )
@@ -101,8 +110,17 @@ def wait_for_proxy(
         time.sleep(0.1)
 
 
-class QueueForbidden(QueueError, PermissionError):
-    """The proxy refused the token (401) or its role (403): retrying will not help."""
+__all__ = ["HttpQueue", "QueueForbidden", "QueueNotFound", "SseSubscription", "wait_for_proxy"]
+
+
+def _tls_failure(err: BaseException) -> ssl.SSLCertVerificationError | None:
+    """The certificate-verification error somewhere behind an httpx error, if any."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 class QueueNotFound(QueueError, LookupError):
@@ -142,6 +160,10 @@ class HttpQueue(Queue):
         self._received: dict[str, set[str]] = {}
         self._resync: set[str] = set()
         self._subscriptions: list[SseSubscription] = []
+        self._stopping = threading.Event()
+
+    def stop_retrying(self) -> None:
+        self._stopping.set()
 
     # ------------------------------------------------------------------ plumbing
     def _call(self, method: str, path: str, response: type, body: Any = None, params: dict[str, Any] | None = None) -> Any:
@@ -153,20 +175,26 @@ class HttpQueue(Queue):
             try:
                 r = self.client.request(method, path, content=content, headers=headers, params=params)
             except httpx.TransportError as err:
+                if (bad := _tls_failure(err)) is not None:
+                    raise QueueTLSError(
+                        f"{self.url}: the certificate does not verify ({bad.verify_message}); "
+                        "give the proxy's CA with SPOTGRPO_CA_CERT or --ca-cert"
+                    ) from None
                 problem, wait = f"{type(err).__name__}: {err}", backoff
             else:
                 if r.status_code == 200:
                     return decode_body(r.content, response)
-                message = _error_text(r)
+                code, message = _error_text(r)
                 if r.status_code in (429, 502, 503, 504):
                     problem, wait = f"{r.status_code} {message}", _retry_after(r, backoff)
                 else:
-                    raise _error(r.status_code, message, path)
-            if time.monotonic() + wait > deadline:
+                    raise _error(r.status_code, code, message, path)
+            if self._stopping.is_set() or time.monotonic() + wait > deadline:
                 raise QueueUnavailable(f"{self.url}{path}: {problem}")
             log.debug("%s %s: %s; retrying in %.2fs", method, path, problem, wait)
             self.retried = True
-            time.sleep(wait)
+            if self._stopping.wait(wait):
+                raise QueueUnavailable(f"{self.url}{path}: {problem} (stopping)")
             backoff = min(backoff * 2, 5.0)
 
     # -------------------------------------------------------------------- prompts
@@ -282,10 +310,12 @@ class HttpQueue(Queue):
         self.client.close()
 
 
-def _error_text(r: httpx.Response) -> str:
+def _error_text(r: httpx.Response) -> tuple[str, str]:
+    """(code, one-line message) of an error answer."""
     with contextlib.suppress(ProtocolError):
-        return decode_body(r.content, ErrorResponse).error
-    return r.text[:200]
+        body = decode_body(r.content, ErrorResponse)
+        return body.code, body.error
+    return "", r.text[:200]
 
 
 def _retry_after(r: httpx.Response, default: float) -> float:
@@ -295,11 +325,13 @@ def _retry_after(r: httpx.Response, default: float) -> float:
         return default
 
 
-def _error(status: int, message: str, path: str) -> QueueError | ProtocolError:
-    if status in (400, 413, 415):
-        return ProtocolError(message)
+def _error(status: int, code: str, message: str, path: str) -> QueueError | ProtocolError:
     if status in (401, 403):
         return QueueForbidden(f"{status} {path}: {message}")
+    if code in REFUSALS:
+        return REFUSALS[code](message)
+    if status in (400, 413, 415, 422):
+        return ProtocolError(message)
     if status == 409:
         return VersionConflict(message) if "announce" in path else LeaseMismatch(message)
     if status == 404:
@@ -331,7 +363,7 @@ class SseSubscription(AdapterSubscription):
         if self._response is not None:
             with contextlib.suppress(Exception):
                 self._response.close()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=2)
 
     def _run(self) -> None:
         backoff = 0.25
@@ -342,6 +374,9 @@ class SseSubscription(AdapterSubscription):
             try:
                 with self.client.stream("GET", self.path, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0)) as r:
                     self._response = r
+                    if r.status_code in (401, 403):
+                        log.error("adapter events: the proxy refused the token (HTTP %d); not retrying", r.status_code)
+                        return
                     if r.status_code != 200:
                         raise QueueError(f"events: HTTP {r.status_code}")
                     backoff = 0.25
@@ -352,6 +387,9 @@ class SseSubscription(AdapterSubscription):
                         self.last_event_id = event_id
             except (httpx.HTTPError, QueueError, ProtocolError, ValueError) as err:
                 if self._stop.is_set():
+                    return
+                if _tls_failure(err) is not None:
+                    log.error("adapter events: the proxy's certificate does not verify; not retrying")
                     return
                 log.debug("adapter events: %s; reconnecting in %.2fs", err, backoff)
             self._stop.wait(backoff)

@@ -129,14 +129,17 @@ class RedisQueue(Queue):
             self._ensure_groups()
 
     @classmethod
-    def from_url(cls, url: str, config: QueueConfig | None = None) -> RedisQueue:
-        """Connect to `redis://host:port/db` (or `rediss://` for TLS)."""
+    def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100) -> RedisQueue:
+        """Connect to `redis://host:port/db` (or `rediss://` for TLS). A server that calls
+        the queue from many threads at once needs `max_connections` above its thread count:
+        one blocking read holds a connection for its whole wait."""
         config = config or QueueConfig()
         client = redis.Redis.from_url(
             url,
             socket_timeout=config.max_block_s + 10.0,
             socket_connect_timeout=5.0,
             health_check_interval=30,
+            max_connections=max_connections,
         )
         return cls(client, config)
 

@@ -8,10 +8,24 @@ Each route is declared once in `ROUTES` with the roles that may call it, its req
 and response bodies and its handler; the app, the auth checks and `/openapi.json` are
 all generated from that table, so a route cannot exist without its roles.
 
-Errors: 400 malformed body (the protocol error's text), 401 no or unknown token, 403
-wrong role, 404, 408 body too slow, 409 lease or version conflict, 413 body too large,
-415 wrong content type, 429 over the token's rate (Retry-After), 503 Redis down or the
-rollout backlog over its limit (Retry-After). Every error body is an `ErrorResponse`.
+One actor token cannot hurt a run (see the README's "What one actor token can do"):
+- the worker name a token uses is prefixed with the token's name (`fleet-a/host-1`), so
+  a token can claim, heartbeat, release and submit only its own leases, and the groups
+  it submits carry that name as their actor id;
+- the queue checks every submission against the lease it names (holder, batch, one
+  group per prompt, completion count and length, the issued prompt tokens);
+- requests per token are rate-limited across every proxy of the run, and the long-polls
+  and event streams one token may hold open are capped (`proxy.fairness`); event
+  streams share one Redis reader (`proxy.events`), so they cost no Redis connections;
+- the Redis pool has a connection for every worker thread, so held requests cannot
+  starve the others of Redis.
+
+Errors: 400 malformed body or parameter (the protocol error's text), 401 no or unknown
+token, 403 wrong role, 404, 408 body too slow, 409 lease or version conflict (`code`
+says which), 413 body too large, 415 wrong content type, 422 a submission that does not
+answer its lease, 429 over the token's rate or holds (Retry-After), 503 Redis or the store
+down, or the rollout backlog over its limit (Retry-After), 500 a bug (logged). Every error
+body is an `ErrorResponse`; none is a traceback.
 """
 
 from __future__ import annotations
@@ -22,7 +36,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,12 +50,16 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from protocol import (
-    LeaseMismatch,
+    LeaseLost,
     ProtocolError,
     Queue,
+    QueueError,
+    QueueForbidden,
+    QueueRefused,
     QueueUnavailable,
-    VersionConflict,
+    SubmissionRejected,
     encode,
+    is_entry_id,
 )
 from protocol.http import (
     ACCEPTED_CONTENT_TYPES,
@@ -75,12 +93,16 @@ from protocol.http import (
 from protocol.messages import DEFAULT_LIMITS, Limits
 from protocol.store import FileStore, Store, StoreError, StoreMissing, adapter_key
 from proxy.auth import Role, Token, Tokens
+from proxy.events import AdapterEventHub
+from proxy.fairness import Holds, OverCap, SharedRateLimit
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
 
 log = logging.getLogger(__name__)
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_ENTRY_ID = re.compile(r"^[0-9]{1,20}-[0-9]{1,20}$")
+THREADS = 512
+"""Worker threads for blocking queue calls (long-polls hold one each; anyio's default
+of 40 would starve submissions). The Redis pool gets one connection per thread."""
 
 
 @dataclass(frozen=True)
@@ -92,8 +114,12 @@ class ProxyLimits:
     max_long_poll_s: float = 10.0
     """Long-polls (claim, read, events) wait at most this long per request."""
     rate_per_s: float = 500.0
-    """Sustained requests per second per token (token bucket)."""
+    """Sustained requests per second per token, across every proxy of the run."""
     burst: float = 1000.0
+    max_long_polls_per_token: int = 64
+    """Claims, reads and history reads with a wait that one token may hold open at once."""
+    max_streams_per_token: int = 256
+    """Adapter-event streams one token may hold open at once (they share one Redis reader)."""
     backlog_limit: int = 100_000
     """503 for submissions while more rollout groups than this wait for the learner."""
     body_timeout_s: float = 30.0
@@ -108,28 +134,9 @@ class ApiError(Exception):
         self.status, self.message, self.headers = status, message, headers or {}
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
-    body = encode_body(ErrorResponse(status=status, error=message))
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, code: str = "") -> Response:
+    body = encode_body(ErrorResponse(status=status, error=message, code=code))
     return Response(body, status_code=status, media_type=CONTENT_TYPE, headers=headers)
-
-
-class RateLimiter:
-    """Token bucket per token name (the event loop is single-threaded: no lock)."""
-
-    def __init__(self, rate: float, burst: float) -> None:
-        self.rate, self.burst = rate, burst
-        self._buckets: dict[str, tuple[float, float]] = {}
-
-    def retry_after(self, name: str) -> float:
-        """0 if the request may go ahead (and is counted), else seconds to wait."""
-        now = time.monotonic()
-        level, last = self._buckets.get(name, (self.burst, now))
-        level = min(self.burst, level + (now - last) * self.rate)
-        if level < 1.0:
-            self._buckets[name] = (level, now)
-            return (1.0 - level) / self.rate
-        self._buckets[name] = (level - 1.0, now)
-        return 0.0
 
 
 @dataclass
@@ -139,14 +146,23 @@ class Context:
     tokens: Tokens
     limits: ProxyLimits
     metrics: ProxyMetrics
+    rate_storage: str = "async+memory://"
+    """Where request rates are counted: the run's Redis (`async+redis://…`) so every proxy
+    shares one budget per token, or this process's memory."""
     wire_limits: Limits = DEFAULT_LIMITS
-    rate: RateLimiter = field(init=False)
+    rate: SharedRateLimit = field(init=False)
+    holds: Holds = field(init=False)
+    hub: AdapterEventHub = field(init=False)
     body_limits: Limits = field(init=False)
     """The wire limits with this proxy's body size: what every request body is decoded with."""
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
-        self.rate = RateLimiter(self.limits.rate_per_s, self.limits.burst)
+        self.rate = SharedRateLimit(self.rate_storage, self.limits.rate_per_s, self.limits.burst,
+                                    prefix=f"spotgrpo:{{{self.queue.config.run}}}:rate")
+        self.holds = Holds({"long-poll": self.limits.max_long_polls_per_token,
+                            "event stream": self.limits.max_streams_per_token})
+        self.hub = AdapterEventHub(self.queue)
         self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
 
     def block(self, requested: float) -> float:
@@ -169,26 +185,37 @@ class Context:
 # Plain functions run in a worker thread: (ctx, token, body, request params) -> response body.
 
 
+def worker_name(token: Token, worker: str) -> str:
+    """The queue's name for a worker: the token's name first, so that a token can only
+    ever name (and so touch) leases claimed with it."""
+    name = f"{token.name}/{worker}"
+    if len(name) > 256 or any(c.isspace() for c in worker):
+        raise ApiError(400, "worker: token name + '/' + worker must be 1-256 characters without spaces")
+    return name
+
+
 def claim(ctx: Context, token: Token, body: ClaimRequest, params: dict[str, str]) -> ClaimResponse:
     ctx.check_count("count", body.count)
-    return ClaimResponse(leases=ctx.queue.claim(body.worker, body.count, ctx.block(body.block_s)))
+    return ClaimResponse(leases=ctx.queue.claim(worker_name(token, body.worker), body.count, ctx.block(body.block_s)))
 
 
 def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[str, str]) -> HeartbeatResponse:
     ctx.check_count("lease_ids", len(body.lease_ids))
-    return HeartbeatResponse(lease_ids=ctx.queue.heartbeat(body.worker, body.lease_ids))
+    return HeartbeatResponse(lease_ids=ctx.queue.heartbeat(worker_name(token, body.worker), body.lease_ids))
 
 
 def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, str]) -> SubmitResponse:
     ctx.check_count("groups", len(body.groups))
+    worker = worker_name(token, body.worker)
     if ctx.backlog() > ctx.limits.backlog_limit:
         ctx.metrics.backpressure.inc()
         raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
-    return SubmitResponse(result=ctx.queue.submit(body.worker, body.lease_id, body.groups))
+    groups = [g if g.actor_id == worker else msgspec.structs.replace(g, actor_id=worker) for g in body.groups]
+    return SubmitResponse(result=ctx.queue.submit(worker, body.lease_id, groups))
 
 
 def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, str]) -> ReleaseResponse:
-    return ReleaseResponse(released=ctx.queue.release(body.worker, body.lease_id))
+    return ReleaseResponse(released=ctx.queue.release(worker_name(token, body.worker), body.lease_id))
 
 
 def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
@@ -199,7 +226,7 @@ def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dic
 def read_rollouts(ctx: Context, token: Token, body: ReadRolloutsRequest, params: dict[str, str]) -> RolloutsResponse:
     ctx.check_count("count", body.count)
     if body.pending:
-        if body.after != "0" and not _ENTRY_ID.match(body.after):
+        if body.after != "0" and not is_entry_id(body.after):
             raise ApiError(400, "after: not a stream entry id")
         return RolloutsResponse(deliveries=ctx.queue.pending_rollouts(body.consumer, body.count, body.after))
     return RolloutsResponse(deliveries=ctx.queue.read_rollouts(body.consumer, body.count, ctx.block(body.block_s)))
@@ -220,7 +247,7 @@ def latest_adapter(ctx: Context, token: Token, body: None, params: dict[str, str
 
 def adapter_history(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AdapterEventsResponse:
     after = params.get("after", "0")
-    if after != "0" and not _ENTRY_ID.match(after):
+    if after != "0" and not is_entry_id(after):
         raise ApiError(400, "after: not an event id")
     count = _int_param(params, "count", 100, 1, ctx.limits.max_messages)
     wait = _int_param(params, "block_ms", 0, 0, 60_000) / 1000
@@ -229,7 +256,7 @@ def adapter_history(ctx: Context, token: Token, body: None, params: dict[str, st
 
 def dead_letters(ctx: Context, token: Token, body: None, params: dict[str, str]) -> DeadLettersResponse:
     after = params.get("after", "0")
-    if after != "0" and not _ENTRY_ID.match(after):
+    if after != "0" and not is_entry_id(after):
         raise ApiError(400, "after: not a stream entry id")
     count = _int_param(params, "count", 100, 1, ctx.limits.max_messages)
     return DeadLettersResponse(entries=ctx.queue.dead_letters(after=after, count=count))
@@ -325,9 +352,10 @@ def build_app(ctx: Context) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # long-polls hold a worker thread each; the default 40 would starve submissions
-        anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+        anyio.to_thread.current_default_thread_limiter().total_tokens = THREADS
+        ctx.hub.start()
         yield
+        await ctx.hub.stop()
 
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(MetricsMiddleware, metrics=ctx.metrics)])
     app.state.ctx = ctx
@@ -338,18 +366,22 @@ def _endpoint(spec: RouteSpec, special: Callable[..., Any] | None) -> Callable[[
     async def endpoint(request: Request) -> Response:
         ctx: Context = request.app.state.ctx
         try:
-            token = _authorise(ctx, spec, request)
+            token = await _authorise(ctx, spec, request)
             if special is not None:
                 return await special(ctx, token, request)
             body = await _read_body(ctx, spec, request) if spec.request is not None else None
             params = {**request.query_params, **request.path_params}
-            result = await run_in_threadpool(spec.handler, ctx, token, body, params)  # type: ignore[arg-type]
+            if token is not None and _waits(body, params):
+                with _hold(ctx, token, "long-poll"):
+                    result = await run_in_threadpool(spec.handler, ctx, token, body, params)  # type: ignore[arg-type]
+            else:
+                result = await run_in_threadpool(spec.handler, ctx, token, body, params)  # type: ignore[arg-type]
             return Response(encode_body(result), media_type=CONTENT_TYPE)
         except ApiError as err:
             return error_response(err.status, err.message, err.headers)
+        except QueueRefused as err:  # the queue refused a lease or version: nothing changed
+            return error_response(_REFUSAL_STATUS.get(type(err), 409), str(err), code=err.code)
         except (ProtocolError, ValueError) as err:  # the queue refused the arguments
-            if isinstance(err, LeaseMismatch | VersionConflict):
-                return error_response(409, str(err))
             return error_response(400, str(err))
         except QueueUnavailable as err:
             log.warning("%s %s: redis unavailable: %s", spec.method, spec.path, err)
@@ -357,12 +389,43 @@ def _endpoint(spec: RouteSpec, special: Callable[..., Any] | None) -> Callable[[
         except StoreError as err:
             log.warning("%s %s: store error: %s", spec.method, spec.path, err)
             return error_response(503, "the adapter store is unavailable; retry", {"Retry-After": "2"})
+        except QueueError as err:
+            log.error("%s %s: %s", spec.method, spec.path, err)
+            return error_response(500, f"the queue failed: {str(err)[:200]}")
+        except Exception:  # the HTTP boundary: a bug still answers in the API's own shape
+            log.exception("%s %s failed", spec.method, spec.path)
+            return error_response(500, "internal error (logged by the proxy)")
 
     endpoint.__name__ = spec.path
     return endpoint
 
 
-def _authorise(ctx: Context, spec: RouteSpec, request: Request) -> Token | None:
+_REFUSAL_STATUS: dict[type[QueueRefused], int] = {QueueForbidden: 403, SubmissionRejected: 422, LeaseLost: 409}
+
+
+def _waits(body: Any, params: dict[str, str]) -> bool:
+    """Whether a request may hold its connection (and a worker thread) open."""
+    if isinstance(body, ClaimRequest):
+        return body.block_s > 0
+    if isinstance(body, ReadRolloutsRequest):
+        return body.block_s > 0 and not body.pending
+    return params.get("block_ms", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def _hold(ctx: Context, token: Token, kind: str) -> Iterator[None]:
+    try:
+        ctx.holds.acquire(token.name, kind)
+    except OverCap as err:
+        ctx.metrics.rate_limited.labels(token=token.name).inc()
+        raise ApiError(429, str(err), {"Retry-After": "2"}) from None
+    try:
+        yield
+    finally:
+        ctx.holds.release(token.name, kind)
+
+
+async def _authorise(ctx: Context, spec: RouteSpec, request: Request) -> Token | None:
     if not spec.roles:
         return None
     header = request.headers.get("authorization", "")
@@ -372,7 +435,7 @@ def _authorise(ctx: Context, spec: RouteSpec, request: Request) -> Token | None:
         raise ApiError(401, "a valid bearer token is required", {"WWW-Authenticate": "Bearer"})
     if token.role not in spec.roles:
         raise ApiError(403, f"role {token.role} may not call {spec.method} {spec.path}")
-    wait = ctx.rate.retry_after(token.name)
+    wait = await ctx.rate.retry_after(token.name)
     if wait > 0:
         ctx.metrics.rate_limited.labels(token=token.name).inc()
         raise ApiError(429, "too many requests for this token", {"Retry-After": str(max(1, round(wait)))})
@@ -405,32 +468,54 @@ async def _read_body(ctx: Context, spec: RouteSpec, request: Request) -> Any:
 
 async def _events(ctx: Context, token: Token | None, request: Request) -> Response:
     last = request.headers.get("last-event-id") or request.query_params.get("after")
-    if last is not None and last != "0" and not _ENTRY_ID.match(last):
+    if last is not None and last != "0" and not is_entry_id(last):
         raise ApiError(400, "Last-Event-ID: not an event id")
+    assert token is not None
+    hub = ctx.hub
 
     async def stream() -> AsyncIterator[str]:
+        await hub.ready.wait()
         after = last
         if after is None:  # a new subscriber: only the newest announcement, then what follows
-            after, newest = "0", None
+            after = hub.events[-1].event_id if hub.events else hub.position
+            if hub.events:
+                yield _sse(hub.events[-1])
+        elif not hub.covers(after):  # resuming from before what the hub remembers
             while page := await run_in_threadpool(ctx.queue.adapter_events, after, 1000, 0.0):
-                after, newest = page[-1].event_id, page[-1]
-            if newest is not None:
-                yield _sse(newest)
+                for event in page:
+                    after = event.event_id
+                    yield _sse(event)
         yield ": connected\n\n"
-        while True:
-            try:
-                events = await run_in_threadpool(ctx.queue.adapter_events, after, 100, ctx.block(5.0))
-            except QueueUnavailable:
-                yield ": queue unavailable\n\n"
-                await asyncio.sleep(1.0)
-                continue
-            for event in events:
+        while hub.error is None:
+            fresh = hub.after(after)
+            for event in fresh:
                 after = event.event_id
                 yield _sse(event)
-            if not events:
+            if not fresh and not await hub.wait(15.0):
                 yield ": keep-alive\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+    try:
+        ctx.holds.acquire(token.name, "event stream")
+    except OverCap as err:
+        ctx.metrics.rate_limited.labels(token=token.name).inc()
+        raise ApiError(429, str(err), {"Retry-After": "5"}) from None
+    return HeldStream(stream(), lambda: ctx.holds.release(token.name, "event stream"),
+                      media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+
+
+class HeldStream(StreamingResponse):
+    """A streaming response that gives its hold back however it ends (finished, client
+    gone, or cancelled before its first byte)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
 
 
 def _sse(event: Any) -> str:

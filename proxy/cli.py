@@ -36,7 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="413 above this")
     a("--max-messages", type=int, default=512, help="most groups, batches or ids per request")
     a("--max-long-poll-s", type=float, default=10.0, help="longest wait of a long-poll request")
-    a("--rate-per-s", type=float, default=500.0, help="requests per second per token (burst: twice that)")
+    a("--rate-per-s", type=float, default=500.0,
+      help="requests per second per token (burst: twice that), shared by every proxy of the run through its Redis")
+    a("--max-long-polls-per-token", type=int, default=64, help="claims and reads waiting at once per token; 429 above")
+    a("--max-streams-per-token", type=int, default=256, help="adapter-event streams open at once per token; 429 above")
+    a("--header-timeout-s", type=float, default=10.0, help="close a connection whose request headers take longer than this")
     a("--backlog-limit", type=int, default=100_000, help="503 for submissions while this many groups wait")
     a("--presign-s", type=int, default=300, help="lifetime of presigned adapter URLs")
     a("--body-timeout-s", type=float, default=30.0, help="408 when a request body takes longer than this to arrive")
@@ -50,12 +54,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_tls(cert: Path, key: Path) -> None:
+    """Load the pair as uvicorn will, so a bad file is named in one line before serving."""
+    import ssl
+
+    for flag, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if not path.is_file():
+            raise ValueError(f"{flag} {path}: no such file")
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
+    except ssl.SSLError as err:
+        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a matching PEM certificate and key ({err.reason})") from None
+
+
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from protocol import QueueConfig, RedisQueue, open_store
-    from proxy.app import Context, ProxyLimits, build_app
+    from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
+    from protocol.store import StoreError
+    from proxy.app import THREADS, Context, ProxyLimits, build_app
     from proxy.auth import TokenError, Tokens
+    from proxy.fairness import HeaderTimeoutProtocol
     from proxy.metrics import ProxyMetrics
 
     if args.insecure_http == bool(args.tls_cert or args.tls_key):
@@ -65,6 +84,8 @@ def serve(args: argparse.Namespace) -> int:
         print("proxy serve: --tls-cert and --tls-key go together", file=sys.stderr)
         return 2
     try:
+        if args.tls_cert:
+            check_tls(args.tls_cert, args.tls_key)
         if args.tokens is not None:
             tokens = Tokens.from_file(args.tokens)
         elif os.environ.get("SPOTGRPO_TOKENS"):
@@ -76,25 +97,37 @@ def serve(args: argparse.Namespace) -> int:
             import fakeredis
 
             queue = RedisQueue(fakeredis.FakeRedis(server=fakeredis.FakeServer(version=(7, 0))), config)
+            rate_storage = "async+memory://"
         else:
-            queue = RedisQueue.from_url(args.redis, config)
+            # a connection for every worker thread, and some for the event hub and health checks
+            queue = RedisQueue.from_url(args.redis, config, max_connections=THREADS + 16)
+            rate_storage = "async+" + args.redis
         store = open_store(args.store)
     except (TokenError, ValueError, OSError) as err:
         print(f"proxy serve: {err}", file=sys.stderr)
         return 2
+    except QueueUnavailable as err:
+        print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)
+        return 1
+    except StoreError as err:
+        print(f"proxy serve: --store {args.store}: {err}", file=sys.stderr)
+        return 1
     limits = ProxyLimits(
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_long_poll_s=args.max_long_poll_s,
         rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,
-        body_timeout_s=args.body_timeout_s,
+        body_timeout_s=args.body_timeout_s, max_long_polls_per_token=args.max_long_polls_per_token,
+        max_streams_per_token=args.max_streams_per_token,
     )
-    app = build_app(Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics()))
+    app = build_app(Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
+                            rate_storage=rate_storage))
+    HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
     log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
              args.host, args.port, len(tokens.tokens))
     uvicorn.run(
         app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
         ssl_keyfile=str(args.tls_key) if args.tls_key else None,
-        timeout_keep_alive=30, timeout_graceful_shutdown=2,
+        timeout_keep_alive=30, timeout_graceful_shutdown=2, http=HeaderTimeoutProtocol,
     )
     queue.close()
     return 0
