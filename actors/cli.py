@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
     a("--lease-timeout-s", type=float, default=60.0, help="a lease not heartbeated for this long is taken over")
     a("--claim-block-s", type=float, default=5.0, help="long-poll wait for a batch (default 5)")
+    a("--startup-timeout-s", type=float, default=300.0,
+      help="give up (one line, exit 1) when the queue stays unreachable this long at start-up (default 300)")
     a("--grace-s", type=float, default=0.0,
       help="on SIGTERM, let the batch in hand finish for this long before handing it back (default 0: at once)")
     a("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
@@ -66,22 +69,46 @@ def run(args: argparse.Namespace) -> int:
     from actors.metrics import WorkerMetrics
     from actors.rewards import RewardError, Scorer, load_reward
     from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
-    from actors.worker import Worker
-    from protocol import QueueConfig, QueueError, open_queue, open_store
+    from actors.worker import Worker, WorkerRefused
+    from protocol import (
+        QueueConfig,
+        QueueError,
+        QueueRefused,
+        QueueUnavailable,
+        check_model_path,
+        connect_queue,
+        open_store,
+    )
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+    stopping = threading.Event()
+    worker: Worker | None = None
+
+    def stop(signum: int, _frame: object) -> None:
+        log.warning("%s: no more claims; handing back or finishing the batch in hand", signal.Signals(signum).name)
+        stopping.set()
+        if worker is not None:
+            worker.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
+        check_model_path(args.model)
         scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
-        queue = open_queue(args.queue, QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s), token=args.token)
+        config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s)
+        queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         if args.store is not None:
             source: AdapterSource = StoreSource(open_store(args.store))
         elif args.queue.startswith(("https://", "http://")):
             source = ProxySource(queue)  # presigned downloads: no bucket credentials here
         else:
             raise ValueError("--store is needed with a redis:// queue (the proxy hands out downloads for https://)")
-    except (RewardError, ValueError) as err:
+    except (RewardError, ValueError, FileNotFoundError, QueueRefused) as err:
         print(f"actors run: {err}", file=sys.stderr)
         return 2
+    except QueueUnavailable as err:
+        print(f"actors run: {err}", file=sys.stderr)
+        return 1
     metrics = WorkerMetrics()
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
@@ -98,13 +125,8 @@ def run(args: argparse.Namespace) -> int:
     )
     worker = Worker(queue, engine, watcher, scorer, worker_id, claim_block_s=args.claim_block_s,
                     grace_s=args.grace_s, metrics=metrics)
-
-    def stop(signum: int, _frame: object) -> None:
-        log.warning("%s: no more claims; handing back or finishing the batch in hand", signal.Signals(signum).name)
+    if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     try:
         try:
             watcher.sync()  # start on the newest adapter rather than the base model
@@ -113,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
         watcher.start()
         log.info("worker %s: %s engine on %s, run %s", worker_id, args.engine, args.model, args.run)
         return worker.work()
+    except WorkerRefused as err:
+        print(f"actors run: {err}", file=sys.stderr)
+        return 2
     finally:
         watcher.close()
         engine.close()

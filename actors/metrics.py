@@ -12,6 +12,9 @@ class WorkerMetrics:
         self.tokens = Counter("spotgrpo_actor_tokens", "Completion tokens generated (rate() gives tokens/s)", registry=r)
         self.groups = Counter("spotgrpo_actor_groups_submitted", "Rollout groups stored by this worker", registry=r)
         self.reward_errors = Counter("spotgrpo_actor_reward_errors", "Groups whose reward failed or timed out", registry=r)
+        self.submissions_refused = Counter(
+            "spotgrpo_actor_submissions_refused", "Submissions the queue refused (lease lost or not answered)", registry=r
+        )
         self.connection_errors = Counter("spotgrpo_actor_connection_errors", "Queue calls that failed and were retried", registry=r)
         self.lease_wait = Histogram(
             "spotgrpo_actor_lease_wait_seconds", "Time spent waiting for a prompt batch",

@@ -105,16 +105,20 @@ class AdapterWatcher:
 
     def _run(self) -> None:
         subscription = None
+        synced = time.monotonic()
         while not self._stop.is_set():
             try:
                 if subscription is None:
                     subscription = self.queue.subscribe_adapters()
                     self.sync()  # whatever was announced before we listened
-                manifest = subscription.get(timeout_s=self.poll_s)
+                    synced = time.monotonic()
+                # short waits, so that close() is answered within a second
+                manifest = subscription.get(timeout_s=min(self.poll_s, 1.0))
                 if manifest is not None:
                     self.install(manifest)
-                else:
+                elif time.monotonic() - synced >= self.poll_s:
                     self.sync()
+                    synced = time.monotonic()
             except QueueError as err:
                 log.warning("adapter announcements unavailable, retrying: %s", err)
                 if subscription is not None:

@@ -5,8 +5,11 @@
 
 Connection errors back off exponentially (capped) and the loop continues; groups that
 were finished but could not be submitted are kept and submitted first when the queue
-is back (a lease that expired meanwhile is no loss: the queue stores groups by id, so a
-batch finished twice is stored once).
+is back. A submission the queue refuses (the lease passed to another worker while this
+one was away, or the groups do not answer it) is dropped with a warning: the lease's
+holder does the batch, and the queue stores each group once whoever submits it. A
+refusal of the worker itself (a bad token, a role without the right, a certificate that
+does not verify) ends the loop with `WorkerRefused`: retrying cannot help.
 
 Shutdown (SIGTERM, a spot notice): stop claiming; the batch in hand may finish within
 `grace_s`, after which generation is aborted and the lease handed back, so another
@@ -28,6 +31,10 @@ from protocol import (
     Completion,
     Lease,
     Queue,
+    QueueError,
+    QueueForbidden,
+    QueueRefused,
+    QueueTLSError,
     QueueUnavailable,
     RolloutGroup,
     group_id_for,
@@ -36,6 +43,10 @@ from protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class WorkerRefused(RuntimeError):
+    """The queue refuses this worker itself (token, role, TLS): the worker must stop."""
 
 
 @dataclass
@@ -68,7 +79,7 @@ class Heartbeat:
                     self.lost = True  # finish anyway: the groups are stored once whoever submits
                     log.warning("lease %s passed to another worker; finishing it anyway", self.lease_id)
                     return
-            except QueueUnavailable as err:
+            except QueueError as err:  # the work loop meets the same error and decides
                 log.warning("heartbeat failed (will retry): %s", err)
 
 
@@ -101,10 +112,12 @@ class Worker:
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
-        """Stop claiming; abort the batch in hand once `grace_s` has passed."""
+        """Stop claiming; abort the batch in hand once `grace_s` has passed. Queue calls
+        stop retrying through outages, so the way out takes seconds, not minutes."""
         if self.stopping.is_set():
             return
         self.stopping.set()
+        self.queue.stop_retrying()
         timer = threading.Timer(self.grace_s, self.abort.set)
         timer.daemon = True
         timer.start()
@@ -121,6 +134,9 @@ class Worker:
                 if leases:
                     self.process(leases[0])
                 backoff = 0.5
+            except (QueueForbidden, QueueTLSError) as err:
+                self._drain()
+                raise WorkerRefused(str(err)) from None
             except QueueUnavailable as err:
                 self.metrics.connection_errors.inc()
                 log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
@@ -137,6 +153,8 @@ class Worker:
                 self.submit_unsent()
             except QueueUnavailable:
                 time.sleep(0.5)
+            except (QueueForbidden, QueueTLSError):
+                break
         if self.unsent:
             log.error("exiting with %d unsent batches; their leases will expire and be redone", len(self.unsent))
 
@@ -185,15 +203,25 @@ class Worker:
     def submit_unsent(self) -> None:
         while self.unsent:
             item = self.unsent[0]
-            result = self.queue.submit(self.worker_id, item.lease_id, item.groups)
+            try:
+                result = self.queue.submit(self.worker_id, item.lease_id, item.groups)
+            except (QueueForbidden, QueueTLSError):
+                raise
+            except QueueRefused as err:  # not ours any more, or not an answer: the holder redoes it
+                self.unsent.pop(0)
+                self.metrics.submissions_refused.inc()
+                log.warning("lease %s: submission refused, dropping %d groups: %s", item.lease_id, len(item.groups), err)
+                continue
             self.unsent.pop(0)
             self.metrics.groups.inc(result.stored)
             if not result.lease_held:
-                log.info("lease %s had expired; %d groups stored, %d already there", item.lease_id, result.stored, result.duplicates)
+                log.info("lease %s was already finished; its %d groups were all stored before", item.lease_id, result.duplicates)
+            elif not result.finished:
+                log.warning("lease %s: %d prompts still lack a group; the lease will expire and be redone", item.lease_id, result.missing)
 
     def _hand_back(self, lease: Lease) -> None:
         try:
             self.queue.release(self.worker_id, lease.lease_id)
             log.info("handed lease %s back unfinished", lease.lease_id)
-        except QueueUnavailable as err:  # it will expire and be claimed again
+        except QueueError as err:  # it will expire and be claimed again
             log.warning("could not hand lease %s back (it will expire): %s", lease.lease_id, err)

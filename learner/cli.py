@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import types
 import typing
 from pathlib import Path
@@ -85,36 +86,66 @@ def run(args: argparse.Namespace) -> int:
     if embedded:
         from learner.embedded import run_embedded
 
-        return run_embedded(cfg, stop_on_signals)
+        return run_embedded(cfg, lambda learner: stop_on_signals(learner.stop_requested))
 
     from learner.loop import Learner, LearnerError
-    from protocol import QueueConfig, open_queue, open_store
+    from protocol import (
+        QueueConfig,
+        QueueRefused,
+        QueueUnavailable,
+        check_model_path,
+        connect_queue,
+        open_store,
+    )
+    from protocol.store import StoreError
 
-    try:
-        queue = open_queue(cfg.queue, QueueConfig(run=cfg.run), token=cfg.token)
+    stop = threading.Event()
+    stop_on_signals(stop)
+    try:  # everything that can be checked before the model loads
+        check_run_dir(cfg.resolved_run_dir)
+        check_model_path(cfg.model)
         store = open_store(cfg.store)
-        learner = Learner(cfg, queue, store)
-    except (ValueError, OSError, LearnerError) as err:
+        queue = connect_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, cfg.startup_timeout_s, stop)
+    except (ValueError, OSError, QueueRefused) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
-    stop_on_signals(learner)
+    except QueueUnavailable as err:
+        print(f"learner run: --queue {cfg.queue}: {err}", file=sys.stderr)
+        return 1
     try:
+        learner = Learner(cfg, queue, store, stop_requested=stop)
         state = learner.run()
-    except LearnerError as err:
+    except (ValueError, OSError, LearnerError, QueueRefused) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
+    except (QueueUnavailable, StoreError) as err:
+        print(f"learner run: {err}", file=sys.stderr)
+        return 1
     finally:
         queue.close()
     log.info("done: step %d, adapter v%d, totals %s", state.step, state.policy_version, state.totals)
     return 0
 
 
-def stop_on_signals(learner: Any) -> None:
-    """SIGTERM and Ctrl-C stop the learner after a checkpoint; a second one aborts."""
+def check_run_dir(path: Path) -> None:
+    """The run directory must be a writable directory (made if missing): said now, not
+    after the model has loaded."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--run-dir {path}: not a writable directory ({err.strerror or err})") from None
+
+
+def stop_on_signals(stop_requested: threading.Event) -> None:
+    """SIGTERM and Ctrl-C stop the learner after a checkpoint (or its start-up wait at
+    once); a second one aborts."""
 
     def stop(signum: int, _frame: object) -> None:
         log.warning("%s: stopping after a checkpoint (again to abort)", signal.Signals(signum).name)
-        learner.stop_requested.set()
+        stop_requested.set()
         signal.signal(signum, signal.SIG_DFL)
 
     signal.signal(signal.SIGTERM, stop)

@@ -29,6 +29,7 @@ class LearnerConfig(BaseModel):
     store: str = Field("", description="Object store for adapters and checkpoints: s3://bucket/prefix or file:///dir.")
     run_dir: Path | None = Field(None, description="Local directory for metrics.jsonl and logs (default runs/<run>).")
     resume: bool = Field(False, description="Continue the run from the latest checkpoint in the store.")
+    startup_timeout_s: float = Field(300.0, gt=0, description="Give up (one line, exit 1) when the queue stays unreachable this long at start-up.")
 
     # -- model and adapter
     model: str = Field("", description="Hugging Face model id or local path of the base model.")
@@ -67,6 +68,7 @@ class LearnerConfig(BaseModel):
     seed: int = Field(0, description="Seeds data order and torch.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (gradient accumulation).")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per collected batch (minibatches); >1 uses the decoupled PPO objective.")
+    max_abs_reward: float = Field(1e6, gt=0, le=1e30, description="Groups with a reward outside [-this, this] are rejected (a worker's garbage must not reach float32 as inf).")
 
     # -- optimizer
     learning_rate: float = Field(1e-5, gt=0, description="AdamW learning rate.")

@@ -32,7 +32,7 @@ from protocol import (
     RolloutGroup,
     SamplingParams,
 )
-from protocol.store import Store, StoreError, retrying
+from protocol.store import Store, StoreError
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ class LearnerError(RuntimeError):
 
 
 class Learner:
-    def __init__(self, cfg: LearnerConfig, queue: Queue, store: Store) -> None:
+    def __init__(
+        self, cfg: LearnerConfig, queue: Queue, store: Store, stop_requested: threading.Event | None = None
+    ) -> None:
         self.cfg = cfg
         self.queue = queue
         self.store = store
@@ -70,7 +72,8 @@ class Learner:
             store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.keep_adapters
         )
         self.state = LearnerState()
-        self.stop_requested = threading.Event()
+        self.stop_requested = stop_requested or threading.Event()
+        """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
         self._replay: list[Delivery] = []
         self._collected: list[RolloutGroup] = []
         self._dropped: list[tuple[str, str]] = []
@@ -201,7 +204,11 @@ class Learner:
                 lost = 1
             else:
                 entry = self.state.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
-                lost = entry[1] - len(entry[2]) if entry else (len(dl.batch.prompts) if dl.batch else self.cfg.prompts_per_batch)
+                if dl.missing_groups is not None:
+                    # exactly the prompts without a stored group; the others reach us as groups
+                    lost = len(dl.missing_groups)
+                else:
+                    lost = entry[1] - len(entry[2]) if entry else (len(dl.batch.prompts) if dl.batch else self.cfg.prompts_per_batch)
             self.state.consumed_prompts += lost
             self.state.count(f"dead_letter_entries_{dl.source}")
             self.state.count("dead_lettered_prompts", lost)
@@ -284,14 +291,18 @@ class Learner:
         rewards = group.rewards
         if group.error is not None or any(r is None for r in rewards):
             reason = "rejected_reward_error"
-        elif any(not math.isfinite(r) for r in rewards):  # type: ignore[arg-type]
-            reason = "rejected_bad_reward"
+        elif any(not (math.isfinite(r) and abs(r) <= self.cfg.max_abs_reward) for r in rewards):  # type: ignore[arg-type]
+            reason = "rejected_bad_reward"  # 1e39 is finite in float64 and inf in float32
         elif prompt.size == 0:
             reason = "rejected_empty_prompt"
         elif any(ids.size and (ids.min() < 0 or ids.max() >= self.policy.vocab_size) for ids in all_ids):
             reason = "rejected_bad_vocab"
         elif prompt.size + max(lengths) > self.policy.context:
             reason = "rejected_too_long"
+        elif len(lengths) != self.cfg.num_generations or max(lengths) > self.cfg.max_tokens:
+            reason = "rejected_bad_shape"
+        elif not self._answers_issued_prompt(group):
+            reason = "rejected_bad_shape"
         elif group.adapter_version > self.state.policy_version:
             reason = "rejected_future_version"
         elif self.state.policy_version - group.adapter_version > self.cfg.max_staleness:
@@ -303,19 +314,48 @@ class Learner:
         log.warning("rejected group %s from %s: %s", group.group_id, group.actor_id, reason.removeprefix("rejected_"))
         return reason
 
+    def _answers_issued_prompt(self, group: RolloutGroup) -> bool:
+        """For a batch this learner has outstanding: the group's prompt is one of the
+        batch's, with the tokens issued. (The queue checks the same on submission; this
+        covers whoever writes to Redis directly.)"""
+        entry = self.state.outstanding.get(group.batch_id)
+        if entry is None:
+            return True  # a batch issued before a restart and not yet re-issued: the queue checked it
+        start, n, _ = entry
+        position = group.prompt_id[1:]
+        if not (group.prompt_id.startswith("p") and position.isdigit() and start <= int(position) < start + n):
+            return False
+        issued = self.source.prompt(int(position)).token_ids
+        return issued is None or issued == group.prompt_token_ids
+
     # ------------------------------------------------------- publish/checkpoint
     def publish(self) -> float:
         """Hand the adapter to the publisher as the next version; returns the seconds
         the training thread was blocked (snapshot + hand-over)."""
         started = time.monotonic()
+        adapter = self.finite_adapter()
         self.state.policy_version += 1
         self.publisher.submit(
             PublishJob(
                 version=self.state.policy_version, step=self.state.step,
-                state=self.policy.adapter_state(), config_json=self.policy.adapter_config_json(),
+                state=adapter, config_json=self.policy.adapter_config_json(),
             )
         )
         return time.monotonic() - started
+
+    def finite_adapter(self) -> dict[str, torch.Tensor]:
+        """A snapshot of the adapter, or LearnerError if any value is NaN or infinite: such
+        an adapter is never published (actors would generate garbage) nor checkpointed
+        (the last good checkpoint stays the one to resume from)."""
+        adapter = self.policy.adapter_state()
+        bad = [name for name, t in adapter.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise LearnerError(
+                f"step {self.state.step}: the adapter has non-finite values ({bad[0]}"
+                f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); not publishing or checkpointing it. "
+                "Resume from the last checkpoint, with a lower --learning-rate or --max-grad-norm"
+            )
+        return adapter
 
     def checkpoint(self, final: bool = False) -> None:
         """Write a checkpoint, then acknowledge what it holds. A store outage that outlasts
@@ -326,7 +366,7 @@ class Learner:
         self._purge_completed()
         try:
             save_checkpoint(
-                self.store, self.state, self.policy.adapter_state(), self.optimizer, self.scheduler,
+                self.store, self.state, self.finite_adapter(), self.optimizer, self.scheduler,
                 keep=self.cfg.keep_checkpoints,
             )
         except StoreError as err:
@@ -346,11 +386,20 @@ class Learner:
         log.info("checkpoint at step %d", self.state.step)
 
     def _retry(self, fn: Any) -> Any:
-        """A queue call at start-up, retried through a queue outage of about five minutes."""
-        return retrying(
-            fn, what="queue", retry_on=(QueueUnavailable,), attempts=35,
-            on_retry=lambda n, err: log.warning("queue unavailable (attempt %d), retrying: %s", n, err),
-        )
+        """A queue call at start-up, retried through an outage for `startup_timeout_s` in all
+        (the client's own retries included), and given up at once on SIGTERM."""
+        limit = self.cfg.startup_timeout_s
+        deadline, backoff = time.monotonic() + limit, 1.0
+        while True:
+            try:
+                return fn()
+            except QueueUnavailable as err:
+                if time.monotonic() + backoff > deadline:
+                    raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
+                log.warning("queue unavailable, retrying in %.0fs: %s", backoff, err)
+                if self.stop_requested.wait(backoff):
+                    raise LearnerError(f"stopped while waiting for the queue: {err}") from None
+                backoff = min(backoff * 2, 30.0)
 
     # ----------------------------------------------------------------- metrics
     def report(

@@ -23,7 +23,7 @@ STEP_KEYS = (
     "step", "adapter_version", "reward_mean", "reward_std", "groups", "tokens",
     "staleness_mean", "staleness_max", "dropped_stale", "dropped_flat", "rejected",
     "is_weight_mean", "is_weight_max", "is_truncated_frac", "ess", "kl_behaviour_k3",
-    "clip_frac", "entropy", "loss", "grad_norm", "wait_s", "step_s", "publish_s",
+    "clip_frac", "entropy", "loss", "grad_norm", "wait_s", "step_s", "publish_s", "skipped_updates",
 )  # fmt: skip
 
 
@@ -86,11 +86,19 @@ def clean(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def console_line(row: dict[str, Any], total_steps: int) -> str:
+    """One line per step; a figure that is missing (None: it was not finite) shows as -."""
+
+    def f(key: str, spec: str) -> str:
+        value = row.get(key)
+        return "-" if value is None else format(value, spec)
+
+    publish = "-" if row.get("publish_s") is None else f"{row['publish_s'] * 1000:.0f}"
+    skipped = f"  SKIPPED {row['skipped_updates']} update(s)" if row.get("skipped_updates") else ""
     return (
         f"step {row['step']:>5}/{total_steps}  v{row['adapter_version']:<4} "
-        f"reward {row['reward_mean']:.3f}±{row['reward_std']:.3f}  "
-        f"stale {row['staleness_mean']:.2f}/{row['staleness_max']}  "
-        f"is_w {row['is_weight_mean']:.3f}  loss {row['loss']:+.4f}  gnorm {row['grad_norm']:.3f}  "
+        f"reward {f('reward_mean', '.3f')}±{f('reward_std', '.3f')}  "
+        f"stale {f('staleness_mean', '.2f')}/{f('staleness_max', '')}  "
+        f"is_w {f('is_weight_mean', '.3f')}  loss {f('loss', '+.4f')}  gnorm {f('grad_norm', '.3f')}  "
         f"groups {row['groups']} drop {row['dropped_stale']}s/{row['dropped_flat']}f/{row['rejected']}r  "
-        f"wait {row['wait_s']:.2f}s step {row['step_s']:.2f}s pub {row['publish_s']*1000:.0f}ms"
+        f"wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s pub {publish}ms{skipped}"
     )

@@ -1,8 +1,13 @@
 """One learner step on a batch of scored rollout groups: advantages, the corrected
-loss over micro-batches, the optimizer step, and the step's loss-side metrics."""
+loss over micro-batches, the optimizer step, and the step's loss-side metrics.
+
+An update whose loss or gradient is not finite is never applied: the gradients are
+dropped, the optimizer and schedule do not move, and `skipped_updates` counts it."""
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +17,8 @@ from learner.config import LearnerConfig
 from learner.loss import advantages, aggregate, importance_weights, kl_k3, policy_loss
 from learner.policy import Policy, Sequences, pack_sequences, scatter_completion_values
 from protocol import RolloutGroup
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -115,18 +122,26 @@ def train_on(
             prox_BT = torch.cat(
                 [policy.forward_logps(batch.seqs.select(s), cfg.temperature)[0] for s in _micro(len(batch), cfg.micro_batch_size)]
             )
-    sums, grad_norms, k = _Sums(), [], cfg.updates_per_batch
+    sums, grad_norms, k, skipped = _Sums(), [], cfg.updates_per_batch, 0
     for part in [slice(len(batch) * i // k, len(batch) * (i + 1) // k) for i in range(k)]:
         optimizer.zero_grad(set_to_none=True)
+        loss_before = sums.v["loss"]
         accumulate(policy, batch.select(part), cfg, None if prox_BT is None else prox_BT[part], sums)
-        grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm)))
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
+        if not (math.isfinite(grad_norm) and math.isfinite(sums.v["loss"] - loss_before)):
+            skipped += 1
+            log.error("update skipped: loss %s, gradient norm %s (not finite)", sums.v["loss"] - loss_before, grad_norm)
+            optimizer.zero_grad(set_to_none=True)
+            continue
+        grad_norms.append(grad_norm)
         optimizer.step()
         scheduler.step()
 
     v, n = sums.v, max(sums.v["tokens"], 1.0)
     return {
+        "skipped_updates": skipped,
         "loss": v["loss"] / k,
-        "grad_norm": sum(grad_norms) / k,
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
         "tokens": int(v["tokens"]),
         "is_weight_mean": v["w_sum"] / n,
         "is_weight_max": sums.w_max,

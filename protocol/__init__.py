@@ -56,7 +56,7 @@ from protocol.queue import (
 )
 from protocol.redis_queue import RedisQueue
 from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
-from protocol.urls import open_queue
+from protocol.urls import check_model_path, connect_queue, open_queue
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -98,6 +98,8 @@ __all__ = [
     "SubmissionRejected",
     "SubmitResult",
     "VersionConflict",
+    "check_model_path",
+    "connect_queue",
     "decode",
     "encode",
     "from_json",

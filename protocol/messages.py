@@ -103,9 +103,18 @@ def _check_json_like(field: str, value: Any, depth: int) -> None:
         raise ProtocolError(f"{field}: {type(value).__name__} is not a JSON value")
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
 def _check_finite(field: str, value: float | None) -> None:
     if value is not None and not math.isfinite(value):
         raise ProtocolError(f"{field}: must be finite, got {value}")
+
+
+def _check_f32(field: str, value: float | None) -> None:
+    """Finite in float32, where the learner computes: 1e39 is finite in float64 and inf there."""
+    if value is not None and not (math.isfinite(value) and abs(value) <= _F32_MAX):
+        raise ProtocolError(f"{field}: must be finite in float32 (|x| <= {_F32_MAX:.3g}), got {value}")
 
 
 # ---------------------------------------------------------------------------- messages
@@ -224,9 +233,9 @@ class Completion(_Struct):
                 raise ProtocolError("logprobs: NaN or infinite value")
             if lp.max() > 0.0:
                 raise ProtocolError(f"logprobs: positive log-probability {float(lp.max())}")
-        _check_finite("reward", self.reward)
+        _check_f32("reward", self.reward)
         for name, value in self.reward_components.items():
-            _check_finite(f"reward_components[{name!r}]", value)
+            _check_f32(f"reward_components[{name!r}]", value)
 
     @property
     def tokens(self) -> np.ndarray:

@@ -4,19 +4,65 @@ for a self-signed proxy)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
+from pathlib import Path
 from urllib.parse import urlparse
 
+from protocol.errors import QueueUnavailable
 from protocol.queue import Queue, QueueConfig
 from protocol.redis_queue import RedisQueue
 
+log = logging.getLogger(__name__)
 
-def open_queue(url: str, config: QueueConfig | None = None, token: str | None = None) -> Queue:
+
+def open_queue(
+    url: str, config: QueueConfig | None = None, token: str | None = None, retry_s: float = 30.0
+) -> Queue:
+    """`retry_s`: how long one call through the proxy retries an outage on its own."""
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
         return RedisQueue.from_url(url, config)
     if scheme in ("https", "http"):
         from protocol.http_queue import HttpQueue  # httpx only where it is used
 
-        return HttpQueue(url, token or os.environ.get("SPOTGRPO_TOKEN", ""), config)
+        return HttpQueue(url, token or os.environ.get("SPOTGRPO_TOKEN", ""), config, retry_s=retry_s)
     raise ValueError(f"queue {url!r}: use redis://host:port/db or https://proxy:port")
+
+
+def connect_queue(
+    url: str, config: QueueConfig, token: str | None, timeout_s: float, stop: threading.Event
+) -> Queue:
+    """Open the queue and make one call through it (the latest adapter: every role may ask),
+    retrying an outage for `timeout_s` in all, the client's own retries included, or until
+    `stop` is set. A refusal (token, role, certificate) raises at once: it is not an outage.
+    Raises QueueUnavailable with one line when the time is up."""
+    deadline, backoff = time.monotonic() + timeout_s, 1.0
+    while True:
+        try:
+            queue = open_queue(url, config, token, retry_s=min(30.0, timeout_s))
+            try:
+                queue.latest_adapter()
+            except BaseException:
+                queue.close()
+                raise
+            return queue
+        except QueueUnavailable as err:
+            if time.monotonic() + backoff > deadline:
+                raise QueueUnavailable(f"{url} unreachable for {timeout_s:g}s: {err}") from None
+            log.warning("queue unreachable, retrying in %.0fs: %s", backoff, err)
+            if stop.wait(backoff):
+                raise QueueUnavailable(f"{url} unreachable; stopped while waiting") from None
+            backoff = min(backoff * 2, 30.0)
+
+
+def check_model_path(spec: str) -> None:
+    """Raise a plain "no such directory" for a `--model` that names a local path that is
+    not there, instead of the hub client's complaint about repository ids. A hub id is
+    `name` or `org/name`; anything starting with `/`, `.` or `~`, or with more than one
+    `/`, is a path."""
+    looks_local = spec.startswith(("/", ".", "~")) or spec.count("/") > 1 or (os.sep != "/" and os.sep in spec)
+    if looks_local and not Path(spec).expanduser().is_dir():
+        raise FileNotFoundError(f"--model {spec}: no such directory")

@@ -22,9 +22,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from limits import RateLimitItemPerSecond
-from limits.storage import storage_from_string
 from limits.aio.strategies import SlidingWindowCounterRateLimiter
 from limits.errors import StorageError
+from limits.storage import storage_from_string
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger(__name__)

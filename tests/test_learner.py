@@ -19,12 +19,13 @@ import pytest
 import torch
 from conftest import kill_process
 from factories import write_dataset
-from rollouts import SyntheticActor
+from rollouts import SyntheticActor, raw_submit
 
 from learner.cli import main as learner_main
 from learner.config import ConfigError, LearnerConfig, load_config
 from learner.data import DataError, PromptSource, load_rows
 from learner.loop import CONSUMER, Learner, LearnerError
+from learner.policy import pack_sequences, scatter_completion_values
 from protocol import (
     Completion,
     PromptBatch,
@@ -34,6 +35,7 @@ from protocol import (
     SamplingParams,
     group_id_for,
     open_store,
+    pack_i32,
     unpack_i32,
 )
 from protocol.store import MANIFEST, adapter_key, verify
@@ -168,11 +170,24 @@ def test_behaviour_logprobs_from_the_same_adapter_give_unit_weights(tmp_path: Pa
 
 
 class ScriptedActor(SyntheticActor):
-    """Answers the first batch with malformed groups, later ones with valid random ones."""
+    """A direct Redis writer (past the queue's submission checks): answers its first four
+    batches with groups the learner must reject, later ones with valid random ones."""
 
     def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
         super().__init__(*args, **kwargs)
         self.batches = 0
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                for lease in self.queue.claim(self.worker, 1, block_s=0.2):
+                    groups = self.groups(lease.batch)
+                    if self.batches <= 4:
+                        raw_submit(self.queue, lease, groups)
+                    else:
+                        self.queue.submit(self.worker, lease.lease_id, groups)
+        except BaseException as err:
+            self.error = err
 
     def groups(self, batch: PromptBatch) -> list[RolloutGroup]:
         self.batches += 1
@@ -180,7 +195,7 @@ class ScriptedActor(SyntheticActor):
         for i, p in enumerate(batch.prompts):
             tokens = list(range(10, 14))
             rewards = [0.0, 1.0, 0.0, 1.0]
-            version, error = 0, None
+            version, error, prompt_tokens = 0, None, p.token_ids
             if self.batches == 1:
                 if i == 0:
                     tokens = [10, 9999, 11]  # not in the vocabulary
@@ -191,6 +206,13 @@ class ScriptedActor(SyntheticActor):
                     tokens = list(range(10, 60)) * 6  # longer than the context (256)
                 else:
                     error = "reward timed out"
+            elif self.batches == 3:
+                if i == 0:
+                    rewards = [0.0, 1e30, 0.0, 1.0]  # finite, but would swamp every advantage
+                else:
+                    rewards = rewards[:3]  # fewer completions than num_generations
+            elif self.batches == 4 and i == 0:
+                prompt_tokens = pack_i32([5, 6, 7])  # not the prompt the learner issued
             completions = [
                 Completion.of(tokens, [-1.0] * len(tokens), finish_reason="length", reward=None if error else r,
                               error=error)
@@ -198,7 +220,7 @@ class ScriptedActor(SyntheticActor):
             ]
             out.append(RolloutGroup(
                 group_id=group_id_for(batch.batch_id, p.id), batch_id=batch.batch_id, prompt_id=p.id,
-                adapter_version=version, actor_id=self.worker, prompt_token_ids=p.token_ids, completions=completions,
+                adapter_version=version, actor_id=self.worker, prompt_token_ids=prompt_tokens, completions=completions,
             ))
         return out
 
@@ -211,10 +233,62 @@ def test_bad_groups_are_rejected_counted_and_training_continues(tmp_path: Path, 
     state = Learner(cfg, make(), store).run()
     actor.close()
     assert state.step == 3
-    for reason in ("rejected_bad_vocab", "rejected_future_version", "rejected_too_long", "rejected_reward_error"):
-        assert state.totals.get(reason) == 1, (reason, state.totals)
+    expected = {"rejected_bad_vocab": 1, "rejected_future_version": 1, "rejected_too_long": 1,
+                "rejected_reward_error": 1, "rejected_bad_reward": 1, "rejected_bad_shape": 2}
+    assert {k: v for k, v in state.totals.items() if k.startswith("rejected_")} == expected
     rows = metrics(cfg.resolved_run_dir)
-    assert sum(r["rejected"] for r in rows) == 4 and [r["step"] for r in rows] == [1, 2, 3]
+    assert sum(r["rejected"] for r in rows) == 7 and [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["loss"] is not None and r["skipped_updates"] == 0 for r in rows)
+
+
+def test_an_update_that_is_not_finite_is_skipped_not_applied(tmp_path: Path, tiny_model: Path) -> None:
+    from learner.policy import Policy
+    from learner.train import StepBatch, train_on
+
+    cfg = small_config(tmp_path, tiny_model)
+    policy = Policy(cfg)
+    optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.learning_rate)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    source = PromptSource(load_rows(cfg.dataset), policy.tokenizer, "prompt", 0, 100)
+    prompts = [unpack_i32(source.prompt(i).token_ids).tolist() for i in range(4)]
+    seqs = pack_sequences(prompts, [[10, 11, 12]] * 4, policy.pad_id)
+    behav = scatter_completion_values([[-1.0] * 3] * 4, [len(p) for p in prompts], seqs.input_ids_BL.shape[1])
+    before = {k: v.clone() for k, v in policy.adapter_state().items()}
+    poisoned = StepBatch(seqs, behav, torch.tensor([1.0, float("nan"), -1.0, 0.0]), torch.zeros(4))
+    stats = train_on(policy, optimizer, scheduler, poisoned, cfg)
+    assert stats["skipped_updates"] == 1
+    after = policy.adapter_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not optimizer.state  # AdamW never stepped: no moments were created
+    healthy = StepBatch(seqs, behav, torch.tensor([1.0, -1.0, 1.0, -1.0]), torch.zeros(4))
+    assert train_on(policy, optimizer, scheduler, healthy, cfg)["skipped_updates"] == 0
+    assert not all(torch.equal(before[k], v) for k, v in policy.adapter_state().items())
+
+
+def test_an_adapter_with_a_nan_is_never_published(tmp_path: Path, tiny_model: Path) -> None:
+    cfg = small_config(tmp_path, tiny_model)
+    store = open_store(cfg.store)
+    learner = Learner(cfg, fake_queue_factory("nan")(), store)
+    with torch.no_grad():
+        next(p for n, p in learner.policy.model.named_parameters() if "lora_A" in n)[0, 0] = float("nan")
+    with pytest.raises(LearnerError, match="non-finite"):
+        learner.publish()
+    with pytest.raises(LearnerError, match="non-finite"):
+        learner.checkpoint()
+    learner.publisher.close()
+    assert learner.state.policy_version == 0
+    assert store.list("adapters/") == [] and store.list("checkpoints/") == []
+
+
+def test_the_console_line_copes_with_missing_figures() -> None:
+    from learner.metrics import console_line
+
+    row = {"step": 3, "adapter_version": 2, "reward_mean": None, "reward_std": None, "staleness_mean": 0.5,
+           "staleness_max": 1, "is_weight_mean": None, "loss": None, "grad_norm": None, "groups": 4,
+           "dropped_stale": 0, "dropped_flat": 1, "rejected": 0, "wait_s": 0.1, "step_s": None, "publish_s": None,
+           "skipped_updates": 1}
+    line = console_line(row, 10)
+    assert "reward -±-" in line and "loss -" in line and "SKIPPED 1" in line
 
 
 # --------------------------------------------------------------- whole runs
