@@ -106,21 +106,21 @@ def run(args: argparse.Namespace) -> int:
         check_model_path(cfg.model)
         store = open_store(cfg.store)
         queue = connect_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, cfg.startup_timeout_s, stop)
+    except QueueUnavailable as err:  # before OSError: it is a ConnectionError
+        print(f"learner run: {err}", file=sys.stderr)
+        return 1
     except (ValueError, OSError, QueueRefused) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
-    except QueueUnavailable as err:
-        print(f"learner run: --queue {cfg.queue}: {err}", file=sys.stderr)
-        return 1
     try:
         learner = Learner(cfg, queue, store, stop_requested=stop)
         state = learner.run()
-    except (ValueError, OSError, LearnerError, QueueRefused) as err:
-        print(f"learner run: {err}", file=sys.stderr)
-        return 2
     except (QueueUnavailable, StoreError) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 1
+    except (ValueError, OSError, LearnerError, QueueRefused) as err:
+        print(f"learner run: {err}", file=sys.stderr)
+        return 2
     finally:
         queue.close()
     log.info("done: step %d, adapter v%d, totals %s", state.step, state.policy_version, state.totals)

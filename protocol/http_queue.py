@@ -137,7 +137,10 @@ class HttpQueue(Queue):
         verify: str | bool | ssl.SSLContext | None = None,
         retry_s: float = 30.0,
         timeout_s: float = 30.0,
+        stop: threading.Event | None = None,
     ) -> None:
+        """`stop`: an event that, once set, has every call fail fast (see `stop_retrying`);
+        a process passes its shutdown event so that SIGTERM also ends a retrying call."""
         if not token:
             raise ValueError("an https:// queue needs a token (--token or SPOTGRPO_TOKEN)")
         self.config = config or QueueConfig()
@@ -160,7 +163,7 @@ class HttpQueue(Queue):
         self._received: dict[str, set[str]] = {}
         self._resync: set[str] = set()
         self._subscriptions: list[SseSubscription] = []
-        self._stopping = threading.Event()
+        self._stopping = stop or threading.Event()
 
     def stop_retrying(self) -> None:
         self._stopping.set()

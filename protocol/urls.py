@@ -19,16 +19,18 @@ log = logging.getLogger(__name__)
 
 
 def open_queue(
-    url: str, config: QueueConfig | None = None, token: str | None = None, retry_s: float = 30.0
+    url: str, config: QueueConfig | None = None, token: str | None = None, retry_s: float = 30.0,
+    stop: threading.Event | None = None,
 ) -> Queue:
-    """`retry_s`: how long one call through the proxy retries an outage on its own."""
+    """`retry_s`: how long one call through the proxy retries an outage on its own; `stop`:
+    once set, such calls stop retrying (the process is shutting down)."""
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
         return RedisQueue.from_url(url, config)
     if scheme in ("https", "http"):
         from protocol.http_queue import HttpQueue  # httpx only where it is used
 
-        return HttpQueue(url, token or os.environ.get("SPOTGRPO_TOKEN", ""), config, retry_s=retry_s)
+        return HttpQueue(url, token or os.environ.get("SPOTGRPO_TOKEN", ""), config, retry_s=retry_s, stop=stop)
     raise ValueError(f"queue {url!r}: use redis://host:port/db or https://proxy:port")
 
 
@@ -37,12 +39,13 @@ def connect_queue(
 ) -> Queue:
     """Open the queue and make one call through it (the latest adapter: every role may ask),
     retrying an outage for `timeout_s` in all, the client's own retries included, or until
-    `stop` is set. A refusal (token, role, certificate) raises at once: it is not an outage.
-    Raises QueueUnavailable with one line when the time is up."""
+    `stop` is set; the queue keeps `stop` as its own signal to stop retrying. A refusal
+    (token, role, certificate) raises at once: it is not an outage. Raises QueueUnavailable
+    with one line when the time is up."""
     deadline, backoff = time.monotonic() + timeout_s, 1.0
     while True:
         try:
-            queue = open_queue(url, config, token, retry_s=min(30.0, timeout_s))
+            queue = open_queue(url, config, token, retry_s=min(30.0, timeout_s), stop=stop)
             try:
                 queue.latest_adapter()
             except BaseException:

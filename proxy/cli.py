@@ -103,15 +103,15 @@ def serve(args: argparse.Namespace) -> int:
             queue = RedisQueue.from_url(args.redis, config, max_connections=THREADS + 16)
             rate_storage = "async+" + args.redis
         store = open_store(args.store)
-    except (TokenError, ValueError, OSError) as err:
-        print(f"proxy serve: {err}", file=sys.stderr)
-        return 2
-    except QueueUnavailable as err:
+    except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
         print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)
         return 1
     except StoreError as err:
         print(f"proxy serve: --store {args.store}: {err}", file=sys.stderr)
         return 1
+    except (TokenError, ValueError, OSError) as err:
+        print(f"proxy serve: {err}", file=sys.stderr)
+        return 2
     limits = ProxyLimits(
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_long_poll_s=args.max_long_poll_s,
         rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,

@@ -1,0 +1,161 @@
+"""Every command answers bad input and unreachable services with one line naming the
+problem and a non-zero exit: no traceback, no retrying for ever, SIGTERM honoured."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import pytest
+from conftest import TOKENS, free_port, kill_process
+from factories import batch, write_dataset
+
+from protocol import QueueConfig, RedisQueue, pack_i32
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("SPOTGRPO_TOKEN", "SPOTGRPO_CA_CERT")}
+    return {**env, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **extra}
+
+
+def _run(args: list[str], timeout: float = 120, **env: str) -> tuple[int, str, float]:
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+    return done.returncode, done.stderr, time.monotonic() - started
+
+
+def _one_line(stderr: str, prefix: str, *words: str) -> str:
+    """The command's own error line: present, naming the problem, with no traceback around."""
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+    return lines[0]
+
+
+def _actor(queue: str, model: Path | str, *extra: str) -> list[str]:
+    return ["-m", "actors.cli", "run", "--queue", queue, "--model", str(model),
+            "--reward", "toy_rewards:digit_first", *extra]
+
+
+def _learner(tmp_path: Path, queue: str, model: Path | str, *extra: str) -> list[str]:
+    return ["-m", "learner.cli", "run", "--queue", queue, "--store", (tmp_path / "store").as_uri(),
+            "--model", str(model), "--dataset", str(write_dataset(tmp_path / "data.jsonl")),
+            "--run-dir", str(tmp_path / "run"), "--no-tensorboard", *extra]
+
+
+@pytest.mark.redis
+def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    rc, err, _ = _run(_actor(proxy.url, tiny_model, "--token", "x" * 40), SPOTGRPO_CA_CERT=proxy.ca)
+    assert rc == 2
+    _one_line(err, "actors run:", "401")
+    rc, err, _ = _run(_actor(proxy.url, tiny_model, "--token", TOKENS["admin"]), SPOTGRPO_CA_CERT=proxy.ca)
+    assert rc == 2
+    _one_line(err, "actors run:", "403")
+
+
+@pytest.mark.redis
+def test_a_certificate_that_does_not_verify_is_not_retried(make_proxy, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()  # self-signed: the system's CAs do not know it
+    rc, err, took = _run(_actor(proxy.url, tiny_model, "--token", TOKENS["actor"]))
+    assert rc == 2 and took < 30
+    _one_line(err, "actors run:", "certificate")
+
+
+def test_an_unreachable_queue_is_given_up_after_the_start_up_time(tiny_model: Path, tmp_path: Path) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    rc, err, took = _run(_actor(dead, tiny_model, "--store", tmp_path.as_uri(), "--startup-timeout-s", "2"))
+    assert rc == 1 and took < 30
+    _one_line(err, "actors run:", "unreachable")
+    rc, err, took = _run(_learner(tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40,
+                                  "--startup-timeout-s", "2"))
+    assert rc == 1 and took < 30
+    _one_line(err, "learner run:", "unreachable")
+
+
+def test_sigterm_ends_a_learner_waiting_for_its_queue(tiny_model: Path, tmp_path: Path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, *_learner(tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40)],
+        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        time.sleep(3)
+        assert proc.poll() is None  # still waiting (it would for 300 s)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        assert time.monotonic() - sent < 5
+    finally:
+        kill_process(proc)
+    assert proc.returncode == 1
+    _one_line(err, "learner run:", "stopped while waiting")
+
+
+def test_missing_local_models_and_bad_run_dirs_are_named(tiny_model: Path, tmp_path: Path) -> None:
+    rc, err, _ = _run(_actor("redis://127.0.0.1:1/0", tmp_path / "no-model", "--store", tmp_path.as_uri()))
+    assert rc == 2
+    _one_line(err, "actors run:", "no-model", "no such directory")
+    rc, err, _ = _run(_learner(tmp_path, "redis://127.0.0.1:1/0", "./models/missing"))
+    assert rc == 2
+    _one_line(err, "learner run:", "./models/missing", "no such directory")
+    a_file = tmp_path / "occupied"
+    a_file.write_text("")
+    rc, err, took = _run(_learner(tmp_path, "redis://127.0.0.1:1/0", tiny_model, "--run-dir", str(a_file / "run")))
+    assert rc == 2 and took < 20  # said before any model is loaded or queue tried
+    _one_line(err, "learner run:", "--run-dir", "not a writable directory")
+
+
+def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, tokens_file: Path) -> None:  # type: ignore[no-untyped-def]
+    base = ["-m", "proxy.cli", "serve", "--redis", "memory://", "--store", tmp_path.as_uri(), "--tokens", str(tokens_file)]
+    rc, err, _ = _run([*base, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tls_pair[1])])
+    assert rc == 2
+    _one_line(err, "proxy serve:", "nope.pem", "no such file")
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n")
+    rc, err, _ = _run([*base, "--tls-cert", str(garbage), "--tls-key", str(tls_pair[1])])
+    assert rc == 2
+    _one_line(err, "proxy serve:", "garbage.pem")
+    rc, err, _ = _run(["-m", "proxy.cli", "serve", "--redis", f"redis://127.0.0.1:{free_port()}/0",
+                       "--store", tmp_path.as_uri(), "--tokens", str(tokens_file), "--insecure-http"])
+    assert rc == 1
+    _one_line(err, "proxy serve:", "--redis")
+
+
+@pytest.mark.redis
+def test_an_actor_exits_in_seconds_on_sigterm_when_the_proxy_is_gone(make_proxy, tiny_model: Path, run_name: str,
+                                                                     redis_server) -> None:  # type: ignore[no-untyped-def]
+    proxy = make_proxy()
+    proc = subprocess.Popen(
+        [sys.executable, *_actor(proxy.url, tiny_model, "--token", TOKENS["actor"], "--run", run_name,
+                                 "--claim-block-s", "0.5", "--worker-id", "spot")],
+        cwd=REPO, env=_env(SPOTGRPO_CA_CERT=proxy.ca), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    try:
+        b = batch(0, prompts=1)  # with token ids, as the learner sends them
+        queue.add_prompts([msgspec.structs.replace(b, prompts=[msgspec.structs.replace(b.prompts[0], token_ids=pack_i32([5, 6, 7]))])])
+        deadline = time.monotonic() + 90
+        while queue.stats().rollouts.length == 0:  # working: it claimed and submitted through the proxy
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.2)
+        proxy.kill()
+        time.sleep(1.0)  # its calls now fail and back off
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        kill_process(proc)
+        queue.close()
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 5, (took, out[-3000:])
