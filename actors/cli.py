@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
     a("--reward", action="append", required=True, metavar="MODULE:FUNCTION[=WEIGHT]",
       help="reward function with TRL's signature; repeat for several (weighted sum)")
-    a("--reward-timeout-s", type=float, default=60.0, help="time limit per reward call (default 60)")
+    a("--reward-timeout-s", type=float, default=60.0,
+      help="time limit per reward call (default 60); past it the scoring process is killed and replaced")
+    a("--reward-workers", type=int, default=1,
+      help="processes scoring beside the engine (default 1; 0: score in the worker, where a hung reward cannot be killed)")
     a("--worker-id", default=None, help="consumer name (default host-pid-random)")
     a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
@@ -47,7 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
       help="on SIGTERM, let the batch in hand finish for this long before handing it back (default 0: at once)")
     a("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     a("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="model dtype (default: float32 for transformers, auto for vllm)")
+    a("--max-num-seqs", type=int, default=None,
+      help="sequences kept in the engine at once, across leases (default: vLLM's scheduler limit for the GPU; "
+           "transformers: --max-batch-sequences)")
     a("--max-batch-sequences", type=int, default=64, help="transformers engine: sequences per generate call")
+    a("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs one model is split across")
+    a("--gpus", default=None, metavar="0,1,...",
+      help="start one worker per listed GPU (CUDA_VISIBLE_DEVICES), each with these flags; SIGTERM reaches all")
     a("--max-lora-rank", type=int, default=64, help="vllm engine: largest LoRA rank to serve")
     a("--max-model-len", type=int, default=None, help="vllm engine: context length")
     a("--gpu-memory-utilization", type=float, default=0.9, help="vllm engine: GPU memory fraction")
@@ -59,17 +68,20 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     if args.engine == "transformers":
         return {"dtype": args.dtype or "float32", "max_batch_sequences": args.max_batch_sequences}
     return {
-        "dtype": args.dtype or "auto", "max_lora_rank": args.max_lora_rank, "max_loras": args.keep_adapters,
+        "dtype": args.dtype or "auto", "max_lora_rank": args.max_lora_rank,
+        # LoRAs in one batch: the kept versions, and one evicted while its last requests finish
+        "max_loras": args.keep_adapters + 1,
         "max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": args.max_num_seqs, "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 
 def run(args: argparse.Namespace) -> int:
     from actors.engine import EngineError, open_engine
     from actors.metrics import WorkerMetrics
-    from actors.rewards import RewardError, Scorer, load_reward
+    from actors.rewards import RewardError, Scorer, ScoringPool, load_reward
     from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
-    from actors.worker import Worker, WorkerRefused
+    from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
     from protocol import (
         QueueConfig,
         QueueError,
@@ -94,7 +106,10 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         check_model_path(args.model)
-        scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
+        scorer: Scoring = (
+            ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
+            else Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
+        )
         config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s)
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         if args.store is not None:
@@ -124,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         on_refused=lambda v, reason: metrics.adapters_refused.inc(),
     )
     worker = Worker(queue, engine, watcher, scorer, worker_id, claim_block_s=args.claim_block_s,
-                    grace_s=args.grace_s, metrics=metrics)
+                    grace_s=args.grace_s, max_num_seqs=args.max_num_seqs, metrics=metrics)
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()
     try:
@@ -138,18 +153,60 @@ def run(args: argparse.Namespace) -> int:
     except WorkerRefused as err:
         print(f"actors run: {err}", file=sys.stderr)
         return 2
+    except WorkerEngineDead as err:
+        print(f"actors run: {err}; its leases were handed back", file=sys.stderr)
+        return 3
     finally:
         watcher.close()
+        scorer.close()
         engine.close()
         queue.close()
 
 
+def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
+    """`--gpus 0,1,2,3`: one `actors run` per GPU, each seeing only its own
+    (CUDA_VISIBLE_DEVICES) and named `<worker-id>-gpu<N>`; SIGTERM and SIGINT are passed
+    on to all; the exit status is the worst of theirs."""
+    import subprocess
+
+    gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if not gpus or not all(g.isdigit() for g in gpus):
+        print(f"actors run: --gpus {args.gpus!r}: expected GPU numbers like 0,1,2,3", file=sys.stderr)
+        return 2
+    rest, skip = [], False
+    for arg in argv:  # the same flags, without --gpus and --worker-id (set per GPU below)
+        if skip:
+            skip = False
+        elif arg in ("--gpus", "--worker-id"):
+            skip = True
+        elif not arg.startswith(("--gpus=", "--worker-id=")):
+            rest.append(arg)
+    base = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    children = [
+        subprocess.Popen([sys.executable, "-m", "actors.cli", *rest, "--worker-id", f"{base}-gpu{g}"],
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": g})
+        for g in gpus
+    ]
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return max(child.wait() for child in children)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
+    if args.gpus is not None:
+        return run_per_gpu(args, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname).1s %(name)s: %(message)s",

@@ -6,17 +6,26 @@ prompt with one adapter version and returns, per completion, the token ids, the
 log-probability of each sampled token under the distribution it was actually sampled
 from (after temperature and top-k/top-p), and why it stopped.
 
+The work loop drives an engine group by group, across many leases at once: `add`
+queues groups (a prompt, `n` samples, one adapter version), `step` advances the engine
+and hands back the groups that finished, so new work joins as old work leaves
+(continuous batching, up to the engine's `max_num_seqs` sequences). One thread drives
+`add`/`step`; `generate` is the same thing for one batch, for callers that want a batch
+in and a batch out (tests, benchmarks).
+
 Adapters are loaded from a local directory holding `adapter_model.safetensors` and
 `adapter_config.json`, already verified against their manifest by the watcher.
-`load_adapter` may be called from another thread while `generate` runs: a generation
-in progress finishes on the version it started with.
+`load_adapter` and `evict_adapter` may be called from another thread while the engine
+runs: a group in progress finishes on the version it started with, and an evicted
+version's files are released (`on_released`) only once no queued or running request
+names it.
 """
 
 from __future__ import annotations
 
 import abc
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -28,6 +37,10 @@ class EngineError(RuntimeError):
     """The engine cannot do what was asked (unknown adapter, bad model, ...)."""
 
 
+class EngineDead(EngineError):
+    """The engine itself failed (its process died): nothing more can be generated."""
+
+
 @dataclass(frozen=True)
 class Sample:
     token_ids: list[int]
@@ -36,22 +49,55 @@ class Sample:
     finish_reason: Literal["stop", "length", "abort"]
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """One GRPO group to generate: `n` samples of one prompt with one adapter version."""
+
+    key: Hashable
+    """The caller's name for the group, handed back with its samples."""
+    prompt: Sequence[int]
+    n: int
+    sampling: SamplingParams
+    version: int
+    """Adapter version (0: the base model); must be loaded when the group is added."""
+    seed: int | None = None
+    """Seed of the group's first sample (the j-th uses seed + j); None: unseeded."""
+
+
 class Engine(abc.ABC):
     """A base model plus LoRA adapters by version; see the module docstring."""
 
-    @abc.abstractmethod
-    def load_adapter(self, version: int, path: Path) -> None:
-        """Make adapter `version` available to `generate` (a new version, never a reload)."""
+    max_num_seqs: int = 64
+    """Sequences the engine runs at once: what the work loop keeps it filled to."""
 
     @abc.abstractmethod
-    def evict_adapter(self, version: int) -> None:
-        """Forget adapter `version`; generations already using it finish first."""
+    def load_adapter(self, version: int, path: Path) -> None:
+        """Make adapter `version` available (a new version, never a reload)."""
+
+    @abc.abstractmethod
+    def evict_adapter(self, version: int, on_released: Callable[[], None] | None = None) -> None:
+        """Forget adapter `version` for new groups. Groups already using it finish on it;
+        `on_released` (deleting its files) runs once no queued or running request names it."""
 
     @abc.abstractmethod
     def loaded_versions(self) -> list[int]:
-        """Adapter versions ready for `generate`, oldest first (0, the base, is implicit)."""
+        """Adapter versions ready for new groups, oldest first (0, the base, is implicit)."""
 
     @abc.abstractmethod
+    def add(self, groups: Sequence[GroupRequest]) -> None:
+        """Queue groups. Raises EngineError, queuing none of them, if a version is not loaded."""
+
+    @abc.abstractmethod
+    def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
+        """Advance generation for up to about `timeout_s`; returns the groups that finished
+        (key, samples in order), possibly none. When `abort` is set, everything queued or
+        running is dropped and nothing more is returned for it. Raises EngineDead."""
+
+    @property
+    @abc.abstractmethod
+    def in_flight(self) -> int:
+        """Sequences queued or running."""
+
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
@@ -61,7 +107,19 @@ class Engine(abc.ABC):
         abort: threading.Event | None = None,
     ) -> list[list[Sample]]:
         """`n` samples for each prompt (token ids), with adapter `version` (0: base model).
-        When `abort` is set, generation stops soon and the samples end with `abort`."""
+        When `abort` is set, generation stops soon and the samples end with `abort`. For a
+        batch in, a batch out; not to be mixed with `add`/`step` on the same engine."""
+        self.add([
+            GroupRequest(("generate", i), p, n, sampling, version,
+                         None if sampling.seed is None else sampling.seed + i * n)
+            for i, p in enumerate(prompts)
+        ])
+        done: dict[Hashable, list[Sample]] = {}
+        while len(done) < len(prompts) and not (abort is not None and abort.is_set()):
+            done.update(self.step(0.1, abort))
+        if len(done) < len(prompts):
+            self.step(0.0, abort)  # drops what is left
+        return [done.get(("generate", i), [Sample([], [], "abort")] * n) for i in range(len(prompts))]
 
     @abc.abstractmethod
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -1,9 +1,12 @@
 """The `transformers` engine: Hugging Face `generate` with PEFT multi-adapter loading.
 
-For CPU machines, tests and the embedded default. One lock orders generation and
-adapter changes: a load or eviction that arrives while a batch is generating waits
-for that batch (which finishes on the adapter it started with) and is in place for
-the next one.
+For CPU machines, tests and the embedded default. Groups queued with `add` are run by
+`step` in batches of up to `max_batch_sequences` sequences that share an adapter
+version and sampling settings (so it batches per lease, not across a running batch as
+vLLM does). One lock orders generation and adapter changes: a load or eviction that
+arrives while a batch is generating waits for that batch (which finishes on the adapter
+it started with) and is in place for the next one. Adapters are loaded eagerly, so an
+evicted version's files are released at once.
 
 Log-probabilities come from the scores `generate` returns, which are the logits after
 the logits processors (temperature, top-k, top-p), i.e. the distribution the token was
@@ -16,13 +19,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from actors.engine import Engine, EngineError, Sample
+from actors.engine import Engine, EngineError, GroupRequest, Sample
 from protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -42,8 +47,11 @@ class TransformersEngine(Engine):
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.base = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype]).to(self.device).eval()
         self.model: torch.nn.Module = self.base  # a PeftModel once the first adapter is loaded
-        self.max_batch_sequences = max_batch_sequences
+        self.max_batch_sequences = self.max_num_seqs = max_batch_sequences
+        self._queue: deque[GroupRequest] = deque()
+        self._queued_seqs = 0
         self._versions: list[int] = []
+        self._evicting: dict[int, Callable[[], None] | None] = {}
         self._lock = threading.RLock()
         self._vocab = int(self.base.config.vocab_size)
 
@@ -70,14 +78,26 @@ class TransformersEngine(Engine):
                 raise EngineError(f"cannot load adapter v{version} from {path}: {err}") from err
             self._versions.append(version)
 
-    def evict_adapter(self, version: int) -> None:
+    def evict_adapter(self, version: int, on_released: Callable[[], None] | None = None) -> None:
         with self._lock:
-            if version not in self._versions:
-                return
-            self._versions.remove(version)
-            if self._versions:  # never delete the active adapter: activate a kept one first
-                self.model.set_adapter(f"v{self._versions[-1]}")
-            self.model.delete_adapter(f"v{version}")
+            if version in self._versions:
+                self._versions.remove(version)
+                self._evicting[version] = on_released
+        self._release_evicted()
+
+    def _release_evicted(self) -> None:
+        """Delete evicted adapters no queued group names any more (the running batch holds
+        the lock, so it finishes first); then their files may go."""
+        released = []
+        with self._lock:
+            for version in [v for v in self._evicting if not any(g.version == v for g in self._queue)]:
+                if self._versions:  # never delete the active adapter: activate a kept one first
+                    self.model.set_adapter(f"v{self._versions[-1]}")
+                self.model.delete_adapter(f"v{version}")
+                released.append(self._evicting.pop(version))
+        for callback in released:
+            if callback is not None:
+                callback()
 
     def loaded_versions(self) -> list[int]:
         with self._lock:
@@ -94,34 +114,62 @@ class TransformersEngine(Engine):
                     with self.model.disable_adapter():
                         yield self.model
                 return
-            if version not in self._versions:
+            if version not in self._versions and version not in self._evicting:
                 raise EngineError(f"adapter v{version} is not loaded (loaded: {self._versions})")
             self.model.set_adapter(f"v{version}")
             yield self.model
 
-    # ---------------------------------------------------------------- generation
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    # ------------------------------------------------------------------ generation
+    @property
+    def in_flight(self) -> int:
+        return self._queued_seqs
+
+    def add(self, groups: Sequence[GroupRequest]) -> None:
+        with self._lock:
+            missing = sorted({g.version for g in groups if g.version and g.version not in self._versions})
+            if missing:
+                raise EngineError(f"adapter v{missing[0]} is not loaded (loaded: {self._versions})")
+            self._queue.extend(groups)
+            self._queued_seqs += sum(g.n for g in groups)
+
     @torch.no_grad()
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        abort: threading.Event | None = None,
-    ) -> list[list[Sample]]:
-        per_chunk = max(1, self.max_batch_sequences // n)
-        out: list[list[Sample]] = []
-        with self._using(version) as model:
-            for start in range(0, len(prompts), per_chunk):
-                chunk = prompts[start : start + per_chunk]
-                if abort is not None and abort.is_set():
-                    out.extend([[Sample([], [], "abort")] * n for _ in chunk])
-                    continue
-                out.extend(self._generate_chunk(model, chunk, n, sampling, abort))
-        return out
+    def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
+        if abort is not None and abort.is_set():
+            self._drop_all()
+            return []
+        with self._lock:
+            if not self._queue:
+                chunk: list[GroupRequest] = []
+            else:  # the next groups that can share one generate call
+                first = self._queue[0]
+                chunk = [self._queue.popleft()]
+                while (self._queue and self._queue[0].version == first.version and self._queue[0].n == first.n
+                       and self._queue[0].sampling == first.sampling
+                       and (len(chunk) + 1) * first.n <= self.max_batch_sequences):
+                    chunk.append(self._queue.popleft())
+        if not chunk:
+            time.sleep(min(timeout_s, 0.05))
+            return []
+        first = chunk[0]
+        with self._using(first.version) as model:
+            samples = self._generate_chunk(model, [g.prompt for g in chunk], first.n,
+                                           _seeded(first.sampling, first.seed), abort)
+        with self._lock:
+            self._queued_seqs -= sum(g.n for g in chunk)
+        if abort is not None and abort.is_set():
+            self._drop_all()
+            return []
+        self._release_evicted()
+        return [(g.key, group) for g, group in zip(chunk, samples, strict=True)]
+
+    def _drop_all(self) -> None:
+        with self._lock:
+            self._queue.clear()
+            self._queued_seqs = 0
+        self._release_evicted()
 
     def _generate_chunk(
         self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, s: SamplingParams,
@@ -178,3 +226,10 @@ class TransformersEngine(Engine):
                 if any(stop in text for stop in s.stop):
                     return Sample(tokens[:end], logps[:end], "stop")
         return Sample(tokens[: s.max_tokens], logps[: s.max_tokens], "length")
+
+
+def _seeded(sampling: SamplingParams, seed: int | None) -> SamplingParams:
+    """The settings with the group's seed (one torch seed per batch call: the first group's)."""
+    import msgspec
+
+    return sampling if seed is None or seed == sampling.seed else msgspec.structs.replace(sampling, seed=seed)

@@ -12,18 +12,31 @@ user's functions work unchanged.
 total is the weighted sum of the others. A function that raises, returns the wrong
 shape or a non-finite value, or runs past its time limit fails the whole group with
 the error text: such a group is never recorded as reward 0.
+
+Where rewards run: `ScoringPool` scores in worker processes beside the engine (pebble's
+`ProcessPool`, spawned, not forked from a process holding a model), so the generation
+loop never waits for a reward, and a reward past its limit is killed with its process,
+which pebble replaces. pebble over the standard library's `ProcessPoolExecutor`: the
+latter cannot kill one task's process on a timeout, only abandon it. `Scorer.submit`
+scores inline instead (a thread per call; a hung reward's thread is abandoned, not
+killed): for tests and `--reward-workers 0`.
 """
 
 from __future__ import annotations
 
 import importlib
 import math
+import multiprocessing
 import numbers
 import re
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from protocol import Prompt
 
@@ -67,11 +80,22 @@ class Scores:
 
 
 class Scorer:
-    def __init__(self, functions: list[RewardFn], timeout_s: float = 60.0) -> None:
+    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0) -> None:
+        """`timeout_s`: per reward call, enforced by a thread; None calls rewards directly
+        (inside a `ScoringPool` process, whose own timeout kills the process)."""
         if not functions:
             raise RewardError("at least one --reward is needed")
         self.functions = functions
         self.timeout_s = timeout_s
+
+    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
+        """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
+        future: Future[Scores] = Future()
+        future.set_result(self.score(prompt, prompt_text, texts, completion_ids))
+        return future
+
+    def close(self) -> None:
+        return None
 
     def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Scores:
         n = len(texts)
@@ -108,12 +132,15 @@ class Scorer:
             except Exception as err:  # a user's function: any failure is reported, not fatal
                 result["error"] = f"reward {rf.name} raised {type(err).__name__}: {err}"
 
-        # a thread we can stop waiting for; a function past its limit is left to finish alone
-        thread = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
-        thread.start()
-        thread.join(self.timeout_s)
-        if thread.is_alive():
-            return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
+        if self.timeout_s is None:
+            target()
+        else:
+            # a thread we can stop waiting for; a function past its limit is left to finish alone
+            thread = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
+            thread.start()
+            thread.join(self.timeout_s)
+            if thread.is_alive():
+                return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
         if "error" in result:
             return None, result["error"]
         values = result.get("value")
@@ -128,3 +155,57 @@ class Scorer:
             else:
                 clean.append(float(v))
         return clean, None
+
+
+class ScoringPool:
+    """Rewards in `workers` processes; see the module docstring. A group's scoring may take
+    `timeout_s` per reward function; past that its process is killed and replaced, and
+    the group fails with that reason."""
+
+    def __init__(self, specs: list[str], timeout_s: float, workers: int = 1) -> None:
+        import pebble
+
+        functions = [load_reward(spec) for spec in specs]  # fail here, in one line, not in a child
+        self.timeout_s = timeout_s * len(functions)
+        self.pool = pebble.ProcessPool(
+            max_workers=workers, initializer=_init_child, initargs=(list(specs),),
+            context=multiprocessing.get_context("spawn"),
+        )
+
+    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
+        inner = self.pool.schedule(
+            _score_in_child, args=(msgspec.msgpack.encode(prompt), prompt_text, texts, completion_ids),
+            timeout=self.timeout_s,
+        )
+        outer: Future[Scores] = Future()
+        n = len(texts)
+
+        def settle(done: Future[Scores]) -> None:
+            try:
+                outer.set_result(done.result())
+            except FutureTimeout:
+                outer.set_result(Scores([None] * n, [{} for _ in range(n)],
+                                        f"scoring exceeded its time limit of {self.timeout_s:g}s (its process was killed)"))
+            except Exception as err:  # the child died or the reward module failed to import there
+                outer.set_result(Scores([None] * n, [{} for _ in range(n)], f"scoring failed: {type(err).__name__}: {err}"))
+
+        inner.add_done_callback(settle)
+        return outer
+
+    def close(self) -> None:
+        self.pool.stop()
+        self.pool.join(timeout=5)
+
+
+_CHILD_SCORER: Scorer | None = None
+"""The scorer of a `ScoringPool` process (one per process, built by its initializer)."""
+
+
+def _init_child(specs: list[str]) -> None:
+    global _CHILD_SCORER
+    _CHILD_SCORER = Scorer([load_reward(spec) for spec in specs], timeout_s=None)
+
+
+def _score_in_child(prompt: bytes, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Scores:
+    assert _CHILD_SCORER is not None
+    return _CHILD_SCORER.score(msgspec.msgpack.decode(prompt, type=Prompt), prompt_text, texts, completion_ids)

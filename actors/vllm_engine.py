@@ -1,11 +1,20 @@
-"""The `vllm` engine: vLLM with LoRA, driven request by request.
+"""The `vllm` engine: vLLM with LoRA, driven request by request across leases.
+
+Why the engine's step loop (`LLMEngine.add_request` / `step`) rather than `AsyncLLM`:
+vLLM documents both; the step loop is synchronous, so one thread of the work loop adds
+groups from any number of leases as others finish and collects finished sequences,
+with no asyncio event loop in the worker; the scheduler batches whatever is queued
+(continuous batching up to `max_num_seqs`), which is what AsyncLLM would give us too.
 
 Each adapter version is a `LoRARequest` with its own name and a fresh integer id:
 vLLM caches adapters by that id, and reusing an id would serve the old weights.
 Loading a version only registers its request; vLLM loads the weights into a LoRA slot
 when the first request names it (milliseconds), so a sync never pauses generation:
 requests already running finish on the adapter they were started with, requests added
-after the sync use the new one.
+after the sync use the new one. Because that load is lazy, an evicted version's files
+must outlive every queued or running request that names it: eviction is deferred until
+the version's last sequence finishes, then the LoRA is removed and `on_released` runs
+(the watcher deletes the files). An engine that dies anyway raises `EngineDead`.
 
 Log-probabilities: `logprobs=0` returns exactly the sampled token's log-probability per
 generated token, and `logprobs_mode="processed_logprobs"` makes it the probability
@@ -21,14 +30,35 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import uuid
-from collections.abc import Sequence
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from actors.engine import Engine, EngineError, Sample
+from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample
 from protocol import SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    key: Hashable
+    version: int
+    samples: list[Sample | None]
+    left: int
+
+
+@dataclass
+class _Eviction:
+    lora_int_id: int
+    on_released: Callable[[], None] | None = None
+    removed: bool = field(default=False)
+
+
+def _is_engine_dead(err: BaseException) -> bool:
+    return type(err).__name__ == "EngineDeadError"
 
 
 class VLLMEngine(Engine):
@@ -42,6 +72,8 @@ class VLLMEngine(Engine):
         max_model_len: int | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool | None = None,
+        max_num_seqs: int | None = None,
+        tensor_parallel_size: int = 1,
         **extra: object,
     ) -> None:
         import torch
@@ -58,15 +90,23 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
             logprobs_mode="processed_logprobs",
+            tensor_parallel_size=tensor_parallel_size,
+            **({"max_num_seqs": max_num_seqs} if max_num_seqs else {}),
             **extra,
         )
         self.engine = self.llm.llm_engine
+        # what the scheduler runs at once (vLLM picks it for the hardware unless told)
+        self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         self.tokenizer = self.llm.get_tokenizer()
         self._vocab = int(self.engine.model_config.get_vocab_size())
         self._ids = itertools.count(1)
+        self._request_ids = itertools.count(1)
         self._lock = threading.Lock()
         self._adapters: dict[int, object] = {}  # version -> LoRARequest
-        self._to_remove: list[int] = []  # lora int ids, removed on the generate thread
+        self._evicting: dict[int, _Eviction] = {}  # version -> its LoRA, removed when unused
+        self._groups: dict[Hashable, _Group] = {}
+        self._sequences: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, sample index)
+        self._uses: Counter[int] = Counter()  # version -> sequences queued or running
 
     @property
     def vocab_size(self) -> int:
@@ -84,11 +124,25 @@ class VLLMEngine(Engine):
                 lora_name=f"v{version}", lora_int_id=next(self._ids), lora_path=str(path)
             )
 
-    def evict_adapter(self, version: int) -> None:
+    def evict_adapter(self, version: int, on_released: Callable[[], None] | None = None) -> None:
         with self._lock:
             request = self._adapters.pop(version, None)
             if request is not None:
-                self._to_remove.append(request.lora_int_id)  # type: ignore[attr-defined]
+                self._evicting[version] = _Eviction(request.lora_int_id, on_released)  # type: ignore[attr-defined]
+                return
+        if on_released is not None:
+            on_released()
+
+    def _release_evicted(self) -> None:
+        """On the driving thread: remove the LoRAs of evicted versions no sequence names."""
+        with self._lock:
+            free = [(v, e) for v, e in self._evicting.items() if not self._uses[v]]
+            for version, _ in free:
+                del self._evicting[version]
+        for _, eviction in free:
+            self.engine.remove_lora(eviction.lora_int_id)
+            if eviction.on_released is not None:
+                eviction.on_released()
 
     def loaded_versions(self) -> list[int]:
         with self._lock:
@@ -105,53 +159,85 @@ class VLLMEngine(Engine):
             max_tokens=s.max_tokens, stop=list(s.stop) or None, seed=seed, logprobs=0,
         )
 
-    def generate(
-        self,
-        prompts: Sequence[Sequence[int]],
-        n: int,
-        sampling: SamplingParams,
-        version: int,
-        abort: threading.Event | None = None,
-    ) -> list[list[Sample]]:
+    @property
+    def in_flight(self) -> int:
+        return len(self._sequences)
+
+    def add(self, groups: Sequence[GroupRequest]) -> None:
         with self._lock:
-            removals, self._to_remove = self._to_remove, []
-            lora = None if version == 0 else self._adapters.get(version)
-        for lora_id in removals:
-            self.engine.remove_lora(lora_id)
-        if version != 0 and lora is None:
-            raise EngineError(f"adapter v{version} is not loaded (loaded: {self.loaded_versions()})")
-        tag = uuid.uuid4().hex[:8]
-        slots: dict[str, tuple[int, int]] = {}
-        for i, prompt in enumerate(prompts):
-            for j in range(n):
-                request_id = f"{tag}-{i}-{j}"
-                seed = None if sampling.seed is None else sampling.seed + i * n + j
-                self.engine.add_request(
-                    request_id, {"prompt_token_ids": list(prompt)}, self._sampling(sampling, seed), lora_request=lora
-                )
-                slots[request_id] = (i, j)
-        out: list[list[Sample | None]] = [[None] * n for _ in prompts]
-        pending = set(slots)
-        while pending:
-            if abort is not None and abort.is_set():
-                self.engine.abort_request(list(pending))
-                for request_id in pending:
-                    i, j = slots[request_id]
-                    out[i][j] = Sample([], [], "abort")
-                break
-            for result in self.engine.step():
-                if not result.finished or result.request_id not in pending:
-                    continue
-                pending.discard(result.request_id)
-                i, j = slots[result.request_id]
-                completion = result.outputs[0]
-                ids = list(completion.token_ids)
-                logps = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [], strict=False)]
-                if len(logps) != len(ids):
-                    raise EngineError(f"vLLM returned {len(logps)} log-probabilities for {len(ids)} tokens")
-                reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
-                out[i][j] = Sample(ids, logps, reason)  # type: ignore[arg-type]
-        return [[s for s in group if s is not None] for group in out]
+            missing = sorted({g.version for g in groups if g.version and g.version not in self._adapters})
+            if missing:
+                raise EngineError(f"adapter v{missing[0]} is not loaded (loaded: {sorted(self._adapters)})")
+            loras = {g.version: self._adapters.get(g.version) for g in groups}
+        try:
+            for g in groups:
+                self._groups[g.key] = _Group(g.key, g.version, [None] * g.n, g.n)
+                for j in range(g.n):
+                    request_id = str(next(self._request_ids))
+                    seed = None if g.seed is None else g.seed + j
+                    self.engine.add_request(request_id, {"prompt_token_ids": list(g.prompt)},
+                                            self._sampling(g.sampling, seed), lora_request=loras[g.version])
+                    self._sequences[request_id] = (g.key, j)
+                    with self._lock:
+                        self._uses[g.version] += 1
+        except Exception as err:
+            if _is_engine_dead(err):
+                raise EngineDead(f"the vLLM engine died: {err}") from err
+            raise
+
+    def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
+        self._release_evicted()
+        if abort is not None and abort.is_set():
+            self._drop_all()
+            return []
+        if not self._sequences:
+            time.sleep(min(timeout_s, 0.01))
+            return []
+        done: list[tuple[Hashable, list[Sample]]] = []
+        deadline = time.monotonic() + timeout_s
+        try:
+            while self._sequences and not done and time.monotonic() < deadline:
+                if abort is not None and abort.is_set():
+                    self._drop_all()
+                    return []
+                for result in self.engine.step():
+                    if result.finished and result.request_id in self._sequences:
+                        finished = self._finish(result)
+                        if finished is not None:
+                            done.append(finished)
+        except Exception as err:
+            if _is_engine_dead(err):
+                raise EngineDead(f"the vLLM engine died: {err}") from err
+            raise
+        self._release_evicted()
+        return done
+
+    def _finish(self, result) -> tuple[Hashable, list[Sample]] | None:  # type: ignore[no-untyped-def]
+        key, j = self._sequences.pop(result.request_id)
+        group = self._groups[key]
+        completion = result.outputs[0]
+        ids = list(completion.token_ids)
+        logps = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [], strict=False)]
+        if len(logps) != len(ids):
+            raise EngineError(f"vLLM returned {len(logps)} log-probabilities for {len(ids)} tokens")
+        reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+        group.samples[j] = Sample(ids, logps, reason)  # type: ignore[arg-type]
+        group.left -= 1
+        with self._lock:
+            self._uses[group.version] -= 1
+        if group.left:
+            return None
+        del self._groups[key]
+        return key, [s for s in group.samples if s is not None]
+
+    def _drop_all(self) -> None:
+        if self._sequences:
+            self.engine.abort_request(list(self._sequences))
+        self._sequences.clear()
+        self._groups.clear()
+        with self._lock:
+            self._uses.clear()
+        self._release_evicted()
 
     def close(self) -> None:
         del self.engine

@@ -9,7 +9,8 @@ A new version is downloaded file by file, each checked against the manifest's si
 and sha256, written to `cache_dir/v<N>/`, and loaded next to the current one. A
 corrupt or missing adapter is refused with a logged reason (and never retried: a
 version names one adapter forever); the actor keeps generating with what it has.
-The newest `keep_adapters` versions stay loaded; older ones are evicted.
+The newest `keep_adapters` versions stay loaded for new groups; older ones are evicted,
+and their files deleted once no queued or running request names them.
 """
 
 from __future__ import annotations
@@ -170,5 +171,7 @@ class AdapterWatcher:
     def _evict(self) -> None:
         loaded = self.engine.loaded_versions()
         for old in loaded[: max(0, len(loaded) - self.keep_adapters)]:
-            self.engine.evict_adapter(old)
-            shutil.rmtree(self.cache_dir / f"v{old}", ignore_errors=True)
+            # the files go only when no queued or running request names the version any
+            # more: vLLM loads a LoRA lazily, when its first request is scheduled
+            folder = self.cache_dir / f"v{old}"
+            self.engine.evict_adapter(old, on_released=lambda folder=folder: shutil.rmtree(folder, ignore_errors=True))

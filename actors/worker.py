@@ -1,19 +1,30 @@
-"""The work loop of one rollout worker, shaped like rq's `Worker.work()`.
+"""The work loop of one rollout worker, shaped like rq's `Worker.work()`: one loop, many
+leases in flight.
 
-    claim a lease -> heartbeat while working -> generate with the newest adapter ->
-    score -> submit (groups tagged with the adapter version that produced them)
+    claim leases while the engine has room -> queue each prompt's group on the engine
+    with the newest adapter -> step the engine -> score each finished group beside it ->
+    submit each scored group at once (a lease's groups in several calls; the last one
+    finishes the lease) -> one heartbeat call for every lease held
 
-Connection errors back off exponentially (capped) and the loop continues; groups that
-were finished but could not be submitted are kept and submitted first when the queue
-is back. A submission the queue refuses (the lease passed to another worker while this
-one was away, or the groups do not answer it) is dropped with a warning: the lease's
-holder does the batch, and the queue stores each group once whoever submits it. A
-refusal of the worker itself (a bad token, a role without the right, a certificate that
-does not verify) ends the loop with `WorkerRefused`: retrying cannot help.
+The engine is kept at its sequence limit (`Engine.max_num_seqs`, counting a lease as its
+prompts x `num_generations`), whatever the batch size: a lease's groups are queued as
+soon as it is claimed and new leases are claimed as groups finish. Each group is
+generated with one adapter version and tagged with it; an adapter loaded mid-flight is
+used by groups queued after it. Rewards run beside the engine (`ScoringPool`).
 
-Shutdown (SIGTERM, a spot notice): stop claiming; the batch in hand may finish within
-`grace_s`, after which generation is aborted and the lease handed back, so another
-worker takes it at once; unsent groups get the rest of the grace period; exit 0.
+Connection errors back off exponentially (capped) while the engine keeps generating
+what it has; finished groups wait and are submitted when the queue is back. A
+submission the queue refuses (the lease passed to another worker while this one was
+away, or the groups do not answer it) is dropped with a warning: the lease's holder
+does the batch, and the queue stores each group once whoever submits it. A refusal of
+the worker itself (a bad token, a role without the right, a certificate that does not
+verify) ends the loop with `WorkerRefused`, and an engine that dies ends it with
+`WorkerEngineDead`, after handing back every lease held.
+
+Shutdown (SIGTERM, a spot notice): stop claiming; leases in hand may finish within
+`grace_s`, after which generation is aborted and every unfinished lease is handed back,
+so other workers take them at once; what is finished is submitted within the rest of
+the grace period (at least a second); exit 0.
 """
 
 from __future__ import annotations
@@ -21,15 +32,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from actors.engine import Engine
+from actors.engine import Engine, EngineDead, GroupRequest, Sample
 from actors.metrics import WorkerMetrics
-from actors.rewards import Scorer
+from actors.rewards import Scores
 from actors.watcher import AdapterWatcher
 from protocol import (
     Completion,
     Lease,
+    Prompt,
     Queue,
     QueueError,
     QueueForbidden,
@@ -49,38 +63,87 @@ class WorkerRefused(RuntimeError):
     """The queue refuses this worker itself (token, role, TLS): the worker must stop."""
 
 
+class WorkerEngineDead(RuntimeError):
+    """The inference engine died; the worker handed its leases back and must stop."""
+
+
+class Scoring(Protocol):
+    """`Scorer` (inline) or `ScoringPool` (processes beside the engine)."""
+
+    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str],
+               completion_ids: list[list[int]]) -> Future[Scores]: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
-class Unsent:
-    lease_id: str
-    groups: list[RolloutGroup] = field(default_factory=list)
+class Flight:
+    """One lease in flight: its groups queued, generating, scoring or ready to submit."""
+
+    lease: Lease
+    prompt_ids: list[list[int]]
+    queued_at: float
+    versions: dict[int, int] = field(default_factory=dict)
+    """Prompt index -> the adapter version its group is generated with."""
+    waiting: set[int] = field(default_factory=set)
+    """Prompt indexes whose group is not yet generated and scored."""
+    ready: list[RolloutGroup] = field(default_factory=list)
+    """Scored groups not yet submitted."""
+    lost: bool = False
+    """The heartbeat found the lease gone: its groups will be refused; stop sending them."""
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.ready
 
 
 class Heartbeat:
-    """Keeps one lease alive from a background thread while the batch is worked on."""
+    """Keeps every lease in flight alive with one call per interval, from a thread."""
 
-    def __init__(self, queue: Queue, worker: str, lease_id: str, interval_s: float) -> None:
-        self.queue, self.worker, self.lease_id, self.interval_s = queue, worker, lease_id, interval_s
-        self.lost = False
+    def __init__(self, queue: Queue, worker: str, interval_s: float) -> None:
+        self.queue, self.worker, self.interval_s = queue, worker, interval_s
+        self.lease_ids: set[str] = set()
+        self.lost: set[str] = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
-    def __enter__(self) -> Heartbeat:
+    def start(self) -> Heartbeat:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def hold(self, lease_id: str) -> None:
+        with self._lock:
+            self.lease_ids.add(lease_id)
+
+    def drop(self, lease_id: str) -> None:
+        with self._lock:
+            self.lease_ids.discard(lease_id)
+
+    def take_lost(self) -> set[str]:
+        with self._lock:
+            lost, self.lost = self.lost, set()
+            return lost
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            with self._lock:
+                ids = sorted(self.lease_ids)
+            if not ids:
+                continue
             try:
-                if self.lease_id not in self.queue.heartbeat(self.worker, [self.lease_id]):
-                    self.lost = True  # finish anyway: the groups are stored once whoever submits
-                    log.warning("lease %s passed to another worker; finishing it anyway", self.lease_id)
-                    return
+                held = set(self.queue.heartbeat(self.worker, ids))
             except QueueError as err:  # the work loop meets the same error and decides
                 log.warning("heartbeat failed (will retry): %s", err)
+                continue
+            with self._lock:
+                gone = (set(ids) - held) & self.lease_ids
+                self.lost |= gone
+                self.lease_ids -= gone
 
 
 class Worker:
@@ -89,12 +152,13 @@ class Worker:
         queue: Queue,
         engine: Engine,
         watcher: AdapterWatcher,
-        scorer: Scorer,
+        scorer: Scoring,
         worker_id: str,
         *,
         claim_block_s: float = 5.0,
         grace_s: float = 0.0,
         max_backoff_s: float = 30.0,
+        max_num_seqs: int | None = None,
         metrics: WorkerMetrics | None = None,
     ) -> None:
         self.queue, self.engine, self.watcher, self.scorer = queue, engine, watcher, scorer
@@ -102,17 +166,29 @@ class Worker:
         self.claim_block_s = claim_block_s
         self.grace_s = grace_s
         self.max_backoff_s = max_backoff_s
+        self.max_num_seqs = max_num_seqs or engine.max_num_seqs
+        """Sequences kept in the engine; leases are claimed while there is room for one more."""
         self.metrics = metrics or WorkerMetrics()
-        self.heartbeat_s = max(0.5, queue.config.lease_timeout_s / 3)
+        self.heartbeat = Heartbeat(queue, worker_id, max(0.5, queue.config.lease_timeout_s / 3))
         self.stopping = threading.Event()
         self.abort = threading.Event()
-        """Set when the grace period is over: the engine stops generating."""
-        self.unsent: list[Unsent] = []
+        """Set when the grace period is over: the engine drops what it generates."""
+        self.flights: dict[str, Flight] = {}
+        self.scoring: dict[tuple[str, int], Future[Scores]] = {}
+        self.samples: dict[tuple[str, int], list[Sample]] = {}
+        self.batches_claimed = 0
         self.batches_done = 0
+        self._lease_size: int | None = None
+        """Sequences in the last lease seen: how much room a claim needs (unknown: claim one)."""
+        self._backoff = 0.5
+        self._queue_back_at = 0.0
+        """While the queue is unreachable, no queue call before this time."""
+        self._idle_claim_at = 0.0
+        """After an empty non-blocking claim, the next one waits until this time."""
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
-        """Stop claiming; abort the batch in hand once `grace_s` has passed. Queue calls
+        """Stop claiming; abort what is in flight once `grace_s` has passed. Queue calls
         stop retrying through outages, so the way out takes seconds, not minutes."""
         if self.stopping.is_set():
             return
@@ -124,104 +200,193 @@ class Worker:
 
     # -------------------------------------------------------------------- loop
     def work(self, max_batches: int | None = None) -> int:
-        backoff = 0.5
-        while not self.stopping.is_set() and (max_batches is None or self.batches_done < max_batches):
-            try:
-                self.submit_unsent()
-                started = time.monotonic()
-                leases = self.queue.claim(self.worker_id, 1, block_s=self.claim_block_s)
-                self.metrics.lease_wait.observe(time.monotonic() - started)
-                if leases:
-                    self.process(leases[0])
-                backoff = 0.5
-            except (QueueForbidden, QueueTLSError) as err:
-                self._drain()
-                raise WorkerRefused(str(err)) from None
-            except QueueUnavailable as err:
-                self.metrics.connection_errors.inc()
-                log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, self.max_backoff_s)
-        self._drain()
+        """Run until stopped (or `max_batches` leases are done); returns the exit status."""
+        self.heartbeat.start()
+        try:
+            while True:
+                if self.abort.is_set():
+                    self._abandon_in_flight()
+                if not self.flights and (self.stopping.is_set() or
+                                         (max_batches is not None and self.batches_claimed >= max_batches)):
+                    break
+                self._queue_calls(max_batches)
+                if self.engine.in_flight or self.scoring:
+                    self._advance(0.05)
+                elif not self._ready_to_send():
+                    self.stopping.wait(0.05 if self.flights else 0.0)
+        except (QueueForbidden, QueueTLSError) as err:
+            self._hand_back_all()
+            raise WorkerRefused(str(err)) from None
+        except EngineDead as err:
+            self._hand_back_all()
+            raise WorkerEngineDead(str(err)) from None
+        finally:
+            self.heartbeat.close()
         return 0
 
-    def _drain(self) -> None:
-        """On the way out: submit what is finished, within the grace period."""
-        deadline = time.monotonic() + max(self.grace_s, 1.0)
-        while self.unsent and time.monotonic() < deadline:
-            try:
-                self.submit_unsent()
-            except QueueUnavailable:
-                time.sleep(0.5)
-            except (QueueForbidden, QueueTLSError):
-                break
-        if self.unsent:
-            log.error("exiting with %d unsent batches; their leases will expire and be redone", len(self.unsent))
+    def _queue_calls(self, max_batches: int | None) -> None:
+        """Submit what is ready, then claim while there is room; an outage defers both."""
+        if time.monotonic() < self._queue_back_at:
+            return
+        try:
+            self._submit_ready()
+            if not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
+                self._fill(max_batches)
+            self._backoff = 0.5
+        except QueueUnavailable as err:
+            self.metrics.connection_errors.inc()
+            log.warning("queue unavailable, retrying in %.1fs: %s", self._backoff, err)
+            self._queue_back_at = time.monotonic() + self._backoff
+            self._backoff = min(self._backoff * 2, self.max_backoff_s)
+            if not self.engine.in_flight and not self.scoring:
+                self.stopping.wait(self._backoff / 2)
 
-    def process(self, lease: Lease) -> None:
+    def _fill(self, max_batches: int | None) -> None:
+        """Claim leases while the engine has room for one more; long-poll only when idle."""
+        room = self.max_num_seqs - self.engine.in_flight
+        idle = not self.flights
+        size = self._lease_size
+        if not idle and (size is None or room < size or time.monotonic() < self._idle_claim_at):
+            return
+        count = 1 if size is None else max(1, room // size)
+        if max_batches is not None:
+            count = min(count, max_batches - self.batches_claimed)
+        started = time.monotonic()
+        leases = self.queue.claim(self.worker_id, count, block_s=self.claim_block_s if idle else 0.0)
+        self.metrics.lease_wait.observe(time.monotonic() - started)
+        if not leases:
+            self._idle_claim_at = time.monotonic() + 0.5
+        for lease in leases:
+            self._start(lease)
+
+    def _start(self, lease: Lease) -> None:
         batch = lease.batch
         version = self.watcher.current
-        with Heartbeat(self.queue, self.worker_id, lease.lease_id, self.heartbeat_s):
-            started = time.monotonic()
-            prompts = [unpack_i32(p.token_ids).tolist() if p.token_ids else [] for p in batch.prompts]
-            samples = self.engine.generate(prompts, batch.num_generations, batch.sampling, version, abort=self.abort)
-            generate_s = time.monotonic() - started
-            if any(s.finish_reason == "abort" for group in samples for s in group):
-                self._hand_back(lease)
-                return
-            groups = [self._group(lease, i, prompts[i], samples[i], version, generate_s) for i in range(len(prompts))]
-        self.unsent.append(Unsent(lease.lease_id, groups))
-        self.batches_done += 1
-        self.submit_unsent()
+        prompts = [unpack_i32(p.token_ids).tolist() if p.token_ids else [] for p in batch.prompts]
+        flight = Flight(lease, prompts, time.monotonic(), waiting=set(range(len(prompts))))
+        seed = batch.sampling.seed
+        self.engine.add([
+            GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
+                         None if seed is None else seed + i * batch.num_generations)
+            for i, prompt in enumerate(prompts)
+        ])
+        flight.versions = dict.fromkeys(range(len(prompts)), version)
+        self.flights[lease.lease_id] = flight
+        self.heartbeat.hold(lease.lease_id)
+        self.batches_claimed += 1
+        self._lease_size = len(prompts) * batch.num_generations
 
-    def _group(self, lease: Lease, i: int, prompt_ids: list[int], samples, version: int, generate_s: float) -> RolloutGroup:  # type: ignore[no-untyped-def]
-        prompt = lease.batch.prompts[i]
-        texts = [self.engine.decode(s.token_ids) for s in samples]
-        started = time.monotonic()
-        scores = self.scorer.score(prompt, self.engine.decode(prompt_ids), texts, [s.token_ids for s in samples])
+    def _advance(self, timeout_s: float) -> None:
+        """Step the engine; send finished groups to scoring; collect finished scores."""
+        for key, samples in self.engine.step(timeout_s, self.abort):
+            lease_id, i = key  # type: ignore[misc]
+            flight = self.flights.get(lease_id)
+            if flight is None:
+                continue
+            prompt = flight.lease.batch.prompts[i]
+            texts = [self.engine.decode(s.token_ids) for s in samples]
+            self.samples[(lease_id, i)] = samples
+            self.scoring[(lease_id, i)] = self.scorer.submit(
+                prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples])
+        for key in [k for k, f in self.scoring.items() if f.done()]:
+            scores = self.scoring.pop(key).result()
+            samples = self.samples.pop(key)
+            flight = self.flights.get(key[0])
+            if flight is not None:
+                flight.ready.append(self._group(flight, key[1], samples, scores))
+                flight.waiting.discard(key[1])
+        for lease_id in self.heartbeat.take_lost():
+            if lease_id in self.flights:
+                self.flights[lease_id].lost = True
+                log.warning("lease %s passed to another worker; its groups will not be sent", lease_id)
+
+    def _group(self, flight: Flight, i: int, samples: list[Sample], scores: Scores) -> RolloutGroup:
+        batch = flight.lease.batch
+        prompt = batch.prompts[i]
         if scores.error is not None:
             self.metrics.reward_errors.inc()
-            log.warning("batch %s prompt %s: %s", lease.batch.batch_id, prompt.id, scores.error)
-        tokens = sum(len(s.token_ids) for s in samples)
-        self.metrics.tokens.inc(tokens)
+            log.warning("batch %s prompt %s: %s", batch.batch_id, prompt.id, scores.error)
+        self.metrics.tokens.inc(sum(len(s.token_ids) for s in samples))
         return RolloutGroup(
-            group_id=group_id_for(lease.batch.batch_id, prompt.id),
-            batch_id=lease.batch.batch_id,
+            group_id=group_id_for(batch.batch_id, prompt.id),
+            batch_id=batch.batch_id,
             prompt_id=prompt.id,
-            adapter_version=version,
+            adapter_version=flight.versions[i],
             actor_id=self.worker_id,
-            prompt_token_ids=pack_i32(prompt_ids),
+            prompt_token_ids=pack_i32(flight.prompt_ids[i]),
             completions=[
                 Completion.of(s.token_ids, s.logprobs, finish_reason=s.finish_reason, text=t, reward=r,
                               reward_components=c, error=scores.error)
-                for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
+                for s, t, r, c in zip(samples, [self.engine.decode(s.token_ids) for s in samples],
+                                      scores.rewards, scores.components, strict=True)
             ],
             error=scores.error,
-            timings={"generate_s": generate_s, "reward_s": time.monotonic() - started},
+            timings={"in_flight_s": time.monotonic() - flight.queued_at},
         )
 
-    def submit_unsent(self) -> None:
-        while self.unsent:
-            item = self.unsent[0]
+    def _ready_to_send(self) -> bool:
+        return any(f.ready for f in self.flights.values())
+
+    def _submit_ready(self) -> None:
+        """One call per lease with groups ready: a partial submission unless it is the last."""
+        for lease_id, flight in list(self.flights.items()):
+            if flight.lost and not flight.waiting:
+                self._forget(lease_id)
+                continue
+            if not flight.ready or flight.lost:
+                continue
+            groups = list(flight.ready)
             try:
-                result = self.queue.submit(self.worker_id, item.lease_id, item.groups)
+                result = self.queue.submit(self.worker_id, lease_id, groups)
             except (QueueForbidden, QueueTLSError):
                 raise
             except QueueRefused as err:  # not ours any more, or not an answer: the holder redoes it
-                self.unsent.pop(0)
                 self.metrics.submissions_refused.inc()
-                log.warning("lease %s: submission refused, dropping %d groups: %s", item.lease_id, len(item.groups), err)
+                log.warning("lease %s: submission refused, dropping %d groups: %s", lease_id, len(groups), err)
+                flight.lost, flight.ready = True, []
                 continue
-            self.unsent.pop(0)
+            del flight.ready[: len(groups)]
             self.metrics.groups.inc(result.stored)
             if not result.lease_held:
-                log.info("lease %s was already finished; its %d groups were all stored before", item.lease_id, result.duplicates)
-            elif not result.finished:
-                log.warning("lease %s: %d prompts still lack a group; the lease will expire and be redone", item.lease_id, result.missing)
+                log.info("lease %s was already finished; its %d groups were stored before", lease_id, result.duplicates)
+            if flight.done:
+                if not result.finished:
+                    log.warning("lease %s: %d prompts still lack a group; it will expire and be redone",
+                                lease_id, result.missing)
+                self.batches_done += 1
+                self._forget(lease_id)
 
-    def _hand_back(self, lease: Lease) -> None:
-        try:
-            self.queue.release(self.worker_id, lease.lease_id)
-            log.info("handed lease %s back unfinished", lease.lease_id)
-        except QueueError as err:  # it will expire and be claimed again
-            log.warning("could not hand lease %s back (it will expire): %s", lease.lease_id, err)
+    def _forget(self, lease_id: str) -> None:
+        self.flights.pop(lease_id, None)
+        self.heartbeat.drop(lease_id)
+
+    # -------------------------------------------------------------- shutdown
+    def _abandon_in_flight(self) -> None:
+        """The grace period is over: drop generation, submit what is scored, hand back the rest."""
+        self.engine.step(0.0, self.abort)  # drops everything queued or running
+        for key in [k for k, f in self.scoring.items() if f.done()]:
+            scores, samples = self.scoring.pop(key).result(), self.samples.pop(key)
+            flight = self.flights.get(key[0])
+            if flight is not None:
+                flight.ready.append(self._group(flight, key[1], samples, scores))
+                flight.waiting.discard(key[1])
+        self.scoring.clear()
+        self.samples.clear()
+        deadline = time.monotonic() + max(self.grace_s, 1.0)
+        while self._ready_to_send() and time.monotonic() < deadline:
+            try:
+                self._submit_ready()
+            except QueueUnavailable:
+                time.sleep(0.2)
+            except (QueueForbidden, QueueTLSError):
+                break
+        self._hand_back_all()
+
+    def _hand_back_all(self) -> None:
+        for lease_id in list(self.flights):
+            try:
+                self.queue.release(self.worker_id, lease_id)
+                log.info("handed lease %s back unfinished", lease_id)
+            except QueueError as err:  # it will expire and be claimed again
+                log.warning("could not hand lease %s back (it will expire): %s", lease_id, err)
+            self._forget(lease_id)

@@ -41,3 +41,17 @@ def abstains_on_odd(prompts: list, completions: list, completion_ids: list, **_:
 def uses_columns(prompts: list, completions: list, answer: list, **_: object) -> list[float]:
     """Data set columns arrive as lists aligned with the completions, as in TRL."""
     return [1.0 if _text(c).startswith(str(a)) else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def hangs_when_asked(prompts: list, completions: list, **_: object) -> list[float]:
+    """Hangs (after writing its process id next to the prompt's `pid_file` column) when
+    the prompt says "hang"; digit_first otherwise."""
+    if "hang" in str(prompts[0]):
+        pid_file = _.get("pid_file")
+        if isinstance(pid_file, list) and pid_file:
+            import os
+            from pathlib import Path
+
+            Path(str(pid_file[0])).write_text(str(os.getpid()))
+        time.sleep(300)
+    return digit_first(prompts, completions)

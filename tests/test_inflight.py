@@ -1,0 +1,195 @@
+"""Actors that fill their engine: many leases in flight, groups streamed as they finish,
+rewards scored (and killed) beside the engine, spot safety with leases in flight. On a
+real Redis with the transformers engine (the vLLM engine's share is in test_vllm_engine)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import kill_process
+
+from actors.hf_engine import TransformersEngine
+from actors.rewards import ScoringPool
+from actors.watcher import AdapterWatcher, StoreSource
+from actors.worker import Worker
+from protocol import (
+    LeaseLost,
+    Prompt,
+    PromptBatch,
+    QueueConfig,
+    RedisQueue,
+    RolloutGroup,
+    SamplingParams,
+    SubmitResult,
+    open_store,
+    pack_i32,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 5]]
+
+
+def _batch(batch_id: str, n: int = 4, max_tokens: int = 6, prompts: Sequence[Sequence[int]] = PROMPTS) -> PromptBatch:
+    return PromptBatch(
+        batch_id=batch_id,
+        prompts=[Prompt(id=f"p{i}", token_ids=pack_i32(p), text=f"prompt {i}") for i, p in enumerate(prompts)],
+        num_generations=n, sampling=SamplingParams(max_tokens=max_tokens), learner_version=0, issued_at=time.time(),
+    )
+
+
+class RecordingQueue(RedisQueue):
+    """The real Redis queue, noting each submission and the leases held at that moment."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.submits: list[tuple[str, int, SubmitResult]] = []
+        self.held: list[int] = []
+
+    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
+        self.held.append(self.stats().leases_by_worker.get(worker, 0))
+        result = super().submit(worker, lease_id, groups)
+        self.submits.append((lease_id, len(groups), result))
+        return result
+
+
+@pytest.mark.redis
+def test_many_leases_in_flight_and_groups_streamed_as_they_finish(tmp_path: Path, tiny_model: Path,
+                                                                   redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    config = QueueConfig(run=run_name)
+    queue = RecordingQueue(RedisQueue.from_url(redis_server.url, config)._r, config)
+    queue.add_prompts([_batch(f"b{i}") for i in range(6)])
+    engine = TransformersEngine(str(tiny_model), max_batch_sequences=4)  # one group per generate call
+    watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
+    from actors.rewards import Scorer, load_reward
+
+    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
+                    claim_block_s=0.2, max_num_seqs=3 * len(PROMPTS) * 4)  # room for three leases
+    assert worker.work(max_batches=6) == 0
+    assert max(queue.held) == 3, queue.held  # three leases in flight at once, never more
+    assert any(n < len(PROMPTS) for _, n, _ in queue.submits), "no group was streamed ahead of its batch"
+    assert sum(1 for _, _, r in queue.submits if r.finished) == 6
+    got = [d.group for d in queue.read_rollouts("learner", 100)]
+    assert len(got) == 6 * len(PROMPTS) == len({g.group_id for g in got})
+    assert queue.stats().prompts.length == 0
+    queue.close()
+
+
+def test_a_hung_reward_is_killed_and_the_pool_recovers(tmp_path: Path) -> None:
+    pool = ScoringPool(["toy_rewards:hangs_when_asked"], timeout_s=1.0, workers=1)
+    try:
+        pid_file = tmp_path / "pid"
+        started = time.monotonic()
+        hung = pool.submit(Prompt(id="a", text="hang", columns={"pid_file": str(pid_file)}), "hang", ["1", "x"], [[1], [2]])
+        scores = hung.result(timeout=30)
+        assert scores.error is not None and "killed" in scores.error and scores.rewards == [None, None]
+        assert time.monotonic() - started < 10
+        pid = int(pid_file.read_text())
+        deadline = time.monotonic() + 10
+        while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+            assert time.monotonic() < deadline, "the hung reward's process still runs"
+            time.sleep(0.1)
+        fine = pool.submit(Prompt(id="b", text="fine"), "fine", ["1", "x"], [[1], [2]]).result(timeout=60)
+        assert fine.error is None and fine.rewards == [1.0, 0.0]  # a fresh process took over
+    finally:
+        pool.close()
+
+
+@pytest.mark.redis
+def test_a_partial_submission_racing_a_takeover_stores_each_group_once(redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    from factories import batch, groups
+
+    q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=0.3))
+    q.add_prompts([batch(0, prompts=4)])
+    (slow,) = q.claim("slow", 1)
+    gs = groups(slow.batch)
+    assert not q.submit("slow", slow.lease_id, gs[:2]).finished
+    time.sleep(0.4)
+    (fast,) = q.claim("fast", 1)
+    results: dict[str, object] = {}
+
+    def late() -> None:
+        try:
+            results["slow"] = q.submit("slow", slow.lease_id, gs[2:])
+        except LeaseLost as err:
+            results["slow"] = err
+
+    racer = threading.Thread(target=late)
+    racer.start()
+    results["fast"] = q.submit("fast", fast.lease_id, gs)
+    racer.join()
+    assert isinstance(results["slow"], LeaseLost) or results["slow"].duplicates == 2  # type: ignore[union-attr]
+    assert results["fast"].finished  # type: ignore[union-attr]
+    got = [d.group.group_id for d in q.read_rollouts("learner", 100)]
+    assert sorted(got) == sorted(g.group_id for g in gs)
+    q.close()
+
+
+def _actor(tiny_model: Path, redis_url: str, run: str, store: Path, worker: str, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "actors.cli", "run", "--queue", redis_url, "--run", run, "--store", store.as_uri(),
+        "--engine", "transformers", "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
+        "--worker-id", worker, "--lease-timeout-s", "2", "--claim-block-s", "0.2", "--max-batch-sequences", "4",
+        "--max-num-seqs", str(3 * len(PROMPTS) * 4), *extra,
+    ]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+
+
+def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+    deadline = time.monotonic() + 120
+    while queue.stats().leases_by_worker.get(worker, 0) < n:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the worker never held the leases"
+        time.sleep(0.05)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
+                                                      signum: int) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL: the leases expire and another worker finishes them. SIGTERM: they are
+    handed back at once (the other worker needs no lease timeout). Either way every
+    group is stored exactly once."""
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600 if signum == signal.SIGTERM else 2))
+    queue.add_prompts([_batch(f"b{i}", max_tokens=4) for i in range(4)])
+    timeout = "600" if signum == signal.SIGTERM else "2"
+    victim = subprocess.Popen(_actor(tiny_model, redis_server.url, run_name, tmp_path, "victim", "--lease-timeout-s", timeout),
+                              cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_leases(queue, "victim", 3, victim)
+        sent = time.monotonic()
+        victim.send_signal(signum)
+        out, _ = victim.communicate(timeout=60)
+        if signum == signal.SIGTERM:
+            assert victim.returncode == 0, out[-3000:]
+            assert time.monotonic() - sent < 10
+            # handed back, not expired: the rescuer below gets them at once despite the 600 s lease
+    finally:
+        kill_process(victim)
+    rescuer = subprocess.Popen(_actor(tiny_model, redis_server.url, run_name, tmp_path, "rescuer", "--lease-timeout-s", timeout),
+                               cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while queue.stats().prompts.length:
+            assert rescuer.poll() is None, rescuer.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, queue.stats()
+            time.sleep(0.2)
+    finally:
+        rescuer.send_signal(signal.SIGTERM)
+        rescuer.communicate(timeout=60)
+        kill_process(rescuer)
+    got = [d.group.group_id for d in queue.read_rollouts("learner", 100)]
+    assert len(got) == 4 * len(PROMPTS) == len(set(got))
+    assert queue.dead_letters() == []
+    queue.close()
