@@ -193,3 +193,62 @@ def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model
     assert len(got) == 4 * len(PROMPTS) == len(set(got))
     assert queue.dead_letters() == []
     queue.close()
+
+
+class DyingEngine(TransformersEngine):
+    """The real engine, whose process "dies" at its second step."""
+
+    steps = 0
+
+    def step(self, timeout_s, abort=None):  # type: ignore[no-untyped-def]
+        from actors.engine import EngineDead
+
+        self.steps += 1
+        if self.steps == 2:
+            raise EngineDead("the vLLM engine died: EngineDeadError (simulated)")
+        return super().step(timeout_s, abort)
+
+
+@pytest.mark.redis
+def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    from actors.rewards import Scorer, load_reward
+    from actors.worker import WorkerEngineDead
+
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
+    queue.add_prompts([_batch(f"b{i}") for i in range(3)])
+    engine = DyingEngine(str(tiny_model), max_batch_sequences=4)
+    watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
+    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
+                    claim_block_s=0.2, max_num_seqs=3 * len(PROMPTS) * 4)
+    with pytest.raises(WorkerEngineDead, match="died"):
+        worker.work()
+    # handed back, not left to a 600 s expiry: another worker has them all at once
+    assert sorted(lease.batch.batch_id for lease in queue.claim("other", 10)) == ["b0", "b1", "b2"]
+    queue.close()
+
+
+@pytest.mark.redis
+def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp_path: Path, redis_server,
+                                                           run_name: str) -> None:  # type: ignore[no-untyped-def]
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
+    queue.add_prompts([_batch(f"b{i}", max_tokens=200) for i in range(4)])
+    cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", redis_server.url, "--run", run_name,
+           "--store", tmp_path.as_uri(), "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
+           "--worker-id", "box", "--lease-timeout-s", "600", "--claim-block-s", "0.2", "--max-num-seqs", "16",
+           "--gpus", "0,1"]
+    parent = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while set(queue.stats().leases_by_worker) != {"box-gpu0", "box-gpu1"}:
+            assert parent.poll() is None, parent.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, queue.stats()
+            time.sleep(0.1)
+        parent.send_signal(signal.SIGTERM)
+        out, _ = parent.communicate(timeout=60)
+    finally:
+        kill_process(parent)
+    assert parent.returncode == 0, out[-3000:]
+    assert len(queue.claim("other", 10)) == 4  # both handed their leases back
+    queue.close()
+    bad = subprocess.run([*cmd[:-1], "0,x"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--gpus" in bad.stderr

@@ -249,6 +249,12 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
                 self.raw.xclaim(self.q.keys.prompts, ACTORS_GROUP, entry["consumer"], 0,
                                 [entry["message_id"]], idle=10**9, justid=True)
 
+        @rule(worker=workers)
+        def expire_and_take_over(self, worker: str) -> None:
+            """Time passes and a worker claims: expired leases are taken over or dead-lettered."""
+            self.expire()
+            self.claim(worker)
+
         @rule()
         def learner_reads(self) -> None:
             got = self.q.read_rollouts("learner", 100)
@@ -281,7 +287,9 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
         return [part.split(":")[0] for part in expected.split(";") if part]
 
     run_state_machine_as_test(
-        Ledger, settings=settings(max_examples=60, stateful_step_count=40, deadline=None, database=None)
+        Ledger,
+        # derandomized: the same examples every run, so the coverage check below is stable
+        settings=settings(max_examples=60, stateful_step_count=40, deadline=None, database=None, derandomize=True),
     )
     # the interesting cases happened: batches dead-lettered with some of their groups stored
     assert seen["partial"] > 0, str(seen)
