@@ -175,7 +175,8 @@ class Worker:
         """Set when the grace period is over: the engine drops what it generates."""
         self.flights: dict[str, Flight] = {}
         self.scoring: dict[tuple[str, int], Future[Scores]] = {}
-        self.samples: dict[tuple[str, int], list[Sample]] = {}
+        self.samples: dict[tuple[str, int], tuple[list[Sample], list[str]]] = {}
+        """Generated groups being scored: their samples and decoded texts."""
         self.batches_claimed = 0
         self.batches_done = 0
         self._lease_size: int | None = None
@@ -285,22 +286,26 @@ class Worker:
                 continue
             prompt = flight.lease.batch.prompts[i]
             texts = [self.engine.decode(s.token_ids) for s in samples]
-            self.samples[(lease_id, i)] = samples
+            self.samples[(lease_id, i)] = samples, texts
             self.scoring[(lease_id, i)] = self.scorer.submit(
                 prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples])
-        for key in [k for k, f in self.scoring.items() if f.done()]:
-            scores = self.scoring.pop(key).result()
-            samples = self.samples.pop(key)
-            flight = self.flights.get(key[0])
-            if flight is not None:
-                flight.ready.append(self._group(flight, key[1], samples, scores))
-                flight.waiting.discard(key[1])
+        self._collect_scores()
         for lease_id in self.heartbeat.take_lost():
             if lease_id in self.flights:
                 self.flights[lease_id].lost = True
                 log.warning("lease %s passed to another worker; its groups will not be sent", lease_id)
 
-    def _group(self, flight: Flight, i: int, samples: list[Sample], scores: Scores) -> RolloutGroup:
+    def _collect_scores(self) -> None:
+        """Scored groups become ready to submit."""
+        for key in [k for k, f in self.scoring.items() if f.done()]:
+            scores = self.scoring.pop(key).result()
+            samples, texts = self.samples.pop(key)
+            flight = self.flights.get(key[0])
+            if flight is not None:
+                flight.ready.append(self._group(flight, key[1], samples, texts, scores))
+                flight.waiting.discard(key[1])
+
+    def _group(self, flight: Flight, i: int, samples: list[Sample], texts: list[str], scores: Scores) -> RolloutGroup:
         batch = flight.lease.batch
         prompt = batch.prompts[i]
         if scores.error is not None:
@@ -317,8 +322,7 @@ class Worker:
             completions=[
                 Completion.of(s.token_ids, s.logprobs, finish_reason=s.finish_reason, text=t, reward=r,
                               reward_components=c, error=scores.error)
-                for s, t, r, c in zip(samples, [self.engine.decode(s.token_ids) for s in samples],
-                                      scores.rewards, scores.components, strict=True)
+                for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
             ],
             error=scores.error,
             timings={"in_flight_s": time.monotonic() - flight.queued_at},
@@ -364,12 +368,7 @@ class Worker:
     def _abandon_in_flight(self) -> None:
         """The grace period is over: drop generation, submit what is scored, hand back the rest."""
         self.engine.step(0.0, self.abort)  # drops everything queued or running
-        for key in [k for k, f in self.scoring.items() if f.done()]:
-            scores, samples = self.scoring.pop(key).result(), self.samples.pop(key)
-            flight = self.flights.get(key[0])
-            if flight is not None:
-                flight.ready.append(self._group(flight, key[1], samples, scores))
-                flight.waiting.discard(key[1])
+        self._collect_scores()
         self.scoring.clear()
         self.samples.clear()
         deadline = time.monotonic() + max(self.grace_s, 1.0)

@@ -10,7 +10,9 @@ tokens, with a LoRA adapter) is generated:
 It prints completions/s and tokens/s for each and the ratio to the ceiling.
 
 Needs vLLM (`.venv-vllm`, or a GPU machine): `python bench/actor_vllm.py [--leases 1 4 16]`.
-On a CPU, set VLLM_CPU_KVCACHE_SPACE=1 (GiB).
+On a CPU, set VLLM_CPU_KVCACHE_SPACE=1 (GiB). The engine core runs in its own process, as vLLM
+does by default; VLLM_ENABLE_V1_MULTIPROCESSING=0 puts it in this one (slower here: the
+work loop's Python then shares a thread with the engine).
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory (default: the tiny test model)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     from vllm import SamplingParams as VSamplingParams
     from vllm.lora.request import LoRARequest
@@ -50,7 +51,15 @@ def main() -> None:
     from actors.worker import Worker
     from learner.policy import adapter_files
     from learner.tiny import save_tiny
-    from protocol import Prompt, PromptBatch, QueueConfig, RedisQueue, SamplingParams, open_store, pack_i32
+    from protocol import (
+        Prompt,
+        PromptBatch,
+        QueueConfig,
+        RedisQueue,
+        SamplingParams,
+        open_store,
+        pack_i32,
+    )
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from rollouts import perturbed_policy
