@@ -28,9 +28,9 @@ import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from protocol import SamplingParams
+from protocol import Prompt, SamplingParams, unpack_i32
 
 
 class EngineError(RuntimeError):
@@ -69,6 +69,20 @@ class Engine(abc.ABC):
 
     max_num_seqs: int = 64
     """Sequences the engine runs at once: what the work loop keeps it filled to."""
+    tokenizer: Any
+    """The model's Hugging Face tokenizer."""
+
+    def prompt_ids(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids: the learner's when it sent them (it always does), else
+        the text tokenized, or the chat rendered with the model's chat template, as the
+        learner would."""
+        if prompt.token_ids is not None:
+            return unpack_i32(prompt.token_ids).tolist()
+        if prompt.messages is not None:
+            turns = [{"role": t.role, "content": t.content} for t in prompt.messages]
+            text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer(prompt.text or "", add_special_tokens=True)["input_ids"])
 
     @abc.abstractmethod
     def load_adapter(self, version: int, path: Path) -> None:

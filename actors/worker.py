@@ -53,7 +53,6 @@ from protocol import (
     RolloutGroup,
     group_id_for,
     pack_i32,
-    unpack_i32,
 )
 
 log = logging.getLogger(__name__)
@@ -263,7 +262,7 @@ class Worker:
     def _start(self, lease: Lease) -> None:
         batch = lease.batch
         version = self.watcher.current
-        prompts = [unpack_i32(p.token_ids).tolist() if p.token_ids else [] for p in batch.prompts]
+        prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         flight = Flight(lease, prompts, time.monotonic(), waiting=set(range(len(prompts))))
         seed = batch.sampling.seed
         self.engine.add([

@@ -267,3 +267,16 @@ def test_malformed_worker_names_are_a_400(proxy) -> None:  # type: ignore[no-unt
     actor = _queue(p, TOKENS["actor"])
     with pytest.raises(ProtocolError, match="worker"):
         actor.claim("x" * 250, 1)
+
+
+def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:  # type: ignore[no-untyped-def]
+    """The rate is counted in the run's Redis: a token spreading its requests over two
+    proxies gets the budget of one (10 requests per 2 s at --rate-per-s 5), not twice it."""
+    a, b = proxy("--rate-per-s", "5"), proxy("--rate-per-s", "5")
+    codes = []
+    with _raw(a, TOKENS["admin"]) as ca, _raw(b, TOKENS["admin"]) as cb:
+        for i in range(14):
+            codes.append((ca if i % 2 else cb).get("/v1/stats").status_code)
+    # counted per process, each proxy would have let its 7 through; the sliding window may
+    # weigh a request of the window before, hence a margin of one
+    assert 10 <= codes.count(200) <= 11 and codes.count(429) == 14 - codes.count(200), codes

@@ -252,3 +252,22 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp
     queue.close()
     bad = subprocess.run([*cmd[:-1], "0,x"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--gpus" in bad.stderr
+
+
+@pytest.mark.redis
+def test_prompts_sent_as_text_are_tokenized_by_the_actor(tmp_path: Path, tiny_model: Path, redis_server,
+                                                         run_name: str) -> None:  # type: ignore[no-untyped-def]
+    from factories import batch
+
+    from actors.rewards import Scorer, load_reward
+
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    queue.add_prompts([batch(0)])  # text only, no token ids
+    engine = TransformersEngine(str(tiny_model))
+    watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
+    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w", claim_block_s=0.2)
+    assert worker.work(max_batches=1) == 0
+    got = {d.group.prompt_id: d.group for d in queue.read_rollouts("learner", 10)}
+    for p in batch(0).prompts:
+        assert got[p.id].prompt_tokens.tolist() == engine.tokenizer(p.text)["input_ids"]
+    queue.close()
