@@ -212,8 +212,8 @@ class Worker:
                 self._queue_calls(max_batches)
                 if self.engine.in_flight or self.scoring:
                     self._advance(0.05)
-                elif not self._ready_to_send():
-                    self.stopping.wait(0.05 if self.flights else 0.0)
+                elif self.flights or time.monotonic() < self._queue_back_at:
+                    self.abort.wait(0.05)  # groups wait for the queue: do not spin (abort ends the wait)
         except (QueueForbidden, QueueTLSError) as err:
             self._hand_back_all()
             raise WorkerRefused(str(err)) from None
@@ -238,8 +238,6 @@ class Worker:
             log.warning("queue unavailable, retrying in %.1fs: %s", self._backoff, err)
             self._queue_back_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff_s)
-            if not self.engine.in_flight and not self.scoring:
-                self.stopping.wait(self._backoff / 2)
 
     def _fill(self, max_batches: int | None) -> None:
         """Claim leases while the engine has room for one more; long-poll only when idle."""
