@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from learner.config import ConfigError, LearnerConfig, load_config
+from learner.config import _LOSS_TYPES, TRL_NAMES, ConfigError, LearnerConfig, load_config
 
 log = logging.getLogger("learner")
 
@@ -51,6 +51,13 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
             help=(field.description or "") + shown, **kwargs,
         )
+    trl = parser.add_argument_group("TRL's names (GRPOConfig), for the settings above")
+    for name, (ours, _) in TRL_NAMES.items():
+        kwargs = _flag_type(LearnerConfig.model_fields[ours].annotation)
+        if name == "loss_type":
+            kwargs = {"choices": list(_LOSS_TYPES)}
+        trl.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
+                         help=f"= --{ours.replace('_', '-')}", **kwargs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,13 +3,22 @@
 Parsed once at the entry point, from a TOML file (`--config`) and then command-line
 flags, which override the file. The flags are generated from this class, so a field
 added here is a flag at once.
+
+TRL's vocabulary: every setting with a `GRPOConfig` counterpart also takes the
+`GRPOConfig` name, as a key and as a flag (`TRL_NAMES`: `max_completion_length` is
+`max_tokens`, `loss_type = "dr_grpo"` is `loss_agg = "constant"`, ...), and gives the
+same configuration object. A `GRPOConfig` key with no counterpart here is refused with
+the reason (`TRL_ONLY`); any other unknown key is refused with the nearest known name.
 """
 
 from __future__ import annotations
 
+import difflib
+import math
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -45,8 +54,10 @@ class LearnerConfig(BaseModel):
     # -- data
     dataset: str = Field("", description="Hugging Face dataset id, or a local .jsonl/.json/.parquet file.")
     dataset_split: str = Field("train", description="Split of a hub dataset.")
+    dataset_config: str | None = Field(None, description="Configuration name of a hub or local data set (GSM8K's main).")
     prompt_column: str = Field("prompt", description="Column holding the prompt: a string or a list of chat messages.")
     reward: list[str] = Field([], description="Reward functions module:function[=weight]; run by the actors (recorded here, passed to embedded actors).")
+    reward_weights: list[float] | None = Field(None, description="One weight per --reward (TRL's way of weighting; or module:function=weight).")
 
     # -- sampling (sent with every prompt batch)
     num_generations: int = Field(8, ge=2, le=1024, description="Completions per prompt (the GRPO group size).")
@@ -78,6 +89,7 @@ class LearnerConfig(BaseModel):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradient clipping norm.")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field("constant", description="Learning-rate schedule after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup steps.")
+    warmup_ratio: float | None = Field(None, ge=0, le=1, description="Warmup as a fraction of the steps (TRL's way); instead of warmup_steps.")
 
     # -- the loss
     advantage_scale: Literal["group", "batch", "none"] = Field("group", description="Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO).")
@@ -89,6 +101,8 @@ class LearnerConfig(BaseModel):
     epsilon_low: float = Field(0.2, ge=0, lt=1, description="PPO clip below 1 (proximal ratio).")
     epsilon_high: float = Field(0.28, ge=0, description="PPO clip above 1 (DAPO's clip-higher).")
     loss_agg: Literal["token_mean", "seq_mean", "constant"] = Field("token_mean", description="Token mean over the batch (DAPO), per-sequence mean (GRPO), or constant normaliser (Dr. GRPO).")
+    importance_sampling_level: Literal["token", "sequence"] = Field("token", description="Policy ratio per token (GRPO/PPO), or per sequence as the geometric mean of its tokens' (GSPO).")
+    mask_truncated_completions: bool = Field(False, description="Leave completions that hit max_tokens out of the loss (DAPO's overlong filtering).")
     beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the base model (adapter disabled).")
 
     # -- the embedded default
@@ -115,6 +129,12 @@ class LearnerConfig(BaseModel):
                 f"groups_per_step ({self.groups_per_step}) must divide into "
                 f"updates_per_batch ({self.updates_per_batch}) minibatches"
             )
+        if self.warmup_ratio is not None and self.warmup_steps:
+            raise ValueError("warmup_ratio and warmup_steps are the same setting: give one of them")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):
+            raise ValueError(
+                f"reward_weights: one weight per reward function ({len(self.reward)} given), got {len(self.reward_weights)}"
+            )
         if self.top_k and self.top_k < 2:
             raise ValueError("top_k: 1 is greedy decoding, which GRPO cannot learn from; use 0 or >= 2")
         return self
@@ -129,14 +149,108 @@ class LearnerConfig(BaseModel):
             )
 
     @property
+    def warmup(self) -> int:
+        """Warmup steps, from warmup_steps or warmup_ratio."""
+        return self.warmup_steps if self.warmup_ratio is None else math.ceil(self.warmup_ratio * self.steps)
+
+    @property
+    def reward_specs(self) -> list[str]:
+        """The reward functions as the actors take them: module:function=weight."""
+        if self.reward_weights is None:
+            return list(self.reward)
+        return [f"{spec.split('=')[0]}={w!r}" for spec, w in zip(self.reward, self.reward_weights, strict=True)]
+
+    @property
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
+
+
+_LOSS_TYPES = {"grpo": "seq_mean", "dapo": "token_mean", "bnpo": "token_mean", "dr_grpo": "constant"}
+
+
+def _scale_rewards(value: Any) -> Any:
+    if value is True:
+        return "group"
+    if value is False:
+        return "none"
+    return value
+
+
+TRL_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
+    "max_completion_length": ("max_tokens", lambda v: v),
+    "loss_type": ("loss_agg", lambda v: _LOSS_TYPES.get(v, v)),
+    "epsilon": ("epsilon_low", lambda v: v),
+    "scale_rewards": ("advantage_scale", _scale_rewards),
+    "lr_scheduler_type": ("lr_scheduler", lambda v: v),
+    "max_steps": ("steps", lambda v: v),
+    "logging_steps": ("log_every", lambda v: v),
+    "save_steps": ("checkpoint_every", lambda v: v),
+    "save_total_limit": ("keep_checkpoints", lambda v: v),
+    "output_dir": ("run_dir", lambda v: v),
+}
+"""GRPOConfig name -> (our field, how its value reads here). Names that are the same in
+both (num_generations, epsilon_high, beta, learning_rate, warmup_ratio, reward_weights,
+seed, temperature, top_p, top_k, importance_sampling_level, mask_truncated_completions)
+need no entry."""
+
+TRL_ONLY: dict[str, str] = {
+    "use_vllm": "generation is always on the actors (vLLM or transformers engines); see `actors run --engine`",
+    "vllm_mode": "generation is always on the actors; start them with `actors run --engine vllm`",
+    "vllm_gpu_memory_utilization": "set it on the actors: `actors run --gpu-memory-utilization`",
+    "vllm_tensor_parallel_size": "set it on the actors: `actors run --tensor-parallel-size`",
+    "per_device_train_batch_size": "the step size is counted in groups: set groups_per_step (x num_generations sequences)",
+    "gradient_accumulation_steps": "micro-batching is by micro_batch_size; groups_per_step sets the step",
+    "generation_batch_size": "the actors batch across leases on their own; prompts_per_batch sets a lease",
+    "steps_per_generation": "generation is asynchronous here; updates_per_batch sets optimizer steps per batch",
+    "num_iterations": "use updates_per_batch (optimizer steps per collected batch, decoupled PPO)",
+    "max_prompt_length": "prompts are cut to the context less max_tokens (keeping their end)",
+    "report_to": "only TensorBoard is built in (--tensorboard); other trackers are not yet",
+    "num_train_epochs": "the run is counted in steps (max_steps / steps); the data set repeats as needed",
+    "delta": "two-sided clipping is not built; use epsilon / epsilon_high",
+    "top_entropy_quantile": "entropy-based token masking is not built",
+    "use_liger_loss": "the loss is spotgrpo's own (learner/loss.py)",
+    "min_p": "not passed to the actors yet",
+    "repetition_penalty": "not passed to the actors yet",
+    "chat_template_kwargs": "not passed to the chat template yet",
+}
+"""GRPOConfig keys with no counterpart here, and what to do instead."""
+
+
+def translate_trl(values: dict[str, Any]) -> dict[str, Any]:
+    """Settings given by their GRPOConfig names, under ours. Raises ConfigError for a name
+    given both ways or a GRPOConfig key with no counterpart."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key in TRL_ONLY:
+            raise ConfigError(f"{key}: a GRPOConfig setting with no counterpart here: {TRL_ONLY[key]}")
+        field, convert = TRL_NAMES.get(key, (key, lambda v: v))
+        if field in out and key != field:
+            raise ConfigError(f"{key} and {field} are the same setting: give one of them")
+        if field != key and field in values:
+            raise ConfigError(f"{key} and {field} are the same setting: give one of them")
+        out[field] = convert(value)
+    steps = out.get("warmup_steps")
+    if isinstance(steps, float) and 0 < steps < 1:  # transformers 5: a warmup_steps below 1 is a ratio
+        if "warmup_ratio" in out:
+            raise ConfigError("warmup_ratio and a fractional warmup_steps are the same setting: give one of them")
+        out["warmup_ratio"] = out.pop("warmup_steps")
+    return out
+
+
+def _unknown(keys: list[str]) -> str:
+    known = [*LearnerConfig.model_fields, *TRL_NAMES]
+    parts = []
+    for key in keys:
+        near = difflib.get_close_matches(key, known, n=1)
+        parts.append(f"{key}: unknown setting" + (f" (did you mean {near[0]}?)" if near else ""))
+    return "; ".join(parts)
 
 
 def load_config(
     toml_path: Path | None, overrides: dict[str, object], defaults: dict[str, object] | None = None
 ) -> LearnerConfig:
-    """`defaults`, then the TOML file's values, then `overrides` (flags the user gave)."""
+    """`defaults`, then the TOML file's values, then `overrides` (flags the user gave);
+    GRPOConfig names are read as ours in each."""
     values: dict[str, object] = {}
     if toml_path is not None:
         try:
@@ -144,7 +258,10 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ConfigError(f"--config {toml_path}: {err}") from err
         values = values.get("learner", values)  # a [learner] table or top-level keys
-    values = {**(defaults or {}), **values, **overrides}
+    values = {**(defaults or {}), **translate_trl(values), **translate_trl(dict(overrides))}
+    unknown = [k for k in values if k not in LearnerConfig.model_fields]
+    if unknown:
+        raise ConfigError(f"invalid configuration: {_unknown(unknown)}")
     try:
         return LearnerConfig(**values)
     except ValidationError as err:

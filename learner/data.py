@@ -27,9 +27,18 @@ class DataError(ValueError):
     """The data set cannot be used as configured."""
 
 
-def load_rows(spec: str, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of a local file or a hub data set (hub ids need network access)."""
+def load_rows(spec: str, split: str = "train", config: str | None = None) -> list[dict[str, Any]]:
+    """Rows of a local file, a local data set folder (a README with `configs:`, as on the
+    hub) or a hub data set (hub ids need network access); `config` names its
+    configuration (GSM8K's `main`)."""
     path = Path(spec)
+    if path.is_dir():
+        from datasets import load_dataset
+
+        try:
+            return list(load_dataset(str(path), config, split=split))
+        except ValueError as err:
+            raise DataError(f"--dataset {spec}: {err}") from None
     if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.is_file():
             raise DataError(f"--dataset {spec}: no such file")
@@ -48,7 +57,7 @@ def load_rows(spec: str, split: str = "train") -> list[dict[str, Any]]:
         return list(load_dataset(kind, data_files=str(path), split="train"))
     from datasets import load_dataset
 
-    return list(load_dataset(spec, split=split))
+    return list(load_dataset(spec, config, split=split))
 
 
 def _json_like(value: Any) -> Any:

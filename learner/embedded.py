@@ -137,7 +137,7 @@ class LocalSystem:
             cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
                    "--engine", "transformers", "--model", self.cfg.model, "--worker-id", f"local-{i}",
                    "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
-            for spec in self.cfg.reward:
+            for spec in self.cfg.reward_specs:
                 cmd += ["--reward", spec]
             self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log"))
 

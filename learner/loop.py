@@ -55,7 +55,7 @@ class Learner:
         torch.manual_seed(cfg.seed)
         self.policy = Policy(cfg)
         self.source = PromptSource(
-            load_rows(cfg.dataset, cfg.dataset_split), self.policy.tokenizer, cfg.prompt_column,
+            load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config), self.policy.tokenizer, cfg.prompt_column,
             cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
         )
         self.optimizer = torch.optim.AdamW(
@@ -65,7 +65,7 @@ class Learner:
         from transformers import get_scheduler
 
         self.scheduler = get_scheduler(
-            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup_steps * cfg.updates_per_batch,
+            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup * cfg.updates_per_batch,
             num_training_steps=cfg.steps * cfg.updates_per_batch,
         )
         self.publisher = Publisher(

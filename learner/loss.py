@@ -24,7 +24,10 @@ What each option follows, and where we depart:
   learner step, and the behaviour correction multiplies it from outside the min.
   With one optimizer step per batch π_prox = π_θ (detached), the ratio is 1 and its
   gradient is ∇log π_θ: the objective reduces to w·A·∇log π_θ. Clipping is
-  asymmetric (DAPO's clip-higher, Yu et al. 2025).
+  asymmetric (DAPO's clip-higher, Yu et al. 2025). `level="sequence"` is GSPO (Zheng
+  et al. 2025): one ratio per sequence, the geometric mean of its tokens' ratios (the
+  exp of their mean log-ratio), clipped and applied to every token of it, as TRL's
+  `importance_sampling_level="sequence"` does.
 * Aggregation (`aggregate`): `token_mean` sums over every token of the step and
   divides by their count (DAPO); `seq_mean` averages each sequence over its tokens,
   then over sequences (the original GRPO); `constant` divides the token sum by
@@ -131,9 +134,20 @@ def policy_loss(
     *,
     epsilon_low: float,
     epsilon_high: float,
+    level: Literal["token", "sequence"] = "token",
+    mask_BT: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Per-token decoupled-PPO loss and where clipping bit; `logp_prox_BT` is detached."""
-    ratio = (logp_BT - logp_prox_BT.detach()).exp()
+    """Per-token decoupled-PPO loss and where clipping bit; `logp_prox_BT` is detached.
+    `level="sequence"` (GSPO) needs `mask_BT` to average each sequence's log-ratios."""
+    log_ratio = logp_BT - logp_prox_BT.detach()
+    if level == "sequence":
+        if mask_BT is None:
+            raise ValueError("sequence-level ratios need mask_BT")
+        seq_B = (log_ratio * mask_BT).sum(-1) / mask_BT.sum(-1).clamp(min=1.0)
+        log_ratio = seq_B.unsqueeze(-1).expand_as(logp_BT)
+    elif level != "token":
+        raise ValueError(f"importance sampling level {level!r}: use token or sequence")
+    ratio = log_ratio.exp()
     adv = advantages_B.unsqueeze(-1)
     unclipped = ratio * adv
     clipped = ratio.clamp(1 - epsilon_low, 1 + epsilon_high) * adv

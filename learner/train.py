@@ -38,7 +38,9 @@ class StepBatch:
 
 
 def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int) -> StepBatch:
-    prompts, completions, behav, rewards, sizes = [], [], [], [], []
+    """The step's sequences. With `mask_truncated_completions`, a completion that hit
+    max_tokens keeps its place in its group's advantages but has no token in the loss."""
+    prompts, completions, behav, rewards, sizes, truncated = [], [], [], [], [], []
     for group in groups:
         prompt = group.prompt_tokens.tolist()
         sizes.append(len(group.completions))
@@ -47,7 +49,10 @@ def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int
             completions.append(c.tokens.tolist())
             behav.append(c.logps)
             rewards.append(float(c.reward))  # type: ignore[arg-type]  # checked by the collector
+            truncated.append(c.finish_reason == "length")
     seqs = pack_sequences(prompts, completions, pad_id)
+    if cfg.mask_truncated_completions:
+        seqs.mask_BT[torch.tensor(truncated, dtype=torch.bool)] = 0.0
     behav_BT = scatter_completion_values(behav, [len(p) for p in prompts], seqs.input_ids_BL.shape[1])
     rewards_N = torch.tensor(rewards, dtype=torch.float32)
     return StepBatch(seqs, behav_BT, advantages(rewards_N, sizes, cfg.advantage_scale), rewards_N)
@@ -81,7 +86,8 @@ def accumulate(
             tis_cap=cfg.tis_cap, mis_level=cfg.mis_level, mis_low=cfg.mis_low, mis_high=cfg.mis_high,
         )
         loss_BT, clip_BT = policy_loss(
-            logp, prox, mb.advantages_N, w.weights_BT, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high
+            logp, prox, mb.advantages_N, w.weights_BT, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
+            level=cfg.importance_sampling_level, mask_BT=mask,
         )
         if cfg.beta > 0:
             with torch.no_grad(), policy.reference():

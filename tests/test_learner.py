@@ -76,7 +76,7 @@ def test_config_bounds_and_cross_checks_say_how_to_fix(tmp_path: Path) -> None:
         load_config(None, {"lora_rank": 0})
     with pytest.raises(ConfigError, match="raise max_inflight"):
         load_config(None, {"groups_per_step": 32, "max_inflight": 16})
-    with pytest.raises(ConfigError, match="Extra inputs"):
+    with pytest.raises(ConfigError, match=r"lora_rnak: unknown setting \(did you mean lora_rank\?\)"):
         load_config(None, {"lora_rnak": 8})
     toml = tmp_path / "c.toml"
     toml.write_text('[learner]\nlora_rank = 4\nsteps = 9\ntarget_modules = ["q_proj", "v_proj"]\n')
@@ -325,8 +325,9 @@ def _learner_cmd(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, *ex
         sys.executable, "-m", "learner.cli", "run", "--run", run, "--queue", redis_url,
         "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model),
         "--dataset", str(tmp_path / "data.jsonl"), "--run-dir", str(tmp_path / "run"),
-        "--steps", "16", "--checkpoint-every", "4", "--groups-per-step", "8", "--prompts-per-batch", "4",
-        "--max-inflight", "16", "--num-generations", "8", "--max-tokens", "4", "--learning-rate", "3e-3",
+        # TRL's names for steps, checkpoints and completion length: the same run
+        "--max-steps", "16", "--save-steps", "4", "--groups-per-step", "8", "--prompts-per-batch", "4",
+        "--max-inflight", "16", "--num-generations", "8", "--max-completion-length", "4", "--learning-rate", "3e-3",
         "--lora-rank", "8", "--no-tensorboard", *extra,
     ]
 

@@ -1,0 +1,131 @@
+"""TRL's vocabulary: GRPOConfig names as keys and flags, GSPO's sequence-level ratio,
+truncated completions left out of the loss, and data set configurations."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from factories import write_dataset
+
+from learner.cli import build_parser
+from learner.config import TRL_NAMES, TRL_ONLY, ConfigError, load_config
+from learner.data import load_rows
+from learner.loss import policy_loss
+
+REPO = Path(__file__).resolve().parents[1]
+
+OURS = {
+    "max_tokens": 64, "loss_agg": "constant", "epsilon_low": 0.3, "advantage_scale": "none",
+    "lr_scheduler": "cosine", "steps": 50, "log_every": 5, "checkpoint_every": 25, "keep_checkpoints": 3,
+    "run_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
+    "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
+    "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
+}
+TRL = {
+    "max_completion_length": 64, "loss_type": "dr_grpo", "epsilon": 0.3, "scale_rewards": False,
+    "lr_scheduler_type": "cosine", "max_steps": 50, "logging_steps": 5, "save_steps": 25, "save_total_limit": 3,
+    "output_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
+    "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
+    "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
+}
+
+
+def _toml(values: dict[str, object]) -> str:
+    return "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+
+
+def test_grpoconfig_names_give_the_same_configuration(tmp_path: Path) -> None:
+    (tmp_path / "ours.toml").write_text(_toml(OURS))
+    (tmp_path / "trl.toml").write_text("[learner]\n" + _toml(TRL))
+    ours = load_config(tmp_path / "ours.toml", {})
+    assert load_config(tmp_path / "trl.toml", {}) == ours
+    assert ours.warmup == 5 and ours.reward_specs == ["toy_rewards:digit_first=1.0", "toy_rewards:length_bonus=0.5"]
+    assert set(TRL_NAMES) <= set(TRL)  # every translated name is exercised here
+    flags = build_parser().parse_args([
+        "run", "--max-completion-length", "64", "--loss-type", "dr_grpo", "--epsilon", "0.3",
+        "--scale-rewards", "none", "--lr-scheduler-type", "cosine", "--max-steps", "50", "--logging-steps", "5",
+        "--save-steps", "25", "--save-total-limit", "3", "--output-dir", "out/run", "--num-generations", "4",
+        "--epsilon-high", "0.3", "--beta", "0.04", "--learning-rate", "1e-6", "--seed", "7", "--warmup-ratio", "0.1",
+        "--importance-sampling-level", "sequence", "--mask-truncated-completions",
+        "--reward", "toy_rewards:digit_first", "--reward", "toy_rewards:length_bonus", "--reward-weights", "1.0", "0.5",
+    ])
+    overrides = {k: v for k, v in vars(flags).items() if k not in ("command", "config", "verbose")}
+    assert load_config(None, overrides) == ours
+    for loss_type, agg in (("grpo", "seq_mean"), ("dapo", "token_mean"), ("bnpo", "token_mean")):
+        assert load_config(None, {"loss_type": loss_type}).loss_agg == agg
+    assert load_config(None, {"scale_rewards": True}).advantage_scale == "group"
+    assert load_config(None, {"warmup_steps": 0.2, "steps": 10}).warmup == 2  # transformers 5's ratio form
+
+
+def test_unknown_and_trl_only_keys_are_refused_with_a_way_forward(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"max_complection_length: unknown setting \(did you mean max_completion_length\?\)"):
+        load_config(None, {"max_complection_length": 3})
+    with pytest.raises(ConfigError, match=r"lerning_rate: unknown setting \(did you mean learning_rate\?\)"):
+        load_config(None, {"lerning_rate": 3})
+    with pytest.raises(ConfigError, match="use_vllm: a GRPOConfig setting with no counterpart here: generation"):
+        load_config(None, {"use_vllm": True})
+    assert all(reason for reason in TRL_ONLY.values())
+    with pytest.raises(ConfigError, match="max_completion_length and max_tokens are the same setting"):
+        load_config(None, {"max_completion_length": 3, "max_tokens": 4})
+    with pytest.raises(ConfigError, match="warmup_ratio and warmup_steps"):
+        load_config(None, {"warmup_ratio": 0.1, "warmup_steps": 4})
+    with pytest.raises(ConfigError, match="one weight per reward function"):
+        load_config(None, {"reward": ["a:b"], "reward_weights": [1.0, 2.0]})
+
+
+def test_gspo_ratio_is_the_geometric_mean_of_the_sequence(tmp_path: Path) -> None:
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]], requires_grad=True)
+    prox = torch.tensor([[-1.2, -1.8, -3.0], [-0.4, -0.9, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    adv = torch.tensor([1.0, -1.0])
+    loss, clipped = policy_loss(logp, prox, adv, torch.ones(2, 3), epsilon_low=0.2, epsilon_high=0.2,
+                                level="sequence", mask_BT=mask)
+    # by hand: sequence 0 log-ratios 0.2, -0.2, 0 -> mean 0 -> ratio 1, inside the clip
+    # sequence 1 log-ratios -0.1, 0.4 (the third is padding) -> mean 0.15 -> ratio e^0.15
+    r1 = math.exp(0.15)
+    expected = torch.tensor([[-1.0, -1.0, -1.0], [max(r1 * -1.0, 1.2 * -1.0) * -1.0] * 3])
+    assert torch.allclose(loss, expected, atol=1e-6)
+    assert clipped.tolist() == [[False] * 3, [False] * 3]  # e^0.15 = 1.16 < 1.2
+    # d/dlogp_k of -A·exp(mean log-ratio), ratio 1: -A/3 for every token, whichever token's loss
+    loss[0, 0].backward()
+    assert torch.allclose(logp.grad[0], torch.full((3,), -1.0 / 3), atol=1e-6)  # type: ignore[index]
+    token_level, _ = policy_loss(logp.detach(), prox, adv, torch.ones(2, 3), epsilon_low=0.2, epsilon_high=0.2)
+    assert not torch.allclose(token_level, loss.detach())
+
+
+def test_truncated_completions_are_left_out_of_the_loss(tmp_path: Path, tiny_model: Path) -> None:
+    from factories import batch, group
+
+    from learner.train import build_step_batch
+    from protocol import Completion, group_id_for, pack_i32
+
+    b = batch(0, prompts=1)
+    g = group(b, 0)
+    cut = Completion.of([10, 11, 12], [-0.5] * 3, finish_reason="length", reward=1.0)
+    g = type(g)(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "completions": [cut, *g.completions[1:]],
+                   "group_id": group_id_for(b.batch_id, "p0"), "prompt_token_ids": pack_i32([1, 2, 3])})
+    for masked in (False, True):
+        cfg = load_config(None, {"mask_truncated_completions": masked, "num_generations": 4})
+        step = build_step_batch([g], cfg, pad_id=0)
+        assert step.seqs.mask_BT[0].sum().item() == (0 if masked else 3)
+        assert all(step.seqs.mask_BT[i].sum().item() == 4 for i in (1, 2, 3))
+        assert step.advantages_N.numel() == 4  # it still counts in its group's advantages
+
+
+def test_a_local_data_set_with_configurations(tmp_path: Path) -> None:
+    folder = tmp_path / "gsm8k-like"
+    for config in ("main", "socratic"):
+        (folder / config).mkdir(parents=True)
+        write_dataset(folder / config / "train.jsonl", n=3 if config == "main" else 5)
+    (folder / "README.md").write_text(
+        "---\nconfigs:\n"
+        "- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
+        "- config_name: socratic\n  data_files:\n  - split: train\n    path: socratic/train.jsonl\n---\n"
+    )
+    assert len(load_rows(str(folder), "train", "main")) == 3
+    assert len(load_rows(str(folder), "train", "socratic")) == 5
+    assert load_config(None, {"dataset": str(folder), "dataset_config": "main"}).dataset_config == "main"
