@@ -192,7 +192,8 @@ class TransformersEngine(Engine):
             mask[i, width - len(p) :] = 1
         if s.seed is not None:
             torch.manual_seed(s.seed)
-        kwargs: dict[str, object] = {"do_sample": s.temperature > 0, "top_k": s.top_k or None}
+        kwargs: dict[str, object] = {"do_sample": s.temperature > 0, "top_k": s.top_k or None,
+                                     "min_p": s.min_p or None, "repetition_penalty": s.repetition_penalty}
         if s.temperature > 0:
             kwargs.update(temperature=s.temperature, top_p=s.top_p)
         if s.stop:

@@ -156,6 +156,7 @@ class VLLMEngine(Engine):
 
         return VSamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
+            min_p=s.min_p, repetition_penalty=s.repetition_penalty,
             max_tokens=s.max_tokens, stop=list(s.stop) or None, seed=seed, logprobs=0,
         )
 

@@ -8,6 +8,7 @@ FILE.toml` supplies defaults that flags override.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -23,6 +24,16 @@ from learner.config import _LOSS_TYPES, TRL_NAMES, ConfigError, LearnerConfig, l
 log = logging.getLogger("learner")
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, like '{\"enable_thinking\": false}'")
+    return value
+
+
 def _flag_type(annotation: Any) -> dict[str, Any]:
     """argparse settings for one config field's type."""
     origin = typing.get_origin(annotation)
@@ -35,6 +46,8 @@ def _flag_type(annotation: Any) -> dict[str, Any]:
         return {"choices": list(typing.get_args(annotation))}
     if origin is list:
         return {"nargs": "+"}
+    if origin is dict:
+        return {"type": _json_object, "metavar": "JSON"}
     if annotation in (int, float, Path):
         return {"type": annotation}
     return {"type": str}

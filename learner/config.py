@@ -65,6 +65,9 @@ class LearnerConfig(BaseModel):
     temperature: float = Field(1.0, gt=0, le=10, description="Sampling temperature; the learner scores tokens at the same temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling.")
     top_k: int = Field(0, ge=0, description="Top-k sampling (0: off).")
+    min_p: float = Field(0.0, ge=0, le=1, description="Min-p sampling (0: off).")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="Repetition penalty on the actors (1: off).")
+    chat_template_kwargs: dict[str, Any] = Field({}, description="Extra arguments of the chat template, as JSON on the command line (Qwen3's enable_thinking).")
     max_tokens: int = Field(256, ge=1, description="Longest completion.")
 
     # -- the loop
@@ -190,8 +193,8 @@ TRL_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
 }
 """GRPOConfig name -> (our field, how its value reads here). Names that are the same in
 both (num_generations, epsilon_high, beta, learning_rate, warmup_ratio, reward_weights,
-seed, temperature, top_p, top_k, importance_sampling_level, mask_truncated_completions)
-need no entry."""
+seed, temperature, top_p, top_k, min_p, repetition_penalty, chat_template_kwargs,
+importance_sampling_level, mask_truncated_completions) need no entry."""
 
 TRL_ONLY: dict[str, str] = {
     "use_vllm": "generation is always on the actors (vLLM or transformers engines); see `actors run --engine`",
@@ -209,9 +212,6 @@ TRL_ONLY: dict[str, str] = {
     "delta": "two-sided clipping is not built; use epsilon / epsilon_high",
     "top_entropy_quantile": "entropy-based token masking is not built",
     "use_liger_loss": "the loss is spotgrpo's own (learner/loss.py)",
-    "min_p": "not passed to the actors yet",
-    "repetition_penalty": "not passed to the actors yet",
-    "chat_template_kwargs": "not passed to the chat template yet",
 }
 """GRPOConfig keys with no counterpart here, and what to do instead."""
 

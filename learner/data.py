@@ -77,7 +77,8 @@ class PromptSource:
     """Turns row indices into protocol `Prompt`s with their token ids."""
 
     def __init__(
-        self, rows: list[dict[str, Any]], tokenizer: Any, prompt_column: str, seed: int, max_prompt_tokens: int
+        self, rows: list[dict[str, Any]], tokenizer: Any, prompt_column: str, seed: int, max_prompt_tokens: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> None:
         if not rows:
             raise DataError("the data set has no rows")
@@ -91,6 +92,8 @@ class PromptSource:
         self.prompt_column = prompt_column
         self.seed = seed
         self.max_prompt_tokens = max_prompt_tokens
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        """Passed to the tokenizer's chat template (Qwen3's enable_thinking, ...)."""
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -111,7 +114,9 @@ class PromptSource:
             ids = self.tokenizer(value, add_special_tokens=True)["input_ids"]
             fields: dict[str, Any] = {"text": value}
         elif isinstance(value, list) and all(isinstance(m, dict) for m in value):
-            text = self.tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+            text = self.tokenizer.apply_chat_template(
+                value, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             fields = {"messages": [ChatTurn(role=str(m["role"]), content=str(m["content"])) for m in value]}
         else:

@@ -57,6 +57,7 @@ class Learner:
         self.source = PromptSource(
             load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config), self.policy.tokenizer, cfg.prompt_column,
             cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
+            chat_template_kwargs=cfg.chat_template_kwargs,
         )
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -181,7 +182,8 @@ class Learner:
             batch_id=batch_id,
             prompts=[self.source.prompt(start + i) for i in range(n)],
             num_generations=cfg.num_generations,
-            sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, max_tokens=cfg.max_tokens),
+            sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                                    repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_tokens),
             learner_version=self.state.policy_version,
             issued_at=time.time(),
         )

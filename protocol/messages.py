@@ -133,6 +133,11 @@ class SamplingParams(_Struct):
     top_p: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 1.0
     top_k: NonNegInt = 0
     """0 disables top-k."""
+    min_p: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] = 0.0
+    """Drop tokens less likely than min_p times the likeliest; 0 disables it."""
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0.0, le=10.0)] = 1.0
+    """Divide the logits of tokens already in the prompt or completion (1: off), as in
+    Hugging Face and vLLM."""
     max_tokens: PosInt = 256
     """Most tokens generated per completion."""
     stop: list[str] = []
@@ -141,7 +146,7 @@ class SamplingParams(_Struct):
     """None: the actor picks its own seed."""
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             _check_finite(name, getattr(self, name))
 
 

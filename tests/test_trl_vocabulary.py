@@ -129,3 +129,42 @@ def test_a_local_data_set_with_configurations(tmp_path: Path) -> None:
     assert len(load_rows(str(folder), "train", "main")) == 3
     assert len(load_rows(str(folder), "train", "socratic")) == 5
     assert load_config(None, {"dataset": str(folder), "dataset_config": "main"}).dataset_config == "main"
+
+
+def test_min_p_and_repetition_penalty_reach_the_transformers_engine(tiny_model: Path) -> None:
+    from actors.hf_engine import TransformersEngine
+    from protocol import SamplingParams
+
+    engine = TransformersEngine(str(tiny_model))
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    greedy = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_tokens=8), 0)
+    # min_p = 1 keeps only the likeliest token: sampling at temperature 1 is greedy decoding
+    only_top = engine.generate(prompts, 4, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8), 0)
+    for g, samples in zip(greedy, only_top, strict=True):
+        assert all(s.token_ids == g[0].token_ids for s in samples)
+    penalised = engine.generate(prompts, 1, SamplingParams(temperature=0.0, repetition_penalty=10.0, max_tokens=8), 0)
+    for prompt, plain, pen in zip(prompts, greedy, penalised, strict=True):
+        seen = prompt + plain[0].token_ids
+        assert len(set(seen)) < len(seen), "this check needs greedy decoding to repeat a token"
+        body = [t for t in pen[0].token_ids if t != engine.tokenizer.eos_token_id]
+        assert len(set(prompt + body)) == len(prompt + body), (prompt, body)
+
+
+def test_chat_template_kwargs_reach_the_template(tiny_model: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from learner.data import PromptSource
+    from protocol import unpack_i32
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}:{% else %}?{% endif %}"
+    )
+    rows = [{"prompt": [{"role": "user", "content": "abc"}]}]
+    plain = PromptSource(rows, tokenizer, "prompt", 0, 100).prompt(0)
+    no_think = PromptSource(rows, tokenizer, "prompt", 0, 100, chat_template_kwargs={"enable_thinking": False}).prompt(0)
+    decode = lambda p: tokenizer.decode(unpack_i32(p.token_ids).tolist())  # noqa: E731
+    assert decode(plain).endswith("abc?") and decode(no_think).endswith("abc:")
+    assert build_parser().parse_args(["run", "--chat-template-kwargs", '{"enable_thinking": false}']).chat_template_kwargs \
+        == {"enable_thinking": False}

@@ -198,3 +198,12 @@ def test_the_worker_keeps_several_leases_in_the_vllm_engine(
     assert len(got) == 8 * len(LEASE_PROMPTS) == len({g.group_id for g in got})
     assert queue.stats().prompts.length == 0
     queue.close()
+
+
+def test_min_p_and_repetition_penalty_reach_vllm(engine: VLLMEngine) -> None:
+    greedy = engine.generate(PROMPTS, 1, SamplingParams(temperature=0.0, max_tokens=8), 0)
+    only_top = engine.generate(PROMPTS, 3, SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8), 0)
+    for g, samples in zip(greedy, only_top, strict=True):
+        assert all(s.token_ids == g[0].token_ids for s in samples)
+    penalised = engine.generate(PROMPTS, 1, SamplingParams(temperature=0.0, repetition_penalty=10.0, max_tokens=8), 0)
+    assert [p[0].token_ids for p in penalised] != [g[0].token_ids for g in greedy]
