@@ -410,6 +410,14 @@ class Learner:
     ) -> None:
         staleness = [trained_with - g.adapter_version for g in groups]
         dropped = self._dropped
+        completions = [c for g in groups for c in g.completions]
+        lengths = [c.tokens.size for c in completions]
+        components: dict[str, list[float]] = {}
+        for c in completions:
+            for name, value in c.reward_components.items():
+                if value is not None:
+                    components.setdefault(name, []).append(value)
+        consumed = len(groups) + len(dropped)
         # the policy's reward: every scored completion consumed this step, the flat and
         # stale groups included (the trained groups alone overstate it early on)
         scored = torch.cat([rewards_N, torch.tensor(self._dropped_rewards, dtype=rewards_N.dtype)])
@@ -425,6 +433,12 @@ class Learner:
             "dropped_stale": sum(1 for _, r in dropped if r == "dropped_stale"),
             "dropped_flat": sum(1 for _, r in dropped if r == "dropped_flat"),
             "rejected": sum(1 for _, r in dropped if r.startswith("rejected_")),
+            "dropped_stale_rate": sum(1 for _, r in dropped if r == "dropped_stale") / consumed,
+            "dropped_flat_rate": sum(1 for _, r in dropped if r == "dropped_flat") / consumed,
+            "completion_len_mean": sum(lengths) / len(lengths),
+            "completion_len_max": max(lengths),
+            "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
+            **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
             **stats,
             "wait_s": wait_s,
             "step_s": step_s,

@@ -46,6 +46,8 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert last > first + 0.2, (first, last)
     assert max(r["staleness_max"] for r in rows) <= 4  # the embedded max_staleness
+    # each reward function's own mean is logged, beside the weighted total
+    assert all(r["reward/next_digit"] == pytest.approx(r["reward_trained_mean"]) for r in rows)
     assert (run_dir / "curve.png").stat().st_size > 10_000
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["accounting"]["balanced"] and summary["accounting"]["dead_lettered"] == 0

@@ -315,6 +315,8 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
     assert max(r["staleness_max"] for r in rows) <= cfg.max_staleness
     for key in ("is_weight_mean", "ess", "kl_behaviour_k3", "clip_frac", "entropy", "grad_norm", "wait_s", "publish_s"):
         assert all(r[key] is not None for r in rows), key
+    assert all(1 <= r["completion_len_mean"] <= r["completion_len_max"] <= cfg.max_tokens for r in rows)
+    assert all(0 <= r["truncated_frac"] <= 1 and 0 <= r["dropped_flat_rate"] <= 1 for r in rows)
     assert list((cfg.resolved_run_dir / "tensorboard").iterdir())
     assert queue.stats().rollouts.pending == 0  # everything consumed was acknowledged at the last checkpoint
     queue.close()
