@@ -38,6 +38,7 @@ from protocol import (
     QueueConfig,
     RedisQueue,
     RolloutGroup,
+    SamplingParams,
     encode,
     group_id_for,
     pack_i32,
@@ -63,18 +64,20 @@ def make_group(batch: PromptBatch, worker: str) -> RolloutGroup:
     )
 
 
-def prepare(queue: RedisQueue, n: int, clients: int, tag: str) -> list[list[tuple[str, RolloutGroup]]]:
-    """n one-prompt batches, claimed beforehand, split among the clients."""
+def prepare(queue: RedisQueue, n: int, clients: int, tag: str, prefix: str = "") -> list[list[tuple[str, RolloutGroup]]]:
+    """n one-prompt batches, claimed beforehand, split among the clients. `prefix`: the
+    proxy names a worker after its token (`actor/<worker>`), so leases it is to submit
+    are claimed under that name."""
     batches = [
         PromptBatch(batch_id=f"{tag}-{i}", prompts=[Prompt(id="p", token_ids=pack_i32([1, 2, 3]))], num_generations=8,
-                    learner_version=0, issued_at=time.time())
+                    sampling=SamplingParams(max_tokens=512), learner_version=0, issued_at=time.time())
         for i in range(n)
     ]
     queue.add_prompts(batches)
     work: list[list[tuple[str, RolloutGroup]]] = [[] for _ in range(clients)]
     for c in range(clients):
         share = n // clients + (1 if c < n % clients else 0)
-        for lease in queue.claim(f"{tag}-w{c}", share) if share else []:
+        for lease in queue.claim(f"{prefix}{tag}-w{c}", share) if share else []:
             work[c].append((lease.lease_id, make_group(lease.batch, f"{tag}-w{c}")))
     return work
 
@@ -149,7 +152,7 @@ def main() -> None:
             rows = {}
             for transport in ("direct", "proxy"):
                 tag = f"{transport}{clients}"
-                work = prepare(setup, args.groups, clients, tag)
+                work = prepare(setup, args.groups, clients, tag, prefix="" if transport == "direct" else "actor/")
                 if transport == "direct":
                     def make_queue():  # type: ignore[no-untyped-def]
                         return RedisQueue(redis.Redis(port=redis_port), config)

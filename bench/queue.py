@@ -37,6 +37,7 @@ from protocol import (
     QueueConfig,
     RedisQueue,
     RolloutGroup,
+    SamplingParams,
     encode,
     group_id_for,
     pack_i32,
@@ -118,7 +119,8 @@ def bench_raw(client: redis.Redis, payload: bytes, n: int, read_batch: int) -> d
 def bench_transport(client: redis.Redis, n: int, read_batch: int) -> dict[str, float]:
     q = RedisQueue(client, QueueConfig(run=f"bench-{time.time_ns()}"))
     batches = [PromptBatch(batch_id=f"b{i}", prompts=[Prompt(id="p0", text="x")], num_generations=8,
-                           learner_version=0, issued_at=time.time()) for i in range(n)]
+                           sampling=SamplingParams(max_tokens=512), learner_version=0, issued_at=time.time())
+               for i in range(n)]
     for i in range(0, n, 500):
         q.add_prompts(batches[i : i + 500])
     leases = []
