@@ -37,6 +37,10 @@ class AdapterSource(abc.ABC):
     @abc.abstractmethod
     def fetch(self, manifest: AdapterManifest, name: str) -> bytes: ...
 
+    @abc.abstractmethod
+    def manifest(self, version: int) -> AdapterManifest:
+        """The manifest of a published version (an older one, for an evaluation)."""
+
 
 class StoreSource(AdapterSource):
     """Straight from the object store (file://, or s3:// with credentials)."""
@@ -46,6 +50,9 @@ class StoreSource(AdapterSource):
 
     def fetch(self, manifest: AdapterManifest, name: str) -> bytes:
         return self.store.get(adapter_key(manifest.version, name))
+
+    def manifest(self, version: int) -> AdapterManifest:
+        return self.store.read_manifest(version)
 
 
 class ProxySource(AdapterSource):
@@ -62,6 +69,10 @@ class ProxySource(AdapterSource):
         if self._download is None or self._download.manifest.version != manifest.version:
             self._download = self.queue.adapter_download(manifest.version)
         return self.queue.fetch_adapter_file(self._download, name)
+
+    def manifest(self, version: int) -> AdapterManifest:
+        self._download = self.queue.adapter_download(version)
+        return self._download.manifest
 
 
 class AdapterWatcher:
@@ -143,22 +154,8 @@ class AdapterWatcher:
             if version <= self.current or version in self.refused:
                 return False
             started = time.monotonic()
-            folder = self.cache_dir / f"v{version}"
-            try:
-                folder.mkdir(parents=True, exist_ok=True)
-                for entry in manifest.files:
-                    data = self.source.fetch(manifest, entry.name)
-                    verify(entry, data)
-                    (folder / entry.name).write_bytes(data)
-                self.engine.load_adapter(version, folder)
-            except (ProtocolError, StoreError, EngineError, OSError) as err:
-                # StoreError also covers the proxy client's download errors
-                reason = f"{type(err).__name__}: {err}"
-                self.refused[version] = reason
-                shutil.rmtree(folder, ignore_errors=True)
-                log.error("adapter v%d refused, still generating with v%d: %s", version, self.current, reason)
-                if self.on_refused is not None:
-                    self.on_refused(version, reason)
+            # already there when an evaluation pinned to it came first
+            if version not in self.engine.loaded_versions() and not self._load(manifest):
                 return False
             self.current = version
             self.load_s[version] = time.monotonic() - started
@@ -168,9 +165,54 @@ class AdapterWatcher:
             self._evict()
             return True
 
-    def _evict(self) -> None:
-        loaded = self.engine.loaded_versions()
-        for old in loaded[: max(0, len(loaded) - self.keep_adapters)]:
+    def ensure(self, version: int) -> bool:
+        """Make an older version generate again (an evaluation pinned to it): loaded beside
+        the current one if it is not, without changing `current`. False if it cannot be."""
+        with self._lock:
+            if version == 0 or version in self.engine.loaded_versions():
+                return True
+            if version in self.refused:
+                return False
+            try:
+                manifest = self.source.manifest(version)
+            except (ProtocolError, StoreError, QueueError) as err:
+                log.error("adapter v%d (pinned by an evaluation) is not available: %s", version, err)
+                return False
+            if not self._load(manifest):
+                return False
+            # make room among the others: this one is about to be named by queued groups,
+            # and goes (once they are done) when a newer version arrives
+            self._evict(spare=version)
+            return True
+
+    def _load(self, manifest: AdapterManifest) -> bool:
+        """Download, verify and load one version into the engine; False if refused."""
+        version = manifest.version
+        folder = self.cache_dir / f"v{version}"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            for entry in manifest.files:
+                data = self.source.fetch(manifest, entry.name)
+                verify(entry, data)
+                (folder / entry.name).write_bytes(data)
+            self.engine.load_adapter(version, folder)
+        except (ProtocolError, StoreError, EngineError, OSError) as err:
+            # StoreError also covers the proxy client's download errors
+            reason = f"{type(err).__name__}: {err}"
+            self.refused[version] = reason
+            shutil.rmtree(folder, ignore_errors=True)
+            log.error("adapter v%d refused, still generating with v%d: %s", version, self.current, reason)
+            if self.on_refused is not None:
+                self.on_refused(version, reason)
+            return False
+        return True
+
+    def _evict(self, spare: int | None = None) -> None:
+        # by version, not by load order (an evaluation may load an old one last); never the
+        # current one, nor `spare` (an evaluation's, just loaded)
+        loaded = [v for v in sorted(self.engine.loaded_versions()) if v not in (self.current, spare)]
+        kept = 1 + (spare is not None)
+        for old in loaded[: max(0, len(loaded) + kept - self.keep_adapters)]:
             # the files go only when no queued or running request names the version any
             # more: vLLM loads a LoRA lazily, when its first request is scheduled
             folder = self.cache_dir / f"v{old}"

@@ -259,7 +259,13 @@ class Worker:
 
     def _start(self, lease: Lease) -> None:
         batch = lease.batch
-        version = self.watcher.current
+        version = self.watcher.current if batch.pinned_version is None else batch.pinned_version
+        if batch.pinned_version is not None and not self.watcher.ensure(version):
+            # an evaluation of a version this worker cannot load: let the lease expire, so
+            # that it is tried elsewhere and, failing that, dead-lettered and counted
+            log.error("lease %s: cannot load adapter v%d for its evaluation; leaving it", lease.lease_id, version)
+            self.batches_claimed += 1
+            return
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         flight = Flight(lease, prompts, time.monotonic(), waiting=set(range(len(prompts))))
         seed = batch.sampling.seed

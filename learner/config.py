@@ -108,6 +108,15 @@ class LearnerConfig(BaseModel):
     mask_truncated_completions: bool = Field(False, description="Leave completions that hit max_tokens out of the loss (DAPO's overlong filtering).")
     beta: float = Field(0.0, ge=0, description="Weight of the k3 KL to the base model (adapter disabled).")
 
+    # -- evaluation
+    eval_dataset: str = Field("", description="Held-out prompts (same formats as --dataset); empty: no evaluation.")
+    eval_split: str = Field("test", description="Split of a hub eval data set.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every this many adapter versions, and the base model first (0: never).")
+    eval_generations: int = Field(4, ge=1, le=1024, description="Completions per eval prompt (the k of pass@k).")
+    eval_temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature of evaluations (0: greedy).")
+    eval_max_prompts: int = Field(64, ge=1, description="Eval prompts per evaluation (the first ones of the eval data set).")
+    eval_pass_reward: float = Field(1.0, description="A completion passes (pass@k) when its reward is at least this.")
+
     # -- the embedded default
     actors: int = Field(2, ge=0, le=64, description="Actor processes the embedded default starts (no --queue given).")
 
@@ -132,6 +141,8 @@ class LearnerConfig(BaseModel):
                 f"groups_per_step ({self.groups_per_step}) must divide into "
                 f"updates_per_batch ({self.updates_per_batch}) minibatches"
             )
+        if self.eval_every and not self.eval_dataset:
+            raise ValueError("eval_every: needs --eval-dataset (held-out prompts)")
         if self.warmup_ratio is not None and self.warmup_steps:
             raise ValueError("warmup_ratio and warmup_steps are the same setting: give one of them")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward):

@@ -75,6 +75,12 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
         updates["dataset"] = str(data.resolve())
         if not cfg.reward:
             updates["reward"] = [REWARD]
+        if not cfg.eval_dataset:  # held-out prompts of the same task, another sample of it
+            held_out = run_dir / "next_digit_eval.jsonl"
+            if not held_out.exists():
+                write_next_digit_dataset(held_out, n=200, seed=1)
+            updates |= {"eval_dataset": str(held_out.resolve()), "eval_every": cfg.eval_every or 10,
+                        "eval_max_prompts": 16}
     elif not cfg.reward:
         raise ValueError("--dataset without --reward: the actors need a reward function for your data")
     if not cfg.store:

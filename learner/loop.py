@@ -20,6 +20,7 @@ import torch
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptSource, load_rows
+from learner.evaluate import Evaluator
 from learner.metrics import MetricsLog, clean, console_line
 from learner.policy import Policy
 from learner.publish import Publisher, PublishJob
@@ -59,6 +60,16 @@ class Learner:
             cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
             chat_template_kwargs=cfg.chat_template_kwargs,
         )
+        self.evaluator = (
+            Evaluator(cfg, PromptSource(
+                load_rows(cfg.eval_dataset, cfg.eval_split, cfg.dataset_config), self.policy.tokenizer,
+                cfg.prompt_column, cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
+                chat_template_kwargs=cfg.chat_template_kwargs,
+            ))
+            if cfg.eval_every else None
+        )
+        self._eval_figures: dict[str, float] = {}
+        """eval/* figures of evaluations completed since the last metrics row."""
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
@@ -142,6 +153,8 @@ class Learner:
             self._purge_completed()
             self._reissue_outstanding()
             self.publish()  # actors switch to the restored policy under a new number
+        elif self.evaluator is not None:
+            self.evaluator.due.append(0)  # the base model, before any training
         return resumed_at
 
     def _replay_pending(self) -> None:
@@ -202,6 +215,13 @@ class Learner:
         """A dead-lettered batch's prompts will never come back: free their slots."""
         for dl in self.queue.dead_letters(after=self.state.dead_letter_after, count=100):
             self.state.dead_letter_after = dl.entry_id
+            if dl.batch is not None and self.evaluator is not None and self.evaluator.is_eval(dl.batch.batch_id):
+                self.state.count("eval_dead_lettered_prompts", len(dl.batch.prompts))
+                log.warning("eval batch %s dead-lettered (%s)", dl.batch.batch_id, dl.reason)
+                figures = self.evaluator.lost(dl.batch.batch_id, len(dl.batch.prompts))
+                if figures is not None:
+                    self._eval_figures.update(figures)
+                continue
             if dl.source == "rollouts":
                 lost = 1
             else:
@@ -228,6 +248,7 @@ class Learner:
             try:
                 self.poll_dead_letters()
                 self.feed()
+                self.issue_evals()
                 if self._replay:
                     deliveries, self._replay = self._replay[: n - len(self._collected)], self._replay[n - len(self._collected) :]
                 else:
@@ -240,6 +261,9 @@ class Learner:
                 continue
             for d in deliveries:
                 self.state.unacked[d.group.group_id] = d.delivery_id
+                if self.evaluator is not None and self.evaluator.is_eval(d.group.batch_id):
+                    self._evaluated(d.group)  # never trained on, never counted as a training prompt
+                    continue
                 entry = self.state.outstanding.get(d.group.batch_id)
                 if entry is not None and d.group.prompt_id in entry[2]:
                     # only a queue that lost its dedup record (a fresh in-process Redis
@@ -258,6 +282,27 @@ class Learner:
                         self._dropped_rewards.extend(float(r) for r in d.group.rewards)  # type: ignore[arg-type]
         groups, self._collected = self._collected, []
         return groups
+
+    def issue_evals(self) -> None:
+        """Issue the evaluations of versions now published (version 0 at once)."""
+        if self.evaluator is None:
+            return
+        for version in list(self.evaluator.due):
+            if version and version not in self.publisher.published:
+                if version < self.publisher.last_published:  # its upload failed: nothing to measure
+                    self.evaluator.due.remove(version)
+                continue
+            self.queue.add_prompts(self.evaluator.batches(version))
+            self.evaluator.issued(version)
+            self.evaluator.due.remove(version)
+
+    def _evaluated(self, group: RolloutGroup) -> None:
+        assert self.evaluator is not None
+        figures = self.evaluator.record(group)
+        if figures is not None:
+            self._eval_figures.update(figures)
+            log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward_mean"],
+                     figures["eval/pass@1"])
 
     def _consume(self, group: RolloutGroup, undo: bool = False) -> None:
         """Count a group's prompt as consumed (or, with `undo`, not consumed after all).
@@ -343,6 +388,8 @@ class Learner:
                 state=adapter, config_json=self.policy.adapter_config_json(),
             )
         )
+        if self.evaluator is not None and self.state.policy_version % self.cfg.eval_every == 0:
+            self.evaluator.due.append(self.state.policy_version)
         return time.monotonic() - started
 
     def finite_adapter(self) -> dict[str, torch.Tensor]:
@@ -447,7 +494,9 @@ class Learner:
             "epoch": self.source.epochs(self.state.cursor),
             "publish_failures": self.publisher.failures,
             "time": time.time(),
+            **self._eval_figures,
         })
+        self._eval_figures = {}
         assert self.metrics is not None
         self.metrics.write(row, [g.group_id for g in groups], dropped)
         self._dropped, self._dropped_rewards = [], []

@@ -82,6 +82,12 @@ def plot(run_dir: Path) -> Path | None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     top.plot(steps, [r["reward_mean"] for r in rows], label="reward (all completions)")
     top.plot(steps, [r.get("reward_trained_mean", r["reward_mean"]) for r in rows], alpha=0.5, label="reward (trained groups)")
+    evals = [r for r in rows if r.get("eval/reward_mean") is not None]
+    if evals:
+        top.plot([r["step"] for r in evals], [r["eval/reward_mean"] for r in evals], marker="o",
+                 label="eval reward (held-out, per version)")
+        top.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], marker="x", linestyle=":",
+                 label="eval pass@1")
     top.set_ylabel("reward")
     top.legend(loc="lower right")
     top.grid(alpha=0.3)
@@ -109,6 +115,10 @@ def summarise(run_dir: Path, wall_s: float, extra: dict[str, Any]) -> dict[str, 
         "reward_last_5": round(sum(r["reward_mean"] for r in tail) / len(tail), 4) if tail else None,
         "staleness_max": max((r["staleness_max"] for r in rows), default=0),
         "adapter_version": rows[-1]["adapter_version"] if rows else 0,
+        "evaluations": {
+            str(r["eval/version"]): {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/") and k != "eval/version"}
+            for r in rows if "eval/version" in r
+        },
         **extra,
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -194,6 +194,9 @@ class PromptBatch(_Struct, tag="prompt_batch", tag_field="type", kw_only=True):
     learner_version: NonNegInt
     """The newest adapter version the learner had announced when it issued the batch."""
     issued_at: Timestamp
+    pinned_version: NonNegInt | None = None
+    """Generate with exactly this adapter version (an evaluation; 0 is the base model);
+    None: with the newest the actor has, as for training."""
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)
