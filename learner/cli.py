@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         return run_embedded(cfg, lambda learner: stop_on_signals(learner.stop_requested))
 
     from learner.loop import Learner, LearnerError
+    from learner.trackers import check_trackers
     from protocol import (
         QueueConfig,
         QueueRefused,
@@ -124,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # everything that can be checked before the model loads
         check_run_dir(cfg.resolved_run_dir)
         check_model_path(cfg.model)
+        check_trackers(cfg.trackers)
         store = open_store(cfg.store)
         queue = connect_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, cfg.startup_timeout_s, stop)
     except QueueUnavailable as err:  # before OSError: it is a ConnectionError

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -121,8 +121,16 @@ class LearnerConfig(BaseModel):
     actors: int = Field(2, ge=0, le=64, description="Actor processes the embedded default starts (no --queue given).")
 
     # -- reporting
-    tensorboard: bool = Field(True, description="Write TensorBoard event files when tensorboard is installed.")
+    tensorboard: bool = Field(True, description="Write TensorBoard event files when tensorboard is installed (--no-tensorboard drops it from report_to).")
+    report_to: list[str] = Field(["tensorboard"], description="Trackers: tensorboard, wandb, trackio, mlflow, or none (each library's own settings apply, e.g. WANDB_MODE=offline).")
+    samples_every: int = Field(10, ge=0, description="Every this many steps, send the trackers a table of a few prompts, completions and rewards (0: never).")
     log_every: int = Field(1, ge=1, description="Console line every this many steps.")
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, value: Any) -> Any:
+        """TRL's report_to may be one string ("wandb", "wandb,mlflow", "none")."""
+        return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _cross_checks(self) -> LearnerConfig:
@@ -161,6 +169,11 @@ class LearnerConfig(BaseModel):
                 "missing " + ", ".join(f"--{m.replace('_', '-')}" for m in missing)
                 + " (or run `learner run` with no arguments for the embedded default)"
             )
+
+    @property
+    def trackers(self) -> list[str]:
+        """report_to, less TensorBoard when --no-tensorboard was given."""
+        return [t for t in self.report_to if self.tensorboard or t != "tensorboard"]
 
     @property
     def warmup(self) -> int:
@@ -218,7 +231,6 @@ TRL_ONLY: dict[str, str] = {
     "steps_per_generation": "generation is asynchronous here; updates_per_batch sets optimizer steps per batch",
     "num_iterations": "use updates_per_batch (optimizer steps per collected batch, decoupled PPO)",
     "max_prompt_length": "prompts are cut to the context less max_tokens (keeping their end)",
-    "report_to": "only TensorBoard is built in (--tensorboard); other trackers are not yet",
     "num_train_epochs": "the run is counted in steps (max_steps / steps); the data set repeats as needed",
     "delta": "two-sided clipping is not built; use epsilon / epsilon_high",
     "top_entropy_quantile": "entropy-based token masking is not built",

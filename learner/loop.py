@@ -24,6 +24,7 @@ from learner.evaluate import Evaluator
 from learner.metrics import MetricsLog, clean, console_line
 from learner.policy import Policy
 from learner.publish import Publisher, PublishJob
+from learner.trackers import open_trackers
 from learner.train import build_step_batch, train_on
 from protocol import (
     Delivery,
@@ -100,7 +101,10 @@ class Learner:
     def run(self) -> LearnerState:
         cfg = self.cfg
         try:
-            self.metrics = MetricsLog(cfg.resolved_run_dir, tensorboard=cfg.tensorboard, resume_step=self.start())
+            resume_step = self.start()
+            trackers = open_trackers(cfg.trackers, cfg.resolved_run_dir, cfg.run,
+                                     cfg.model_dump(mode="json", exclude={"token"}), resume_step)
+            self.metrics = MetricsLog(cfg.resolved_run_dir, trackers=trackers, resume_step=resume_step)
             while self.state.step < cfg.steps and not self.stop_requested.is_set():
                 waited = time.monotonic()
                 groups = self.collect(cfg.groups_per_step)  # feeds prompts while it waits
@@ -499,6 +503,12 @@ class Learner:
         self._eval_figures = {}
         assert self.metrics is not None
         self.metrics.write(row, [g.group_id for g in groups], dropped)
+        if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
+            decode = self.policy.tokenizer.decode
+            self.metrics.samples([
+                (decode(g.prompt_tokens.tolist(), skip_special_tokens=True), c.text, float(c.reward))  # type: ignore[arg-type]
+                for g in groups[:4] for c in g.completions[:2]
+            ], self.state.step)
         self._dropped, self._dropped_rewards = [], []
         if self.on_step is not None:
             self.on_step(row)

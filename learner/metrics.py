@@ -14,6 +14,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from learner.trackers import Sample, Tracker
+
 log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
@@ -42,7 +44,7 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 class MetricsLog:
-    def __init__(self, run_dir: Path, *, tensorboard: bool, resume_step: int | None) -> None:
+    def __init__(self, run_dir: Path, *, trackers: list[Tracker], resume_step: int | None) -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / METRICS
         self.consumed_path = run_dir / CONSUMED
@@ -54,30 +56,26 @@ class MetricsLog:
             truncate_after(self.consumed_path, resume_step)
         self._metrics = self.metrics_path.open("a")
         self._consumed = self.consumed_path.open("a")
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                log.info("tensorboard is not installed: no event files (pip install tensorboard)")
-            else:
-                self._tb = SummaryWriter(str(run_dir / "tensorboard"), purge_step=resume_step)
+        self.trackers = trackers
 
     def write(self, row: dict[str, Any], trained: list[str], dropped: list[tuple[str, str]]) -> None:
         self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
         self._metrics.flush()
         self._consumed.write(json.dumps({"step": row["step"], "trained": trained, "dropped": dropped}) + "\n")
         self._consumed.flush()
-        if self._tb is not None:
-            for key, value in row.items():
-                if key != "step" and isinstance(value, int | float):
-                    self._tb.add_scalar(f"learner/{key}", value, row["step"])
+        numbers = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, int | float)}
+        for tracker in self.trackers:
+            tracker.log(numbers, row["step"])
+
+    def samples(self, rows: list[Sample], step: int) -> None:
+        for tracker in self.trackers:
+            tracker.samples(rows, step)
 
     def close(self) -> None:
         self._metrics.close()
         self._consumed.close()
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def clean(row: dict[str, Any]) -> dict[str, Any]:
