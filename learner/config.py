@@ -82,6 +82,7 @@ class LearnerConfig(BaseModel):
     seed: int = Field(0, description="Seeds data order and torch.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (gradient accumulation).")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per collected batch (minibatches); >1 uses the decoupled PPO objective.")
+    lag_versions: int | None = Field(None, ge=0, description="For benchmarks and tests: generate every training batch with the adapter exactly this many versions behind (pinned); needs max_inflight = groups_per_step.")
     max_abs_reward: float = Field(1e6, gt=0, le=1e30, description="Groups with a reward outside [-this, this] are rejected (a worker's garbage must not reach float32 as inf).")
 
     # -- optimizer
@@ -149,6 +150,14 @@ class LearnerConfig(BaseModel):
                 f"groups_per_step ({self.groups_per_step}) must divide into "
                 f"updates_per_batch ({self.updates_per_batch}) minibatches"
             )
+        if self.lag_versions is not None and self.max_inflight != self.groups_per_step:
+            raise ValueError(
+                f"lag_versions: needs max_inflight ({self.max_inflight}) = groups_per_step ({self.groups_per_step}), "
+                "so that each step's batches are issued after the version they lag behind is published"
+            )
+        if self.lag_versions is not None and self.lag_versions > self.max_staleness:
+            raise ValueError(f"lag_versions ({self.lag_versions}) above max_staleness ({self.max_staleness}): "
+                             "every group would be dropped as stale; raise max_staleness")
         if self.eval_every and not self.eval_dataset:
             raise ValueError("eval_every: needs --eval-dataset (held-out prompts)")
         if self.warmup_ratio is not None and self.warmup_steps:
