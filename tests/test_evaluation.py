@@ -21,6 +21,31 @@ from learner.loop import Learner
 from protocol import QueueConfig, RedisQueue, open_store
 
 
+def _train_with_an_actor(cfg: LearnerConfig, redis_url: str, tiny_model: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """The learner's run, with one real actor work loop (transformers engine) in a thread;
+    returns the learner's state and its metrics rows."""
+    store = open_store(cfg.store)
+    actor_queue = RedisQueue.from_url(redis_url, QueueConfig(run=cfg.run))
+    learner_queue = RedisQueue.from_url(redis_url, QueueConfig(run=cfg.run))
+    engine = TransformersEngine(str(tiny_model))
+    watcher = AdapterWatcher(actor_queue, StoreSource(store), engine, tmp_path / "cache", poll_s=0.2)
+    watcher.start()
+    worker = Worker(actor_queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
+                    claim_block_s=0.2)
+    loop = threading.Thread(target=worker.work)
+    loop.start()
+    try:
+        state = Learner(cfg, learner_queue, store).run()
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+        watcher.close()
+        learner_queue.close()
+        actor_queue.close()
+    rows = [json.loads(line) for line in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
+    return state, rows
+
+
 def test_pass_at_k_is_the_unbiased_estimator() -> None:
     assert pass_at_k(4, 0, 2) == 0.0 and pass_at_k(4, 4, 1) == 1.0
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
@@ -41,23 +66,7 @@ def test_every_second_version_is_evaluated_with_exactly_that_version(
         eval_dataset=str(write_dataset(tmp_path / "held-out.jsonl", n=20, seed=1)), eval_max_prompts=4,
         eval_generations=3, eval_pass_reward=1.0,
     )
-    store = open_store(cfg.store)
-    actor_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    engine = TransformersEngine(str(tiny_model))
-    watcher = AdapterWatcher(actor_queue, StoreSource(store), engine, tmp_path / "cache", poll_s=0.2)
-    watcher.start()
-    worker = Worker(actor_queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
-                    claim_block_s=0.2)
-    loop = threading.Thread(target=worker.work)
-    loop.start()
-    learner_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    try:
-        state = Learner(cfg, learner_queue, store).run()
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
-        watcher.close()
-    rows = [json.loads(line) for line in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
+    state, rows = _train_with_an_actor(cfg, redis_server.url, tiny_model, tmp_path)
     evals = {r["eval/version"]: r for r in rows if "eval/version" in r}
     assert {0, 2, 4} <= set(evals), sorted(evals)  # the base model first, then every second version
     for r in evals.values():
@@ -69,8 +78,6 @@ def test_every_second_version_is_evaluated_with_exactly_that_version(
     assert len(trained) == state.totals["trained_groups"]  # eval groups are not among them
     assert state.consumed_prompts == sum(1 for _ in trained) + sum(
         v for k, v in state.totals.items() if k.startswith(("dropped_", "rejected_")))
-    learner_queue.close()
-    actor_queue.close()
 
 
 @pytest.mark.redis
@@ -116,25 +123,7 @@ def test_a_forced_lag_trains_on_groups_exactly_that_many_versions_old(
         groups_per_step=4, num_generations=4, prompts_per_batch=2, max_inflight=4, max_tokens=4, learning_rate=3e-3,
         lora_rank=8, checkpoint_every=4, tensorboard=False, lag_versions=3, max_staleness=4,
     )
-    store = open_store(cfg.store)
-    actor_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    engine = TransformersEngine(str(tiny_model))
-    watcher = AdapterWatcher(actor_queue, StoreSource(store), engine, tmp_path / "cache", poll_s=0.2)
-    watcher.start()
-    worker = Worker(actor_queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
-                    claim_block_s=0.2)
-    loop = threading.Thread(target=worker.work)
-    loop.start()
-    learner_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    try:
-        Learner(cfg, learner_queue, store).run()
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
-        watcher.close()
-    rows = [json.loads(line) for line in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
+    _, rows = _train_with_an_actor(cfg, redis_server.url, tiny_model, tmp_path)
     # step s trains with version s-1 (published after step s-1); its groups came from max(0, s-1-3)
     assert [(r["staleness_mean"], r["staleness_max"]) for r in rows] == [
         (min(s - 1, 3), min(s - 1, 3)) for s in range(1, 8)], rows
-    learner_queue.close()
-    actor_queue.close()
