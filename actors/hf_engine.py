@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
 
+import msgspec
 import torch
 
 from actors.engine import Engine, EngineError, GroupRequest, Sample
@@ -231,6 +232,4 @@ class TransformersEngine(Engine):
 
 def _seeded(sampling: SamplingParams, seed: int | None) -> SamplingParams:
     """The settings with the group's seed (one torch seed per batch call: the first group's)."""
-    import msgspec
-
     return sampling if seed is None or seed == sampling.seed else msgspec.structs.replace(sampling, seed=seed)

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample
@@ -54,7 +54,6 @@ class _Group:
 class _Eviction:
     lora_int_id: int
     on_released: Callable[[], None] | None = None
-    removed: bool = field(default=False)
 
 
 def _is_engine_dead(err: BaseException) -> bool:

@@ -81,9 +81,9 @@ class Flight:
 
     lease: Lease
     prompt_ids: list[list[int]]
+    version: int
+    """The adapter version every group of the lease is generated with (and tagged with)."""
     queued_at: float
-    versions: dict[int, int] = field(default_factory=dict)
-    """Prompt index -> the adapter version its group is generated with."""
     waiting: set[int] = field(default_factory=set)
     """Prompt indexes whose group is not yet generated and scored."""
     ready: list[RolloutGroup] = field(default_factory=list)
@@ -267,14 +267,13 @@ class Worker:
             self.batches_claimed += 1
             return
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
-        flight = Flight(lease, prompts, time.monotonic(), waiting=set(range(len(prompts))))
+        flight = Flight(lease, prompts, version, time.monotonic(), waiting=set(range(len(prompts))))
         seed = batch.sampling.seed
         self.engine.add([
             GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
                          None if seed is None else seed + i * batch.num_generations)
             for i, prompt in enumerate(prompts)
         ])
-        flight.versions = dict.fromkeys(range(len(prompts)), version)
         self.flights[lease.lease_id] = flight
         self.heartbeat.hold(lease.lease_id)
         self.batches_claimed += 1
@@ -319,7 +318,7 @@ class Worker:
             group_id=group_id_for(batch.batch_id, prompt.id),
             batch_id=batch.batch_id,
             prompt_id=prompt.id,
-            adapter_version=flight.versions[i],
+            adapter_version=flight.version,
             actor_id=self.worker_id,
             prompt_token_ids=pack_i32(flight.prompt_ids[i]),
             completions=[

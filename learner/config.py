@@ -256,8 +256,6 @@ def translate_trl(values: dict[str, Any]) -> dict[str, Any]:
         if key in TRL_ONLY:
             raise ConfigError(f"{key}: a GRPOConfig setting with no counterpart here: {TRL_ONLY[key]}")
         field, convert = TRL_NAMES.get(key, (key, lambda v: v))
-        if field in out and key != field:
-            raise ConfigError(f"{key} and {field} are the same setting: give one of them")
         if field != key and field in values:
             raise ConfigError(f"{key} and {field} are the same setting: give one of them")
         out[field] = convert(value)

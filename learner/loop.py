@@ -70,6 +70,8 @@ class Learner:
             if cfg.eval_every else None
         )
         self._eval_figures: dict[str, float] = {}
+        self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
+        """batch id -> prompt id -> token ids issued, for the batches outstanding."""
         """eval/* figures of evaluations completed since the last metrics row."""
         self.optimizer = torch.optim.AdamW(
             self.policy.trainable_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
@@ -203,9 +205,12 @@ class Learner:
 
     def _batch(self, batch_id: str, start: int, n: int) -> PromptBatch:
         cfg = self.cfg
+        prompts = [self.source.prompt(start + i) for i in range(n)]
+        # kept while the batch is outstanding: what its groups must answer (`judge`)
+        self._issued_tokens[batch_id] = {p.id: p.token_ids for p in prompts}
         return PromptBatch(
             batch_id=batch_id,
-            prompts=[self.source.prompt(start + i) for i in range(n)],
+            prompts=prompts,
             num_generations=cfg.num_generations,
             sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
                                     repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_tokens),
@@ -240,6 +245,8 @@ class Learner:
                 lost = 1
             else:
                 entry = self.state.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
+                if dl.batch:
+                    self._issued_tokens.pop(dl.batch.batch_id, None)
                 if dl.missing_groups is not None:
                     # exactly the prompts without a stored group; the others reach us as groups
                     lost = len(dl.missing_groups)
@@ -335,6 +342,7 @@ class Learner:
         done = [b for b, (_, n, consumed) in self.state.outstanding.items() if len(consumed) >= n]
         for batch_id in done:
             del self.state.outstanding[batch_id]
+            self._issued_tokens.pop(batch_id, None)
 
     def _abandon_collection(self) -> None:
         """Groups collected for a step that will not run are not consumed: forget them,
@@ -379,14 +387,12 @@ class Learner:
         """For a batch this learner has outstanding: the group's prompt is one of the
         batch's, with the tokens issued. (The queue checks the same on submission; this
         covers whoever writes to Redis directly.)"""
-        entry = self.state.outstanding.get(group.batch_id)
-        if entry is None:
+        if group.batch_id not in self.state.outstanding:
             return True  # a batch issued before a restart and not yet re-issued: the queue checked it
-        start, n, _ = entry
-        position = group.prompt_id[1:]
-        if not (group.prompt_id.startswith("p") and position.isdigit() and start <= int(position) < start + n):
+        prompts = self._issued_tokens.get(group.batch_id, {})
+        if group.prompt_id not in prompts:
             return False
-        issued = self.source.prompt(int(position)).token_ids
+        issued = prompts[group.prompt_id]
         return issued is None or issued == group.prompt_token_ids
 
     # ------------------------------------------------------- publish/checkpoint

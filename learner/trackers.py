@@ -145,10 +145,8 @@ def open_trackers(names: list[str], run_dir: Path, run: str, config: dict[str, A
                   resume_step: int | None) -> list[Tracker]:
     """The trackers asked for (`none` alone: none). Raises TrackerError for an unknown name
     or a library that is not installed."""
+    check_trackers(names)
     wanted = [n for n in names if n != "none"]
-    unknown = sorted(set(wanted) - set(NAMES))
-    if unknown:
-        raise TrackerError(f"report_to: unknown tracker {unknown[0]!r}; use {', '.join(NAMES)} or none")
     out: list[Tracker] = []
     for name in dict.fromkeys(wanted):
         try:

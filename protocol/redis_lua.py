@@ -1,7 +1,8 @@
 """Lua scripts that make the queue's multi-command steps atomic on Redis >= 7.0.
 
 Each script does all of its checks before its first write, because Redis does not roll
-back a script that fails half way.
+back a script that fails half way. A refusal is an error reply that starts with the
+refusal's wire code in capitals (`LEASE_LOST ...`, see `protocol.errors.REFUSALS`).
 
 Trimming: on Redis 7.0 `XTRIM`/`MAXLEN` delete entries still pending in a consumer group,
 and trimming by `MINID` below the oldest pending entry lets one stuck lease hold the
@@ -174,23 +175,23 @@ for i = 5, #ARGV, 5 do
   local gid = ARGV[i]
   local at = string.find(expected, gid .. ':', 1, true)
   if not at then
-    return redis.error_reply('REJECTED group ' .. gid .. ' answers no prompt of batch ' .. batch)
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' answers no prompt of batch ' .. batch)
   end
   if seen_here[gid] then
-    return redis.error_reply('REJECTED group ' .. gid .. ' appears twice')
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' appears twice')
   end
   seen_here[gid] = true
   if ARGV[i + 2] ~= n then
-    return redis.error_reply('REJECTED group ' .. gid .. ' has ' .. ARGV[i + 2] ..
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' has ' .. ARGV[i + 2] ..
                              ' completions; the batch asks for ' .. n)
   end
   if tonumber(ARGV[i + 3]) > longest then
-    return redis.error_reply('REJECTED group ' .. gid .. ' has a completion of ' .. ARGV[i + 3] ..
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' has a completion of ' .. ARGV[i + 3] ..
                              ' tokens; the batch allows ' .. longest)
   end
   local digest = string.sub(expected, at + #gid + 1, at + #gid + #ARGV[i + 4])
   if digest ~= string.rep('-', #digest) and digest ~= ARGV[i + 4] then
-    return redis.error_reply('REJECTED group ' .. gid .. ' has prompt tokens other than the issued ones')
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' has prompt tokens other than the issued ones')
   end
 end
 local stored, dups = 0, 0

@@ -20,15 +20,7 @@ import redis
 import redis.exceptions
 
 from protocol import redis_lua
-from protocol.errors import (
-    LeaseLost,
-    LeaseMismatch,
-    ProtocolError,
-    QueueError,
-    QueueUnavailable,
-    SubmissionRejected,
-    VersionConflict,
-)
+from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, Keys
 from protocol.messages import (
     DEFAULT_LIMITS,
@@ -154,9 +146,10 @@ class RedisQueue(Queue):
             raise QueueUnavailable(f"redis unreachable: {err}") from err
         except redis.exceptions.ResponseError as err:
             text = str(err)
-            for marker, cls in _REFUSALS.items():
+            for code, cls in REFUSALS.items():
+                marker = f"{code.upper()} "
                 if marker in text:
-                    raise cls(text.split(f"{marker} ", 1)[1]) from None
+                    raise cls(text.split(marker, 1)[1]) from None
             raise QueueError(f"redis: {text}") from err
 
     def _ensure_groups(self) -> None:
@@ -468,15 +461,6 @@ class RedisQueue(Queue):
 
     def close(self) -> None:
         self._r.close()
-
-
-_REFUSALS = {
-    "LEASE_MISMATCH": LeaseMismatch,
-    "LEASE_LOST": LeaseLost,
-    "REJECTED": SubmissionRejected,
-    "VERSION_CONFLICT": VersionConflict,
-}
-"""Markers the Lua scripts put before a refusal's text, and what each raises."""
 
 
 def _decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:

@@ -21,6 +21,17 @@ from learner.loop import Learner
 from protocol import QueueConfig, RedisQueue, open_store
 
 
+def _config(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, **overrides: object) -> LearnerConfig:
+    """A small learner run on the tiny model: 4 groups of 4 completions a step."""
+    values: dict[str, object] = {
+        "run": run, "queue": redis_url, "store": (tmp_path / "store").as_uri(), "model": str(tiny_model),
+        "dataset": str(write_dataset(tmp_path / "train.jsonl")), "run_dir": tmp_path / "run", "groups_per_step": 4,
+        "num_generations": 4, "prompts_per_batch": 2, "max_tokens": 4, "learning_rate": 3e-3, "lora_rank": 8,
+        "checkpoint_every": 4, "tensorboard": False,
+    }
+    return LearnerConfig(**{**values, **overrides})  # type: ignore[arg-type]
+
+
 def _train_with_an_actor(cfg: LearnerConfig, redis_url: str, tiny_model: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
     """The learner's run, with one real actor work loop (transformers engine) in a thread;
     returns the learner's state and its metrics rows."""
@@ -58,14 +69,9 @@ def test_pass_at_k_is_the_unbiased_estimator() -> None:
 def test_every_second_version_is_evaluated_with_exactly_that_version(
     tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
 ) -> None:
-    cfg = LearnerConfig(
-        run=run_name, queue=redis_server.url, store=(tmp_path / "store").as_uri(), model=str(tiny_model),
-        dataset=str(write_dataset(tmp_path / "train.jsonl")), run_dir=tmp_path / "run", steps=8,
-        groups_per_step=4, num_generations=4, prompts_per_batch=2, max_inflight=8, max_tokens=4, learning_rate=3e-3,
-        lora_rank=8, checkpoint_every=4, tensorboard=False, eval_every=2,
-        eval_dataset=str(write_dataset(tmp_path / "held-out.jsonl", n=20, seed=1)), eval_max_prompts=4,
-        eval_generations=3, eval_pass_reward=1.0,
-    )
+    cfg = _config(tmp_path, tiny_model, redis_server.url, run_name, steps=8, max_inflight=8, eval_every=2,
+                  eval_dataset=str(write_dataset(tmp_path / "held-out.jsonl", n=20, seed=1)), eval_max_prompts=4,
+                  eval_generations=3, eval_pass_reward=1.0)
     state, rows = _train_with_an_actor(cfg, redis_server.url, tiny_model, tmp_path)
     evals = {r["eval/version"]: r for r in rows if "eval/version" in r}
     assert {0, 2, 4} <= set(evals), sorted(evals)  # the base model first, then every second version
@@ -117,12 +123,8 @@ def test_a_forced_lag_trains_on_groups_exactly_that_many_versions_old(
     tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
 ) -> None:
     """The mechanism bench/staleness.py measures with: batches pinned lag_versions behind."""
-    cfg = LearnerConfig(
-        run=run_name, queue=redis_server.url, store=(tmp_path / "store").as_uri(), model=str(tiny_model),
-        dataset=str(write_dataset(tmp_path / "train.jsonl")), run_dir=tmp_path / "run", steps=7,
-        groups_per_step=4, num_generations=4, prompts_per_batch=2, max_inflight=4, max_tokens=4, learning_rate=3e-3,
-        lora_rank=8, checkpoint_every=4, tensorboard=False, lag_versions=3, max_staleness=4,
-    )
+    cfg = _config(tmp_path, tiny_model, redis_server.url, run_name, steps=7, max_inflight=4, lag_versions=3,
+                  max_staleness=4)
     _, rows = _train_with_an_actor(cfg, redis_server.url, tiny_model, tmp_path)
     # step s trains with version s-1 (published after step s-1); its groups came from max(0, s-1-3)
     assert [(r["staleness_mean"], r["staleness_max"]) for r in rows] == [
