@@ -1,8 +1,14 @@
-"""The `actors` command: one rollout worker.
+"""The `actors` command: rollout workers, and the trusted side's scoring workers.
 
-`actors run --queue redis://… --store … --engine transformers --model … --reward mod:fn`
-(or `--queue https://proxy:8443 --token …` once the proxy client lands). Start as many
-as you like; SIGTERM hands the batch in hand back and exits 0.
+`actors run --queue https://proxy:8443 --token … --engine vllm --model …` (or `--queue
+redis://… --store …`): one rollout worker. Start as many as you like; SIGTERM hands the
+batch in hand back and exits 0. With `--reward mod:fn` it also scores, for a learner
+that runs `--scoring actors`.
+
+`actors score --redis redis://… --run … --reward mod:fn`: one scoring worker of the
+trusted tier (`actors.scoring`), for a learner that runs `--scoring trusted`. It lives
+here because it is a worker that runs the reward functions (`actors.rewards`), like a
+rollout worker in `--scoring actors`; it needs no model and no GPU.
 """
 
 from __future__ import annotations
@@ -33,8 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--run", default="default", help="run name (must match the learner's --run)")
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
-    a("--reward", action="append", required=True, metavar="MODULE:FUNCTION[=WEIGHT]",
-      help="reward function with TRL's signature; repeat for several (weighted sum)")
+    a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
+      help="reward function with TRL's signature; repeat for several (weighted sum). Needed only when the "
+           "learner runs --scoring actors; with trusted scoring the worker only generates")
     a("--reward-timeout-s", type=float, default=60.0,
       help="time limit per reward call (default 60); past it the scoring process is killed and replaced")
     a("--reward-workers", type=int, default=1,
@@ -61,7 +68,68 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-model-len", type=int, default=None, help="vllm engine: context length")
     a("--gpu-memory-utilization", type=float, default=0.9, help="vllm engine: GPU memory fraction")
     a("-v", "--verbose", action="store_true", help="debug logging")
+
+    score = sub.add_parser("score", help="Start one trusted scoring worker (RQ).", description=SCORE_HELP)
+    a = score.add_argument
+    a("--redis", required=True, help="redis://host:port/db of the run (the trusted side reaches Redis itself)")
+    a("--run", default="default", help="run name (the learner's --run)")
+    a("--reward", action="append", required=True, metavar="MODULE:FUNCTION[=WEIGHT]",
+      help="reward function with TRL's signature (may be async def); repeat for several (weighted sum)")
+    a("--reward-timeout-s", type=float, default=60.0,
+      help="RQ job_timeout per group (default 60): a reward still running then is killed and the job retried")
+    a("--retries", type=int, default=2, help="re-runs of a group whose reward raised (default 2), with backoff")
+    a("--retry-backoff-s", type=float, default=1.0, help="first retry after this, doubling (default 1)")
+    a("--abandon-after-s", type=int, default=60,
+      help="a job whose worker stopped heartbeating this long is abandoned and retried by another (default 60)")
+    a("--monitoring-interval-s", type=int, default=10, help="worker heartbeat while a job runs (default 10)")
+    a("--maintenance-interval-s", type=int, default=30, help="how often RQ's registries are cleaned (default 30)")
+    a("--groups-per-job", type=int, default=8,
+      help="most groups of one lease scored in one RQ job (default 8; 1: a job per group)")
+    a("--redispatch-s", type=float, default=30.0,
+      help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)")
+    a("--name", default=None, help="worker name (default scorer-host-pid)")
+    a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
+    a("-v", "--verbose", action="store_true", help="debug logging")
     return parser
+
+
+SCORE_HELP = """Start one scoring worker of the trusted tier: an RQ worker (a forked work horse
+per group) and a dispatcher that turns submitted groups into RQ jobs. It scores groups of
+batches the learner issued with --scoring trusted, with the data set's private columns,
+which never leave the trusted side. Start as many as you like; SIGTERM stops one warmly
+(the group in hand finishes), and a killed one's job is retried by another."""
+
+
+def score(args: argparse.Namespace) -> int:
+    from actors.rewards import RewardError, Scorer, load_reward
+    from actors.scoring import serve
+    from protocol import QueueConfig, QueueUnavailable
+    from protocol.scoring import ScoringQueue
+
+    if not args.redis.startswith(("redis://", "rediss://", "unix://")):
+        print(f"actors score: --redis {args.redis!r}: expected redis://, rediss:// or unix:// "
+              "(scoring runs on the trusted side, on the run's Redis itself, never through the proxy)", file=sys.stderr)
+        return 2
+    try:
+        scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=None, reraise=True)
+        queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run))
+    except (RewardError, ValueError) as err:
+        print(f"actors score: {err}", file=sys.stderr)
+        return 2
+    except QueueUnavailable as err:
+        print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
+        return 1
+    name = args.name or f"scorer-{socket.gethostname()}-{os.getpid()}"
+    log.info("scoring worker %s for run %s: %s", name, args.run, ", ".join(args.reward))
+    try:
+        serve(queue, scorer, name, job_timeout_s=args.reward_timeout_s, retries=args.retries,
+              retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
+              abandon_after_s=args.abandon_after_s,
+              monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
+              redispatch_s=args.redispatch_s, burst=args.burst)
+    finally:
+        queue.close()
+    return 0
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -106,8 +174,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     try:
         check_model_path(args.model)
-        scorer: Scoring = (
-            ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
+        scorer: Scoring | None = (
+            None if not args.reward
+            else ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
             else Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
         )
         config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s)
@@ -158,7 +227,8 @@ def run(args: argparse.Namespace) -> int:
         return 3
     finally:
         watcher.close()
-        scorer.close()
+        if scorer is not None:
+            scorer.close()
         engine.close()
         queue.close()
 
@@ -205,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    if args.gpus is not None:
+    if args.command == "run" and args.gpus is not None:
         return run_per_gpu(args, argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -216,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    return run(args)
+    return score(args) if args.command == "score" else run(args)
 
 
 if __name__ == "__main__":

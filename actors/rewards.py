@@ -1,6 +1,7 @@
 """Reward functions with TRL's signature, loaded from `module:function[=weight]`.
 
-`fn(prompts, completions, **columns) -> list[float | None]`, called once per group:
+`fn(prompts, completions, **columns) -> list[float | None]` (or an `async def`, awaited
+in an event loop of its own: a reward that calls an HTTP service), called once per group:
 `prompts` has the prompt once per completion (a string, or the list of chat messages
 for conversational data), `completions` the completion texts (for conversational data,
 `[{"role": "assistant", "content": text}]` each, as TRL passes them), plus
@@ -24,7 +25,9 @@ killed): for tests and `--reward-workers 0`.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import multiprocessing
 import numbers
@@ -79,14 +82,24 @@ class Scores:
     """Set when the group failed; then every reward is None."""
 
 
+def unscored(n: int) -> Future[Scores]:
+    """No rewards, no error: a group for the trusted scoring tier to score."""
+    future: Future[Scores] = Future()
+    future.set_result(Scores([None] * n, [{} for _ in range(n)], None))
+    return future
+
+
 class Scorer:
-    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0) -> None:
+    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False) -> None:
         """`timeout_s`: per reward call, enforced by a thread; None calls rewards directly
-        (inside a `ScoringPool` process, whose own timeout kills the process)."""
+        (inside a `ScoringPool` process or an RQ job, whose own timeout kills the process).
+        `reraise`: an exception from a reward function propagates (an RQ job, which RQ
+        retries) instead of failing the group."""
         if not functions:
             raise RewardError("at least one --reward is needed")
         self.functions = functions
         self.timeout_s = timeout_s
+        self.reraise = reraise
 
     def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
         """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
@@ -128,8 +141,13 @@ class Scorer:
 
         def target() -> None:
             try:
-                result["value"] = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                value = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+                if inspect.isawaitable(value):  # an `async def` reward (an HTTP judge, a sandbox)
+                    value = asyncio.run(_awaited(value))
+                result["value"] = value
             except Exception as err:  # a user's function: any failure is reported, not fatal
+                if self.reraise:
+                    raise
                 result["error"] = f"reward {rf.name} raised {type(err).__name__}: {err}"
 
         if self.timeout_s is None:
@@ -195,6 +213,10 @@ class ScoringPool:
     def close(self) -> None:
         self.pool.stop()
         self.pool.join(timeout=5)
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
 
 
 _CHILD_SCORER: Scorer | None = None

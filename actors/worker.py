@@ -38,7 +38,7 @@ from typing import Protocol
 
 from actors.engine import Engine, EngineDead, GroupRequest, Sample
 from actors.metrics import WorkerMetrics
-from actors.rewards import Scores
+from actors.rewards import Scores, unscored
 from actors.watcher import AdapterWatcher
 from protocol import (
     Completion,
@@ -151,7 +151,7 @@ class Worker:
         queue: Queue,
         engine: Engine,
         watcher: AdapterWatcher,
-        scorer: Scoring,
+        scorer: Scoring | None,
         worker_id: str,
         *,
         claim_block_s: float = 5.0,
@@ -217,6 +217,9 @@ class Worker:
         except (QueueForbidden, QueueTLSError) as err:
             self._hand_back_all()
             raise WorkerRefused(str(err)) from None
+        except WorkerRefused:
+            self._hand_back_all()
+            raise
         except EngineDead as err:
             self._hand_back_all()
             raise WorkerEngineDead(str(err)) from None
@@ -259,6 +262,11 @@ class Worker:
 
     def _start(self, lease: Lease) -> None:
         batch = lease.batch
+        if batch.scoring == "actors" and self.scorer is None:
+            self.queue.release(self.worker_id, lease.lease_id)
+            raise WorkerRefused(
+                f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
+                "start this worker with --reward")
         version = self.watcher.current if batch.pinned_version is None else batch.pinned_version
         if batch.pinned_version is not None and not self.watcher.ensure(version):
             # an evaluation of a version this worker cannot load: let the lease expire, so
@@ -289,8 +297,12 @@ class Worker:
             prompt = flight.lease.batch.prompts[i]
             texts = [self.engine.decode(s.token_ids) for s in samples]
             self.samples[(lease_id, i)] = samples, texts
-            self.scoring[(lease_id, i)] = self.scorer.submit(
-                prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples])
+            if flight.lease.batch.scoring == "trusted" or self.scorer is None:
+                # scored on the trusted side; whatever reward this worker sent would be ignored
+                self.scoring[(lease_id, i)] = unscored(len(samples))
+            else:
+                self.scoring[(lease_id, i)] = self.scorer.submit(
+                    prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples])
         self._collect_scores()
         for lease_id in self.heartbeat.take_lost():
             if lease_id in self.flights:
@@ -327,7 +339,7 @@ class Worker:
                 for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
             ],
             error=scores.error,
-            timings={"in_flight_s": time.monotonic() - flight.queued_at},
+            timings={"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()},
         )
 
     def _ready_to_send(self) -> bool:

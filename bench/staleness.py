@@ -7,7 +7,10 @@ correction in `--corrections` (`none`, `tis`, `mis`, and `ppo`: decoupled PPO wi
 `--updates-per-batch 2`), over `--seeds`. Each run is the embedded default (`learner run`
 with the built-in next-digit task, its proxy and actors) for `--steps` steps. It prints the
 final reward (mean `reward_mean` of the last 10 steps) per cell as mean ± spread over the
-seeds, and as a ratio to the on-policy run (k = 0, no correction) of the same seed.
+seeds, and as a ratio to the on-policy run (k = 0, no correction) of the same seed. A run
+whose policy collapses (every group all-equal: nothing left to train on) is stopped after
+10 minutes and counted with the reward it had. The actors score their own groups
+(`--scoring actors`): what is measured is the correction, not the scoring tier.
 
 Usage: python bench/staleness.py [--lags 0 2 4 8] [--corrections none tis mis ppo] [--seeds 0 1 2]
 A full grid is 13 configurations x 3 seeds of about 40 s each on two cores.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,16 +37,28 @@ CORRECTIONS = {
 }
 
 
-def final_reward(lag: int, correction: str, seed: int, steps: int, extra: list[str]) -> float:
+STALLED: list[str] = []
+
+
+def final_reward(lag: int, correction: str, seed: int, steps: int, extra: list[str], timeout_s: float = 600) -> float:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-stale-k{lag}-{correction}-s{seed}-"))
     cmd = [sys.executable, "-m", "learner.cli", "run", "--run-dir", str(run_dir), "--steps", str(steps),
            "--seed", str(seed), "--lag-versions", str(lag), "--max-inflight", "16", "--groups-per-step", "16",
-           "--max-staleness", str(max(lag, 4)), "--no-tensorboard", *CORRECTIONS[correction],
+           "--max-staleness", str(max(lag, 4)), "--no-tensorboard", "--scoring", "actors", *CORRECTIONS[correction],
            *extra]
-    subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        if proc.wait(timeout=timeout_s) != 0:
+            raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; see {run_dir / 'logs'}")
+    except subprocess.TimeoutExpired:
+        # a collapsed policy: every group all-equal, so the learner waits forever for 16
+        # it can train on. Its reward is what it had; the run counts as stalled.
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        STALLED.append(f"k={lag} {correction} seed {seed}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.mean(r["reward_mean"] for r in rows[-10:])
+    return statistics.mean(r["reward_mean"] for r in rows[-10:]) if rows else 0.0
 
 
 def main() -> None:
@@ -56,7 +72,8 @@ def main() -> None:
     on_policy = {s: final_reward(0, "none", s, args.steps, args.extra) for s in args.seeds}
     print(f"final reward (last 10 of {args.steps} steps), mean ± spread over seeds {args.seeds}; "
           f"ratio to on-policy (k=0, no correction: {statistics.mean(on_policy.values()):.3f})")
-    print(f"{'k':>3} " + " ".join(f"{c:>22}" for c in args.corrections))
+    print(f"{'k':>3} " + " ".join(f"{c:>22}" for c in args.corrections), flush=True)
+    print("on-policy per seed: " + ", ".join(f"{s}: {v:.3f}" for s, v in on_policy.items()), flush=True)
     for lag in [k for k in args.lags if k > 0]:
         cells = []
         for correction in args.corrections:
@@ -65,7 +82,12 @@ def main() -> None:
             ratios = [finals[s] / on_policy[s] for s in args.seeds if on_policy[s] > 0]
             spread = (max(values) - min(values)) / 2
             cells.append(f"{statistics.mean(values):.3f}±{spread:.3f} ({min(ratios):.2f}-{max(ratios):.2f}x)")
-        print(f"{lag:>3} " + " ".join(f"{c:>22}" for c in cells))
+            print(f"  (k={lag} {correction}: " + ", ".join(f"{s}: {v:.3f}" for s, v in finals.items()) + ")",
+                  file=sys.stderr, flush=True)
+        print(f"{lag:>3} " + " ".join(f"{c:>22}" for c in cells), flush=True)
+    if STALLED:
+        print(f"stalled (no trainable group for {600}s; their reward is that of their last 10 steps): "
+              + "; ".join(STALLED))
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Join any GPU machine to a running job as a rollout worker. It needs the proxy's
 # address, an actor token and the proxy's CA certificate: no Redis, no bucket
-# credentials. SIGTERM (a spot notice) hands the batch in hand back; nothing is lost.
+# credentials, no reward code (the trusted tier scores). SIGTERM (a spot notice) hands
+# the batch in hand back; nothing is lost. For a learner that runs --scoring actors, set
+# REWARD=module:function and the worker scores its own groups.
 #
 #   PROXY=https://proxy.example:8443 RUN=qwen-gsm8k-1 MODEL=Qwen/Qwen2.5-0.5B-Instruct \
-#   REWARD=my_rewards:correct SPOTGRPO_TOKEN=... SPOTGRPO_CA_CERT=cert.pem ./spot-worker.sh
+#   SPOTGRPO_TOKEN=... SPOTGRPO_CA_CERT=cert.pem ./spot-worker.sh
 set -euo pipefail
 : "${PROXY:?https://host:8443 of proxy serve}" "${RUN:?the learner's --run}" "${MODEL:?the learner's --model}"
-: "${REWARD:?module:function}" "${SPOTGRPO_TOKEN:?an actor token}"
-exec actors run --queue "$PROXY" --run "$RUN" --engine vllm --model "$MODEL" --reward "$REWARD" --grace-s 60
+: "${SPOTGRPO_TOKEN:?an actor token}"
+exec actors run --queue "$PROXY" --run "$RUN" --engine vllm --model "$MODEL" --grace-s 60 \
+    ${REWARD:+--reward "$REWARD"}

@@ -56,7 +56,8 @@ class LearnerConfig(BaseModel):
     dataset_split: str = Field("train", description="Split of a hub dataset.")
     dataset_config: str | None = Field(None, description="Configuration name of a hub or local data set (GSM8K's main).")
     prompt_column: str = Field("prompt", description="Column holding the prompt: a string or a list of chat messages.")
-    reward: list[str] = Field([], description="Reward functions module:function[=weight]; run by the actors (recorded here, passed to embedded actors).")
+    reward: list[str] = Field([], description="Reward functions module:function[=weight]: what the run's scorers run (`actors score --reward`, or the actors' own with --scoring actors); the embedded default starts them with these.")
+    scoring: Literal["trusted", "actors"] | None = Field(None, description="Who scores: trusted (RQ workers on the trusted side, `actors score`; dataset columns never leave it; the default when --reward is given) or actors (each worker scores its own groups; the default without --reward).")
     reward_weights: list[float] | None = Field(None, description="One weight per --reward (TRL's way of weighting; or module:function=weight).")
 
     # -- sampling (sent with every prompt batch)
@@ -188,6 +189,11 @@ class LearnerConfig(BaseModel):
     def warmup(self) -> int:
         """Warmup steps, from warmup_steps or warmup_ratio."""
         return self.warmup_steps if self.warmup_ratio is None else math.ceil(self.warmup_ratio * self.steps)
+
+    @property
+    def scoring_mode(self) -> str:
+        """--scoring, or its default: trusted when the learner is given the rewards."""
+        return self.scoring or ("trusted" if self.reward else "actors")
 
     @property
     def reward_specs(self) -> list[str]:

@@ -3,7 +3,9 @@
 The same code paths as a distributed run, as processes started with the commands a user
 would type: `proxy selfsigned` and `proxy serve` on loopback over TLS, with role tokens
 made for the run and an in-process Redis (`--redis memory://`, fakeredis); `actors run`
-workers with the `transformers` engine talking HTTPS to the proxy; and this learner,
+workers with the `transformers` engine talking HTTPS to the proxy; an `actors score`
+worker of the trusted scoring tier (RQ), on the proxy's in-process Redis, which the
+proxy serves on a loopback port for it (`--memory-redis-port`); and this learner,
 also through the proxy, publishing to a `file://` store under the run directory. Model
 and data are built locally (`learner/tiny.py`, `learner/tasks.py`); nothing is downloaded.
 
@@ -82,7 +84,7 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
             updates |= {"eval_dataset": str(held_out.resolve()), "eval_every": cfg.eval_every or 10,
                         "eval_max_prompts": 16}
     elif not cfg.reward:
-        raise ValueError("--dataset without --reward: the actors need a reward function for your data")
+        raise ValueError("--dataset without --reward: the scorers need a reward function for your data")
     if not cfg.store:
         updates["store"] = (run_dir / "store").resolve().as_uri()
     tls = run_dir / "tls"
@@ -120,12 +122,14 @@ class LocalSystem:
         self.secrets = read_secrets(tokens)
         self.n_actors = actors
         self.cert, self.key = self.run_dir / "tls" / "cert.pem", self.run_dir / "tls" / "key.pem"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = _free_port()
         self.url = f"https://127.0.0.1:{self.port}"
+        self.trusted = cfg.scoring_mode == "trusted"
+        self.redis_port = _free_port() if self.trusted else None
+        """Where the proxy serves its in-process Redis to the scoring worker (trusted scoring)."""
         self.proxy: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
+        self.scorers: list[subprocess.Popen[bytes]] = []
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -133,17 +137,25 @@ class LocalSystem:
             [sys.executable, "-m", "proxy.cli", "serve", "--redis", "memory://", "--store", self.cfg.store,
              "--run", self.cfg.run, "--tokens", str(self.tokens_file), "--port", str(self.port),
              "--tls-cert", str(self.cert), "--tls-key", str(self.key), "--lease-timeout-s", str(LEASE_TIMEOUT_S),
-             "--log-level", "warning"],
+             "--log-level", "warning",
+             *(["--memory-redis-port", str(self.redis_port)] if self.redis_port else [])],
             env, self.logs / "proxy.log",
         )
         self._wait_healthy()
+        if self.trusted:  # the trusted tier: a scoring worker on the run's Redis, as in a deployment
+            cmd = [sys.executable, "-m", "actors.cli", "score", "--redis", f"redis://127.0.0.1:{self.redis_port}/0",
+                   "--run", self.cfg.run, "--name", "local-scorer", "--maintenance-interval-s", "5",
+                   "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
+            for spec in self.cfg.reward_specs:
+                cmd += ["--reward", spec]
+            self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log"))
         actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),
                      "OMP_NUM_THREADS": "1"}  # several processes share the cores
         for i in range(self.n_actors):
             cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
                    "--engine", "transformers", "--model", self.cfg.model, "--worker-id", f"local-{i}",
                    "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
-            for spec in self.cfg.reward_specs:
+            for spec in ([] if self.trusted else self.cfg.reward_specs):
                 cmd += ["--reward", spec]
             self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log"))
 
@@ -165,9 +177,20 @@ class LocalSystem:
                 proc.terminate()
         for proc in self.workers:
             _wait_or_kill(proc, 30)
+        for proc in self.scorers:  # SIGTERM: RQ's warm shutdown, the group in hand finishes
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.scorers:
+            _wait_or_kill(proc, 15)
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()
             _wait_or_kill(self.proxy, 15)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -197,8 +220,14 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None) -> dict[str, A
         "dead_lettered": dead,
         "duplicates_skipped": totals.get("rejected_duplicate", 0),
     }
+    if cfg.scoring_mode == "trusted":
+        out["scored"] = totals.get("scored_groups", 0)
+        out["rejected_by_scoring"] = totals.get("rejected_scoring", 0)
     if stats is not None:
-        out["in_queue"] = (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length
+        in_scoring = stats.unscored.length if stats.unscored is not None else 0
+        if cfg.scoring_mode == "trusted":
+            out["in_scoring"] = in_scoring
+        out["in_queue"] = (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring
         out["leases_at_end"] = dict(stats.leases_by_worker)
         out["balanced"] = out["issued"] == out["trained"] + sum(dropped.values()) + dead + out["in_queue"]
     return out

@@ -74,6 +74,7 @@ class Evaluator:
                 learner_version=version,
                 issued_at=time.time(),
                 pinned_version=version,
+                scoring=cfg.scoring_mode,  # type: ignore[arg-type]
             )
             for start in range(0, n, per)
         ]

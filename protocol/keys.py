@@ -12,6 +12,8 @@ ACTORS_GROUP = "actors"
 """Consumer group on the prompts stream; consumers are worker ids."""
 LEARNER_GROUP = "learner"
 """Consumer group on the rollouts stream."""
+SCORERS_GROUP = "scorers"
+"""Consumer group on the unscored stream; consumers are the scoring tier's dispatchers."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +30,26 @@ class Keys:
 
     @property
     def rollouts(self) -> str:
-        """Stream of rollout groups (fields: g = group id, m = message)."""
+        """Stream of rollout groups (fields: g = group id, b = batch id, m = message)."""
         return self._key("rollouts")
+
+    @property
+    def unscored(self) -> str:
+        """Stream of groups submitted by actors for trusted scoring (fields: g = group id,
+        b = batch id, m); only the scoring tier reads it. An entry is pending while a
+        dispatcher has read it and not yet made it a job, and deleted once scored."""
+        return self._key("unscored")
+
+    @property
+    def private(self) -> str:
+        """Hash: group id -> the full prompt (dataset columns included) of a trusted-scoring
+        batch, kept on the trusted side until its group is scored."""
+        return self._key("private")
+
+    @property
+    def scored_seen(self) -> str:
+        """Set of group ids ever scored into the rollouts stream: makes scoring idempotent."""
+        return self._key("scored-seen")
 
     @property
     def dead_letters(self) -> str:

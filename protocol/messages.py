@@ -197,6 +197,10 @@ class PromptBatch(_Struct, tag="prompt_batch", tag_field="type", kw_only=True):
     pinned_version: NonNegInt | None = None
     """Generate with exactly this adapter version (an evaluation; 0 is the base model);
     None: with the newest the actor has, as for training."""
+    scoring: Literal["actors", "trusted"] = "actors"
+    """Who scores the groups. `actors`: the worker, with its reward functions. `trusted`:
+    the scoring tier on the trusted side; the worker only generates, its prompts carry
+    no dataset columns, and its submission goes to a stream only the tier reads."""
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)
@@ -285,6 +289,9 @@ class RolloutGroup(_Struct, tag="rollout_group", tag_field="type", kw_only=True)
     never trained on as if its reward were 0."""
     timings: dict[str, float] = {}
     """Seconds spent per phase (e.g. generate_s, reward_s) and wall-clock marks."""
+    scored_by: Ident | None = None
+    """The scoring-tier worker that scored the group (trusted scoring); None when the
+    actor scored it, or for a group not yet scored."""
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)

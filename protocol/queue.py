@@ -120,7 +120,7 @@ class DeadLetter:
 
     entry_id: str
     source: str
-    """`prompts` for a batch; `rollouts` for an unreadable rollout entry."""
+    """`prompts` for a batch; `rollouts` or `unscored` for an unreadable group entry."""
     lease_id: str
     """The entry id the message had in its source stream (for a batch, its lease id)."""
     reason: str
@@ -159,6 +159,8 @@ class QueueStats:
     leases_by_worker: dict[str, int] = field(default_factory=dict)
     """Outstanding prompt leases per worker id."""
     latest_adapter_version: int = 0
+    unscored: StreamStats | None = None
+    """Groups submitted for trusted scoring and not yet scored (None: not reported)."""
 
 
 class AdapterSubscription(abc.ABC):

@@ -40,12 +40,15 @@ end
 -- Moves entry `id` of `stream` (named `source` in the record) to the dead letters.
 -- For a prompt batch, `seen` (the groups-seen set) lets the record name the group ids
 -- still missing: exactly the prompts lost with it.
-local function dead_letter(stream, source, dead, group, id, flat, deliveries, worker, reason, now, seen)
+-- `private` (the private-prompts hash) loses the records of those lost prompts.
+local function dead_letter(stream, source, dead, group, id, flat, deliveries, worker, reason, now, seen, private)
   local record = {'source', source, 'lease', id, 'm', field(flat, 'm') or '',
                   'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now}
   if seen and field(flat, 'g') then
+    local missing = missing_groups(field(flat, 'g'), seen)
     table.insert(record, 'missing')
-    table.insert(record, table.concat(missing_groups(field(flat, 'g'), seen), ' '))
+    table.insert(record, table.concat(missing, ' '))
+    if private and #missing > 0 then redis.call('HDEL', private, unpack(missing)) end
   end
   redis.call('XADD', dead, '*', unpack(record))
   redis.call('XACK', stream, group, id)
@@ -54,16 +57,24 @@ end
 """
 
 ADD_PROMPTS = r"""
--- KEYS: prompts, batches_seen   ARGV: (batch_id, payload, num_generations, max_tokens, expected)*
+-- KEYS: prompts, batches_seen, private
+-- ARGV: (batch_id, payload, num_generations, max_tokens, expected, scoring, k, (group_id, record)*k)*
 -- `expected` lists "<group id>:<prompt digest>;" for each prompt: what SUBMIT checks
--- groups against without decoding the batch.
+-- groups against without decoding the batch. `scoring` (actors | trusted) decides where
+-- SUBMIT stores the groups; a trusted batch's full prompts go to the private hash.
 local added = 0
-for i = 1, #ARGV, 5 do
+local i = 1
+while i <= #ARGV do
+  local k = tonumber(ARGV[i + 6])
   if redis.call('SADD', KEYS[2], ARGV[i]) == 1 then
     redis.call('XADD', KEYS[1], '*', 'b', ARGV[i], 'm', ARGV[i + 1], 'n', ARGV[i + 2],
-               't', ARGV[i + 3], 'g', ARGV[i + 4])
+               't', ARGV[i + 3], 'g', ARGV[i + 4], 's', ARGV[i + 5])
+    for j = i + 7, i + 6 + 2 * k, 2 do
+      redis.call('HSET', KEYS[3], ARGV[j], ARGV[j + 1])
+    end
     added = added + 1
   end
+  i = i + 7 + 2 * k
 end
 return added
 """
@@ -71,7 +82,7 @@ return added
 CLAIM_EXPIRED = (
     _HELPERS
     + r"""
--- KEYS: prompts, dead, groups_seen   ARGV: group, worker, lease_ms, max_deliveries, count, now
+-- KEYS: prompts, dead, groups_seen, private   ARGV: group, worker, lease_ms, max_deliveries, count, now
 -- Takes over leases idle longer than lease_ms; dead-letters batches delivered
 -- max_deliveries times already. Returns {{id, deliveries, payload}...}.
 local group, worker, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -83,7 +94,7 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
   if n >= max_deliveries then
     local entry = redis.call('XRANGE', KEYS[1], id, id)[1]
     dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, entry and entry[2], n, owner,
-                'max_deliveries', now, KEYS[3])
+                'max_deliveries', now, KEYS[3], KEYS[4])
     dead = dead + 1
   else
     local entry = redis.call('XCLAIM', KEYS[1], group, worker, lease_ms, id)[1]
@@ -92,7 +103,7 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
       table.insert(out, {id, n + 1, payload})
     else
       -- the payload was deleted behind our back (not by us): account for it, never drop it
-      dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, nil, n, owner, 'missing', now, nil)
+      dead_letter(KEYS[1], 'prompts', KEYS[2], group, id, nil, n, owner, 'missing', now, nil, nil)
       dead = dead + 1
     end
   end
@@ -110,7 +121,7 @@ local p = pending_entry(KEYS[1], ARGV[1], ARGV[2])
 if not p then return 0 end
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
 dead_letter(KEYS[1], ARGV[3], KEYS[2], ARGV[1], ARGV[2], entry and entry[2], p[4],
-            p[2], ARGV[4], ARGV[5], nil)
+            p[2], ARGV[4], ARGV[5], nil, nil)
 return 1
 """
 )
@@ -135,9 +146,10 @@ return held
 SUBMIT = (
     _HELPERS
     + r"""
--- KEYS: prompts, rollouts, groups_seen
+-- KEYS: prompts, rollouts, groups_seen, unscored
 -- ARGV: group, worker, lease_id, batch_id, (group_id, payload, completions, longest, digest)*
--- Checks every group against the lease before the first write, stores the new ones, and
+-- Checks every group against the lease before the first write, stores the new ones (in
+-- the rollouts stream, or for a batch scored on the trusted side in the unscored one), and
 -- finishes the lease when every prompt of its batch has its group; a partial submission
 -- keeps the lease and resets its idle time. Returns {stored, duplicates, held, finished,
 -- missing}, or an error naming the first failed check (nothing written).
@@ -195,9 +207,10 @@ for i = 5, #ARGV, 5 do
   end
 end
 local stored, dups = 0, 0
+local into = field(entry[2], 's') == 'trusted' and KEYS[4] or KEYS[2]
 for i = 5, #ARGV, 5 do
   if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
-    redis.call('XADD', KEYS[2], '*', 'g', ARGV[i], 'm', ARGV[i + 1])
+    redis.call('XADD', into, '*', 'g', ARGV[i], 'b', batch, 'm', ARGV[i + 1])
     stored = stored + 1
   else
     dups = dups + 1
@@ -227,6 +240,22 @@ redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[3], 'IDLE', ARGV[4],
 return 1
 """
 )
+
+STORE_SCORED = r"""
+-- KEYS: rollouts, scored_seen, unscored, private   ARGV: group, entry_id, group_id, payload
+-- The scoring tier's one write: a scored (or rejected) group enters the rollouts stream
+-- once however often it is scored; its unscored entry is deleted (and acknowledged, if
+-- the dispatcher had not yet), and its private prompt dropped. Returns 1 if stored, 0 if it was stored before.
+local stored = 0
+if redis.call('SADD', KEYS[2], ARGV[3]) == 1 then
+  redis.call('XADD', KEYS[1], '*', 'g', ARGV[3], 'm', ARGV[4])
+  stored = 1
+end
+redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[3], ARGV[2])
+redis.call('HDEL', KEYS[4], ARGV[3])
+return stored
+"""
 
 ACK_ROLLOUTS = r"""
 -- KEYS: rollouts   ARGV: group, id*

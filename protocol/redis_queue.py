@@ -16,12 +16,13 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import redis
 import redis.exceptions
 
 from protocol import redis_lua
 from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable
-from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, Keys
+from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
 from protocol.messages import (
     DEFAULT_LIMITS,
     AdapterManifest,
@@ -81,6 +82,18 @@ def _expected_groups(b: PromptBatch) -> str:
     return "".join(f"{group_id_for(b.batch_id, p.id)}:{prompt_digest(p.token_ids)};" for p in b.prompts)
 
 
+def split_private(b: PromptBatch) -> tuple[PromptBatch, dict[str, bytes]]:
+    """A batch as the actors may see it, and what stays on the trusted side. A batch
+    scored by the actors travels whole. A trusted-scoring batch loses its prompts'
+    dataset columns, which are kept per group id (the full `Prompt`, MessagePack) for
+    the scoring tier."""
+    if b.scoring != "trusted":
+        return b, {}
+    private = {group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(p) for p in b.prompts}
+    public = msgspec.structs.replace(b, prompts=[msgspec.structs.replace(p, columns={}) for p in b.prompts])
+    return public, private
+
+
 def _s(value: bytes | str | None) -> str:
     return value.decode() if isinstance(value, bytes) else (value or "")
 
@@ -107,6 +120,7 @@ class RedisQueue(Queue):
                 "DEAD_LETTER",
                 "HEARTBEAT",
                 "SUBMIT",
+                "STORE_SCORED",
                 "RELEASE",
                 "ACK_ROLLOUTS",
                 "ANNOUNCE",
@@ -156,6 +170,7 @@ class RedisQueue(Queue):
         for stream, group in (
             (self.keys.prompts, ACTORS_GROUP),
             (self.keys.rollouts, LEARNER_GROUP),
+            (self.keys.unscored, SCORERS_GROUP),
         ):
             try:
                 self._r.xgroup_create(stream, group, id="0", mkstream=True)
@@ -191,11 +206,14 @@ class RedisQueue(Queue):
         for b in batches:
             if not isinstance(b, PromptBatch):
                 raise ProtocolError(f"add_prompts: expected PromptBatch, got {type(b).__name__}")
-            args += [b.batch_id, encode(b, self.config.limits), b.num_generations, b.sampling.max_tokens,
-                     _expected_groups(b)]
+            public, private = split_private(b)
+            args += [b.batch_id, encode(public, self.config.limits), b.num_generations, b.sampling.max_tokens,
+                     _expected_groups(b), b.scoring, len(private)]
+            for group_id, record in private.items():
+                args += [group_id, record]
         if not args:
             return 0
-        return int(self._script("ADD_PROMPTS", [self.keys.prompts, self.keys.batches_seen], args))
+        return int(self._script("ADD_PROMPTS", [self.keys.prompts, self.keys.batches_seen, self.keys.private], args))
 
     def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
         _check_worker(worker)
@@ -204,7 +222,7 @@ class RedisQueue(Queue):
         block_ms = self._block_ms(block_s)
         expired = self._script(
             "CLAIM_EXPIRED",
-            [self.keys.prompts, self.keys.dead_letters, self.keys.groups_seen],
+            [self.keys.prompts, self.keys.dead_letters, self.keys.groups_seen, self.keys.private],
             [
                 ACTORS_GROUP,
                 worker,
@@ -269,7 +287,7 @@ class RedisQueue(Queue):
             )
         args[3] = batch_ids.pop()
         stored, dups, held, finished, missing = self._script(
-            "SUBMIT", [self.keys.prompts, self.keys.rollouts, self.keys.groups_seen], args
+            "SUBMIT", [self.keys.prompts, self.keys.rollouts, self.keys.groups_seen, self.keys.unscored], args
         )
         return SubmitResult(
             stored=int(stored), duplicates=int(dups), lease_held=bool(held), finished=bool(finished),
@@ -457,6 +475,7 @@ class RedisQueue(Queue):
                 _s(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
             },
             latest_adapter_version=int(version or 0),
+            unscored=self._stream_stats(self.keys.unscored, SCORERS_GROUP),
         )
 
     def close(self) -> None:

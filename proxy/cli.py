@@ -23,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Serve the HTTPS API in front of Redis and the adapter store.")
     a = serve.add_argument
     a("--redis", required=True, help="redis://host:port/db, or memory:// for an in-process Redis (fakeredis; gone when the proxy exits)")
+    a("--memory-redis-port", type=int, default=None,
+      help="with --redis memory://: also serve that in-process Redis on 127.0.0.1 at this port, for trusted local "
+           "tools (the embedded default's scoring worker); loopback only, no auth: never for a deployment")
     a("--store", required=True, help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed)")
     a("--tokens", type=Path, default=None, help="tokens TOML file (or the TOML text in SPOTGRPO_TOKENS)")
     a("--run", default="default", help="run name (the learner's --run)")
@@ -96,8 +99,13 @@ def serve(args: argparse.Namespace) -> int:
         if args.redis == "memory://":  # the embedded default: no Redis to install
             import fakeredis
 
-            queue = RedisQueue(fakeredis.FakeRedis(server=fakeredis.FakeServer(version=(7, 0))), config)
+            server = fakeredis.FakeServer(version=(7, 0))
+            queue = RedisQueue(fakeredis.FakeRedis(server=server), config)
             rate_storage = "async+memory://"
+            if args.memory_redis_port is not None:
+                share_memory_redis(server, args.memory_redis_port)
+        elif args.memory_redis_port is not None:
+            raise ValueError("--memory-redis-port: only with --redis memory://")
         else:
             # a connection for every worker thread, and some for the event hub and health checks
             queue = RedisQueue.from_url(args.redis, config, max_connections=THREADS + 16)
@@ -131,6 +139,26 @@ def serve(args: argparse.Namespace) -> int:
     )
     queue.close()
     return 0
+
+
+def share_memory_redis(server: object, port: int) -> None:
+    """Serve an in-process fakeredis server on loopback (fakeredis's own TCP server)."""
+    import threading
+
+    from fakeredis import TcpFakeServer
+    from fakeredis._clients._tcp_server import TCPFakeRequestHandler
+
+    class NoDelayHandler(TCPFakeRequestHandler):
+        # replies go out one small write each: without TCP_NODELAY a pipelined
+        # transaction waits ~40 ms on the client's delayed ACK (Nagle's algorithm)
+        disable_nagle_algorithm = True
+
+    tcp = TcpFakeServer(("127.0.0.1", port), server_type="redis", server_version=(7, 0))
+    tcp.RequestHandlerClass = NoDelayHandler
+    tcp.fake_server = server  # the proxy's own data, not a second, empty server
+    tcp.daemon_threads = True
+    threading.Thread(target=tcp.serve_forever, name="memory-redis", daemon=True).start()
+    log.info("in-process redis also on redis://127.0.0.1:%d (loopback, for trusted local tools)", port)
 
 
 def selfsigned(args: argparse.Namespace) -> int:

@@ -55,7 +55,12 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
     assert evals[-1]["eval/pass@1"] > evals[0]["eval/pass@1"] + 0.2, evals
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["evaluations"]["0"]["prompts"] == 16
-    assert summary["accounting"]["balanced"] and summary["accounting"]["dead_lettered"] == 0
+    accounting = summary["accounting"]
+    assert accounting["balanced"] and accounting["dead_lettered"] == 0
+    # scored by the trusted tier (its own worker beside the actors), nothing rejected there
+    assert accounting["scored"] >= accounting["trained"] > 0 and accounting["rejected_by_scoring"] == 0
+    assert "in_scoring" in accounting and (run_dir / "logs" / "scorer-0.log").exists()
+    assert all(r["score_s_mean"] >= 0 and r["scoring_latency_s_mean"] > 0 for r in rows)
     assert "reward" in proc.stderr and "done" in proc.stderr
 
 
@@ -133,7 +138,7 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
     env = dict(line.split("=", 1) for line in (REPO / "compose" / ".env.example").read_text().splitlines()
                if line and not line.startswith("#"))
     services = compose["services"]
-    assert {"redis", "minio", "proxy", "learner", "actors"} <= set(services)
+    assert {"redis", "minio", "proxy", "learner", "actors", "scorers"} <= set(services)
     assert "--appendonly" in services["redis"]["command"]
     ours = {}
     for name, service in services.items():
@@ -144,7 +149,7 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
             ours[name] = [_substitute(part, env) for part in command]
         for dep in service.get("depends_on", []):
             assert dep in services, f"{name} depends on a missing service {dep}"
-    assert set(ours) == {"proxy", "learner", "actors"}
+    assert set(ours) == {"proxy", "learner", "actors", "scorers"}
     from actors.cli import build_parser as actors_parser
     from learner.cli import build_parser as learner_parser
     from proxy.cli import build_parser as proxy_parser
@@ -158,6 +163,7 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
         parsers[command[0]].parse_args(command[1:])  # every flag exists and parses (SystemExit otherwise)
     assert "--insecure-http" not in ours["proxy"] and "--tls-cert" in ours["proxy"]
     assert "AWS_ACCESS_KEY_ID" not in services["actors"].get("environment", {})  # least privilege
+    assert "--reward" not in ours["actors"] and "--reward" in ours["scorers"]  # scored on the trusted side
     tokens = (REPO / "compose" / "tokens.example.toml").read_text()
     from proxy.auth import Tokens
 

@@ -55,3 +55,47 @@ def hangs_when_asked(prompts: list, completions: list, **_: object) -> list[floa
             Path(str(pid_file[0])).write_text(str(os.getpid()))
         time.sleep(300)
     return digit_first(prompts, completions)
+
+
+def _attempt(attempts_file: list) -> int:
+    """Appends this call to the prompt's private `attempts_file` column; returns how many
+    calls came before it (the column proves the private columns reach the scorer)."""
+    import os
+    from pathlib import Path
+
+    path = Path(str(attempts_file[0]))
+    before = len(path.read_text().splitlines()) if path.exists() else 0
+    with path.open("a") as f:
+        f.write(f"{os.getpid()}\n")
+    return before
+
+
+def raises_counting(prompts: list, completions: list, attempts_file: list, **_: object) -> list[float]:
+    _attempt(attempts_file)
+    raise ZeroDivisionError("the judge is down")
+
+
+def hangs_counting(prompts: list, completions: list, attempts_file: list, **_: object) -> list[float]:
+    _attempt(attempts_file)
+    time.sleep(60)
+    return [0.0] * len(completions)
+
+
+def slow_first_attempt(prompts: list, completions: list, attempts_file: list, **kw: object) -> list[float]:
+    """Hangs on the first call (long enough to kill its worker), digit_first after."""
+    if _attempt(attempts_file) == 0:
+        time.sleep(60)
+    return digit_first(prompts, completions, **kw)
+
+
+def answer_length(prompts: list, completions: list, answer: list, **_: object) -> list[float]:
+    """Reads a private column: the length of the reference answer, plus the completion's."""
+    return [float(len(str(a)) + len(_text(c))) for c, a in zip(completions, answer, strict=True)]
+
+
+async def async_digit_first(prompts: list, completions: list, **kw: object) -> list[float]:
+    """An `async def` reward (an HTTP judge would await its client here)."""
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return digit_first(prompts, completions, **kw)

@@ -1,0 +1,118 @@
+"""The trusted side's view of the queue: what the scoring tier reads and writes.
+
+In trusted scoring (`PromptBatch.scoring == "trusted"`), actors submit unscored groups;
+`SUBMIT` puts them in the `unscored` stream, which no actor or proxy route reads. The
+scoring tier (`actors score`, RQ workers on the same Redis) reads them through the
+consumer group `scorers` (an entry is pending from its read until its RQ job exists),
+scores them with the prompts' private columns (kept in the `private` hash by
+`add_prompts`), and stores each scored group in the rollouts stream with
+`store_scored`: once per group id however often it is scored, deleting its unscored
+entry in the same script. An entry leaves the stream only with its group stored, so
+the stream's length is what is being scored.
+
+Only trusted processes use this class: it needs Redis itself, not the proxy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from protocol.errors import ProtocolError
+from protocol.keys import SCORERS_GROUP
+from protocol.messages import Prompt, RolloutGroup, encode
+from protocol.redis_queue import RedisQueue, _check_ids, _check_worker, _decode_as, _fields, _s
+
+
+@dataclass(frozen=True)
+class UnscoredEntry:
+    entry_id: str
+    group_id: str
+    batch_id: str
+
+
+@dataclass(frozen=True)
+class UnscoredGroup:
+    entry_id: str
+    group: RolloutGroup
+    """As the actor submitted it; its rewards, if any, are ignored."""
+    prompt: Prompt | None
+    """The full prompt, dataset columns included; None if the record is gone (the group
+    was scored meanwhile, or the run's Redis lost it)."""
+
+
+class ScoringQueue(RedisQueue):
+    """`RedisQueue` plus the scoring tier's reads and its one write."""
+
+    @property
+    def client(self) -> Any:
+        """The redis-py client, for RQ (which needs a connection of its own kind)."""
+        return self._r
+
+    def _entries(self, raw: list[Any]) -> list[UnscoredEntry]:
+        return [UnscoredEntry(_s(i), _s(_fields(f).get("g")), _s(_fields(f).get("b"))) for i, f in raw if f is not None]
+
+    def read_unscored(self, consumer: str, count: int, block_s: float = 0.0) -> list[UnscoredEntry]:
+        """New unscored groups for dispatcher `consumer`, pending until it `dispatched` them."""
+        _check_worker(consumer)
+        block_ms = self._block_ms(block_s)
+        resp = self._call(lambda: self._r.xreadgroup(
+            SCORERS_GROUP, consumer, {self.keys.unscored: ">"}, count=count, block=block_ms))
+        return self._entries([e for _stream, entries in resp or () for e in entries])
+
+    def dispatched(self, entry_ids: list[str]) -> int:
+        """The entries are RQ jobs now: no longer pending (they stay in the stream, to be
+        read by the job and deleted when stored)."""
+        _check_ids("entry_ids", entry_ids)
+        if not entry_ids:
+            return 0
+        return int(self._call(lambda: self._r.xack(self.keys.unscored, SCORERS_GROUP, *entry_ids)))
+
+    def reclaim_unscored(self, consumer: str, idle_s: float, count: int = 100) -> list[UnscoredEntry]:
+        """Entries read by a dispatcher more than `idle_s` ago and never made jobs (it died
+        in between), now `consumer`'s to dispatch."""
+        _check_worker(consumer)
+        resp = self._call(lambda: self._r.xautoclaim(
+            self.keys.unscored, SCORERS_GROUP, consumer, int(idle_s * 1000), "0-0", count=count))
+        return self._entries(resp[1])
+
+    def fetch_unscored(self, entry_id: str) -> UnscoredGroup | None:
+        """The group of an unscored entry and its private prompt; None once it was stored
+        (the entry is deleted then). Raises `ProtocolError` for an unreadable entry."""
+        _check_ids("entry_id", [entry_id])
+        entries = self._call(lambda: self._r.xrange(self.keys.unscored, min=entry_id, max=entry_id))
+        if not entries:
+            return None
+        group = _decode_as(_fields(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
+        record = self._call(lambda: self._r.hget(self.keys.private, group.group_id))
+        prompt = None
+        if record is not None:
+            try:
+                prompt = msgspec.msgpack.decode(record, type=Prompt)
+            except (msgspec.MsgspecError, ProtocolError) as err:
+                raise ProtocolError(f"private prompt of group {group.group_id}: {err}") from None
+        return UnscoredGroup(entry_id=entry_id, group=group, prompt=prompt)
+
+    def is_scored(self, group_id: str) -> bool:
+        return bool(self._call(lambda: self._r.sismember(self.keys.scored_seen, group_id)))
+
+    def store_scored(self, entry_id: str, group: RolloutGroup) -> bool:
+        """Put a scored (or, with `error` set, rejected) group in the rollouts stream and
+        acknowledge its unscored entry. False if the group was stored before."""
+        _check_ids("entry_id", [entry_id])
+        if not isinstance(group, RolloutGroup):
+            raise ProtocolError(f"store_scored: expected RolloutGroup, got {type(group).__name__}")
+        return bool(self._script(
+            "STORE_SCORED",
+            [self.keys.rollouts, self.keys.scored_seen, self.keys.unscored, self.keys.private],
+            [SCORERS_GROUP, entry_id, group.group_id, encode(group, self.config.limits)],
+        ))
+
+    def dead_letter_unscored(self, entry_id: str, reason: str) -> None:
+        """An unscored entry that cannot be read goes to the dead letters (counted there)."""
+        _check_ids("entry_id", [entry_id])
+        self._script("DEAD_LETTER", [self.keys.unscored, self.keys.dead_letters],
+                     [SCORERS_GROUP, entry_id, "unscored", reason, time.time()])

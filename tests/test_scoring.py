@@ -1,0 +1,246 @@
+"""The trusted scoring tier (`--scoring trusted`): real Redis, real RQ workers (`actors
+score` processes, forking a work horse per job), the proxy over real TLS for what actors
+see on the wire."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgspec
+import pytest
+import redis
+
+from protocol import PromptBatch, QueueConfig, RedisQueue, RolloutGroup
+from protocol.scoring import ScoringQueue
+import factories
+from conftest import RedisServer, kill_process, stop_process
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET = "the-answer-is-4217"
+
+
+def trusted_batch(i: int, prompts: int = 2, **columns: object) -> PromptBatch:
+    b = factories.batch(i, prompts)
+    return msgspec.structs.replace(b, scoring="trusted", prompts=[
+        msgspec.structs.replace(p, columns={**p.columns, "answer": SECRET, **columns}) for p in b.prompts])
+
+
+@pytest.fixture
+def queue(redis_server: RedisServer, run_name: str) -> Iterator[RedisQueue]:
+    q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=30))
+    yield q
+    q.close()
+
+
+@pytest.fixture
+def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """`scorers(*flags, reward=...)` starts one `actors score` worker, as a user would
+    (named scorer-<n>-<run>: RQ worker names are global to the Redis)."""
+    started: list[subprocess.Popen] = []
+
+    def start(*flags: str, reward: str = "toy_rewards:digit_first") -> subprocess.Popen:
+        with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
+                 "--reward", reward, "--name", f"scorer-{len(started)}-{run_name}", "--maintenance-interval-s", "1",
+                 "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],
+                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        kill_process(proc)
+
+
+def submit_unscored(q: RedisQueue, batches: list[PromptBatch], reward: float = 100.0) -> list[str]:
+    """Claim and submit each batch as an actor would, with a forged reward on every completion."""
+    q.add_prompts(batches)
+    gids = []
+    for _ in batches:
+        (lease,) = q.claim("actor-1", 1)
+        groups = factories.groups(lease.batch)
+        forged = [msgspec.structs.replace(g, completions=[
+            msgspec.structs.replace(c, reward=reward, reward_components={"forged": reward}) for c in g.completions])
+            for g in groups]
+        assert q.submit("actor-1", lease.lease_id, forged).finished
+        gids += [g.group_id for g in groups]
+    return gids
+
+
+def read_all(q: RedisQueue, n: int, timeout_s: float = 60) -> list[RolloutGroup]:
+    out: list[RolloutGroup] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += [d.group for d in q.read_rollouts("learner-0", n, block_s=1.0)]
+    return out
+
+
+def test_private_columns_never_reach_an_actor_on_the_wire(make_proxy, run_name: str) -> None:
+    proxy = make_proxy()
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    wire: list[bytes] = []
+    actor.client.event_hooks["response"].append(lambda r: wire.append(r.read()))
+    try:
+        learner.add_prompts([trusted_batch(0), factories.batch(1)])
+        leases = actor.claim("w", 2)
+        assert {lease.batch.batch_id for lease in leases} == {"batch-0", "batch-1"}
+        trusted = next(lease for lease in leases if lease.batch.scoring == "trusted")
+        assert all(p.columns == {} for p in trusted.batch.prompts)
+        assert all(p.text for p in trusted.batch.prompts)  # what generation needs does travel
+        raw = b"".join(wire)
+        assert SECRET.encode() not in raw
+        assert b"level" in raw  # the actors-scored batch next to it keeps its columns: the check can fail
+    finally:
+        learner.close()
+        actor.close()
+    # nor in anything an actor could be handed later: the prompts stream holds the stripped batch
+    client = redis.Redis.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1])
+    entries = client.xrange(f"spotgrpo:{{{run_name}}}:prompts")
+    assert entries and all(SECRET.encode() not in v for _, f in entries for v in f.values())
+    client.close()
+
+
+def test_a_forged_reward_is_ignored_and_only_the_tier_writes_rollouts(queue: RedisQueue, scorers, run_name: str) -> None:
+    gids = submit_unscored(queue, [trusted_batch(i) for i in range(3)], reward=100.0)
+    # the actor's submission went to the unscored stream, not to the learner
+    assert queue.read_rollouts("learner-0", 10) == []
+    assert queue.stats().unscored.length == 6
+    scorers(reward="toy_rewards:answer_length")
+    groups = read_all(queue, 6)
+    assert sorted(g.group_id for g in groups) == sorted(gids)
+    for g in groups:
+        assert g.scored_by == f"scorer-0-{run_name}" and g.error is None
+        # len(SECRET) + len("xxxx"): the private column reached the scorer, the forgery did not
+        assert g.rewards == [float(len(SECRET) + 4)] * 4
+        assert all(c.reward_components == {"answer_length": float(len(SECRET) + 4)} for c in g.completions)
+        assert "score_s" in g.timings
+    stats = queue.stats()
+    assert stats.unscored.length == 0
+    assert queue._r.hlen(queue.keys.private) == 0  # private prompts go once scored
+
+
+def test_a_hung_reward_is_killed_at_its_timeout_and_its_group_rejected(queue: RedisQueue, scorers, tmp_path: Path) -> None:
+    attempts = tmp_path / "attempts"
+    submit_unscored(queue, [trusted_batch(0, prompts=1, attempts_file=str(attempts))])
+    started = time.monotonic()
+    scorers("--reward-timeout-s", "1", "--retries", "0", reward="toy_rewards:hangs_counting")
+    (group,) = read_all(queue, 1)
+    assert time.monotonic() - started < 30  # not the reward's 60 s
+    assert group.rewards == [None] * 4 and group.scored_by.startswith("scorer-0")
+    assert "scoring failed after 1 attempt(s)" in group.error and "timeout" in group.error.lower(), group.error
+    assert len(attempts.read_text().splitlines()) == 1
+
+
+def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueue, scorers, tmp_path: Path) -> None:
+    attempts = tmp_path / "attempts"
+    # two prompts of one lease: one job; it fails, is split per group, and each is retried
+    submit_unscored(queue, [trusted_batch(0, prompts=2, attempts_file=str(attempts))])
+    scorers("--retries", "2", "--retry-backoff-s", "0.2", reward="toy_rewards:raises_counting")
+    groups = read_all(queue, 2)
+    assert len(groups) == 2
+    for g in groups:
+        assert g.rewards == [None] * 4
+        assert g.error.startswith("scoring failed after 3 attempt(s)") and "ZeroDivisionError: the judge is down" in g.error
+    # the lease's job: 3 attempts, each stopping at the first group; then 3 per group
+    assert len(attempts.read_text().splitlines()) == 3 + 2 * 3
+    assert queue.stats().unscored.length == 0
+
+
+def test_a_scoring_worker_killed_mid_job_has_its_job_rerun_and_the_group_stored_once(
+    queue: RedisQueue, scorers, tmp_path: Path
+) -> None:
+    attempts = tmp_path / "attempts"
+    (gid,) = submit_unscored(queue, [trusted_batch(0, prompts=1, attempts_file=str(attempts))])
+    first = scorers("--retries", "1", reward="toy_rewards:slow_first_attempt")
+    deadline = time.monotonic() + 30
+    while not attempts.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    horse = int(attempts.read_text().split()[0])
+    # the machine dies: the worker and its work horse (a process group of its own), SIGKILL
+    first.kill()
+    os.kill(horse, signal.SIGKILL)
+    first.wait(10)
+    scorers("--retries", "1", reward="toy_rewards:slow_first_attempt")
+    groups = read_all(queue, 2, timeout_s=60)  # ask for more than one: a second copy would show
+    assert [g.group_id for g in groups] == [gid]
+    assert groups[0].error is None and groups[0].scored_by.startswith("scorer-1")
+    assert len(attempts.read_text().splitlines()) == 2  # run, killed, run again by RQ
+    assert queue._r.scard(queue.keys.scored_seen) == 1
+
+
+def test_scoring_workers_joining_and_leaving_during_a_run(queue: RedisQueue, scorers) -> None:
+    gids = submit_unscored(queue, [trusted_batch(i) for i in range(5)])
+    first = scorers("--groups-per-job", "1", reward="toy_rewards:slow_digit_first")
+    got = read_all(queue, 2)
+    second = scorers("--groups-per-job", "1", reward="toy_rewards:slow_digit_first")
+    gids += submit_unscored(queue, [trusted_batch(i) for i in range(5, 10)])
+    stop_process(first)  # SIGTERM: RQ's warm shutdown finishes the job in hand
+    assert first.returncode == 0
+    got += read_all(queue, 20 - len(got), timeout_s=90)
+    assert sorted(g.group_id for g in got) == sorted(gids)  # each once
+    assert {g.scored_by.split("-")[1] for g in got} == {"0", "1"}
+    assert second.poll() is None
+
+
+def test_scoring_is_idempotent_by_group_id(queue: RedisQueue, redis_server: RedisServer) -> None:
+    (gid, _) = submit_unscored(queue, [trusted_batch(0)])
+    sq = ScoringQueue.from_url(redis_server.url, queue.config)
+    entries = sq.read_unscored("d", 10)
+    item = sq.fetch_unscored(entries[0].entry_id)
+    assert item is not None and item.prompt is not None and item.prompt.columns["answer"] == SECRET
+    scored = msgspec.structs.replace(item.group, scored_by="t")
+    assert sq.store_scored(entries[0].entry_id, scored) is True
+    assert sq.store_scored(entries[0].entry_id, scored) is False  # a re-run job
+    assert sq.fetch_unscored(entries[0].entry_id) is None
+    assert [d.group.group_id for d in queue.read_rollouts("learner-0", 10)] == [gid]
+    sq.close()
+
+
+def test_a_dead_lettered_trusted_batch_drops_its_private_prompts(redis_server: RedisServer, run_name: str) -> None:
+    q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=0.2, max_deliveries=1))
+    q.add_prompts([trusted_batch(0)])
+    assert q._r.hlen(q.keys.private) == 2
+    q.claim("w", 1)
+    time.sleep(0.4)
+    assert q.claim("w", 1) == []
+    (dl,) = q.dead_letters()
+    assert len(dl.missing_groups) == 2 and q._r.hlen(q.keys.private) == 0
+    q.close()
+
+
+def test_an_actor_without_rewards_refuses_a_batch_the_actors_must_score(queue: RedisQueue, tiny_model: Path,
+                                                                         tmp_path: Path) -> None:
+    queue.add_prompts([factories.batch(0)])
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "run", "--queue", queue_url(queue), "--run", queue.config.run,
+         "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model), "--claim-block-s", "1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "start this worker with --reward" in proc.stderr
+    # and the lease went back at once, for a worker that can score it
+    assert queue.claim("other", 1)[0].batch.batch_id == "batch-0"
+
+
+def queue_url(q: RedisQueue) -> str:
+    kw = q._r.connection_pool.connection_kwargs
+    return f"redis://{kw['host']}:{kw['port']}/0"
+
+
+def test_actors_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServer) -> None:
+    def score(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "actors.cli", "score", *args], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+    proc = score("--redis", "https://proxy:8443", "--reward", "actors.tasks:next_digit")
+    assert proc.returncode == 2 and "never through the proxy" in proc.stderr
+    proc = score("--redis", redis_server.url, "--reward", "no_such_module:f")
+    assert proc.returncode == 2 and "cannot import no_such_module" in proc.stderr
