@@ -10,8 +10,9 @@ also through the proxy, publishing to a `file://` store under the run directory.
 and data are built locally (`learner/tiny.py`, `learner/tasks.py`); nothing is downloaded.
 
 Shutdown order: the learner stops (at its step budget or on Ctrl-C, with a checkpoint);
-the queue's outstanding work is counted for the summary; the actors get SIGTERM (they
-hand their leases back); then the proxy gets SIGTERM. `learner run --resume` continues
+the actors get SIGTERM (they hand their leases back) and the scoring worker too (RQ's
+warm shutdown: the job in hand finishes); the queue's outstanding work is counted for
+the summary; then the proxy gets SIGTERM. `learner run --resume` continues
 from the checkpoint: the in-process Redis starts empty and the learner re-issues what it
 had issued after its checkpoint.
 """
@@ -171,7 +172,8 @@ class LocalSystem:
     def alive(self) -> int:
         return sum(1 for w in self.workers if w.poll() is None)
 
-    def stop(self) -> None:
+    def stop_workers(self) -> None:
+        """Actors and scorers, so the queue holds still for the final count."""
         for proc in self.workers:  # SIGTERM: they hand their leases back and exit 0
             if proc.poll() is None:
                 proc.terminate()
@@ -182,6 +184,9 @@ class LocalSystem:
                 proc.terminate()
         for proc in self.scorers:
             _wait_or_kill(proc, 15)
+
+    def stop(self) -> None:
+        self.stop_workers()
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()
             _wait_or_kill(self.proxy, 15)
@@ -206,9 +211,10 @@ def _wait_or_kill(proc: subprocess.Popen[bytes], timeout: float) -> None:
         proc.wait(timeout=10)
 
 
-def accounting(state: Any, cfg: LearnerConfig, stats: Any | None) -> dict[str, Any]:
+def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue: int = 0) -> dict[str, Any]:
     """Where every issued prompt went: trained, dropped (by reason), dead-lettered, or
-    still in the queue when the run stopped."""
+    still in the queue when the run stopped. The queue also holds the evaluations still
+    out (`eval_in_queue` prompts), which are not training prompts."""
     totals = dict(state.totals)
     # a duplicate is a second copy of a consumed prompt's group, not a prompt of its own
     dropped = {k: v for k, v in totals.items() if k.startswith(("dropped_", "rejected_")) and k != "rejected_duplicate"}
@@ -227,7 +233,9 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None) -> dict[str, A
         in_scoring = stats.unscored.length if stats.unscored is not None else 0
         if cfg.scoring_mode == "trusted":
             out["in_scoring"] = in_scoring
-        out["in_queue"] = (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring
+        out["in_queue"] = (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring \
+            - eval_in_queue
+        out["eval_in_queue"] = eval_in_queue
         out["leases_at_end"] = dict(stats.leases_by_worker)
         out["balanced"] = out["issued"] == out["trained"] + sum(dropped.values()) + dead + out["in_queue"]
     return out
@@ -259,6 +267,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     queue = None
     stats = None
     state = None
+    eval_in_queue = 0
     try:
         system.start()
         queue = HttpQueue(system.url, system.secrets["learner"], QueueConfig(run=cfg.run), verify=str(system.cert))
@@ -270,6 +279,8 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         with LiveProgress(cfg.steps, system.alive, queue.stats, console) as progress:
             learner.on_step = progress.update
             state = learner.run()
+        system.stop_workers()  # what they hold goes back to the queue, which then holds still
+        eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0
         try:
             stats = queue.stats()
         except Exception as err:  # the summary can do without it
@@ -283,7 +294,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
             queue.close()
     curve = plot(cfg.resolved_run_dir)
     summary = summarise(cfg.resolved_run_dir, time.monotonic() - started, {
-        "accounting": accounting(state, cfg, stats) if state is not None else {},
+        "accounting": accounting(state, cfg, stats, eval_in_queue) if state is not None else {},
         "curve": str(curve) if curve else None,
         "metrics": str(cfg.resolved_run_dir / "metrics.jsonl"),
     })

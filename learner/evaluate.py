@@ -79,6 +79,10 @@ class Evaluator:
             for start in range(0, n, per)
         ]
 
+    def outstanding(self) -> int:
+        """Eval prompts issued whose groups have not come back (still in the queue)."""
+        return sum(run.expected - len(run.groups) for run in self.runs.values())
+
     def is_eval(self, batch_id: str) -> bool:
         return batch_id.startswith(self.prefix)
 

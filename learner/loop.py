@@ -123,7 +123,10 @@ class Learner:
                 self.report(groups, batch.rewards_N, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
                 if self.state.step % cfg.checkpoint_every == 0:
                     self.checkpoint()
-            if self.state.step != self._checkpointed_step:
+            # groups dropped since the last checkpoint (flat or stale, while collecting for a
+            # step that never ran) are consumed too: without a checkpoint they would stay
+            # pending in the queue and be counted twice
+            if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
         finally:
             self.publisher.close()

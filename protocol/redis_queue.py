@@ -467,15 +467,19 @@ class RedisQueue(Queue):
     def stats(self) -> QueueStats:
         consumers = self._call(lambda: self._r.xinfo_consumers(self.keys.prompts, ACTORS_GROUP))
         version = self._call(lambda: self._r.hget(self.keys.adapter_latest, "version"))
+        # upstream first (prompts -> unscored -> rollouts): work moving on while we count
+        # is counted twice, never missed
+        prompts = self._stream_stats(self.keys.prompts, ACTORS_GROUP)
+        unscored = self._stream_stats(self.keys.unscored, SCORERS_GROUP)
         return QueueStats(
-            prompts=self._stream_stats(self.keys.prompts, ACTORS_GROUP),
+            prompts=prompts,
             rollouts=self._stream_stats(self.keys.rollouts, LEARNER_GROUP),
             dead_letters=int(self._call(lambda: self._r.xlen(self.keys.dead_letters))),
             leases_by_worker={
                 _s(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
             },
             latest_adapter_version=int(version or 0),
-            unscored=self._stream_stats(self.keys.unscored, SCORERS_GROUP),
+            unscored=unscored,
         )
 
     def close(self) -> None:

@@ -12,14 +12,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import factories
 import msgspec
 import pytest
 import redis
+from conftest import RedisServer, kill_process, stop_process
 
 from protocol import PromptBatch, QueueConfig, RedisQueue, RolloutGroup
 from protocol.scoring import ScoringQueue
-import factories
-from conftest import RedisServer, kill_process, stop_process
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
