@@ -87,15 +87,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+OWN_WORK_NOTICE = (
+    "learner run: no --queue, so the whole system runs on this machine (the embedded default), "
+    "on your {what} with spotgrpo's normal defaults; the built-in task's settings (max_tokens 2, "
+    "learning_rate 3e-3, ...) apply only to the built-in task. Give --queue redis://... or https://... "
+    "for a distributed run."
+)
+
+
+def resolve_config(config_file: Path | None, overrides: dict[str, object]) -> tuple[LearnerConfig, str | None]:
+    """The run's settings, and a notice for the console's first line. Without a queue the
+    embedded system runs; the built-in task's own defaults apply only when the user gave
+    neither a model nor a data set: a user's own work gets the normal defaults (a tiny
+    task's learning rate and 2-token completions would silently ruin it), with a notice."""
+    cfg = load_config(config_file, overrides)
+    if cfg.queue:
+        return cfg, None
+    if not cfg.model and not cfg.dataset:
+        from learner.embedded import EMBEDDED_DEFAULTS
+
+        return load_config(config_file, overrides, defaults=EMBEDDED_DEFAULTS), None
+    what = " and ".join(f"--{n} {getattr(cfg, n)}" for n in ("model", "dataset") if getattr(cfg, n))
+    return cfg, OWN_WORK_NOTICE.format(what=what)
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
     try:
-        cfg = load_config(args.config, overrides)
+        cfg, notice = resolve_config(args.config, overrides)
         embedded = not cfg.queue
-        if embedded:  # no queue anywhere: the whole system on this machine
-            from learner.embedded import EMBEDDED_DEFAULTS
-
-            cfg = load_config(args.config, overrides, defaults=EMBEDDED_DEFAULTS)
+        if notice:
+            print(notice, file=sys.stderr)
         if cfg.token is None and os.environ.get("SPOTGRPO_TOKEN"):
             cfg.token = os.environ["SPOTGRPO_TOKEN"]
         if not embedded:

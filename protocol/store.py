@@ -178,15 +178,26 @@ class FileStore(Store):
 
 
 class S3Store(Store):
-    def __init__(self, bucket: str, prefix: str = "", client: object | None = None) -> None:
-        if client is None:
-            import boto3  # only s3:// users need boto3 on the import path
-            from botocore.config import Config
+    def __init__(self, bucket: str, prefix: str = "", client: object | None = None,
+                 presign_endpoint: str | None = None) -> None:
+        """`presign_endpoint`: the address presigned URLs name, when the workers reach the
+        bucket at another address than this process (MinIO inside compose as
+        `http://minio:9000`, outside as `https://s3.example.com`). boto3 has no setting
+        for a public endpoint, and a presigned URL signs its host, so a second client
+        with that endpoint signs them (locally: signing makes no request)."""
+        import boto3  # only s3:// users need boto3 on the import path
+        from botocore.config import Config
 
-            client = boto3.client(
-                "s3", config=Config(retries={"max_attempts": 3, "mode": "standard"})
-            )
+        config = Config(retries={"max_attempts": 3, "mode": "standard"})
+        if client is None:
+            client = boto3.client("s3", config=config)
         self.client = client
+        self.presign_client = client
+        if presign_endpoint is not None:
+            parsed = urlparse(presign_endpoint)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc:
+                raise ValueError(f"presign endpoint {presign_endpoint!r}: expected http(s)://host[:port]")
+            self.presign_client = boto3.client("s3", config=config, endpoint_url=presign_endpoint)
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
@@ -256,7 +267,7 @@ class S3Store(Store):
     def presign(self, key: str, expires_s: int) -> str | None:
         return self._call(
             f"presign {key}",
-            lambda: self.client.generate_presigned_url(
+            lambda: self.presign_client.generate_presigned_url(
                 "get_object",
                 Params={"Bucket": self.bucket, "Key": self._key(key)},
                 ExpiresIn=expires_s,
@@ -264,13 +275,16 @@ class S3Store(Store):
         )
 
 
-def open_store(url: str) -> Store:
-    """`file:///abs/path`, a plain local path, or `s3://bucket[/prefix]`."""
+def open_store(url: str, presign_endpoint: str | None = None) -> Store:
+    """`file:///abs/path`, a plain local path, or `s3://bucket[/prefix]` (with, for the
+    proxy, the public endpoint its presigned URLs name)."""
     parsed = urlparse(url)
+    if presign_endpoint is not None and parsed.scheme != "s3":
+        raise ValueError(f"presign endpoint: only for an s3:// store, not {url!r} (a file store is streamed)")
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ValueError(f"store {url!r}: s3:// URLs need a bucket (s3://bucket/prefix)")
-        return S3Store(parsed.netloc, parsed.path)
+        return S3Store(parsed.netloc, parsed.path, presign_endpoint=presign_endpoint)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"store {url!r}: file:// URLs take an absolute path (file:///dir)")

@@ -46,6 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--header-timeout-s", type=float, default=10.0, help="close a connection whose request headers take longer than this")
     a("--backlog-limit", type=int, default=100_000, help="503 for submissions while this many groups wait")
     a("--presign-s", type=int, default=300, help="lifetime of presigned adapter URLs")
+    a("--presign-endpoint", default=os.environ.get("SPOTGRPO_PRESIGN_ENDPOINT"),
+      help="s3:// store: the public address presigned URLs name, when workers reach the bucket elsewhere than "
+           "AWS_ENDPOINT_URL (compose's http://minio:9000); or SPOTGRPO_PRESIGN_ENDPOINT")
     a("--body-timeout-s", type=float, default=30.0, help="408 when a request body takes longer than this to arrive")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -110,7 +113,7 @@ def serve(args: argparse.Namespace) -> int:
             # a connection for every worker thread, and some for the event hub and health checks
             queue = RedisQueue.from_url(args.redis, config, max_connections=THREADS + 16)
             rate_storage = "async+" + args.redis
-        store = open_store(args.store)
+        store = open_store(args.store, presign_endpoint=args.presign_endpoint)
     except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
         print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)
         return 1

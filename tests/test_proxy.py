@@ -299,6 +299,75 @@ def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_ser
     actor.close()
 
 
+class Forwarder:
+    """A TCP port that forwards to another: the bucket's public address, the only one an
+    outside worker can reach. Counts the connections it carried."""
+
+    def __init__(self, target_port: int) -> None:
+        import socket
+        import socketserver
+
+        forwarder = self
+
+        class Pipe(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                forwarder.connections += 1
+                upstream = socket.create_connection(("127.0.0.1", target_port))
+
+                def pump(src: socket.socket, dst: socket.socket) -> None:
+                    try:
+                        while data := src.recv(65536):
+                            dst.sendall(data)
+                    except OSError:
+                        pass
+                    finally:
+                        dst.close()
+
+                back = threading.Thread(target=pump, args=(upstream, self.request), daemon=True)
+                back.start()
+                pump(self.request, upstream)
+                back.join(5)
+
+        self.connections = 0
+        self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Pipe)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_presigned_urls_name_the_public_endpoint(make_proxy, s3_bucket, moto_server) -> None:  # type: ignore[no-untyped-def]
+    """The proxy reaches the bucket at AWS_ENDPOINT_URL (compose's http://minio:9000);
+    outside workers only at the public address, which `--presign-endpoint` names."""
+    public = Forwarder(moto_server.port)
+    try:
+        proxy = make_proxy(store=f"s3://{s3_bucket}/run", env=moto_server.env(),
+                           extra=("--presign-endpoint", f"http://127.0.0.1:{public.port}"))
+        _manifest(open_store(f"s3://{s3_bucket}/run"), 3)
+        actor = proxy.queue("actor")
+        download = actor.adapter_download(3)
+        assert all(u.startswith(f"http://127.0.0.1:{public.port}/") for u in download.urls.values()), download.urls
+        assert actor.fetch_adapter_file(download, "adapter_model.safetensors") == b"weights-3"
+        assert public.connections >= 1  # the bytes came through the public address
+        actor.close()
+    finally:
+        public.close()
+
+
+def test_a_presign_endpoint_needs_an_s3_store(tmp_path, tls_pair, tokens_file) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--redis", "memory://", "--store", (tmp_path / "s").as_uri(),
+         "--tokens", str(tokens_file), "--tls-cert", str(tls_pair[0]), "--tls-key", str(tls_pair[1]),
+         "--presign-endpoint", "https://s3.example.com"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "only for an s3:// store" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(make_proxy, tmp_path) -> None:  # type: ignore[no-untyped-def]
     proxy = make_proxy()
