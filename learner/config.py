@@ -79,7 +79,7 @@ class LearnerConfig(BaseModel):
     sync_every: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
     checkpoint_every: int = Field(10, ge=1, description="Checkpoint (and acknowledge consumed rollouts) every this many steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store.")
-    keep_adapters: int = Field(0, ge=0, description="Adapter versions kept in the store (0: keep all).")
+    keep_adapters: int | None = Field(None, ge=0, description="Adapter versions kept in the store, newest first, besides those that evaluations or kept checkpoints pin (default: max_staleness + 2, what actors may still generate with; 0: keep all).")
     seed: int = Field(0, description="Seeds data order and torch.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (gradient accumulation).")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per collected batch (minibatches); >1 uses the decoupled PPO objective.")
@@ -189,6 +189,11 @@ class LearnerConfig(BaseModel):
     def warmup(self) -> int:
         """Warmup steps, from warmup_steps or warmup_ratio."""
         return self.warmup_steps if self.warmup_ratio is None else math.ceil(self.warmup_ratio * self.steps)
+
+    @property
+    def adapters_kept(self) -> int:
+        """keep_adapters, or its default: every version actors may still generate with."""
+        return self.keep_adapters if self.keep_adapters is not None else self.max_staleness + 2
 
     @property
     def scoring_mode(self) -> str:

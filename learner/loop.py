@@ -8,6 +8,7 @@ checkpoint that holds its effect is written (see `learner.checkpoint`).
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import threading
@@ -83,8 +84,11 @@ class Learner:
             cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup * cfg.updates_per_batch,
             num_training_steps=cfg.steps * cfg.updates_per_batch,
         )
+        self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
+        """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
         self.publisher = Publisher(
-            store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.keep_adapters
+            store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.adapters_kept,
+            protected=self.pinned_versions,
         )
         self.state = LearnerState()
         self.stop_requested = stop_requested or threading.Event()
@@ -423,6 +427,14 @@ class Learner:
             self.evaluator.due.append(self.state.policy_version)
         return time.monotonic() - started
 
+    def pinned_versions(self) -> set[int]:
+        """Versions the store must keep beyond the newest few: evaluations due or running
+        (actors load them by number) and the versions of kept checkpoints."""
+        pinned = set(self._checkpoint_versions)
+        if self.evaluator is not None:
+            pinned |= set(self.evaluator.due) | set(self.evaluator.runs)
+        return pinned
+
     def finite_adapter(self) -> dict[str, torch.Tensor]:
         """A snapshot of the adapter, or LearnerError if any value is NaN or infinite: such
         an adapter is never published (actors would generate garbage) nor checkpointed
@@ -456,6 +468,7 @@ class Learner:
             log.error("checkpoint at step %d failed, training on: %s", self.state.step, err)
             return
         self._checkpointed_step = self.state.step
+        self._checkpoint_versions.append(self.state.policy_version)
         acked = list(self.state.unacked.values())
         try:
             self.queue.ack_rollouts(acked)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import queue as stdqueue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +38,9 @@ from protocol.store import (
 log = logging.getLogger(__name__)
 
 
+_VERSION_DIR = re.compile(r"^adapters/v(\d+)/")
+
+
 @dataclass(frozen=True)
 class PublishJob:
     version: int
@@ -54,14 +58,19 @@ class Publisher:
         base_model: str,
         rank: int,
         keep_adapters: int = 0,
+        protected: Callable[[], set[int]] | None = None,
         attempts: int = 5,
         backoff_s: float = 0.5,
     ) -> None:
+        """`keep_adapters`: versions kept in the store, newest first (0: all); older ones
+        are deleted unless `protected()` names them (pinned evaluations, the versions of
+        kept checkpoints)."""
         self.store = store
         self.queue = queue
         self.base_model = base_model
         self.rank = rank
         self.keep_adapters = keep_adapters
+        self.protected = protected or set
         self.attempts = attempts
         self.backoff_s = backoff_s
         self.failures = 0
@@ -148,11 +157,17 @@ class Publisher:
         self._prune(job.version)
 
     def _prune(self, newest: int) -> None:
+        """Delete every version older than the newest `keep_adapters` that nothing protects
+        (a version skipped once is looked at again at the next publish)."""
         if not self.keep_adapters:
             return
-        old = newest - self.keep_adapters
-        if old >= 1:
-            try:
-                self.store.delete([k for k in self.store.list(f"adapters/v{old}/")])
-            except StoreError as err:  # a leftover old version costs only space
-                log.warning("could not prune adapter v%d: %s", old, err)
+        try:
+            keys = self.store.list("adapters/")
+            keep = set(range(newest - self.keep_adapters + 1, newest + 1)) | self.protected()
+            old = {int(m[1]) for k in keys if (m := _VERSION_DIR.match(k)) and int(m[1]) not in keep}
+            doomed = [k for k in keys if (m := _VERSION_DIR.match(k)) and int(m[1]) in old]
+            if doomed:
+                self.store.delete(doomed)
+                log.info("pruned adapter versions %s", ", ".join(f"v{v}" for v in sorted(old)))
+        except StoreError as err:  # a leftover old version costs only space
+            log.warning("could not prune old adapter versions: %s", err)

@@ -185,3 +185,36 @@ def test_publisher_reraises_a_bug_on_the_training_thread(tmp_path: Path) -> None
     publisher.submit(PublishJob(1, 1, {"w": torch.zeros(2)}, b"not json config"))  # no queue: AttributeError
     with pytest.raises(RuntimeError, match="publisher died"):
         publisher.close()
+
+
+def test_old_adapter_versions_are_pruned_except_the_pinned_ones(tmp_path: Path) -> None:
+    """The newest `keep_adapters` stay, and any version something pins (an evaluation in
+    progress, a kept checkpoint's), however old; the rest go, a skipped one at a later publish."""
+    from learner.publish import Publisher, PublishJob
+
+    class Announced:
+        def announce(self, manifest: AdapterManifest) -> str:
+            return "1-0"
+
+    store = FileStore(tmp_path)
+    pinned = {2}
+    state = {"w": torch.zeros(2)}
+    publisher = Publisher(store, Announced(), base_model="m", rank=1, keep_adapters=3,  # type: ignore[arg-type]
+                          protected=lambda: set(pinned))
+    for version in range(1, 8):
+        publisher.submit(PublishJob(version, version, state, b"{}"))
+        publisher.flush()
+    versions = sorted({int(k.split("/")[1][1:]) for k in store.list("adapters/")})
+    assert versions == [2, 5, 6, 7]
+    pinned.clear()  # the evaluation of v2 is done
+    publisher.submit(PublishJob(8, 8, state, b"{}"))
+    publisher.close()
+    assert sorted({int(k.split("/")[1][1:]) for k in store.list("adapters/")}) == [6, 7, 8]
+    assert store.exists(adapter_key(8, MANIFEST))
+
+
+def test_the_default_retention_keeps_what_actors_may_still_use() -> None:
+    from learner.config import LearnerConfig
+
+    assert LearnerConfig(max_staleness=4).adapters_kept == 6
+    assert LearnerConfig(keep_adapters=0).adapters_kept == 0  # keep all
