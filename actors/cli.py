@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--grace-s", type=float, default=0.0,
       help="on SIGTERM, let the batch in hand finish for this long before handing it back (default 0: at once)")
     a("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    a("--report-every-s", type=float, default=10.0,
+      help="report this worker's status (adapter loaded, last error, throughput) on the queue this often (default 10)")
     a("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="model dtype (default: float32 for transformers, auto for vllm)")
     a("--max-num-seqs", type=int, default=None,
       help="sequences kept in the engine at once, across leases (default: vLLM's scheduler limit for the GPU; "
@@ -208,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
         on_refused=lambda v, reason: metrics.adapters_refused.inc(),
     )
     worker = Worker(queue, engine, watcher, scorer, worker_id, claim_block_s=args.claim_block_s,
-                    grace_s=args.grace_s, max_num_seqs=args.max_num_seqs, metrics=metrics)
+                    grace_s=args.grace_s, max_num_seqs=args.max_num_seqs, metrics=metrics,
+                    report_every_s=args.report_every_s)
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()
     try:

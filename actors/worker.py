@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -51,6 +52,7 @@ from protocol import (
     QueueTLSError,
     QueueUnavailable,
     RolloutGroup,
+    WorkerStatus,
     group_id_for,
     pack_i32,
 )
@@ -99,8 +101,12 @@ class Flight:
 class Heartbeat:
     """Keeps every lease in flight alive with one call per interval, from a thread."""
 
-    def __init__(self, queue: Queue, worker: str, interval_s: float) -> None:
+    def __init__(self, queue: Queue, worker: str, interval_s: float,
+                 status: Callable[[], WorkerStatus] | None = None, report_every_s: float = 10.0) -> None:
+        """`status`: this worker's status, reported every `report_every_s` (the fleet view)."""
         self.queue, self.worker, self.interval_s = queue, worker, interval_s
+        self.status, self.report_every_s = status, report_every_s
+        self._reported_at = 0.0
         self.lease_ids: set[str] = set()
         self.lost: set[str] = set()
         self._lock = threading.Lock()
@@ -128,8 +134,25 @@ class Heartbeat:
             lost, self.lost = self.lost, set()
             return lost
 
+    def report(self) -> None:
+        """Report the worker's status now (errors are logged: the fleet view can wait)."""
+        if self.status is None:
+            return
+        self._reported_at = time.monotonic()
+        try:
+            self.queue.report_status(self.status())
+        except QueueError as err:
+            log.warning("status report failed (will retry): %s", err)
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        beat_at = time.monotonic()
+        tick = min(self.interval_s, self.report_every_s) if self.status is not None else self.interval_s
+        while not self._stop.wait(tick):
+            if self.status is not None and time.monotonic() - self._reported_at >= self.report_every_s:
+                self.report()
+            if time.monotonic() - beat_at < self.interval_s - 1e-3:
+                continue
+            beat_at = time.monotonic()
             with self._lock:
                 ids = sorted(self.lease_ids)
             if not ids:
@@ -159,6 +182,7 @@ class Worker:
         max_backoff_s: float = 30.0,
         max_num_seqs: int | None = None,
         metrics: WorkerMetrics | None = None,
+        report_every_s: float = 10.0,
     ) -> None:
         self.queue, self.engine, self.watcher, self.scorer = queue, engine, watcher, scorer
         self.worker_id = worker_id
@@ -168,7 +192,14 @@ class Worker:
         self.max_num_seqs = max_num_seqs or engine.max_num_seqs
         """Sequences kept in the engine; leases are claimed while there is room for one more."""
         self.metrics = metrics or WorkerMetrics()
-        self.heartbeat = Heartbeat(queue, worker_id, max(0.5, queue.config.lease_timeout_s / 3))
+        self.heartbeat = Heartbeat(queue, worker_id, max(0.5, queue.config.lease_timeout_s / 3),
+                                   status=self.status, report_every_s=report_every_s)
+        self.last_error: str | None = None
+        """The latest refusal or error, one line, for the status report."""
+        self.tokens_generated = 0
+        self.groups_submitted = 0
+        self._rate_mark = (time.monotonic(), 0)
+        self._refusal_seen = 0
         self.stopping = threading.Event()
         self.abort = threading.Event()
         """Set when the grace period is over: the engine drops what it generates."""
@@ -185,6 +216,26 @@ class Worker:
         """While the queue is unreachable, no queue call before this time."""
         self._idle_claim_at = 0.0
         """After an empty non-blocking claim, the next one waits until this time."""
+
+    # ----------------------------------------------------------------- status
+    def status(self) -> WorkerStatus:
+        """What the fleet view shows of this worker (called from the heartbeat thread)."""
+        now, tokens = time.monotonic(), self.tokens_generated
+        then, before = self._rate_mark
+        self._rate_mark = (now, tokens)
+        refused = dict(self.watcher.refused)
+        if refused and max(refused) > self._refusal_seen:
+            self._refusal_seen = max(refused)
+            self._error(f"adapter v{self._refusal_seen} refused: {refused[self._refusal_seen]}")
+        return WorkerStatus(
+            worker=self.worker_id, engine=type(self.engine).__name__[:64],
+            adapter_version=max(0, self.watcher.current), leases=len(self.flights),
+            groups_done=self.groups_submitted, tokens_per_s=(tokens - before) / max(now - then, 1e-3),
+            adapters_refused=len(self.watcher.refused), last_error=self.last_error, reported_at=time.time(),
+        )
+
+    def _error(self, text: str) -> None:
+        self.last_error = text[:2000]
 
     # ----------------------------------------------------------------- control
     def stop(self) -> None:
@@ -239,6 +290,7 @@ class Worker:
         except QueueUnavailable as err:
             self.metrics.connection_errors.inc()
             log.warning("queue unavailable, retrying in %.1fs: %s", self._backoff, err)
+            self._error(f"queue unavailable: {err}")
             self._queue_back_at = time.monotonic() + self._backoff
             self._backoff = min(self._backoff * 2, self.max_backoff_s)
 
@@ -272,6 +324,7 @@ class Worker:
             # an evaluation of a version this worker cannot load: let the lease expire, so
             # that it is tried elsewhere and, failing that, dead-lettered and counted
             log.error("lease %s: cannot load adapter v%d for its evaluation; leaving it", lease.lease_id, version)
+            self._error(f"cannot load adapter v{version} for an evaluation")
             self.batches_claimed += 1
             return
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
@@ -325,7 +378,9 @@ class Worker:
         if scores.error is not None:
             self.metrics.reward_errors.inc()
             log.warning("batch %s prompt %s: %s", batch.batch_id, prompt.id, scores.error)
+            self._error(f"reward: {scores.error}")
         self.metrics.tokens.inc(sum(len(s.token_ids) for s in samples))
+        self.tokens_generated += sum(len(s.token_ids) for s in samples)
         return RolloutGroup(
             group_id=group_id_for(batch.batch_id, prompt.id),
             batch_id=batch.batch_id,
@@ -361,10 +416,12 @@ class Worker:
             except QueueRefused as err:  # not ours any more, or not an answer: the holder redoes it
                 self.metrics.submissions_refused.inc()
                 log.warning("lease %s: submission refused, dropping %d groups: %s", lease_id, len(groups), err)
+                self._error(f"submission refused: {err}")
                 flight.lost, flight.ready = True, []
                 continue
             del flight.ready[: len(groups)]
             self.metrics.groups.inc(result.stored)
+            self.groups_submitted += result.stored
             if not result.lease_held:
                 log.info("lease %s was already finished; its %d groups were stored before", lease_id, result.duplicates)
             if flight.done:

@@ -22,6 +22,7 @@ from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_
 from learner.config import LearnerConfig
 from learner.data import PromptSource, load_rows
 from learner.evaluate import Evaluator
+from learner.fleet import FleetWatch
 from learner.metrics import MetricsLog, clean, console_line
 from learner.policy import Policy
 from learner.publish import Publisher, PublishJob
@@ -31,6 +32,7 @@ from protocol import (
     Delivery,
     PromptBatch,
     Queue,
+    QueueError,
     QueueUnavailable,
     RolloutGroup,
     SamplingParams,
@@ -102,6 +104,8 @@ class Learner:
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
         self.metrics: MetricsLog | None = None
+        self.fleet = FleetWatch()
+        self._fleet_checked_at = 0.0
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -276,6 +280,7 @@ class Learner:
                 return None
             try:
                 self.poll_dead_letters()
+                self.check_fleet()
                 self.feed()
                 self.issue_evals()
                 if self._replay:
@@ -313,6 +318,18 @@ class Learner:
                         self._dropped_rewards.extend(float(r) for r in d.group.rewards)  # type: ignore[arg-type]
         groups, self._collected = self._collected, []
         return groups
+
+    def check_fleet(self, every_s: float = 15.0) -> None:
+        """Every `every_s`: name the workers that lag or refuse adapters (`learner.fleet`)."""
+        if time.monotonic() - self._fleet_checked_at < every_s:
+            return
+        self._fleet_checked_at = time.monotonic()
+        try:
+            workers = self.queue.workers()
+        except QueueError as err:  # the fleet view is advice; training goes on without it
+            log.debug("no worker statuses: %s", err)
+            return
+        self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness)
 
     def issue_evals(self) -> None:
         """Issue the evaluations of versions now published (version 0 at once)."""
@@ -538,6 +555,8 @@ class Learner:
             "inflight": self.state.inflight,
             "epoch": self.source.epochs(self.state.cursor),
             "publish_failures": self.publisher.failures,
+            "workers_live": self.fleet.live,
+            "workers_lagging": self.fleet.lagging,
             "time": time.time(),
             **self._eval_figures,
         })

@@ -25,6 +25,7 @@ from protocol.messages import (
     PosInt,
     PromptBatch,
     RolloutGroup,
+    WorkerStatus,
     _check_limits,
     _check_schema,
     _field_path,
@@ -102,6 +103,20 @@ class AdapterDownload(_Body, tag="adapter_download"):
     """True when the URLs are the proxy's own and need the bearer token."""
 
 
+class ReportStatusRequest(_Body, tag="report_status"):
+    status: WorkerStatus
+    """Its `worker` is the worker's own name; the proxy puts the token's name first."""
+
+
+class ReportStatusResponse(_Body, tag="reported"):
+    worker: str
+    """The name the status is listed under."""
+
+
+class WorkersResponse(_Body, tag="workers"):
+    workers: list[WorkerStatus]
+
+
 # --------------------------------------------------------------- learner routes
 
 
@@ -168,13 +183,13 @@ class ErrorResponse(_Body, tag="error"):
 
 
 REQUESTS = (
-    ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, AddPromptsRequest,
+    ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
     ReadRolloutsRequest, AckRequest, AnnounceRequest,
 )  # fmt: skip
 RESPONSES = (
-    ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, AdapterDownload,
+    ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
-    AdapterEventsResponse, DeadLettersResponse, StatsResponse, ErrorResponse,
+    AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ErrorResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -66,14 +66,17 @@ from protocol.http import (
     ReadRolloutsRequest,
     ReleaseRequest,
     ReleaseResponse,
+    ReportStatusRequest,
+    ReportStatusResponse,
     RolloutsResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
+    WorkersResponse,
     decode_body,
     encode_body,
 )
-from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, decode
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus, decode
 from protocol.queue import (
     AdapterEvent,
     AdapterSubscription,
@@ -302,6 +305,13 @@ class HttpQueue(Queue):
         if r.status_code != 200:
             raise StoreError(f"adapter v{version}/{name}: HTTP {r.status_code}")
         return r.content
+
+    # ------------------------------------------------------------------- fleet
+    def report_status(self, status: WorkerStatus) -> None:
+        self._call("POST", "/v1/workers/status", ReportStatusResponse, ReportStatusRequest(status=status))
+
+    def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
+        return self._call("GET", "/v1/workers", WorkersResponse, params={"max_age_s": max(1, round(max_age_s))}).workers
 
     # ------------------------------------------------------------------- everyone
     def stats(self) -> QueueStats:

@@ -67,6 +67,11 @@ class Keys:
         return self._key("groups-seen")
 
     @property
+    def workers(self) -> str:
+        """Hash: worker name -> its latest WorkerStatus (MessagePack)."""
+        return self._key("workers")
+
+    @property
     def adapter_latest(self) -> str:
         """Hash: version, m (manifest), event (its id in adapter-events)."""
         return self._key("adapter-latest")

@@ -340,12 +340,39 @@ class AdapterManifest(_Struct, tag="adapter_manifest", tag_field="type", kw_only
             raise ProtocolError("files: file names must be unique")
 
 
-Message = PromptBatch | RolloutGroup | AdapterManifest
+class WorkerStatus(_Struct, tag="worker_status", tag_field="type", kw_only=True):
+    """What a rollout worker reports about itself, every few seconds, for the fleet view
+    (`GET /v1/workers`, the learner's warnings about lagging or refusing workers)."""
+
+    schema: int = SCHEMA_VERSION
+    worker: Ident
+    """The queue's name for it (through the proxy: the token's name first)."""
+    engine: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    adapter_version: NonNegInt = 0
+    """The newest adapter version it has loaded (0: the base model)."""
+    leases: NonNegInt = 0
+    """Leases in flight."""
+    groups_done: NonNegInt = 0
+    tokens_per_s: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)] = 0.0
+    """Generated tokens per second over the last report interval."""
+    adapters_refused: NonNegInt = 0
+    """Adapter versions it could not load (a bad download, a rank above its limit...)."""
+    last_error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
+    """The latest refusal or error it met, in one line; None if none."""
+    reported_at: Timestamp
+
+    def __post_init__(self) -> None:
+        _check_schema(self.schema)
+        _check_finite("tokens_per_s", self.tokens_per_s)
+
+
+Message = PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus
 
 _TAGS = {
     "prompt_batch": PromptBatch,
     "rollout_group": RolloutGroup,
     "adapter_manifest": AdapterManifest,
+    "worker_status": WorkerStatus,
 }
 
 
@@ -474,7 +501,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
 
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Serialize one message to MessagePack, validated exactly as `decode` would."""
-    if not isinstance(msg, PromptBatch | RolloutGroup | AdapterManifest):
+    if not isinstance(msg, PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus):
         raise ProtocolError(f"message: cannot encode {type(msg).__name__}")
     try:
         data = _ENCODER.encode(msg)

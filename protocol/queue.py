@@ -34,7 +34,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
-from protocol.messages import DEFAULT_LIMITS, AdapterManifest, Limits, PromptBatch, RolloutGroup
+from protocol.messages import (
+    DEFAULT_LIMITS,
+    AdapterManifest,
+    Limits,
+    PromptBatch,
+    RolloutGroup,
+    WorkerStatus,
+)
 
 _MAX_U64 = 2**64 - 1
 
@@ -250,6 +257,15 @@ class Queue(abc.ABC):
     @abc.abstractmethod
     def subscribe_adapters(self) -> AdapterSubscription:
         """Push notifications of announcements made from now on."""
+
+    # -- fleet status
+    @abc.abstractmethod
+    def report_status(self, status: WorkerStatus) -> None:
+        """A worker's latest status (replaces its previous one)."""
+
+    @abc.abstractmethod
+    def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
+        """Workers that reported within `max_age_s`, by name (older reports are forgotten)."""
 
     # -- everyone
     @abc.abstractmethod

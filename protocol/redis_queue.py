@@ -29,6 +29,7 @@ from protocol.messages import (
     Limits,
     PromptBatch,
     RolloutGroup,
+    WorkerStatus,
     decode,
     encode,
     group_id_for,
@@ -50,7 +51,7 @@ from protocol.queue import (
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest)
+M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
 _WORKER = re.compile(r"^[^\x00-\x20]{1,256}$")
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
 
@@ -448,6 +449,32 @@ class RedisQueue(Queue):
 
     def subscribe_adapters(self) -> AdapterSubscription:
         return _RedisAdapterSubscription(self)
+
+    # ------------------------------------------------------------------ fleet
+
+    def report_status(self, status: WorkerStatus) -> None:
+        if not isinstance(status, WorkerStatus):
+            raise ProtocolError(f"report_status: expected WorkerStatus, got {type(status).__name__}")
+        _check_worker(status.worker)
+        self._call(lambda: self._r.hset(self.keys.workers, status.worker, encode(status, self.config.limits)))
+
+    def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
+        now = time.time()
+        live: list[WorkerStatus] = []
+        gone: list[bytes] = []
+        for name, payload in sorted(self._call(lambda: self._r.hgetall(self.keys.workers)).items()):
+            try:
+                status = _decode_as(payload, WorkerStatus, self.config.limits)
+            except ProtocolError:
+                gone.append(name)
+                continue
+            if now - status.reported_at > max_age_s:
+                gone.append(name)
+            else:
+                live.append(status)
+        if gone:  # forgotten: a worker that comes back reports again
+            self._call(lambda: self._r.hdel(self.keys.workers, *gone))
+        return live
 
     # ------------------------------------------------------------------ stats
 

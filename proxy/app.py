@@ -82,10 +82,13 @@ from protocol.http import (
     ReadRolloutsRequest,
     ReleaseRequest,
     ReleaseResponse,
+    ReportStatusRequest,
+    ReportStatusResponse,
     RolloutsResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
+    WorkersResponse,
     decode_body,
     encode_body,
     schema_components,
@@ -218,6 +221,18 @@ def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, 
     return ReleaseResponse(released=ctx.queue.release(worker_name(token, body.worker), body.lease_id))
 
 
+def report_status(ctx: Context, token: Token, body: ReportStatusRequest, params: dict[str, str]) -> ReportStatusResponse:
+    name = worker_name(token, body.status.worker)
+    status = msgspec.structs.replace(body.status, worker=name, reported_at=time.time())  # the proxy's clock
+    ctx.queue.report_status(status)
+    return ReportStatusResponse(worker=name)
+
+
+def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WorkersResponse:
+    max_age_s = _int_param(params, "max_age_s", 120, 1, 86_400)
+    return WorkersResponse(workers=ctx.queue.workers(max_age_s))
+
+
 def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
     ctx.check_count("batches", len(body.batches))
     return AddPromptsResponse(added=ctx.queue.add_prompts(body.batches))
@@ -320,6 +335,8 @@ ROUTES: list[RouteSpec] = [
     _r("POST", "/v1/leases/heartbeat", {"actor"}, "Extend leases; returns those still held.", heartbeat, HeartbeatRequest, HeartbeatResponse),
     _r("POST", "/v1/leases/submit", {"actor"}, "Store a batch's rollout groups and acknowledge its lease (idempotent by group id).", submit, SubmitRequest, SubmitResponse),
     _r("POST", "/v1/leases/release", {"actor"}, "Hand a lease back unfinished.", release, ReleaseRequest, ReleaseResponse),
+    _r("POST", "/v1/workers/status", {"actor"}, "Report this worker's status (adapter loaded, last error, throughput).", report_status, ReportStatusRequest, ReportStatusResponse),
+    _r("GET", "/v1/workers", {"learner", "admin"}, "Workers that reported within ?max_age_s= (default 120), with their status.", list_workers, None, WorkersResponse),
     _r("GET", "/v1/adapters/latest", {"actor", "learner"}, "The newest announced adapter manifest.", latest_adapter, None, LatestAdapterResponse),
     _r("GET", "/v1/adapters/events", {"actor", "learner"}, "Adapter announcements as server-sent events; resumes after Last-Event-ID."),
     _r("GET", "/v1/adapters/history", {"actor", "learner"}, "Announcements after ?after= (up to ?count=, waiting up to ?block_ms=).", adapter_history, None, AdapterEventsResponse),

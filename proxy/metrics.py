@@ -36,6 +36,10 @@ class ProxyMetrics:
         self.dead_letters = Gauge("spotgrpo_queue_dead_letters", "Entries in the dead-letter stream", registry=r)
         self.latest_version = Gauge("spotgrpo_adapter_latest_version", "Latest announced adapter version", registry=r)
         self.queue_up = Gauge("spotgrpo_queue_up", "1 when Redis answered the last scrape", registry=r)
+        self.workers_live = Gauge("spotgrpo_workers_live", "Workers that reported in the last 2 minutes", registry=r)
+        self.worker_version = Gauge("spotgrpo_worker_adapter_version", "Adapter version a worker has loaded", ["worker"], registry=r)
+        self.worker_tokens = Gauge("spotgrpo_worker_tokens_per_second", "Tokens a worker generates per second", ["worker"], registry=r)
+        self.worker_refused = Gauge("spotgrpo_worker_adapters_refused", "Adapter versions a worker could not load", ["worker"], registry=r)
 
     def render(self, queue: Queue) -> tuple[bytes, str]:
         try:
@@ -50,7 +54,19 @@ class ProxyMetrics:
             self.leases.set(sum(stats.leases_by_worker.values()))
             self.dead_letters.set(stats.dead_letters)
             self.latest_version.set(stats.latest_adapter_version)
+            self._workers(queue)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def _workers(self, queue: Queue) -> None:
+        """The live workers only, read at scrape time: a worker gone is no series left."""
+        workers = queue.workers()
+        self.workers_live.set(len(workers))
+        for gauge in (self.worker_version, self.worker_tokens, self.worker_refused):
+            gauge.clear()
+        for w in workers:
+            self.worker_version.labels(w.worker).set(w.adapter_version)
+            self.worker_tokens.labels(w.worker).set(w.tokens_per_s)
+            self.worker_refused.labels(w.worker).set(w.adapters_refused)
 
 
 class MetricsMiddleware:

@@ -466,7 +466,8 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
     base_env.update(PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests")]), SPOTGRPO_CA_CERT=proxy.ca)
     actor = subprocess.Popen(
         [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run_name, "--engine", "transformers",
-         "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--worker-id", "remote-1", "--claim-block-s", "1"],
+         "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--worker-id", "remote-1", "--claim-block-s", "1",
+         "--report-every-s", "1"],
         cwd=repo, env={**base_env, "SPOTGRPO_TOKEN": TOKENS["actor"]},  # no AWS variables at all
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -481,6 +482,12 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
             capture_output=True, text=True, timeout=300,
         )
         assert learner.returncode == 0, learner.stderr[-3000:]
+        time.sleep(2)  # one more status report, with the last adapter loaded
+        admin = proxy.queue("admin")
+        (status,) = admin.workers()  # the fleet view: named under its token, with what it runs
+        admin.close()
+        assert status.worker == "actor-token/remote-1" and status.engine == "TransformersEngine", status
+        assert status.adapter_version >= 3 and status.groups_done >= 8 and status.adapters_refused == 0
         actor.send_signal(signal.SIGTERM)
         out, _ = actor.communicate(timeout=60)
     finally:
@@ -491,6 +498,27 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
     rows = [__import__("json").loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert max(r["adapter_version"] for r in rows) >= 3
+
+
+def test_workers_report_under_their_token_and_admins_list_them(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    from protocol import WorkerStatus
+
+    proxy = make_proxy()
+    actor, admin = proxy.queue("actor"), proxy.queue("admin")
+    # a worker cannot report under another token's name, nor from another time
+    actor.report_status(WorkerStatus(worker="gpu-7", adapter_version=4, tokens_per_s=120.5, adapters_refused=1,
+                                     last_error="adapter v5 refused: sha256 mismatch", reported_at=1.0))
+    (status,) = admin.workers()
+    assert status.worker == "actor-token/gpu-7" and status.adapter_version == 4
+    assert status.last_error == "adapter v5 refused: sha256 mismatch" and time.time() - status.reported_at < 30
+    with _client(proxy, "admin") as client:
+        text = client.get("/metrics").text
+    assert 'spotgrpo_worker_adapter_version{worker="actor-token/gpu-7"} 4.0' in text
+    assert "spotgrpo_workers_live 1.0" in text
+    with pytest.raises(QueueForbidden):
+        actor.workers()  # the fleet is not an actor's business
+    actor.close()
+    admin.close()
 
 
 def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:  # type: ignore[no-untyped-def]

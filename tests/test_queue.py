@@ -359,3 +359,20 @@ def test_runs_do_not_see_each_other(backend) -> None:
     assert b.claim("w", 1) == []
     assert Keys("run-a").prompts != Keys("run-b").prompts
     assert "{run-a}" in Keys("run-a").prompts  # one cluster slot per run
+
+
+def test_worker_statuses_replace_each_other_and_old_ones_are_forgotten(make_queue) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    from protocol import WorkerStatus
+
+    q = make_queue()
+    now = time.time()
+    q.report_status(WorkerStatus(worker="a", adapter_version=1, reported_at=now))
+    q.report_status(WorkerStatus(worker="a", adapter_version=2, reported_at=now))
+    q.report_status(WorkerStatus(worker="b", adapter_version=1, reported_at=now - 600))  # long gone
+    q._r.hset(q.keys.workers, "c", b"\xc1garbage")
+    assert [(w.worker, w.adapter_version) for w in q.workers(max_age_s=120)] == [("a", 2)]
+    assert q._r.hkeys(q.keys.workers) == [b"a"]  # b and c forgotten
+    with pytest.raises(ValueError):
+        q.report_status(WorkerStatus(worker="has space", reported_at=now))
