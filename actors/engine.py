@@ -86,7 +86,9 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load_adapter(self, version: int, path: Path) -> None:
-        """Make adapter `version` available (a new version, never a reload)."""
+        """Make adapter `version` available (a new version, never a reload). A version
+        evicted while groups still use it is taken back as it is (its `on_released` never
+        runs): an evaluation pinned to an old version may want it again."""
 
     @abc.abstractmethod
     def evict_adapter(self, version: int, on_released: Callable[[], None] | None = None) -> None:

@@ -68,6 +68,12 @@ class TransformersEngine(Engine):
         with self._lock, warnings.catch_warnings():
             # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            if version in self._evicting:
+                # evicted but still in the model (groups were queued on it): it is wanted
+                # again (an evaluation pinned to it), so it stays, files and all
+                del self._evicting[version]
+                self._versions.append(version)
+                return
             if version in self._versions:
                 raise EngineError(f"adapter v{version} is already loaded; versions are never reused")
             try:

@@ -119,8 +119,12 @@ class VLLMEngine(Engine):
         with self._lock:
             if version in self._adapters:
                 raise EngineError(f"adapter v{version} is already loaded; versions are never reused")
+            # a version evicted while requests still named it is wanted again (an evaluation
+            # pinned to it): it keeps its LoRA id, so vLLM's copy serves, and its files stay
+            eviction = self._evicting.pop(version, None)
             self._adapters[version] = LoRARequest(
-                lora_name=f"v{version}", lora_int_id=next(self._ids), lora_path=str(path)
+                lora_name=f"v{version}", lora_int_id=eviction.lora_int_id if eviction else next(self._ids),
+                lora_path=str(path),
             )
 
     def evict_adapter(self, version: int, on_released: Callable[[], None] | None = None) -> None:

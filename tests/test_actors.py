@@ -383,3 +383,32 @@ def test_worker_metrics_are_served_for_prometheus() -> None:
         server.shutdown()
         server.server_close()
     assert "spotgrpo_actor_tokens_total 42.0" in text and "spotgrpo_actor_adapter_version 7.0" in text
+
+
+def test_a_version_evicted_while_in_use_can_be_taken_back(tmp_path: Path, tiny_model: Path) -> None:
+    """An evaluation pinned to v1 arrives while v1's eviction waits for its queued groups:
+    v1 comes back as it is (the crash this guards against: PEFT's copy deleted under a
+    version the engine still listed, and every later group of it failing)."""
+    from actors.engine import GroupRequest
+
+    policy = learner_policy(tiny_model, seed=1)
+    engine = TransformersEngine(str(tiny_model))
+    store = open_store(tmp_path.as_uri())
+    for version in (1, 2):
+        publish(store, type("Q", (), {"announce": lambda self, m: "0-1"})(), policy, version)
+        engine.load_adapter(version, tmp_path / "adapters" / f"v{version}")
+    sampling = SamplingParams(max_tokens=2)
+    engine.add([GroupRequest("a", PROMPTS[0], 2, sampling, 1)])
+    released: list[int] = []
+    engine.evict_adapter(1, on_released=lambda: released.append(1))
+    assert engine.loaded_versions() == [2] and released == []  # deferred: "a" still queued
+    engine.load_adapter(1, tmp_path / "adapters" / "v1")  # wanted again
+    assert sorted(engine.loaded_versions()) == [1, 2]
+    engine.add([GroupRequest("b", PROMPTS[1], 2, sampling, 1)])
+    done = {}
+    while len(done) < 2:
+        done.update(dict(engine.step(0.1)))
+    assert set(done) == {"a", "b"} and released == []  # the revived version's files stay
+    engine.evict_adapter(1, on_released=lambda: released.append(1))
+    engine.step(0.0)
+    assert released == [1] and engine.loaded_versions() == [2]

@@ -207,3 +207,28 @@ def test_min_p_and_repetition_penalty_reach_vllm(engine: VLLMEngine) -> None:
         assert all(s.token_ids == g[0].token_ids for s in samples)
     penalised = engine.generate(PROMPTS, 1, SamplingParams(temperature=0.0, repetition_penalty=10.0, max_tokens=8), 0)
     assert [p[0].token_ids for p in penalised] != [g[0].token_ids for g in greedy]
+
+
+def test_a_version_evicted_while_in_use_can_be_taken_back(engine: VLLMEngine, tiny_model: Path, tmp_path: Path) -> None:
+    """An evaluation pinned to a version whose eviction waits for its requests: the version
+    comes back with its LoRA id (vLLM's copy keeps serving) and its files stay."""
+    from actors.engine import GroupRequest
+
+    policy = _adapter(tiny_model, tmp_path / "v900", seed=9)
+    engine.load_adapter(900, tmp_path / "v900")
+    lora_id = engine._adapters[900].lora_int_id  # type: ignore[attr-defined]
+    sampling = SamplingParams(temperature=0.7, max_tokens=8)
+    engine.add([GroupRequest(("eval", i), p, 2, sampling, 900) for i, p in enumerate(PROMPTS)])
+    released: list[int] = []
+    engine.evict_adapter(900, on_released=lambda: released.append(900))
+    engine.load_adapter(900, tmp_path / "v900")  # wanted again before its requests ran
+    assert 900 in engine.loaded_versions() and engine._adapters[900].lora_int_id == lora_id  # type: ignore[attr-defined]
+    engine.add([GroupRequest(("again", i), p, 2, sampling, 900) for i, p in enumerate(PROMPTS)])
+    done: dict = {}
+    while engine.in_flight:
+        done.update(dict(engine.step(1.0)))
+    assert len(done) == 6 and released == [] and (tmp_path / "v900" / "adapter_config.json").exists()
+    assert _mean_delta(policy, [done[("again", i)] for i in range(len(PROMPTS))], 0.7, base=False) < 1e-3
+    engine.evict_adapter(900, on_released=lambda: released.append(900))
+    engine.step(0.0)
+    assert released == [900] and 900 not in engine.loaded_versions()
