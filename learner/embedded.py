@@ -78,7 +78,9 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
         updates["dataset"] = str(data.resolve())
         if not cfg.reward:
             updates["reward"] = [REWARD]
-        if not cfg.eval_dataset:  # held-out prompts of the same task, another sample of it
+        # held-out prompts of the same task, another sample of it, unless the user gave
+        # their own or said --eval-every 0
+        if not cfg.eval_dataset and (cfg.eval_every or "eval_every" not in cfg.model_fields_set):
             held_out = run_dir / "next_digit_eval.jsonl"
             if not held_out.exists():
                 write_next_digit_dataset(held_out, n=200, seed=1)

@@ -47,3 +47,13 @@ def test_learner_run_with_its_own_data_and_no_queue_says_so_first(tmp_path: Path
     first = proc.stderr.strip().splitlines()[0]
     assert first.startswith("learner run: no --queue") and "normal defaults" in first, proc.stderr
     assert proc.returncode == 2  # then the missing reward is named, before anything starts
+
+
+def test_the_embedded_evaluation_can_be_switched_off(tmp_path: Path) -> None:
+    from learner.cli import resolve_config
+    from learner.embedded import prepare
+
+    off, _ = prepare(resolve_config(None, {"run_dir": str(tmp_path / "a"), "eval_every": 0})[0])
+    assert off.eval_every == 0 and not off.eval_dataset
+    on, _ = prepare(resolve_config(None, {"run_dir": str(tmp_path / "b")})[0])
+    assert on.eval_every == 10 and on.eval_dataset
