@@ -79,6 +79,8 @@ class LearnerConfig(BaseModel):
     sync_every: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
     checkpoint_every: int = Field(10, ge=1, description="Checkpoint (and acknowledge consumed rollouts) every this many steps.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store.")
+    keep_queue: bool = Field(False, description="Keep the run's Redis keys when the run completes (default: they expire after queue_ttl_s).")
+    queue_ttl_s: float = Field(86400.0, gt=0, description="A completed run's Redis keys expire this long after its last step (late workers and a --resume find them until then).")
     keep_adapters: int | None = Field(None, ge=0, description="Adapter versions kept in the store, newest first, besides those that evaluations or kept checkpoints pin (default: max_staleness + 2, what actors may still generate with; 0: keep all).")
     seed: int = Field(0, description="Seeds data order and torch.")
     micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (gradient accumulation).")

@@ -136,6 +136,8 @@ class Learner:
             # pending in the queue and be counted twice
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
+            if self.state.step >= cfg.steps and not cfg.keep_queue:
+                self.expire_queue()
         finally:
             self.publisher.close()
             if self.metrics is not None:
@@ -494,6 +496,16 @@ class Learner:
             return
         self.state.unacked = {}
         log.info("checkpoint at step %d", self.state.step)
+
+    def expire_queue(self) -> None:
+        """The run is complete: its Redis keys go after `queue_ttl_s` (best effort)."""
+        self.publisher.flush()  # the last announcement first
+        try:
+            keys = self.queue.expire_run(self.cfg.queue_ttl_s)
+        except QueueError as err:
+            log.warning("could not set the run's keys to expire (--keep-queue to keep them anyway): %s", err)
+            return
+        log.info("run complete: its %d queue keys expire in %.0fs (--keep-queue keeps them)", keys, self.cfg.queue_ttl_s)
 
     def _retry(self, fn: Any) -> Any:
         """A queue call at start-up, retried through an outage for `startup_timeout_s` in all

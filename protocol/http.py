@@ -128,6 +128,14 @@ class AddPromptsResponse(_Body, tag="added"):
     added: NonNegInt
 
 
+class ExpireRunRequest(_Body, tag="expire_run"):
+    ttl_s: Annotated[float, msgspec.Meta(gt=0.0, le=365 * 86400.0)]
+
+
+class ExpireRunResponse(_Body, tag="expiring"):
+    keys: NonNegInt
+
+
 class ReadRolloutsRequest(_Body, tag="read_rollouts"):
     consumer: Ident
     count: Count = 1
@@ -184,12 +192,12 @@ class ErrorResponse(_Body, tag="error"):
 
 REQUESTS = (
     ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
-    ReadRolloutsRequest, AckRequest, AnnounceRequest,
+    ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest,
 )  # fmt: skip
 RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
-    AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ErrorResponse,
+    AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -60,6 +60,8 @@ from protocol.http import (
     ClaimResponse,
     DeadLettersResponse,
     ErrorResponse,
+    ExpireRunRequest,
+    ExpireRunResponse,
     HeartbeatRequest,
     HeartbeatResponse,
     LatestAdapterResponse,
@@ -305,6 +307,9 @@ class HttpQueue(Queue):
         if r.status_code != 200:
             raise StoreError(f"adapter v{version}/{name}: HTTP {r.status_code}")
         return r.content
+
+    def expire_run(self, ttl_s: float) -> int:
+        return self._call("POST", "/v1/run/expire", ExpireRunResponse, ExpireRunRequest(ttl_s=ttl_s)).keys
 
     # ------------------------------------------------------------------- fleet
     def report_status(self, status: WorkerStatus) -> None:

@@ -81,6 +81,11 @@ class Keys:
         """Stream of adapter announcements, for late joiners (fields: v, m)."""
         return self._key("adapter-events")
 
+    def all(self) -> list[str]:
+        """Every key of the run (the pub/sub channel is not a key)."""
+        return [self.prompts, self.rollouts, self.unscored, self.dead_letters, self.batches_seen, self.groups_seen,
+                self.private, self.scored_seen, self.workers, self.adapter_latest, self.adapter_events]
+
     @property
     def adapter_channel(self) -> str:
         """Pub/sub channel on which each announcement's manifest is published."""

@@ -258,6 +258,11 @@ class Queue(abc.ABC):
     def subscribe_adapters(self) -> AdapterSubscription:
         """Push notifications of announcements made from now on."""
 
+    @abc.abstractmethod
+    def expire_run(self, ttl_s: float) -> int:
+        """The run is over: its keys go after `ttl_s` seconds (late workers and a `--resume`
+        within that time still find them). Returns how many keys there were."""
+
     # -- fleet status
     @abc.abstractmethod
     def report_status(self, status: WorkerStatus) -> None:

@@ -450,6 +450,18 @@ class RedisQueue(Queue):
     def subscribe_adapters(self) -> AdapterSubscription:
         return _RedisAdapterSubscription(self)
 
+    def expire_run(self, ttl_s: float) -> int:
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
+
+        def expire() -> int:
+            with self._r.pipeline(transaction=False) as pipe:
+                for key in self.keys.all():
+                    pipe.expire(key, max(1, round(ttl_s)))
+                return sum(1 for done in pipe.execute() if done)
+
+        return self._call(expire)
+
     # ------------------------------------------------------------------ fleet
 
     def report_status(self, status: WorkerStatus) -> None:

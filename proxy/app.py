@@ -76,6 +76,8 @@ from protocol.http import (
     ClaimResponse,
     DeadLettersResponse,
     ErrorResponse,
+    ExpireRunRequest,
+    ExpireRunResponse,
     HeartbeatRequest,
     HeartbeatResponse,
     LatestAdapterResponse,
@@ -233,6 +235,10 @@ def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str])
     return WorkersResponse(workers=ctx.queue.workers(max_age_s))
 
 
+def expire_run(ctx: Context, token: Token, body: ExpireRunRequest, params: dict[str, str]) -> ExpireRunResponse:
+    return ExpireRunResponse(keys=ctx.queue.expire_run(body.ttl_s))
+
+
 def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
     ctx.check_count("batches", len(body.batches))
     return AddPromptsResponse(added=ctx.queue.add_prompts(body.batches))
@@ -345,6 +351,7 @@ ROUTES: list[RouteSpec] = [
     _r("POST", "/v1/prompts", {"learner"}, "Queue prompt batches (idempotent by batch id).", add_prompts, AddPromptsRequest, AddPromptsResponse),
     _r("POST", "/v1/rollouts/read", {"learner"}, "Read new (or, with pending, unacknowledged) rollout groups.", read_rollouts, ReadRolloutsRequest, RolloutsResponse),
     _r("POST", "/v1/rollouts/ack", {"learner"}, "Acknowledge consumed rollout groups.", ack, AckRequest, AckResponse),
+    _r("POST", "/v1/run/expire", {"learner"}, "The run is over: its keys expire after ttl_s.", expire_run, ExpireRunRequest, ExpireRunResponse),
     _r("POST", "/v1/adapters/announce", {"learner"}, "Make a manifest the latest adapter.", announce, AnnounceRequest, AnnounceResponse),
     _r("GET", "/v1/dead-letters", {"learner", "admin"}, "Dead-lettered batches after ?after=, up to ?count=.", dead_letters, None, DeadLettersResponse),
     _r("GET", "/v1/stats", {"learner", "admin"}, "Stream depths, leases by worker, latest version.", stats, None, StatsResponse),

@@ -319,6 +319,9 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
     assert all(0 <= r["truncated_frac"] <= 1 and 0 <= r["dropped_flat_rate"] <= 1 for r in rows)
     assert list((cfg.resolved_run_dir / "tensorboard").iterdir())
     assert queue.stats().rollouts.pending == 0  # everything consumed was acknowledged at the last checkpoint
+    # the run is complete: its keys expire (a day by default), none is left for ever
+    ttls = {key: queue._r.ttl(key) for key in queue.keys.all() if queue._r.exists(key)}
+    assert queue.keys.prompts in ttls and all(0 < t <= 86400 for t in ttls.values()), ttls
     queue.close()
 
 
@@ -478,6 +481,7 @@ def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Pat
     assert json.loads(store.get("checkpoints/latest.json"))["step"] == 0
     state = json.loads(store.get("checkpoints/step-0/state.json"))
     assert state["cursor"] == 16 and state["consumed_prompts"] == 0
+    assert queue._r.ttl(queue.keys.prompts) == -1  # stopped, not complete: the queue stays for --resume
     queue.close()
 
 

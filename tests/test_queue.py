@@ -376,3 +376,16 @@ def test_worker_statuses_replace_each_other_and_old_ones_are_forgotten(make_queu
     assert q._r.hkeys(q.keys.workers) == [b"a"]  # b and c forgotten
     with pytest.raises(ValueError):
         q.report_status(WorkerStatus(worker="has space", reported_at=now))
+
+
+def test_a_completed_runs_keys_expire(make_queue) -> None:  # type: ignore[no-untyped-def]
+    from factories import batch
+
+    q = make_queue()
+    q.add_prompts([batch(0)])
+    existing = [k for k in q.keys.all() if q._r.exists(k)]
+    assert q.expire_run(60) == len(existing) >= 2
+    assert all(0 < q._r.ttl(k) <= 60 for k in existing)
+    assert q.claim("w", 1)  # still a working queue until then
+    with pytest.raises(ValueError):
+        q.expire_run(0)
