@@ -30,7 +30,24 @@ log = logging.getLogger("actors")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actors", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    run = sub.add_parser("run", help="Start one rollout worker.", description=__doc__)
+    add_worker_flags(sub.add_parser("run", help="Start one rollout worker.", description=__doc__))
+    check = sub.add_parser("check", help="Check, before spending GPU time, that `actors run` with these flags would work.",
+                           description=CHECK_HELP)
+    add_worker_flags(check)
+    check.add_argument("--skip-engine", action="store_true", help="do not load the engine (the slowest check)")
+    add_score_flags(sub.add_parser("score", help="Start one trusted scoring worker (RQ).", description=SCORE_HELP))
+    return parser
+
+
+CHECK_HELP = """Run every check `actors run` with the same flags depends on, before a worker spends
+GPU money: the token and its role, TLS against the given CA, the run (an adapter
+announced), the model against the learner's (config and tokenizer fingerprint), the LoRA
+rank against --max-lora-rank, the rewards (when given), an adapter download from here,
+and the engine loading it. Prints a line per check; exits 0, or 1 at the first failure
+with what to do about it."""
+
+
+def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a = run.add_argument
     a("--queue", required=True, help="redis://host:port/db (or https://proxy:port with --token)")
     a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="bearer token for an https:// queue (or SPOTGRPO_TOKEN)")
@@ -71,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--gpu-memory-utilization", type=float, default=0.9, help="vllm engine: GPU memory fraction")
     a("-v", "--verbose", action="store_true", help="debug logging")
 
-    score = sub.add_parser("score", help="Start one trusted scoring worker (RQ).", description=SCORE_HELP)
+
+def add_score_flags(score: argparse.ArgumentParser) -> None:
     a = score.add_argument
     a("--redis", required=True, help="redis://host:port/db of the run (the trusted side reaches Redis itself)")
     a("--run", default="default", help="run name (the learner's --run)")
@@ -92,7 +110,6 @@ def build_parser() -> argparse.ArgumentParser:
     a("--name", default=None, help="worker name (default scorer-host-pid)")
     a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
     a("-v", "--verbose", action="store_true", help="debug logging")
-    return parser
 
 
 SCORE_HELP = """Start one scoring worker of the trusted tier: an RQ worker (a forked work horse
@@ -289,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.command == "check":
+        from actors.check import check
+
+        return check(args, engine_options(args))
     return score(args) if args.command == "score" else run(args)
 
 

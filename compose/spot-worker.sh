@@ -10,5 +10,8 @@
 set -euo pipefail
 : "${PROXY:?https://host:8443 of proxy serve}" "${RUN:?the learner's --run}" "${MODEL:?the learner's --model}"
 : "${SPOTGRPO_TOKEN:?an actor token}"
+# every cheap check first (token, TLS, run, model, rank, rewards, an adapter download):
+# a mismatch is named here, before the engine takes the GPU
+actors check --queue "$PROXY" --run "$RUN" --engine vllm --model "$MODEL" --skip-engine ${REWARD:+--reward "$REWARD"}
 exec actors run --queue "$PROXY" --run "$RUN" --engine vllm --model "$MODEL" --grace-s 60 \
     ${REWARD:+--reward "$REWARD"}

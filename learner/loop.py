@@ -36,6 +36,7 @@ from protocol import (
     QueueUnavailable,
     RolloutGroup,
     SamplingParams,
+    fingerprint_of_model,
 )
 from protocol.store import Store, StoreError
 
@@ -90,6 +91,7 @@ class Learner:
         """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
         self.publisher = Publisher(
             store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.adapters_kept,
+            fingerprint=fingerprint_of_model(cfg.model),
             protected=self.pinned_versions,
         )
         self.state = LearnerState()

@@ -57,6 +57,7 @@ class Publisher:
         *,
         base_model: str,
         rank: int,
+        fingerprint: str | None = None,
         keep_adapters: int = 0,
         protected: Callable[[], set[int]] | None = None,
         attempts: int = 5,
@@ -68,6 +69,7 @@ class Publisher:
         self.store = store
         self.queue = queue
         self.base_model = base_model
+        self.fingerprint = fingerprint
         self.rank = rank
         self.keep_adapters = keep_adapters
         self.protected = protected or set
@@ -146,6 +148,7 @@ class Publisher:
             version=job.version,
             step=job.step,
             base_model=self.base_model,
+            fingerprint=self.fingerprint,
             rank=self.rank,
             files=[file_entry(name, data) for name, data in files.items()],
             created_at=time.time(),

@@ -36,6 +36,7 @@ from protocol.messages import (
     encode,
     from_json,
     group_id_for,
+    model_fingerprint,
     pack_f32,
     pack_i32,
     to_json,
@@ -57,7 +58,7 @@ from protocol.queue import (
 )
 from protocol.redis_queue import RedisQueue
 from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
-from protocol.urls import check_model_path, connect_queue, open_queue
+from protocol.urls import check_model_path, connect_queue, fingerprint_of_model, open_queue
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -104,9 +105,11 @@ __all__ = [
     "connect_queue",
     "decode",
     "encode",
+    "fingerprint_of_model",
     "from_json",
     "group_id_for",
     "is_entry_id",
+    "model_fingerprint",
     "open_queue",
     "open_store",
     "pack_f32",

@@ -332,6 +332,9 @@ class AdapterManifest(_Struct, tag="adapter_manifest", tag_field="type", kw_only
     rank: PosInt
     files: Annotated[list[AdapterFile], msgspec.Meta(min_length=1, max_length=64)]
     created_at: Timestamp
+    fingerprint: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}$")] | None = None
+    """`model_fingerprint` of the learner's base model (config and tokenizer): a worker
+    checks its own `--model` against it (`actors check`). None: not published."""
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)
@@ -364,6 +367,24 @@ class WorkerStatus(_Struct, tag="worker_status", tag_field="type", kw_only=True)
     def __post_init__(self) -> None:
         _check_schema(self.schema)
         _check_finite("tokens_per_s", self.tokens_per_s)
+
+
+def model_fingerprint(config: dict[str, Any], vocab: dict[str, int]) -> str:
+    """32 hex characters naming a base model as generation sees it: its configuration
+    (less the keys that name where or how it was saved) and its tokenizer's vocabulary.
+    The learner publishes it with every adapter; a worker compares its own."""
+    volatile = {"transformers_version", "torch_dtype", "dtype", "use_cache"}
+    kept = {k: v for k, v in config.items() if not k.startswith("_") and k not in volatile}
+
+    def plain(value: Any) -> Any:  # str keys (id2label has ints), anything else as text
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [plain(v) for v in value]
+        return value if value is None or isinstance(value, str | bool | int | float) else str(value)
+
+    payload = msgspec.json.encode([plain(kept), sorted(vocab.items())], order="sorted")
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
 
 
 Message = PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus

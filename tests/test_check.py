@@ -1,0 +1,80 @@
+"""`actors check`, as a worker outside the network runs it: through the proxy over real
+TLS, against an adapter the learner really published."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import TOKENS
+from rollouts import perturbed_policy
+
+from learner.publish import Publisher, PublishJob
+from protocol import fingerprint_of_model, open_store
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def published(make_proxy, tiny_model: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A proxy whose run has adapter v1 (rank 4) of `tiny_model`, published as the learner does."""
+    store_url = (tmp_path / "store").as_uri()
+    proxy = make_proxy(store=store_url)
+    learner = proxy.queue("learner")
+    policy = perturbed_policy(tiny_model, 1)
+    publisher = Publisher(open_store(store_url), learner, base_model=str(tiny_model), rank=policy.cfg.lora_rank,
+                          fingerprint=fingerprint_of_model(str(tiny_model)))
+    publisher.submit(PublishJob(1, 1, policy.adapter_state(), policy.adapter_config_json()))
+    publisher.close()
+    learner.close()
+    return proxy
+
+
+def actors_check(proxy, *flags: str, token: str = TOKENS["actor"], ca: str | None = None) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+    run = proxy.cmd[proxy.cmd.index("--run") + 1]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "SPOTGRPO_TOKEN": token,
+           "SPOTGRPO_CA_CERT": ca or proxy.ca}
+    return subprocess.run([sys.executable, "-m", "actors.cli", "check", "--queue", proxy.url, "--run", run, *flags],
+                          capture_output=True, text=True, timeout=180, env=env)
+
+
+def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    proc = actors_check(published, "--model", str(tiny_model), "--reward", "toy_rewards:digit_first")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[1] for line in lines if line.startswith("ok")] == [
+        "queue", "run", "model", "rank", "rewards", "download", "engine"]
+    assert "matches the learner's base model" in proc.stdout and "adapter v1 downloaded and verified" in proc.stdout
+    assert "engine loaded" in proc.stdout and "and adapter v1" in proc.stdout
+    assert lines[-1].startswith("all 7 checks passed")
+
+
+def test_another_base_model_is_named_with_the_fix(published, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    from learner.tiny import save_tiny
+
+    other = save_tiny(tmp_path / "other", hidden_size=48)
+    proc = actors_check(published, "--model", str(other))
+    assert proc.returncode == 1
+    assert "FAIL  model" in proc.stdout and f"fix: start the worker with --model {tiny_model}" in proc.stdout
+    assert "engine" not in proc.stdout  # it stops at the first failure
+
+
+def test_a_rank_above_the_engines_limit_fails_before_any_gpu_work(published, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    proc = actors_check(published, "--model", str(tiny_model), "--engine", "vllm", "--max-lora-rank", "2")
+    assert proc.returncode == 1
+    assert "above --max-lora-rank 2" in proc.stdout and "fix: start the worker with --max-lora-rank" in proc.stdout
+
+
+def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    proc = actors_check(published, "--model", str(tiny_model), token=TOKENS["learner"])
+    assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "role actor" in proc.stdout
+    from proxy.tls import write_self_signed
+
+    other_ca = tmp_path / "other-ca.pem"
+    write_self_signed(other_ca, tmp_path / "other-key.pem", ["localhost"], 1)
+    proc = actors_check(published, "--model", str(tiny_model), ca=str(other_ca))
+    assert proc.returncode == 1 and "SPOTGRPO_CA_CERT" in proc.stdout, proc.stdout
