@@ -13,36 +13,13 @@ import argparse
 import os
 import shutil
 import socket
-import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-
-class CheckFailed(Exception):
-    def __init__(self, reason: str, fix: str) -> None:
-        super().__init__(reason)
-        self.reason, self.fix = reason, fix
-
-
-class Checks:
-    def __init__(self, out: Any = sys.stdout) -> None:
-        self.out = out
-        self.passed: list[str] = []
-
-    def run(self, name: str, fn: Callable[[], str]) -> None:
-        """Run one check; its detail line on success, CheckFailed on failure."""
-        started = time.monotonic()
-        try:
-            detail = fn()
-        except CheckFailed as err:
-            print(f"FAIL  {name:<10} {err.reason}\n      fix: {err.fix}", file=self.out, flush=True)
-            raise
-        print(f"ok    {name:<10} {detail} ({time.monotonic() - started:.1f}s)", file=self.out, flush=True)
-        self.passed.append(name)
+from protocol.checks import CheckFailed, Checks
 
 
 def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
@@ -184,15 +161,11 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
             eng.close()
 
     try:
-        for name, fn in (("queue", queue), ("run", run_live), ("model", model), ("rank", rank), ("rewards", rewards),
-                         ("download", download), ("engine", engine)):
-            checks.run(name, fn)
-    except CheckFailed:
-        return 1
+        return checks.run_all([("queue", queue), ("run", run_live), ("model", model), ("rank", rank),
+                               ("rewards", rewards), ("download", download), ("engine", engine)],
+                              "`actors run` with these flags is ready")
     finally:
         if "queue" in state:
             state["queue"].close()
         if "adapter" in state:
             shutil.rmtree(state["adapter"][1], ignore_errors=True)
-    print(f"all {len(checks.passed)} checks passed: `actors run` with these flags is ready", flush=True)
-    return 0

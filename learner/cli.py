@@ -84,6 +84,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_config_flags(run)
+    check = sub.add_parser(
+        "check", help="Check the queue, store, model, data set and rewards `learner run` with these flags needs.",
+        description="Run the trusted side's preflight with the flags of `learner run`; exits 0, or 1 at the first "
+                    "failure with what to do about it.",
+    )
+    check.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
+    check.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_config_flags(check)
     return parser
 
 
@@ -211,7 +219,23 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if args.command == "check":
+        return check(args)
     return run(args)
+
+
+def check(args: argparse.Namespace) -> int:
+    from learner.check import check as preflight
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as err:
+        print(f"learner check: {err}", file=sys.stderr)
+        return 2
+    if cfg.token is None and os.environ.get("SPOTGRPO_TOKEN"):
+        cfg.token = os.environ["SPOTGRPO_TOKEN"]
+    return preflight(cfg)
 
 
 if __name__ == "__main__":

@@ -78,3 +78,28 @@ def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model
     write_self_signed(other_ca, tmp_path / "other-key.pem", ["localhost"], 1)
     proc = actors_check(published, "--model", str(tiny_model), ca=str(other_ca))
     assert proc.returncode == 1 and "SPOTGRPO_CA_CERT" in proc.stdout, proc.stdout
+
+
+def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from factories import write_dataset
+
+    data = write_dataset(tmp_path / "data.jsonl")
+
+    def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "learner.cli", "check", "--run", run_name, *flags],
+                              capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, cwd=tmp_path)
+
+    good = ["--queue", redis_server.url, "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model),
+            "--dataset", str(data), "--reward", "toy_rewards:digit_first"]
+    proc = learner_check(*good)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")] == [
+        "queue", "store", "model", "dataset", "rewards"]
+    assert not list((tmp_path / "store" / "checks").glob("*"))  # the probe is gone
+    proc = learner_check(*good[:-1], "no_such_module:f")
+    assert proc.returncode == 1 and "FAIL  rewards" in proc.stdout and "install the reward's package" in proc.stdout
+    proc = learner_check(*good[:7], str(tmp_path / "missing.jsonl"), *good[8:])
+    assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout
+    proc = learner_check("--queue", "redis://127.0.0.1:1/0", *good[2:])
+    assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "reachable" in proc.stdout

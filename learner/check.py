@@ -1,0 +1,117 @@
+"""`learner check`: the trusted side's preflight, with the flags of `learner run`: the
+queue (Redis, or the proxy with a learner token), the store (a probe written, read back
+and deleted), the data set (loaded, its first prompt built), the model (config and
+tokenizer; its fingerprint is what workers are checked against) and the reward
+functions (importable here, where the scorers or the embedded actors run them)."""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+import uuid
+from typing import Any
+
+from learner.config import LearnerConfig
+from protocol.checks import CheckFailed, Checks
+
+
+def check(cfg: LearnerConfig) -> int:
+    from protocol import (
+        QueueConfig,
+        QueueForbidden,
+        QueueTLSError,
+        QueueUnavailable,
+        StoreError,
+        check_model_path,
+        fingerprint_of_model,
+        open_queue,
+        open_store,
+    )
+
+    state: dict[str, Any] = {}
+
+    def queue() -> str:
+        if not cfg.queue:
+            raise CheckFailed("no --queue", "give --queue redis://host:port/db or https://proxy:port "
+                                            "(without one, `learner run` runs the embedded system)")
+        try:
+            q = open_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, retry_s=5.0, stop=threading.Event())
+            state["queue"] = q
+            stats = q.stats()
+        except QueueTLSError as err:
+            raise CheckFailed(str(err), "give the proxy's CA certificate: SPOTGRPO_CA_CERT=cert.pem") from None
+        except QueueForbidden as err:
+            raise CheckFailed(str(err), "use a token with role learner (--token or SPOTGRPO_TOKEN)") from None
+        except QueueUnavailable as err:
+            raise CheckFailed(str(err), f"is {cfg.queue} reachable from here, and Redis (or the proxy) running?") from None
+        except ValueError as err:
+            raise CheckFailed(str(err), "--queue takes redis://host:port/db or https://proxy:port") from None
+        return (f"{cfg.queue}: run {cfg.run!r} has {stats.prompts.length} prompt batches, {stats.rollouts.length} "
+                f"groups queued, adapter v{stats.latest_adapter_version}")
+
+    def store() -> str:
+        if not cfg.store:
+            raise CheckFailed("no --store", "give --store s3://bucket/prefix or file:///dir")
+        key = f"checks/probe-{uuid.uuid4().hex}.json"
+        try:
+            s = open_store(cfg.store)
+            s.put(key, b'{"probe": true}')
+            if s.get(key) != b'{"probe": true}':
+                raise StoreError("the probe read back differs from what was written")
+            s.delete([key])
+        except (StoreError, ValueError, OSError) as err:
+            raise CheckFailed(f"--store {cfg.store}: {err}", "check the bucket, its credentials (AWS_* variables, "
+                                                              "AWS_ENDPOINT_URL for MinIO/R2) and write permission") from None
+        return f"{cfg.store}: a probe written, read back and deleted"
+
+    def model() -> str:
+        if not cfg.model:
+            raise CheckFailed("no --model", "give --model <hub id or path>")
+        try:
+            check_model_path(cfg.model)
+            state["fingerprint"] = fingerprint_of_model(cfg.model)
+        except (OSError, ValueError) as err:
+            raise CheckFailed(f"--model {cfg.model}: {err}", "give a hub id this machine can download, or a path") from None
+        return f"{cfg.model}: config and tokenizer load (fingerprint {state['fingerprint']})"
+
+    def dataset() -> str:
+        if not cfg.dataset:
+            raise CheckFailed("no --dataset", "give --dataset <hub id or .jsonl/.json/.parquet file>")
+        from transformers import AutoTokenizer
+
+        from learner.data import DataError, PromptSource, load_rows
+
+        try:
+            rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
+            source = PromptSource(rows, AutoTokenizer.from_pretrained(cfg.model), cfg.prompt_column, cfg.seed,
+                                  max_prompt_tokens=1 << 20, chat_template_kwargs=cfg.chat_template_kwargs)
+            source.prompt(0)
+        except (DataError, ValueError, OSError, KeyError) as err:
+            raise CheckFailed(f"--dataset {cfg.dataset}: {err}",
+                              "check --dataset-config, --dataset-split and --prompt-column") from None
+        columns = sorted(k for k in rows[0] if k != cfg.prompt_column)
+        return f"{cfg.dataset}: {len(rows)} rows; prompt column {cfg.prompt_column!r}, other columns {columns}"
+
+    def rewards() -> str:
+        if not cfg.reward:
+            return "none given: the actors score with their own (--scoring actors)"
+        for spec in cfg.reward:
+            module, _, attr = spec.split("=")[0].partition(":")
+            try:
+                fn = getattr(importlib.import_module(module), attr, None)
+            except ImportError as err:
+                raise CheckFailed(f"--reward {spec}: cannot import {module}: {err}",
+                                  "install the reward's package on the trusted side (where `actors score` runs)") from None
+            if not callable(fn):
+                raise CheckFailed(f"--reward {spec}: {module} has no function {attr}", "check the module:function name")
+        return f"{', '.join(cfg.reward)} import; scored by {cfg.scoring_mode} ({'actors score' if cfg.scoring_mode == 'trusted' else 'the workers'})"
+
+    checks = Checks()
+    started = time.monotonic()
+    try:
+        return checks.run_all([("queue", queue), ("store", store), ("model", model), ("dataset", dataset),
+                               ("rewards", rewards)], f"`learner run` with these flags is ready ({time.monotonic() - started:.0f}s)")
+    finally:
+        if "queue" in state:
+            state["queue"].close()
