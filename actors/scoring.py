@@ -122,12 +122,12 @@ class ScoringWorker(Worker):
     (RQ's is the monitoring interval plus a fixed 60 s)."""
 
     abandon_after_s = 60
+    RQ_GRACE_S = 60
+    """What RQ adds to the monitoring interval (2.x and 3.x alike)."""
 
-    def get_heartbeat_ttl(self, job: Job) -> int:
-        if job.timeout and job.timeout > 0:
-            remaining = job.timeout - self.current_job_working_time
-            return int(min(remaining, self.job_monitoring_interval)) + self.abandon_after_s
-        return self.job_monitoring_interval + self.abandon_after_s
+    def get_heartbeat_ttl(self, job: Job, *args: Any, **kwargs: Any) -> int:
+        ttl = super().get_heartbeat_ttl(job, *args, **kwargs)
+        return max(1, int(ttl) - self.RQ_GRACE_S + self.abandon_after_s)
 
 
 class Dispatcher(threading.Thread):
