@@ -145,8 +145,6 @@ class Dispatcher(threading.Thread):
         self.redispatch_s = redispatch_s
         self.sweep_s = sweep_s
         self.stopping = threading.Event()
-        self.jobs = 0
-        self.rejected = 0
 
     def job_id(self, group_ids: list[str]) -> str:
         """One job id per set of groups of a run (RQ ids are global to the Redis; letters,
@@ -199,7 +197,6 @@ class Dispatcher(threading.Thread):
             failure_ttl=3600, description=f"score {len(entries)} group(s) of batch {entries[0].batch_id}",
             meta={"groups": [e.group_id for e in entries], "batch": entries[0].batch_id},
         )
-        self.jobs += 1
 
     def reject_failed(self) -> None:
         """Jobs that failed for good (retries spent) leave RQ's failed-job registry. A job
@@ -232,7 +229,6 @@ class Dispatcher(threading.Thread):
             return  # stored meanwhile (an earlier attempt got through)
         error = f"scoring failed after {self.retries + 1} attempt(s): {reason}"
         if self.queue.store_scored(entry_id, rejected_group(item, error, self.consumer)):
-            self.rejected += 1
             log.error("group %s rejected: %s", item.group.group_id, error)
 
 

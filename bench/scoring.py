@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,9 +36,10 @@ if sys.path and Path(sys.path[0]).resolve() == REPO / "bench":
     sys.path.pop(0)
 sys.path.insert(0, str(REPO))
 
-import redis
+import msgspec
 
 from actors.rewards import Scorer, load_reward
+from bench.queue import start_redis
 from protocol import (
     Completion,
     Prompt,
@@ -53,31 +53,10 @@ from protocol import (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                             "--save", "", "--appendonly", "no", "--dir", str(workdir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    return proc, f"redis://127.0.0.1:{port}/0"
-
-
-def batch(run: str, i: int) -> PromptBatch:
+def batch(run: str, i: int, scoring: str = "trusted") -> PromptBatch:
     return PromptBatch(batch_id=f"{run}-b{i}", prompts=[Prompt(id="p0", text=f"question {i}", columns={"answer": "4"})],
                        num_generations=8, sampling=SamplingParams(max_tokens=16), learner_version=0,
-                       issued_at=time.time(), scoring="trusted")
+                       issued_at=time.time(), scoring=scoring)  # type: ignore[arg-type]
 
 
 def unscored(b: PromptBatch, reward: float | None = None) -> RolloutGroup:
@@ -168,15 +147,13 @@ def latency_actor_side(url: str, reward: str, n: int) -> list[float]:
     scorer = Scorer([load_reward(reward)], timeout_s=None)
     out = []
     for i in range(n):
-        b = PromptBatch(**{**{f: getattr(batch(run, i), f) for f in ("batch_id", "prompts", "num_generations",
-                                                                    "sampling", "learner_version", "issued_at")}})
+        b = batch(run, i, scoring="actors")
         q.add_prompts([b])
         (lease,) = q.claim("bench-actor", 1)
         generated = time.perf_counter()
         group = unscored(b)
         scores = scorer.score(b.prompts[0], "", [c.text for c in group.completions],
                               [c.tokens.tolist() for c in group.completions])
-        import msgspec
         group = msgspec.structs.replace(group, completions=[msgspec.structs.replace(c, reward=r) for c, r in
                                                             zip(group.completions, scores.rewards, strict=True)])
         q.submit("bench-actor", lease.lease_id, [group])
@@ -196,7 +173,8 @@ def main() -> None:
     parser.add_argument("--latency-groups", type=int, default=30)
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="bench-scoring-"))
-    proc, url = start_redis(workdir)
+    proc, port = start_redis()  # bench/queue.py's: a private redis-server on a free loopback port
+    url = f"redis://127.0.0.1:{port}/0"
     try:
         print(f"groups of 8 completions; {os.cpu_count()} cores; RQ forking workers")
         for reward in ("bench.rewards:busy_20ms", "bench.rewards:free"):
