@@ -58,6 +58,10 @@ class LearnerState:
     outstanding: dict[str, list[Any]] = field(default_factory=dict)
     """batch id -> [first data position, prompts, ids of the prompts consumed so far] for
     batches issued and not fully consumed (at most max_inflight prompts' worth)."""
+    finished: dict[str, list[int]] = field(default_factory=dict)
+    """batch id -> [first data position, prompts] of batches consumed to the end (or
+    dead-lettered) and not yet reported to the queue, which then forgets their
+    deduplication records (`protocol.queue.FinishedBatch`)."""
     rng: dict[str, Any] = field(default_factory=dict)
 
     @property

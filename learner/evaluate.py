@@ -60,13 +60,17 @@ class Evaluator:
     def prompts(self) -> int:
         return min(len(self.source), self.cfg.eval_max_prompts)
 
+    def ranges(self, version: int) -> list[tuple[str, int, int]]:
+        """(batch id, first data position, prompts) of each batch of an evaluation."""
+        n, per = self.prompts(), self.cfg.prompts_per_batch
+        return [(f"{self.prefix}v{version}-b{start // per}", start, min(per, n - start)) for start in range(0, n, per)]
+
     def batches(self, version: int) -> list[PromptBatch]:
-        cfg, n = self.cfg, self.prompts()
-        per = cfg.prompts_per_batch
+        cfg = self.cfg
         return [
             PromptBatch(
-                batch_id=f"{self.prefix}v{version}-b{start // per}",
-                prompts=[self.source.prompt(i) for i in range(start, min(start + per, n))],
+                batch_id=batch_id,
+                prompts=[self.source.prompt(i) for i in range(start, start + n)],
                 num_generations=cfg.eval_generations,
                 sampling=SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                         min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
@@ -76,7 +80,7 @@ class Evaluator:
                 pinned_version=version,
                 scoring=cfg.scoring_mode,  # type: ignore[arg-type]
             )
-            for start in range(0, n, per)
+            for batch_id, start, n in self.ranges(version)
         ]
 
     def outstanding(self) -> int:

@@ -12,9 +12,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from protocol import WorkerStatus
+from protocol import QueueStats, WorkerStatus
 
 log = logging.getLogger("learner.fleet")
+
+STALL_S = 45.0
+"""A batch or group waiting this long for its first reader means nobody reads the stream
+(a live worker claims within its long-poll, a live dispatcher within a second)."""
 
 
 def problems(workers: Sequence[WorkerStatus], latest_version: int, max_staleness: int) -> dict[str, str]:
@@ -31,11 +35,32 @@ def problems(workers: Sequence[WorkerStatus], latest_version: int, max_staleness
     return out
 
 
+def stalls(stats: QueueStats, run: str, live_workers: int, stall_s: float = STALL_S) -> dict[str, str]:
+    """stream -> one line saying who is missing, for the streams nobody reads."""
+    out = {}
+    oldest = stats.prompts.oldest_waiting_s
+    if oldest is not None and oldest > stall_s:
+        out["prompts"] = (
+            f"no rollout worker has claimed a batch for {oldest:.0f}s ({stats.prompts.waiting} waiting, "
+            f"{live_workers} worker(s) reporting on run {run!r}): start `actors run --run {run} ...` "
+            "(the same --run as this learner), or see why they fail: `actors check` with their flags"
+        )
+    oldest = stats.unscored.oldest_waiting_s if stats.unscored is not None else None
+    if oldest is not None and oldest > stall_s:
+        out["unscored"] = (
+            f"{stats.unscored.waiting} group(s) have waited {oldest:.0f}s for the trusted scoring tier and no "  # type: ignore[union-attr]
+            f"scoring worker has read them: start `actors score --redis <this run's Redis> --run {run} "
+            "--reward <the learner's --reward>`, or run the learner with --scoring actors"
+        )
+    return out
+
+
 class FleetWatch:
     """Names each worker with a problem once (and again when the problem changes)."""
 
     def __init__(self) -> None:
         self.named: dict[str, str] = {}
+        self.stalled: dict[str, str] = {}
         self.live = 0
         self.lagging = 0
 
@@ -46,4 +71,14 @@ class FleetWatch:
         for line in lines:
             log.warning("%s", line)
         self.named = found
+        return lines
+
+    def update_streams(self, stats: QueueStats, run: str) -> list[str]:
+        """Name each stream nobody reads, once per stall (the figures in the line change
+        as it goes on; the stall is named again only after it has ended)."""
+        found = stalls(stats, run, self.live)
+        lines = [why for stream, why in sorted(found.items()) if stream not in self.stalled]
+        for line in lines:
+            log.warning("%s", line)
+        self.stalled = found
         return lines

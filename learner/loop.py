@@ -30,6 +30,7 @@ from learner.trackers import open_trackers
 from learner.train import build_step_batch, train_on
 from protocol import (
     Delivery,
+    FinishedBatch,
     PromptBatch,
     Queue,
     QueueError,
@@ -37,6 +38,7 @@ from protocol import (
     RolloutGroup,
     SamplingParams,
     fingerprint_of_model,
+    group_id_for,
 )
 from protocol.store import Store, StoreError
 
@@ -100,6 +102,8 @@ class Learner:
         self._replay: list[Delivery] = []
         self._collected: list[RolloutGroup] = []
         self._dropped: list[tuple[str, str]] = []
+        """(group id, reason) of the groups consumed and not trained since the last step."""
+        self._dropped_groups: list[RolloutGroup] = []
         self._dropped_rewards: list[float] = []
         """Rewards of groups dropped as stale or flat: still a measure of the policy."""
         self.on_step: Callable[[dict[str, Any]], None] | None = None
@@ -188,10 +192,11 @@ class Learner:
             after = batch[-1].delivery_id
         done = [d.delivery_id for d in pending if d.group.group_id in self.state.unacked]
         self._replay = [d for d in pending if d.group.group_id not in self.state.unacked]
-        if done:
-            self._retry(lambda: self.queue.ack_rollouts(done))
+        if done or self.state.finished:
+            self._retry(lambda: self.queue.ack_rollouts(done, self._finished_batches()))
             acked = set(done)
             self.state.unacked = {g: i for g, i in self.state.unacked.items() if i not in acked}
+            self.state.finished = {}
         if pending:
             log.info("pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay))
 
@@ -253,9 +258,7 @@ class Learner:
             if dl.batch is not None and self.evaluator is not None and self.evaluator.is_eval(dl.batch.batch_id):
                 self.state.count("eval_dead_lettered_prompts", len(dl.batch.prompts))
                 log.warning("eval batch %s dead-lettered (%s)", dl.batch.batch_id, dl.reason)
-                figures = self.evaluator.lost(dl.batch.batch_id, len(dl.batch.prompts))
-                if figures is not None:
-                    self._eval_figures.update(figures)
+                self._eval_done(self.evaluator.lost(dl.batch.batch_id, len(dl.batch.prompts)))
                 continue
             if dl.source in ("rollouts", "unscored"):
                 lost = 1
@@ -263,6 +266,8 @@ class Learner:
                 entry = self.state.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
                 if dl.batch:
                     self._issued_tokens.pop(dl.batch.batch_id, None)
+                if entry is not None:
+                    self.state.finished[dl.batch.batch_id] = entry[:2]  # type: ignore[union-attr]
                 if dl.missing_groups is not None:
                     # exactly the prompts without a stored group; the others reach us as groups
                     lost = len(dl.missing_groups)
@@ -307,6 +312,7 @@ class Learner:
                     # only a queue that lost its dedup record (a fresh in-process Redis
                     # after --resume) can hand out a consumed prompt's group again
                     self._dropped.append((d.group.group_id, "rejected_duplicate"))
+                    self._dropped_groups.append(d.group)
                     self.state.count("rejected_duplicate")
                     continue
                 self._consume(d.group)
@@ -317,6 +323,7 @@ class Learner:
                     self._collected.append(d.group)
                 else:
                     self._dropped.append((d.group.group_id, reason))
+                    self._dropped_groups.append(d.group)
                     self.state.count(reason)
                     if reason.startswith("dropped_"):
                         self._dropped_rewards.extend(float(r) for r in d.group.rewards)  # type: ignore[arg-type]
@@ -324,16 +331,19 @@ class Learner:
         return groups
 
     def check_fleet(self, every_s: float = 15.0) -> None:
-        """Every `every_s`: name the workers that lag or refuse adapters (`learner.fleet`)."""
+        """Every `every_s`: name the workers that lag or refuse adapters, and the streams
+        nobody reads (no worker claims, no scorer scores; `learner.fleet`)."""
         if time.monotonic() - self._fleet_checked_at < every_s:
             return
         self._fleet_checked_at = time.monotonic()
         try:
             workers = self.queue.workers()
+            stats = self.queue.stats()
         except QueueError as err:  # the fleet view is advice; training goes on without it
             log.debug("no worker statuses: %s", err)
             return
         self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness)
+        self.fleet.update_streams(stats, self.cfg.run)
 
     def issue_evals(self) -> None:
         """Issue the evaluations of versions now published (version 0 at once)."""
@@ -348,11 +358,21 @@ class Learner:
             self.evaluator.issued(version)
             self.evaluator.due.remove(version)
 
+    def _eval_done(self, figures: dict[str, float] | None) -> None:
+        """An evaluation is complete: its figures go out with the next step, and its
+        batches are finished (the queue may forget them)."""
+        if figures is None:
+            return
+        self._eval_figures.update(figures)
+        assert self.evaluator is not None
+        for batch_id, start, n in self.evaluator.ranges(int(figures["eval/version"])):
+            self.state.finished[batch_id] = [start, n]
+
     def _evaluated(self, group: RolloutGroup) -> None:
         assert self.evaluator is not None
         figures = self.evaluator.record(group)
+        self._eval_done(figures)
         if figures is not None:
-            self._eval_figures.update(figures)
             log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward_mean"],
                      figures["eval/pass@1"])
 
@@ -372,16 +392,30 @@ class Learner:
     def _purge_completed(self) -> None:
         done = [b for b, (_, n, consumed) in self.state.outstanding.items() if len(consumed) >= n]
         for batch_id in done:
-            del self.state.outstanding[batch_id]
+            start, n, _ = self.state.outstanding.pop(batch_id)
+            self.state.finished[batch_id] = [start, n]
             self._issued_tokens.pop(batch_id, None)
 
+    def _finished_batches(self) -> list[FinishedBatch]:
+        return [
+            FinishedBatch(batch_id, [group_id_for(batch_id, f"p{start + i}") for i in range(n)])
+            for batch_id, (start, n) in self.state.finished.items()
+        ]
+
     def _abandon_collection(self) -> None:
-        """Groups collected for a step that will not run are not consumed: forget them,
-        so the checkpoint does not claim them and they stay pending for the next run."""
+        """Groups collected for a step that will not run are not consumed, nor those
+        dropped while collecting it (`consumed.jsonl` names them with a step, and this
+        step has none): forget them all, so the checkpoint does not claim them and they
+        stay pending for the next run, which judges them again."""
         for g in self._collected:
             del self.state.unacked[g.group_id]
             self._consume(g, undo=True)
-        self._collected = []
+        for g, (_, reason) in zip(self._dropped_groups, self._dropped, strict=True):
+            self.state.unacked.pop(g.group_id, None)
+            if reason != "rejected_duplicate":  # a duplicate was never counted as consumed
+                self._consume(g, undo=True)
+            self.state.count(reason, -1)
+        self._collected, self._dropped, self._dropped_groups, self._dropped_rewards = [], [], [], []
 
     def judge(self, group: RolloutGroup) -> str | None:
         """Why a group is not trained on (a counter name), or None to train on it."""
@@ -492,11 +526,11 @@ class Learner:
         self._checkpoint_versions.append(self.state.policy_version)
         acked = list(self.state.unacked.values())
         try:
-            self.queue.ack_rollouts(acked)
+            self.queue.ack_rollouts(acked, self._finished_batches())
         except QueueUnavailable as err:  # they stay in the ledger; the next checkpoint retries
             log.warning("could not acknowledge %d groups yet: %s", len(acked), err)
             return
-        self.state.unacked = {}
+        self.state.unacked, self.state.finished = {}, {}
         log.info("checkpoint at step %d", self.state.step)
 
     def expire_queue(self) -> None:
@@ -583,7 +617,7 @@ class Learner:
                 (decode(g.prompt_tokens.tolist(), skip_special_tokens=True), c.text, float(c.reward))  # type: ignore[arg-type]
                 for g in groups[:4] for c in g.completions[:2]
             ], self.state.step)
-        self._dropped, self._dropped_rewards = [], []
+        self._dropped, self._dropped_groups, self._dropped_rewards = [], [], []
         if self.on_step is not None:
             self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:

@@ -30,7 +30,15 @@ from protocol.messages import (
     _check_schema,
     _field_path,
 )
-from protocol.queue import AdapterEvent, DeadLetter, Delivery, Lease, QueueStats, SubmitResult
+from protocol.queue import (
+    AdapterEvent,
+    DeadLetter,
+    Delivery,
+    FinishedBatch,
+    Lease,
+    QueueStats,
+    SubmitResult,
+)
 
 CONTENT_TYPE = "application/vnd.msgpack"
 ACCEPTED_CONTENT_TYPES = frozenset({CONTENT_TYPE, "application/msgpack", "application/x-msgpack"})
@@ -151,6 +159,8 @@ class RolloutsResponse(_Body, tag="rollouts"):
 
 class AckRequest(_Body, tag="ack"):
     delivery_ids: Annotated[list[EntryId], msgspec.Meta(max_length=MAX_ITEMS)]
+    finished: Annotated[list[FinishedBatch], msgspec.Meta(max_length=MAX_ITEMS)] = []
+    """Batches the learner has checkpointed to the end: their dedup records go."""
 
 
 class AckResponse(_Body, tag="acked"):

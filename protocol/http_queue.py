@@ -84,6 +84,7 @@ from protocol.queue import (
     AdapterSubscription,
     DeadLetter,
     Delivery,
+    FinishedBatch,
     Lease,
     Queue,
     QueueConfig,
@@ -250,12 +251,13 @@ class HttpQueue(Queue):
         body = ReadRolloutsRequest(consumer=consumer, count=count, pending=True, after=after)
         return self._call("POST", "/v1/rollouts/read", RolloutsResponse, body).deliveries
 
-    def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:
-        ids = list(delivery_ids)
+    def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
+        ids, batches = list(delivery_ids), list(finished)
         acked = 0
-        for i in range(0, len(ids), 256):
+        for i in range(0, max(len(ids), len(batches)), 256):
             chunk = ids[i : i + 256]
-            acked += self._call("POST", "/v1/rollouts/ack", AckResponse, AckRequest(delivery_ids=chunk)).acked
+            body = AckRequest(delivery_ids=chunk, finished=batches[i : i + 256])
+            acked += self._call("POST", "/v1/rollouts/ack", AckResponse, body).acked
             for received in self._received.values():
                 received.difference_update(chunk)
         return acked

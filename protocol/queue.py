@@ -16,10 +16,14 @@ Semantics every transport keeps:
 - A lease's groups may come in several submissions; the one that gives the last
   prompt its group finishes the lease. A partial submission keeps the lease held (and
   counts as a heartbeat). Every call is idempotent by group id: a retried call whose
-  groups are all stored answers as a duplicate, even after the lease is finished.
+  groups are all stored answers as a duplicate, even after the lease is finished, until
+  the learner has checkpointed the whole batch (`FinishedBatch`); after that a
+  submission for the batch is refused (`LEASE_LOST`), so the dedup records stay bounded
+  and no group is ever stored twice.
 - A lease that expires `max_deliveries` times goes to the dead letters naming the
   group ids still missing, so a partly answered batch loses no prompt uncounted.
-- `add_prompts` is idempotent by batch id, so a retried or re-issued batch is queued once.
+- `add_prompts` is idempotent by batch id, so a retried or re-issued batch is queued
+  once, until the learner reports the batch finished (it never issues it again).
 - Rollout groups stay pending for the learner until it acknowledges them (after the
   checkpoint that consumed them); after a crash `pending_rollouts` hands them back.
 - Streams are trimmed only below the oldest entry still pending or undelivered:
@@ -30,6 +34,7 @@ Semantics every transport keeps:
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Self
@@ -114,6 +119,34 @@ class SubmitResult:
 
 
 @dataclass(frozen=True)
+class FinishedBatch:
+    """A batch the learner has consumed to its last prompt (trained, dropped or
+    dead-lettered) and checkpointed. Its lease is gone, so no submission can store its
+    groups again, and the learner never issues it again: the queue forgets its
+    deduplication records (its id in batches-seen, its groups' in groups-seen and
+    scored-seen), which keeps those sets bounded by the batches in flight."""
+
+    batch_id: str
+    group_ids: list[str]
+
+
+_GROUP_ID = re.compile(r"^[0-9a-f]{32}$")
+_BATCH_ID = re.compile(r"^[^\x00-\x1f]{1,256}$")
+
+
+def check_finished(batch: FinishedBatch) -> FinishedBatch:
+    """A FinishedBatch as the queue accepts it, or ValueError naming what is wrong."""
+    if not isinstance(batch.batch_id, str) or not _BATCH_ID.match(batch.batch_id):
+        raise ValueError(f"finished.batch_id: {str(batch.batch_id)[:48]!r} is not a batch id")
+    if len(batch.group_ids) > DEFAULT_LIMITS.max_prompts:
+        raise ValueError(f"finished.group_ids: {len(batch.group_ids)} ids, a batch has at most {DEFAULT_LIMITS.max_prompts}")
+    for gid in batch.group_ids:
+        if not isinstance(gid, str) or not _GROUP_ID.match(gid):
+            raise ValueError(f"finished.group_ids: {str(gid)[:48]!r} is not a group id")
+    return batch
+
+
+@dataclass(frozen=True)
 class Delivery:
     """A rollout group handed to the learner, to be acknowledged after checkpointing."""
 
@@ -156,6 +189,9 @@ class StreamStats:
     """Delivered, not yet acknowledged."""
     waiting: int
     """Not yet delivered to anyone."""
+    oldest_waiting_s: float | None = None
+    """Age of the oldest entry not yet delivered to anyone (None: none waits, or not
+    reported): minutes here mean nobody reads the stream."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +266,9 @@ class Queue(abc.ABC):
         first, starting after delivery id `after`."""
 
     @abc.abstractmethod
-    def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:
-        """Acknowledge consumed groups; returns how many were still pending."""
+    def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
+        """Acknowledge consumed groups, and forget the deduplication records of the
+        `finished` batches; returns how many groups were still pending."""
 
     @abc.abstractmethod
     def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:

@@ -22,6 +22,18 @@ local function field(flat, name)
   return nil
 end
 
+-- A run whose keys expire (`expire_run`, after it completed) keeps expiring: a key this
+-- script creates or re-creates (a set emptied and deleted, a first dead letter) gets the
+-- time to live left on `ref`, a key of the run that exists throughout.
+local function follow_ttl(ref, ...)
+  local ttl = redis.call('PTTL', ref)
+  if ttl > 0 then
+    for _, key in ipairs({...}) do
+      if redis.call('PTTL', key) == -1 then redis.call('PEXPIRE', key, ttl) end
+    end
+  end
+end
+
 local function pending_entry(key, group, id)
   return redis.call('XPENDING', key, group, id, id, 1)[1]
 end
@@ -56,7 +68,7 @@ local function dead_letter(stream, source, dead, group, id, flat, deliveries, wo
 end
 """
 
-ADD_PROMPTS = r"""
+ADD_PROMPTS = _HELPERS + r"""
 -- KEYS: prompts, batches_seen, private
 -- ARGV: (batch_id, payload, num_generations, max_tokens, expected, scoring, k, (group_id, record)*k)*
 -- `expected` lists "<group id>:<prompt digest>;" for each prompt: what SUBMIT checks
@@ -76,6 +88,7 @@ while i <= #ARGV do
   end
   i = i + 7 + 2 * k
 end
+follow_ttl(KEYS[1], KEYS[2], KEYS[3])
 return added
 """
 
@@ -108,6 +121,7 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], group, 'IDLE', lease_ms, '-',
     end
   end
 end
+if dead > 0 then follow_ttl(KEYS[1], KEYS[2]) end
 return out
 """
 )
@@ -122,6 +136,7 @@ if not p then return 0 end
 local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
 dead_letter(KEYS[1], ARGV[3], KEYS[2], ARGV[1], ARGV[2], entry and entry[2], p[4],
             p[2], ARGV[4], ARGV[5], nil, nil)
+follow_ttl(KEYS[1], KEYS[2])
 return 1
 """
 )
@@ -223,6 +238,7 @@ if missing == 0 then
 else
   redis.call('XCLAIM', KEYS[1], group, worker, 0, lease, 'JUSTID')
 end
+follow_ttl(KEYS[1], KEYS[3], into)
 return {stored, dups, 1, missing == 0 and 1 or 0, missing}
 """
 )
@@ -241,16 +257,24 @@ return 1
 """
 )
 
-STORE_SCORED = r"""
+STORE_SCORED = _HELPERS + r"""
 -- KEYS: rollouts, scored_seen, unscored, private   ARGV: group, entry_id, group_id, payload
 -- The scoring tier's one write: a scored (or rejected) group enters the rollouts stream
 -- once however often it is scored; its unscored entry is deleted (and acknowledged, if
--- the dispatcher had not yet), and its private prompt dropped. Returns 1 if stored, 0 if it was stored before.
+-- the dispatcher had not yet), and its private prompt dropped. Returns 1 if stored, 0 if it
+-- was stored before. A group whose unscored entry is gone (scored, or dead-lettered) is
+-- never stored: the entry, not only the scored-seen set, says it is still to be scored,
+-- so a late duplicate job cannot bring back a group the learner has finished with.
 local stored = 0
+if not redis.call('XRANGE', KEYS[3], ARGV[2], ARGV[2])[1] then
+  redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
+  return 0
+end
 if redis.call('SADD', KEYS[2], ARGV[3]) == 1 then
   redis.call('XADD', KEYS[1], '*', 'g', ARGV[3], 'm', ARGV[4])
   stored = 1
 end
+follow_ttl(KEYS[3], KEYS[1], KEYS[2])
 redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[3], ARGV[2])
 redis.call('HDEL', KEYS[4], ARGV[3])
@@ -258,11 +282,27 @@ return stored
 """
 
 ACK_ROLLOUTS = r"""
--- KEYS: rollouts   ARGV: group, id*
--- Deletes exactly the entries it acknowledges (see the module docstring).
-local n = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 2))
-redis.call('XDEL', KEYS[1], unpack(ARGV, 2))
-return n
+-- KEYS: rollouts, batches_seen, groups_seen, scored_seen
+-- ARGV: group, n, id*n, (batch_id, k, group_id*k)*
+-- Deletes exactly the entries it acknowledges (see the module docstring), then forgets
+-- the deduplication records of the finished batches (`protocol.queue.FinishedBatch`).
+local n = tonumber(ARGV[2])
+local acked = 0
+if n > 0 then
+  acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3, 2 + n))
+  redis.call('XDEL', KEYS[1], unpack(ARGV, 3, 2 + n))
+end
+local i = 3 + n
+while i <= #ARGV do
+  local k = tonumber(ARGV[i + 1])
+  redis.call('SREM', KEYS[2], ARGV[i])
+  for j = i + 2, i + 1 + k do
+    redis.call('SREM', KEYS[3], ARGV[j])
+    redis.call('SREM', KEYS[4], ARGV[j])
+  end
+  i = i + 2 + k
+end
+return acked
 """
 
 ANNOUNCE = r"""
@@ -287,4 +327,11 @@ return id
 COUNT_AFTER = r"""
 -- KEYS: stream   ARGV: id   The number of entries after id (the waiting ones).
 return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+')
+"""
+
+REPORT_STATUS = _HELPERS + r"""
+-- KEYS: workers, prompts   ARGV: worker, payload
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+follow_ttl(KEYS[2], KEYS[1])
+return 1
 """

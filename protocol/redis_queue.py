@@ -39,12 +39,14 @@ from protocol.queue import (
     AdapterSubscription,
     DeadLetter,
     Delivery,
+    FinishedBatch,
     Lease,
     Queue,
     QueueConfig,
     QueueStats,
     StreamStats,
     SubmitResult,
+    check_finished,
     is_entry_id,
 )
 
@@ -126,6 +128,7 @@ class RedisQueue(Queue):
                 "ACK_ROLLOUTS",
                 "ANNOUNCE",
                 "COUNT_AFTER",
+                "REPORT_STATUS",
             )
         }
         # Rollout reads whose reply may have been lost leave entries pending that this
@@ -366,17 +369,23 @@ class RedisQueue(Queue):
             _check_ids("after", [after])
         return self._deliveries(consumer, self._read_pending(consumer, count, after))
 
-    def ack_rollouts(self, delivery_ids: Sequence[str]) -> int:
+    def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
         ids = list(delivery_ids)
         _check_ids("delivery_ids", ids)
+        batches = [check_finished(b) for b in finished]
+        keys = [self.keys.rollouts, self.keys.batches_seen, self.keys.groups_seen, self.keys.scored_seen]
         acked = 0
         for i in range(0, len(ids), _ACK_CHUNK):
             chunk = ids[i : i + _ACK_CHUNK]
-            acked += int(
-                self._script("ACK_ROLLOUTS", [self.keys.rollouts], [LEARNER_GROUP, *chunk])
-            )
+            acked += int(self._script("ACK_ROLLOUTS", keys, [LEARNER_GROUP, len(chunk), *chunk]))
             for handed in self._handed_out.values():
                 handed.difference_update(chunk)
+        args: list[str | int] = []
+        for j, b in enumerate(batches):
+            args += [b.batch_id, len(b.group_ids), *b.group_ids]
+            if len(args) >= _ACK_CHUNK or j == len(batches) - 1:
+                self._script("ACK_ROLLOUTS", keys, [LEARNER_GROUP, 0, *args])
+                args = []
         return acked
 
     def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
@@ -468,7 +477,8 @@ class RedisQueue(Queue):
         if not isinstance(status, WorkerStatus):
             raise ProtocolError(f"report_status: expected WorkerStatus, got {type(status).__name__}")
         _check_worker(status.worker)
-        self._call(lambda: self._r.hset(self.keys.workers, status.worker, encode(status, self.config.limits)))
+        payload = encode(status, self.config.limits)
+        self._script("REPORT_STATUS", [self.keys.workers, self.keys.prompts], [status.worker, payload])
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         now = time.time()
@@ -496,12 +506,19 @@ class RedisQueue(Queue):
             (g for g in self._call(lambda: self._r.xinfo_groups(stream)) if _s(g["name"]) == group),
             None,
         )
-        if info is None:
-            return StreamStats(length=length, pending=0, waiting=length)
-        waiting = info.get("lag")
-        if waiting is None:  # Redis cannot tell after some deletions; count instead
-            waiting = self._script("COUNT_AFTER", [stream], [_s(info["last-delivered-id"])])
-        return StreamStats(length=length, pending=int(info["pending"]), waiting=int(waiting))
+        if info is None:  # no reader ever came
+            waiting, pending, last = length, 0, "0-0"
+        else:
+            waiting, pending, last = info.get("lag"), int(info["pending"]), _s(info["last-delivered-id"])
+            if waiting is None:  # Redis cannot tell after some deletions; count instead
+                waiting = self._script("COUNT_AFTER", [stream], [last])
+        oldest = None
+        if int(waiting):
+            first = self._call(lambda: self._r.xrange(stream, min=f"({last}", count=1))
+            if first:  # entry ids are Redis's clock in ms: compare with Redis's clock
+                seconds, micros = self._call(self._r.time)
+                oldest = max(0.0, seconds + micros / 1e6 - int(_s(first[0][0]).split("-")[0]) / 1000)
+        return StreamStats(length=length, pending=pending, waiting=int(waiting), oldest_waiting_s=oldest)
 
     def stats(self) -> QueueStats:
         consumers = self._call(lambda: self._r.xinfo_consumers(self.keys.prompts, ACTORS_GROUP))

@@ -255,7 +255,8 @@ def read_rollouts(ctx: Context, token: Token, body: ReadRolloutsRequest, params:
 
 def ack(ctx: Context, token: Token, body: AckRequest, params: dict[str, str]) -> AckResponse:
     ctx.check_count("delivery_ids", len(body.delivery_ids))
-    return AckResponse(acked=ctx.queue.ack_rollouts(body.delivery_ids))
+    ctx.check_count("finished", len(body.finished))
+    return AckResponse(acked=ctx.queue.ack_rollouts(body.delivery_ids, body.finished))
 
 
 def announce(ctx: Context, token: Token, body: AnnounceRequest, params: dict[str, str]) -> AnnounceResponse:

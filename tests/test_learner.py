@@ -319,6 +319,10 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
     assert all(0 <= r["truncated_frac"] <= 1 and 0 <= r["dropped_flat_rate"] <= 1 for r in rows)
     assert list((cfg.resolved_run_dir / "tensorboard").iterdir())
     assert queue.stats().rollouts.pending == 0  # everything consumed was acknowledged at the last checkpoint
+    # the dedup records hold only the batches still in flight, not the 160 groups trained
+    r = queue._r
+    assert r.scard(queue.keys.groups_seen) <= cfg.max_inflight
+    assert r.scard(queue.keys.batches_seen) <= cfg.max_inflight // cfg.prompts_per_batch
     # the run is complete: its keys expire (a day by default), none is left for ever
     ttls = {key: queue._r.ttl(key) for key in queue.keys.all() if queue._r.exists(key)}
     assert queue.keys.prompts in ttls and all(0 < t <= 86400 for t in ttls.values()), ttls

@@ -12,13 +12,24 @@ import httpx
 import msgspec
 import pytest
 from conftest import TOKENS, kill_process
-from factories import batch, group
+from factories import batch, group, groups
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol import AdapterManifest, ProtocolError, QueueUnavailable, encode, to_json
+from protocol import (
+    AdapterManifest,
+    FinishedBatch,
+    LeaseLost,
+    ProtocolError,
+    QueueConfig,
+    QueueUnavailable,
+    RedisQueue,
+    encode,
+    to_json,
+)
 from protocol.http import (
     CONTENT_TYPE,
+    AckRequest,
     ClaimRequest,
     ReadRolloutsRequest,
     SubmitRequest,
@@ -147,6 +158,33 @@ def test_protocol_violations_inside_valid_msgpack(make_proxy) -> None:  # type: 
     assert actor.heartbeat("w", [lease.lease_id]) == [lease.lease_id]  # the lease is untouched
     learner.close()
     actor.close()
+
+
+def test_finished_batches_through_the_proxy(make_proxy, redis_server, run_name) -> None:  # type: ignore[no-untyped-def]
+    """The learner's report of finished batches travels with its acknowledgement; a bad
+    one is a 400 that acknowledges nothing and forgets nothing."""
+    proxy = make_proxy()
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    b = batch(5)
+    learner.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    actor.submit("w", lease.lease_id, groups(b))
+    got = learner.read_rollouts("learner-0", 10)
+    direct = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    body = msgspec.msgpack.decode(encode_body(AckRequest(delivery_ids=[d.delivery_id for d in got])))
+    with _client(proxy, "learner") as client:
+        for bad in ([{"batch_id": b.batch_id, "group_ids": ["zz"]}], [{"batch_id": "", "group_ids": []}], "x"):
+            r = client.post("/v1/rollouts/ack", content=msgspec.msgpack.encode({**body, "finished": bad}),
+                            headers={"Content-Type": CONTENT_TYPE})
+            assert r.status_code == 400, r.content
+    assert learner.stats().rollouts.pending == 2 and direct._r.scard(direct.keys.groups_seen) == 2
+    finished = FinishedBatch(b.batch_id, [g.group_id for g in groups(b)])
+    assert learner.ack_rollouts([d.delivery_id for d in got], [finished]) == 2
+    assert direct._r.scard(direct.keys.groups_seen) == 0 and direct._r.scard(direct.keys.batches_seen) == 0
+    with pytest.raises(LeaseLost):
+        actor.submit("w", lease.lease_id, groups(b))
+    for q in (learner, actor, direct):
+        q.close()
 
 
 def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:  # type: ignore[no-untyped-def]

@@ -9,11 +9,13 @@ import pytest
 from factories import batch, group, groups, manifest
 
 from protocol import (
+    FinishedBatch,
     Keys,
     LeaseLost,
     LeaseMismatch,
     RedisQueue,
     VersionConflict,
+    WorkerStatus,
     encode,
 )
 
@@ -122,6 +124,62 @@ def test_resubmitted_group_is_stored_once(make_queue) -> None:
     assert (first.stored, first.duplicates) == (2, 0)
     assert (again.stored, again.duplicates) == (0, 2)
     assert len(q.read_rollouts("learner", 100)) == 2
+
+
+def _finished(b) -> FinishedBatch:  # type: ignore[no-untyped-def]
+    return FinishedBatch(b.batch_id, [g.group_id for g in groups(b)])
+
+
+def test_finished_batches_are_forgotten_and_never_stored_again(make_queue) -> None:
+    """The seen-sets hold only batches in flight: the learner's report of a batch it has
+    checkpointed to the end removes its records; a late retry is then refused, not stored."""
+    q = make_queue()
+    q.add_prompts([batch(0), batch(1)])
+    (lease, other) = q.claim("w", 2)
+    q.submit("w", lease.lease_id, groups(lease.batch))
+    assert q.submit("w", lease.lease_id, groups(lease.batch)).duplicates == 2  # a retry: still a duplicate
+    got = q.read_rollouts("learner", 10)
+    r, keys = q._r, q.keys
+    assert (r.scard(keys.batches_seen), r.scard(keys.groups_seen)) == (2, 2)
+    assert q.ack_rollouts([d.delivery_id for d in got], [_finished(lease.batch)]) == 2
+    assert r.smembers(keys.batches_seen) == {b"batch-1"} and r.scard(keys.groups_seen) == 0
+    with pytest.raises(LeaseLost, match="not outstanding"):  # the lease is gone: refused, whole
+        q.submit("w", lease.lease_id, groups(lease.batch))
+    assert q.read_rollouts("learner", 10) == [] and q.stats().rollouts.length == 0
+    # the batch in flight kept its records
+    q.submit("w", other.lease_id, groups(other.batch)[:1])
+    assert q.submit("w", other.lease_id, groups(other.batch)[:1]).duplicates == 1
+
+
+def test_keys_a_completed_run_writes_again_expire_too(make_queue) -> None:
+    """After `expire_run` the actors still finish the batches in flight: a key deleted
+    when it emptied (a seen-set, the workers hash) and written again expires with the run."""
+    q = make_queue()
+    q.add_prompts([batch(0), batch(1)])
+    first, second = q.claim("w", 2)
+    q.submit("w", first.lease_id, groups(first.batch))
+    q.ack_rollouts([d.delivery_id for d in q.read_rollouts("learner", 10)], [_finished(first.batch)])
+    q.report_status(WorkerStatus(worker="w", reported_at=time.time()))
+    q._r.delete(q.keys.workers)  # as `workers()` does once every worker has gone quiet
+    assert not q._r.exists(q.keys.groups_seen)
+    q.expire_run(600)
+    q.submit("w", second.lease_id, groups(second.batch))  # the run is over; this worker does not know
+    q.report_status(WorkerStatus(worker="w", reported_at=time.time()))
+    for key in (q.keys.groups_seen, q.keys.workers):
+        assert 0 < q._r.ttl(key) <= 600, key
+
+
+def test_bad_finished_batches_are_refused_and_change_nothing(make_queue) -> None:
+    q = make_queue()
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    q.submit("w", lease.lease_id, groups(lease.batch))
+    (d,) = q.read_rollouts("learner", 10)[:1]
+    for bad in (FinishedBatch("batch-0", ["not-a-group-id"]), FinishedBatch("", []),
+                FinishedBatch("batch-0", ["a" * 32] * 5000)):
+        with pytest.raises(ValueError, match="finished"):
+            q.ack_rollouts([d.delivery_id], [bad])
+    assert q.stats().rollouts.pending == 2 and q._r.scard(q.keys.groups_seen) == 2
 
 
 def _lease_taken_over(make_queue):  # type: ignore[no-untyped-def]

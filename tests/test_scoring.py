@@ -18,7 +18,7 @@ import pytest
 import redis
 from conftest import RedisServer, kill_process, stop_process
 
-from protocol import PromptBatch, QueueConfig, RedisQueue, RolloutGroup
+from protocol import FinishedBatch, PromptBatch, QueueConfig, RedisQueue, RolloutGroup
 from protocol.scoring import ScoringQueue
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -202,6 +202,12 @@ def test_scoring_is_idempotent_by_group_id(queue: RedisQueue, redis_server: Redi
     assert sq.store_scored(entries[0].entry_id, scored) is False  # a re-run job
     assert sq.fetch_unscored(entries[0].entry_id) is None
     assert [d.group.group_id for d in queue.read_rollouts("learner-0", 10)] == [gid]
+    # the learner finishes with the batch and the queue forgets it: a job run again even
+    # later still stores nothing, because the group's unscored entry is gone
+    queue.ack_rollouts([], [FinishedBatch(item.group.batch_id, [gid])])
+    assert not queue._r.sismember(queue.keys.scored_seen, gid)
+    assert sq.store_scored(entries[0].entry_id, scored) is False
+    assert queue.read_rollouts("learner-0", 10) == []
     sq.close()
 
 
@@ -244,3 +250,31 @@ def test_actors_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServe
     assert proc.returncode == 2 and "never through the proxy" in proc.stderr
     proc = score("--redis", redis_server.url, "--reward", "no_such_module:f")
     assert proc.returncode == 2 and "cannot import no_such_module" in proc.stderr
+
+
+def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, tmp_path: Path) -> None:
+    """RQ's own worker quits when Redis goes away; `actors score` waits for it to come
+    back (on its AOF, the same port) and scores on under a new RQ worker name."""
+    server = make_server(persistent=True)
+    server.start()
+    q = RedisQueue.from_url(server.url, QueueConfig(run=run_name, lease_timeout_s=30))
+    with (tmp_path / "scorer.log").open("wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "actors.cli", "score", "--redis", server.url, "--run", run_name,
+             "--reward", "toy_rewards:digit_first", "--maintenance-interval-s", "1", "--monitoring-interval-s", "1"],
+            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        first = submit_unscored(q, [trusted_batch(0)])
+        assert sorted(g.group_id for g in read_all(q, 2)) == sorted(first)
+        server.kill()
+        time.sleep(3)  # long enough for RQ's loop to notice and quit
+        server.start()
+        second = submit_unscored(q, [trusted_batch(1)])
+        assert sorted(g.group_id for g in read_all(q, 2, timeout_s=90)) == sorted(second)
+        assert proc.poll() is None, (tmp_path / "scorer.log").read_text()[-3000:]
+        assert "Redis answers again" in (tmp_path / "scorer.log").read_text()
+        proc.terminate()  # and SIGTERM still stops it cleanly
+        assert proc.wait(timeout=60) == 0
+    finally:
+        kill_process(proc)
+        q.close()
