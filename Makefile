@@ -5,8 +5,11 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # the vllm engine's tests run on vLLM's CPU build, which pins its own transformers
 VLLM_VENV ?= .venv-vllm
+# the deploy recipes' validators (SkyPilot, the Kubernetes client) pin click and
+# python-dateutil against huggingface-hub and botocore: a venv of their own
+DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: install test test-main test-vllm lint bench
+.PHONY: install test test-main test-vllm test-deploy lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,13 +30,24 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
 	touch $@
 
+$(DEPLOY_VENV)/.installed: Makefile
+	$(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip
+	$(DEPLOY_VENV)/bin/python -m pip install -q skypilot==0.14.1 "kubernetes>=33" pyyaml pytest
+	touch $@
+
 lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
 
-test: test-main test-vllm
+test: test-main test-deploy test-vllm
 
 test-main: install lint
 	$(BIN)/python -m pytest -m "not vllm"
+
+# only tests/test_deploy.py, on the project's sources (no install: it imports actors.cli's parser)
+test-deploy: $(DEPLOY_VENV)/.installed
+	SPOTGRPO_DEPLOY_TOOLS=1 PYTHONPATH=. $(DEPLOY_VENV)/bin/python -m pytest --noconftest -p no:cacheprovider -p no:warnings \
+		-o addopts="--strict-markers -ra" tests/test_deploy.py
 
 test-vllm: $(VLLM_VENV)/.installed
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m vllm

@@ -146,6 +146,9 @@ def score(args: argparse.Namespace) -> int:
               abandon_after_s=args.abandon_after_s,
               monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
               redispatch_s=args.redispatch_s, burst=args.burst)
+    except QueueUnavailable as err:
+        print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
+        return 1
     finally:
         queue.close()
     return 0

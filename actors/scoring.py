@@ -31,6 +31,7 @@ Jobs carry only ids, serialized as JSON (RQ's `JSONSerializer`): no pickle in Re
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import threading
 import time
@@ -38,9 +39,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import redis
 from rq import Queue as RQQueue
 from rq import Retry, Worker
-from rq.exceptions import NoSuchJobError
+from rq.exceptions import NoSuchJobError, StopRequested
 from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
@@ -125,9 +127,17 @@ class ScoringWorker(Worker):
     RQ_GRACE_S = 60
     """What RQ adds to the monitoring interval (2.x and 3.x alike)."""
 
+    stop_requested = False
+    """SIGTERM or SIGINT reached this worker (RQ's loop also ends, and says less, when
+    Redis goes away)."""
+
     def get_heartbeat_ttl(self, job: Job, *args: Any, **kwargs: Any) -> int:
         ttl = super().get_heartbeat_ttl(job, *args, **kwargs)
         return max(1, int(ttl) - self.RQ_GRACE_S + self.abandon_after_s)
+
+    def request_stop(self, signum: int, frame: Any) -> None:
+        self.stop_requested = True
+        super().request_stop(signum, frame)
 
 
 class Dispatcher(threading.Thread):
@@ -243,21 +253,55 @@ def _last_line(job: Job) -> str:
 def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, job_timeout_s: float, retries: int = 2,
           retry_backoff_s: float = 1.0, groups_per_job: int = 8, abandon_after_s: int = 60,
           monitoring_interval_s: int = 30, maintenance_interval_s: int = 30, redispatch_s: float = 30.0,
-          burst: bool = False) -> bool:
-    """Run one scoring worker (and its dispatcher) until SIGTERM (RQ's warm shutdown)."""
+          burst: bool = False, outage_s: float = 300.0) -> bool:
+    """Run one scoring worker (and its dispatcher) until SIGTERM (RQ's warm shutdown).
+    RQ's worker quits when Redis goes away; this one waits for Redis (up to `outage_s`,
+    then QueueUnavailable) and starts another RQ worker under a new name (the old one's
+    registration may outlive a restart on its AOF)."""
     global _TIER
     _TIER = Tier(queue=queue, scorer=scorer, name=name)
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
     dispatcher = Dispatcher(queue, rq, name, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)
-    worker = ScoringWorker([rq], name=name, connection=queue.client, serializer=JSONSerializer,
-                           job_monitoring_interval=monitoring_interval_s,
-                           maintenance_interval=maintenance_interval_s, worker_ttl=max(20, maintenance_interval_s + 15))
-    worker.abandon_after_s = abandon_after_s
     dispatcher.start()
     try:
-        return worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+        for generation in itertools.count():
+            worker = ScoringWorker([rq], name=name if generation == 0 else f"{name}-{generation}",
+                                   connection=queue.client, serializer=JSONSerializer,
+                                   job_monitoring_interval=monitoring_interval_s, maintenance_interval=maintenance_interval_s,
+                                   worker_ttl=max(20, maintenance_interval_s + 15))
+            worker.abandon_after_s = abandon_after_s
+            try:
+                done = worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
+                if worker.stop_requested or burst:
+                    return done
+                log.warning("RQ's worker %s quit without being asked to (Redis unreachable?)", worker.name)
+            except redis.exceptions.RedisError as err:
+                log.warning("RQ's worker %s quit: %s", worker.name, err)
+            except StopRequested:
+                return False
+            if worker.stop_requested:
+                return False
+            try:
+                _wait_for_redis(queue, outage_s)
+            except StopRequested:  # SIGTERM while waiting (RQ's handler, still installed)
+                return False
+            log.warning("Redis answers again; scoring goes on")
+        raise AssertionError("unreachable")
     finally:
         dispatcher.stopping.set()
         dispatcher.join(timeout=5)
+
+
+def _wait_for_redis(queue: ScoringQueue, outage_s: float) -> None:
+    deadline, backoff = time.monotonic() + outage_s, 0.5
+    while True:
+        try:
+            queue.client.ping()
+            return
+        except redis.exceptions.RedisError as err:
+            if time.monotonic() + backoff > deadline:
+                raise QueueUnavailable(f"Redis unreachable for {outage_s:.0f}s: {err}") from None
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 

@@ -10,6 +10,11 @@
 set -euo pipefail
 : "${PROXY:?https://host:8443 of proxy serve}" "${RUN:?the learner's --run}" "${MODEL:?the learner's --model}"
 : "${SPOTGRPO_TOKEN:?an actor token}"
+# the proxy's CA as text (a job platform's secret or environment variable) instead of a file
+if [ -n "${SPOTGRPO_CA_PEM:-}" ] && [ -z "${SPOTGRPO_CA_CERT:-}" ]; then
+  export SPOTGRPO_CA_CERT="${TMPDIR:-/tmp}/spotgrpo-ca.pem"
+  printf '%s\n' "$SPOTGRPO_CA_PEM" > "$SPOTGRPO_CA_CERT"
+fi
 # every cheap check first (token, TLS, run, model, rank, rewards, an adapter download):
 # a mismatch is named here, before the engine takes the GPU
 actors check --queue "$PROXY" --run "$RUN" --engine vllm --model "$MODEL" --skip-engine ${REWARD:+--reward "$REWARD"}

@@ -34,3 +34,53 @@ def test_each_problem_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
         assert watch.update([_w("lag", 12)], 12, 4) == []  # caught up
     assert (watch.live, watch.lagging) == (1, 0)
     assert sum("worker lag runs adapter v1" in r.message for r in caplog.records) == 2
+
+
+@pytest.mark.redis
+def test_streams_nobody_reads_are_named_from_the_real_queue(redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+    """No worker claims (a wrong --run on the actors, say) or no scorer scores: the
+    learner's console says which, and what to start; a stream being read is not named."""
+    import msgspec
+    from factories import batch, groups
+
+    from learner.fleet import stalls
+    from protocol import QueueConfig, RedisQueue
+    from protocol.scoring import ScoringQueue
+
+    q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    assert stalls(q.stats(), run_name, 0, stall_s=0.5) == {}  # nothing issued yet
+    q.add_prompts([batch(0), msgspec.structs.replace(batch(1), scoring="trusted")])
+    time.sleep(1.0)
+    found = stalls(q.stats(), run_name, 0, stall_s=0.5)
+    assert set(found) == {"prompts"} and f"actors run --run {run_name}" in found["prompts"]
+    assert "2 waiting, 0 worker(s)" in found["prompts"]
+    leases = q.claim("w", 2)
+    assert stalls(q.stats(), run_name, 1, stall_s=0.5) == {}  # claimed: read
+    trusted = next(lease for lease in leases if lease.batch.scoring == "trusted")
+    q.submit("w", trusted.lease_id, groups(trusted.batch))
+    time.sleep(1.0)
+    found = stalls(q.stats(), run_name, 1, stall_s=0.5)
+    assert set(found) == {"unscored"} and "no scoring worker has read them" in found["unscored"]
+    watch = FleetWatch()
+    assert len(watch.update_streams(q.stats(), run_name)) == 0  # 1 s is no stall at the default 45 s
+    sq = ScoringQueue.from_url(redis_server.url, q.config)
+    assert len(sq.read_unscored("dispatcher", 10)) == 2  # a scorer's dispatcher reads them
+    assert stalls(q.stats(), run_name, 1, stall_s=0.5) == {}
+    sq.close()
+    q.close()
+
+
+def test_a_stall_is_named_once_until_it_ends(caplog: pytest.LogCaptureFixture) -> None:
+    from protocol import QueueStats, StreamStats
+
+    def stats(prompts_age: float | None) -> QueueStats:
+        return QueueStats(prompts=StreamStats(3, 0, 3 if prompts_age else 0, prompts_age),
+                          rollouts=StreamStats(0, 0, 0), dead_letters=0)
+
+    watch = FleetWatch()
+    with caplog.at_level(logging.WARNING, logger="learner.fleet"):
+        assert len(watch.update_streams(stats(60.0), "r")) == 1
+        assert watch.update_streams(stats(75.0), "r") == []  # the same stall, older
+        assert watch.update_streams(stats(None), "r") == []  # a worker came
+        assert len(watch.update_streams(stats(50.0), "r")) == 1  # a new stall
+    assert sum("no rollout worker has claimed a batch" in r.message for r in caplog.records) == 2
