@@ -10,7 +10,15 @@ transformer's, not a 150k-row embedding's), for LoRA ranks 1, 16 and 64:
   upload, manifest) in the same process;
 - the adapter's size, and the fraction of wall time blocked on publishing.
 
+With `--scaling`: training throughput and peak memory of one learner step loop at rank
+16 (`--scaling-rank`) in 1 process and in 2 (torchrun, FSDP2: gloo on the CPU, NCCL on
+GPUs): sequence tokens (prompt + completion) trained per second, completion tokens per
+second, and peak memory per process (CUDA `max_memory_allocated` on a GPU, the process's
+peak RSS on the CPU), with the ratios of 2 processes to 1. The batch is the same; in 2
+processes each rank trains on half of it (by token count).
+
 Usage: python bench/learner.py [--ranks 1 16 64] [--steps 3]
+       python bench/learner.py --scaling [--device cpu|cuda] [--dtype bfloat16] [--steps 3]
 """
 
 from __future__ import annotations
@@ -128,6 +136,87 @@ class RankBench:
         return time.perf_counter() - started, steps, blocked
 
 
+def scaling_worker(args: argparse.Namespace) -> None:
+    """One process of the scaling benchmark (alone, or a rank of torchrun's): warm up,
+    time `--steps` steps, write this rank's figures to `<out>.rank<r>.json`."""
+    import json
+    import resource
+
+    from learner.dist import Dist
+    from learner.trainer import Trainer
+
+    dist = Dist.from_env(args.device)
+    cfg = LearnerConfig(model=str(args.model_dir), lora_rank=args.scaling_rank, lora_alpha=2 * args.scaling_rank,
+                        max_tokens=args.completion_len, learning_rate=1e-5, device=args.device, dtype=args.dtype,
+                        micro_batch_size=64, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                        gradient_checkpointing=args.gradient_checkpointing)
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, dist)
+    if not dist.main:
+        trainer.follow()
+    else:
+        batch = synthetic_batch(trainer.policy, args.groups, args.group_size, args.prompt_len, args.completion_len)
+        trainer.step(batch)  # warm-up
+        if dist.device.type == "cuda":
+            torch.cuda.synchronize()
+        started, completion_tokens = time.perf_counter(), 0
+        for _ in range(args.steps):
+            completion_tokens += int(trainer.step(batch)["tokens"])
+        if dist.device.type == "cuda":
+            torch.cuda.synchronize()
+        took = time.perf_counter() - started
+        trainer.stop()
+        sequence_tokens = sum(batch.lengths()) * args.steps
+    peak = (torch.cuda.max_memory_allocated(dist.device) if dist.device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    figures: dict[str, float] = {"peak_bytes": peak}
+    if dist.main:
+        figures |= {"seconds": took, "sequence_tokens_per_s": sequence_tokens / took,
+                    "completion_tokens_per_s": completion_tokens / took}
+    Path(f"{args.out}.rank{dist.rank}.json").write_text(json.dumps(figures))
+    dist.close()
+
+
+def scaling(args: argparse.Namespace) -> None:
+    import json
+    import os
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = save_tiny(Path(tmp) / "model", **QWEN25_05B_SHAPE)
+        print(f"model: Qwen2.5-0.5B shape ({QWEN25_05B_SHAPE['num_layers']} layers, hidden "
+              f"{QWEN25_05B_SHAPE['hidden_size']}), LoRA rank {args.scaling_rank}, {args.dtype} base, device "
+              f"{args.device}; batch {args.groups}x{args.group_size} sequences of {args.prompt_len}+"
+              f"{args.completion_len} tokens, token budget {args.max_tokens_per_microbatch} per micro-batch; "
+              f"{args.steps} steps after a warm-up; {os.cpu_count()} CPU cores")
+        worker = [str(Path(__file__).resolve()), "--scaling-worker", "--model-dir", str(model_dir),
+                  "--device", args.device, "--dtype", args.dtype, "--steps", str(args.steps),
+                  "--scaling-rank", str(args.scaling_rank), "--groups", str(args.groups),
+                  "--group-size", str(args.group_size), "--prompt-len", str(args.prompt_len),
+                  "--completion-len", str(args.completion_len),
+                  "--max-tokens-per-microbatch", str(args.max_tokens_per_microbatch),
+                  *(["--gradient-checkpointing"] if args.gradient_checkpointing else [])]
+        results = {}
+        for world in args.worlds:
+            out = Path(tmp) / f"world{world}"
+            launch = [sys.executable] if world == 1 else [sys.executable, "-m", "torch.distributed.run",
+                                                         "--nproc-per-node", str(world)]
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world))}
+            subprocess.run([*launch, *worker, "--out", str(out)], check=True, env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
+            results[world] = {**ranks[0], "peak_bytes": max(r["peak_bytes"] for r in ranks)}
+        base = results[args.worlds[0]]
+        print(f"{'processes':>9} {'seq tok/s':>10} {'compl tok/s':>11} {'peak MB/proc':>12} {'tok/s ratio':>11} "
+              f"{'peak ratio':>10}")
+        for world, r in results.items():
+            print(f"{world:>9} {r['sequence_tokens_per_s']:>10.0f} {r['completion_tokens_per_s']:>11.0f} "
+                  f"{r['peak_bytes'] / 2**20:>12.0f} {r['sequence_tokens_per_s'] / base['sequence_tokens_per_s']:>11.2f} "
+                  f"{r['peak_bytes'] / base['peak_bytes']:>10.2f}")
+        print("ratios against 1 process; peak: the largest over the processes (CUDA max_memory_allocated on a GPU, "
+              "peak RSS on the CPU, which includes the Python runtime and torch's libraries)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 16, 64])
@@ -137,7 +226,21 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--completion-len", type=int, default=32)
+    parser.add_argument("--scaling", action="store_true", help="throughput and peak memory in 1 and 2 processes")
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--scaling-rank", type=int, default=16)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--max-tokens-per-microbatch", type=int, default=16384)
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--scaling-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.scaling_worker:
+        return scaling_worker(args)
+    if args.scaling:
+        return scaling(args)
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = save_tiny(Path(tmp) / "model", **QWEN25_05B_SHAPE)

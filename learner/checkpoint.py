@@ -1,7 +1,7 @@
 """Checkpoints: everything needed to continue a run exactly, in the object store.
 
     checkpoints/step-<S>/adapter_model.safetensors   the adapter
-    checkpoints/step-<S>/trainer_state.pt             optimizer, scheduler, torch RNG
+    checkpoints/step-<S>/trainer_state.pt             optimizer (full, by parameter name), scheduler, torch RNG
     checkpoints/step-<S>/state.json                   cursor, versions, counters, ledger
     checkpoints/latest.json                           pointer, written last
 
@@ -93,20 +93,18 @@ def save_checkpoint(
     store: Store,
     state: LearnerState,
     adapter: dict[str, torch.Tensor],
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    trainer: dict[str, Any],
     keep: int,
 ) -> str:
-    """Write checkpoint `state.step`, then the pointer; prune older ones. Returns its key."""
+    """Write checkpoint `state.step`, then the pointer; prune older ones. Returns its key.
+    `trainer`: the optimizer's full state dict (parameter names as keys), the schedule's
+    state and the torch RNG (`learner.trainer.Trainer.snapshot`)."""
     from safetensors.torch import save
 
     step = state.step
     state.rng = _python_rng()
     buf = io.BytesIO()
-    torch.save(
-        {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "torch_rng": torch.get_rng_state()},
-        buf,
-    )
+    torch.save(trainer, buf)
     files = {
         ADAPTER_WEIGHTS: save(adapter, metadata={"format": "pt"}),
         TRAINER_STATE: buf.getvalue(),

@@ -133,11 +133,53 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if embedded:
+            print("learner run: under torchrun give --queue (and --store): the embedded default runs in one process",
+                  file=sys.stderr)
+            return 2
+        return run_rank(cfg)
     if embedded:
         from learner.embedded import run_embedded
 
         return run_embedded(cfg, lambda learner: stop_on_signals(learner.stop_requested))
+    return run_learner(cfg)
 
+
+def run_rank(cfg: LearnerConfig) -> int:
+    """One rank of `torchrun --nproc-per-node N -m learner run ...`: rank 0 is the
+    learner; the others hold their shards and follow it (`learner.dist`)."""
+    from learner.dist import Dist
+
+    try:
+        dist = Dist.from_env(cfg.device)
+    except (ValueError, RuntimeError) as err:
+        print(f"learner run: {err}", file=sys.stderr)
+        return 2
+    if dist.main:
+        try:
+            return run_learner(cfg, dist)
+        finally:
+            dist.close()
+    # rank 0 leads a stop (a checkpoint needs every rank): torchrun's SIGTERM is for it
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch
+
+    from learner.trainer import Trainer
+
+    try:
+        torch.manual_seed(cfg.seed)  # the same initial adapter as rank 0's
+        Trainer(cfg, dist).follow()
+    except Exception as err:  # a peer died (its collective failed), or the model did not load
+        print(f"learner run (rank {dist.rank}): {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    dist.close()
+    return 0
+
+
+def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
+    """The learner itself: queue, store, model, and the loop."""
     from learner.loop import Learner, LearnerError
     from learner.trackers import check_trackers
     from protocol import (
@@ -165,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
     try:
-        learner = Learner(cfg, queue, store, stop_requested=stop)
+        learner = Learner(cfg, queue, store, stop_requested=stop, dist=dist)  # type: ignore[arg-type]
         state = learner.run()
     except (QueueUnavailable, StoreError) as err:
         print(f"learner run: {err}", file=sys.stderr)
@@ -173,6 +215,11 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError, LearnerError, QueueRefused) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:  # torch.distributed: another rank died mid-collective
+        if getattr(dist, "enabled", False):
+            print(f"learner run (rank 0): another rank failed: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1
+        raise
     finally:
         queue.close()
     log.info("done: step %d, adapter v%d, totals %s", state.step, state.policy_version, state.totals)

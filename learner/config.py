@@ -42,7 +42,9 @@ class LearnerConfig(BaseModel):
 
     # -- model and adapter
     model: str = Field("", description="Hugging Face model id or local path of the base model.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights and compute dtype.")
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda|cuda:\d+)$",
+                        description="Where the learner trains: auto (CUDA when available), cpu, cuda or cuda:N (under torchrun each rank takes cuda:LOCAL_RANK).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="The frozen base weights' dtype (and the forward's); LoRA parameters, optimizer state and log-probabilities stay float32.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward to save memory.")
     lora_rank: int = Field(16, ge=1, le=1024, description="LoRA rank r.")
     lora_alpha: float = Field(32.0, gt=0, description="LoRA alpha (scale = alpha / r).")
@@ -83,7 +85,8 @@ class LearnerConfig(BaseModel):
     queue_ttl_s: float = Field(86400.0, gt=0, description="A completed run's Redis keys expire this long after its last step (late workers and a --resume find them until then).")
     keep_adapters: int | None = Field(None, ge=0, description="Adapter versions kept in the store, newest first, besides those that evaluations or kept checkpoints pin (default: max_staleness + 2, what actors may still generate with; 0: keep all).")
     seed: int = Field(0, description="Seeds data order and torch.")
-    micro_batch_size: int = Field(16, ge=1, description="Sequences per forward/backward pass (gradient accumulation).")
+    micro_batch_size: int = Field(16, ge=1, description="Most sequences in one forward/backward pass (gradient accumulation).")
+    max_tokens_per_microbatch: int = Field(16384, ge=16, description="Token budget of one forward/backward pass: sequences sorted by length fill a micro-batch while rows x its longest stays within it (one longer sequence goes alone).")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per collected batch (minibatches); >1 uses the decoupled PPO objective.")
     lag_versions: int | None = Field(None, ge=0, description="For benchmarks and tests: generate every training batch with the adapter exactly this many versions behind (pinned); needs max_inflight = groups_per_step.")
     max_abs_reward: float = Field(1e6, gt=0, le=1e30, description="Groups with a reward outside [-this, this] are rejected (a worker's garbage must not reach float32 as inf).")
@@ -236,6 +239,8 @@ TRL_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "save_steps": ("checkpoint_every", lambda v: v),
     "save_total_limit": ("keep_checkpoints", lambda v: v),
     "output_dir": ("run_dir", lambda v: v),
+    # also the spelling that works under torchrun, whose own --run-path makes --run ambiguous
+    "run_name": ("run", lambda v: v),
 }
 """GRPOConfig name -> (our field, how its value reads here). Names that are the same in
 both (num_generations, epsilon_high, beta, learning_rate, warmup_ratio, reward_weights,
@@ -248,7 +253,7 @@ TRL_ONLY: dict[str, str] = {
     "vllm_gpu_memory_utilization": "set it on the actors: `actors run --gpu-memory-utilization`",
     "vllm_tensor_parallel_size": "set it on the actors: `actors run --tensor-parallel-size`",
     "per_device_train_batch_size": "the step size is counted in groups: set groups_per_step (x num_generations sequences)",
-    "gradient_accumulation_steps": "micro-batching is by micro_batch_size; groups_per_step sets the step",
+    "gradient_accumulation_steps": "micro-batching is by max_tokens_per_microbatch (and micro_batch_size); groups_per_step sets the step",
     "generation_batch_size": "the actors batch across leases on their own; prompts_per_batch sets a lease",
     "steps_per_generation": "generation is asynchronous here; updates_per_batch sets optimizer steps per batch",
     "num_iterations": "use updates_per_batch (optimizer steps per collected batch, decoupled PPO)",

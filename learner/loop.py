@@ -21,13 +21,14 @@ import torch
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import PromptSource, load_rows
+from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import Evaluator
 from learner.fleet import FleetWatch
 from learner.metrics import MetricsLog, clean, console_line
-from learner.policy import Policy
 from learner.publish import Publisher, PublishJob
 from learner.trackers import open_trackers
-from learner.train import build_step_batch, train_on
+from learner.train import build_step_batch
+from learner.trainer import Trainer
 from protocol import (
     Delivery,
     FinishedBatch,
@@ -55,13 +56,16 @@ class LearnerError(RuntimeError):
 
 class Learner:
     def __init__(
-        self, cfg: LearnerConfig, queue: Queue, store: Store, stop_requested: threading.Event | None = None
+        self, cfg: LearnerConfig, queue: Queue, store: Store, stop_requested: threading.Event | None = None,
+        dist: Dist | None = None,
     ) -> None:
         self.cfg = cfg
         self.queue = queue
         self.store = store
         torch.manual_seed(cfg.seed)
-        self.policy = Policy(cfg)
+        self.dist = dist or Dist(device=resolve_device(cfg.device))
+        self.trainer = Trainer(cfg, self.dist)
+        self.policy, self.optimizer, self.scheduler = self.trainer.policy, self.trainer.optimizer, self.trainer.scheduler
         self.source = PromptSource(
             load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config), self.policy.tokenizer, cfg.prompt_column,
             cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
@@ -79,16 +83,6 @@ class Learner:
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
         """eval/* figures of evaluations completed since the last metrics row."""
-        self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-        )
-        from transformers import get_scheduler
-
-        self.scheduler = get_scheduler(
-            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup * cfg.updates_per_batch,
-            num_training_steps=cfg.steps * cfg.updates_per_batch,
-        )
         self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
         """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
         self.publisher = Publisher(
@@ -128,7 +122,7 @@ class Learner:
                     break  # asked to stop; the partial collection stays pending in the queue
                 wait_s, started = time.monotonic() - waited, time.monotonic()
                 batch = build_step_batch(groups, cfg, self.policy.pad_id)
-                stats = train_on(self.policy, self.optimizer, self.scheduler, batch, cfg)
+                stats = self.trainer.step(batch)
                 trained_with = self.state.policy_version
                 self.state.step += 1
                 self.state.count("trained_groups", len(groups))
@@ -145,6 +139,7 @@ class Learner:
             if self.state.step >= cfg.steps and not cfg.keep_queue:
                 self.expire_queue()
         finally:
+            self.trainer.stop()  # the other ranks (torchrun) exit with this one
             self.publisher.close()
             if self.metrics is not None:
                 self.metrics.close()
@@ -163,9 +158,7 @@ class Learner:
             )
         if ckpt is not None:
             self.state = ckpt.state
-            self.policy.load_adapter_state(ckpt.adapter)
-            self.optimizer.load_state_dict(ckpt.trainer["optimizer"])
-            self.scheduler.load_state_dict(ckpt.trainer["scheduler"])
+            self.trainer.restore(ckpt.adapter, ckpt.trainer)
             restore_rng(ckpt)
             resumed_at = self._checkpointed_step = self.state.step
             log.info("resumed at step %d (cursor %d, version %d)", self.state.step, self.state.cursor, self.state.policy_version)
@@ -490,11 +483,11 @@ class Learner:
             pinned |= set(self.evaluator.due) | set(self.evaluator.runs)
         return pinned
 
-    def finite_adapter(self) -> dict[str, torch.Tensor]:
-        """A snapshot of the adapter, or LearnerError if any value is NaN or infinite: such
-        an adapter is never published (actors would generate garbage) nor checkpointed
-        (the last good checkpoint stays the one to resume from)."""
-        adapter = self.policy.adapter_state()
+    def finite_adapter(self, adapter: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """A snapshot of the adapter (or `adapter`), or LearnerError if any value is NaN or
+        infinite: such an adapter is never published (actors would generate garbage) nor
+        checkpointed (the last good checkpoint stays the one to resume from)."""
+        adapter = self.trainer.adapter() if adapter is None else adapter
         bad = [name for name, t in adapter.items() if not bool(torch.isfinite(t).all())]
         if bad:
             raise LearnerError(
@@ -511,10 +504,10 @@ class Learner:
         # a completed batch must not be re-issued on resume: its groups would be new to a
         # queue that lost its records, and nothing would be left to recognise them by
         self._purge_completed()
+        adapter, trainer_state = self.trainer.snapshot()
         try:
             save_checkpoint(
-                self.store, self.state, self.finite_adapter(), self.optimizer, self.scheduler,
-                keep=self.cfg.keep_checkpoints,
+                self.store, self.state, self.finite_adapter(adapter), trainer_state, keep=self.cfg.keep_checkpoints,
             )
         except StoreError as err:
             if final:
@@ -576,7 +569,7 @@ class Learner:
         consumed = len(groups) + len(dropped)
         # the policy's reward: every scored completion consumed this step, the flat and
         # stale groups included (the trained groups alone overstate it early on)
-        scored = torch.cat([rewards_N, torch.tensor(self._dropped_rewards, dtype=rewards_N.dtype)])
+        scored = torch.cat([rewards_N, torch.tensor(self._dropped_rewards, dtype=rewards_N.dtype, device="cpu")])
         row = clean({
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
@@ -605,6 +598,7 @@ class Learner:
             "publish_failures": self.publisher.failures,
             "workers_live": self.fleet.live,
             "workers_lagging": self.fleet.lagging,
+            "memory_peak_mb": peak_memory_mb(self.dist.device),
             "time": time.time(),
             **self._eval_figures,
         })

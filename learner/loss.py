@@ -68,7 +68,7 @@ def advantages(rewards_N: Tensor, group_sizes: list[int], scale: AdvantageScale)
         )
         out = centred / (std_N + _STD_EPS)
     elif scale == "batch":
-        std = rewards_N.to(torch.float64).std() if rewards_N.numel() > 1 else torch.tensor(0.0)
+        std = rewards_N.to(torch.float64).std() if rewards_N.numel() > 1 else rewards_N.new_zeros((), dtype=torch.float64)
         out = centred / (std + _STD_EPS)
     elif scale == "none":
         out = centred

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
+from learner.dist import Dist, full_tensor, resolve_device, shard_model
 from learner.loss import entropy, token_logps
 from protocol.store import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -56,11 +57,11 @@ def pack_sequences(
     """Right-pad prompt+completion pairs into one batch."""
     lengths = [len(p) + len(c) for p, c in zip(prompts, completions, strict=True)]
     width = max(lengths)
-    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros((len(lengths), width - 1), dtype=torch.float32)
+    ids = torch.full((len(lengths), width), pad_id, dtype=torch.long, device="cpu")
+    attn = torch.zeros((len(lengths), width), dtype=torch.long, device="cpu")
+    mask = torch.zeros((len(lengths), width - 1), dtype=torch.float32, device="cpu")
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
-        seq = torch.as_tensor([*list(p), *list(c)], dtype=torch.long)
+        seq = torch.as_tensor([*list(p), *list(c)], dtype=torch.long, device="cpu")
         ids[i, : len(seq)] = seq
         attn[i, : len(seq)] = 1
         mask[i, len(p) - 1 : len(seq) - 1] = 1.0
@@ -69,19 +70,25 @@ def pack_sequences(
 
 def scatter_completion_values(values: list[Any], prompt_lens: list[int], width: int) -> Tensor:
     """Place per-completion-token values (behaviour log-probs) into the `_BT` layout."""
-    out = torch.zeros((len(values), width - 1), dtype=torch.float32)
+    out = torch.zeros((len(values), width - 1), dtype=torch.float32, device="cpu")
     for i, (v, p) in enumerate(zip(values, prompt_lens, strict=True)):
-        v = torch.tensor(v, dtype=torch.float32)  # a copy: unpacked arrays are read-only views
+        v = torch.tensor(v, dtype=torch.float32, device="cpu")  # a copy: unpacked arrays are read-only views
         out[i, p - 1 : p - 1 + v.numel()] = v
     return out
 
 
 class Policy:
-    def __init__(self, cfg: LearnerConfig) -> None:
+    """On `dist.device`; under torchrun, sharded with FSDP2 across the ranks
+    (`learner.dist`). The base weights are in `cfg.dtype`; PEFT keeps the LoRA
+    parameters (and so the optimizer state) in float32 and casts at their boundary."""
+
+    def __init__(self, cfg: LearnerConfig, dist: Dist | None = None) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
+        self.dist = dist or Dist(device=resolve_device(cfg.device))
+        self.device = self.dist.device
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
         base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=_DTYPES[cfg.dtype])
         if self.tokenizer.pad_token_id is None:
@@ -102,8 +109,14 @@ class Policy:
         with warnings.catch_warnings():
             # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-            self.model = get_peft_model(base, lora)
+            self.model = get_peft_model(base, lora)  # autocast_adapter_dtype: LoRA weights in float32
+        if self.dist.enabled:
+            shard_model(self.model, self.dist)  # moves each rank's shards to its device
+        else:
+            self.model.to(self.device)
         self.model.train()
+        # (name, parameter) of the adapter, in one order on every rank (gathers pair up)
+        self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.vocab_size = int(base.config.vocab_size)
         self.context = int(
             cfg.max_seq_len or getattr(base.config, "max_position_embeddings", None) or 4096
@@ -115,7 +128,7 @@ class Policy:
         return int(self.tokenizer.pad_token_id)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        return [p for _, p in self._trainable]
 
     def forward_logps(
         self, seqs: Sequences, temperature: float, *, with_entropy: bool = False
@@ -134,18 +147,33 @@ class Policy:
             yield
 
     # -- the adapter as files
-    def adapter_state(self) -> dict[str, Tensor]:
-        from peft import get_peft_model_state_dict
+    def _peft_key(self, name: str) -> str:
+        """A parameter's name in PEFT's saved files (without the adapter's name)."""
+        return name.replace(".default.", ".")
 
-        return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in get_peft_model_state_dict(self.model).items()}
+    def adapter_state(self) -> dict[str, Tensor]:
+        """The whole adapter on the CPU, PEFT's keys (a collective under torchrun: every
+        rank calls it; rank 0 uses the result)."""
+        return {self._peft_key(n): full_tensor(p.detach()).to("cpu", copy=True).contiguous() for n, p in self._trainable}
 
     def load_adapter_state(self, state: dict[str, Tensor]) -> None:
-        from peft import set_peft_model_state_dict
+        """Set the adapter from `state` (PEFT's keys). Under torchrun every rank calls it
+        and rank 0's state is broadcast into every rank's shards (the others pass {})."""
+        if self.dist.main:
+            names = {self._peft_key(n) for n, _ in self._trainable}
+            unexpected, missing = sorted(set(state) - names), sorted(names - set(state))
+            if unexpected or missing:
+                raise ValueError(f"adapter state does not match the model: unexpected {unexpected[:3]}, missing {missing[:3]}")
+        if not self.dist.enabled:
+            with torch.no_grad():
+                for n, p in self._trainable:
+                    p.copy_(state[self._peft_key(n)].to(p.device, p.dtype))
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        result = set_peft_model_state_dict(self.model, state)
-        unexpected = getattr(result, "unexpected_keys", [])
-        if unexpected:
-            raise ValueError(f"adapter state has keys the model lacks: {unexpected[:3]}")
+        full = {n: state[self._peft_key(n)] for n, _ in self._trainable} if self.dist.main else {}
+        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                        strict=False))
 
     def adapter_config_json(self) -> bytes:
         config = self.model.peft_config["default"].to_dict()

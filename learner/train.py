@@ -1,6 +1,12 @@
 """One learner step on a batch of scored rollout groups: advantages, the corrected
 loss over micro-batches, the optimizer step, and the step's loss-side metrics.
 
+Micro-batches are formed by a token budget (`max_tokens_per_microbatch`, sequences
+sorted by length, each micro-batch cut to its own longest), so long completions do not
+run the device out of memory and short ones are not padded to the longest of the step.
+The step is built on the CPU and each micro-batch moves to the policy's device; every
+tensor made here names its device.
+
 An update whose loss or gradient is not finite is never applied: the gradients are
 dropped, the optimizer and schedule do not move, and `skipped_updates` counts it."""
 
@@ -14,6 +20,7 @@ import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
+from learner.dist import STEP, Dist, full_tensor, split_rows
 from learner.loss import advantages, aggregate, importance_weights, kl_k3, policy_loss
 from learner.policy import Policy, Sequences, pack_sequences, scatter_completion_values
 from protocol import RolloutGroup
@@ -36,10 +43,39 @@ class StepBatch:
             self.seqs.select(rows), self.behav_logp_BT[rows], self.advantages_N[rows], self.rewards_N[rows]
         )
 
+    def lengths(self) -> list[int]:
+        """Prompt+completion tokens of each row (without padding)."""
+        return [int(x) for x in self.seqs.attention_mask_BL.sum(1).tolist()]
+
+    def take(self, rows: list[int], device: torch.device) -> StepBatch:
+        """These rows, cut to their own longest sequence (right padding beyond it is
+        waste), on `device`."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.seqs.input_ids_BL.device)
+        width = int(self.seqs.attention_mask_BL.index_select(0, index).sum(1).max().item())
+        seqs = Sequences(
+            self.seqs.input_ids_BL.index_select(0, index)[:, :width].to(device),
+            self.seqs.attention_mask_BL.index_select(0, index)[:, :width].to(device),
+            self.seqs.mask_BT.index_select(0, index)[:, : width - 1].to(device),
+        )
+        return StepBatch(seqs, self.behav_logp_BT.index_select(0, index)[:, : width - 1].to(device),
+                         self.advantages_N.index_select(0, index).to(device), self.rewards_N.index_select(0, index).to(device))
+
+
+def empty_batch(device: torch.device) -> StepBatch:
+    """One two-token sequence with no completion token: a pass that contributes nothing,
+    for a rank with fewer micro-batches than another (FSDP's collectives must pair up)."""
+    return StepBatch(
+        Sequences(torch.zeros((1, 2), dtype=torch.long, device=device), torch.ones((1, 2), dtype=torch.long, device=device),
+                  torch.zeros((1, 1), dtype=torch.float32, device=device)),
+        torch.zeros((1, 1), dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.float32, device=device),
+        torch.zeros(1, dtype=torch.float32, device=device),
+    )
+
 
 def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int) -> StepBatch:
-    """The step's sequences. With `mask_truncated_completions`, a completion that hit
-    max_tokens keeps its place in its group's advantages but has no token in the loss."""
+    """The step's sequences, on the CPU (micro-batches go to the device one at a time).
+    With `mask_truncated_completions`, a completion that hit max_tokens keeps its place
+    in its group's advantages but has no token in the loss."""
     prompts, completions, behav, rewards, sizes, truncated = [], [], [], [], [], []
     for group in groups:
         prompt = group.prompt_tokens.tolist()
@@ -52,35 +88,112 @@ def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int
             truncated.append(c.finish_reason == "length")
     seqs = pack_sequences(prompts, completions, pad_id)
     if cfg.mask_truncated_completions:
-        seqs.mask_BT[torch.tensor(truncated, dtype=torch.bool)] = 0.0
+        seqs.mask_BT[torch.tensor(truncated, dtype=torch.bool, device="cpu")] = 0.0
     behav_BT = scatter_completion_values(behav, [len(p) for p in prompts], seqs.input_ids_BL.shape[1])
-    rewards_N = torch.tensor(rewards, dtype=torch.float32)
+    rewards_N = torch.tensor(rewards, dtype=torch.float32, device="cpu")
     return StepBatch(seqs, behav_BT, advantages(rewards_N, sizes, cfg.advantage_scale), rewards_N)
 
 
-def _micro(n: int, size: int) -> list[slice]:
-    return [slice(i, min(i + size, n)) for i in range(0, n, size)]
+def plan_micro_batches(lengths: list[int], rows: list[int], max_tokens: int, max_rows: int) -> list[list[int]]:
+    """`rows` in micro-batches by a token budget: longest first, each micro-batch as many
+    rows as keep rows x its longest (the padded size, what memory scales with) within
+    `max_tokens`, and at most `max_rows`. A sequence longer than the budget goes alone."""
+    out: list[list[int]] = []
+    current: list[int] = []
+    for i in sorted(rows, key=lambda i: (-lengths[i], i)):
+        longest = lengths[current[0]] if current else lengths[i]  # sorted: the first is the longest
+        if current and (longest * (len(current) + 1) > max_tokens or len(current) >= max_rows):
+            out.append(current)
+            current = []
+        current.append(i)
+    if current:
+        out.append(current)
+    return out
+
+
+# ------------------------------------------------------------- across ranks
+
+
+def send_step(dist: Dist, batch: StepBatch) -> list[int]:
+    """Rank 0: the step's tensors to every rank, and each row's rank (by token count)."""
+    owner = split_rows(batch.lengths(), dist.world)
+    b, width = batch.seqs.input_ids_BL.shape
+    dist.command(STEP, b, width)
+    _exchange(dist, batch, owner)
+    return owner
+
+
+def receive_step(dist: Dist, b: int, width: int) -> tuple[StepBatch, list[int]]:
+    """A follower: the batch rank 0 sent with `send_step`."""
+    cpu = torch.device("cpu")
+    batch = StepBatch(
+        Sequences(torch.zeros((b, width), dtype=torch.long, device=cpu), torch.zeros((b, width), dtype=torch.long, device=cpu),
+                  torch.zeros((b, width - 1), dtype=torch.float32, device=cpu)),
+        torch.zeros((b, width - 1), dtype=torch.float32, device=cpu), torch.zeros(b, dtype=torch.float32, device=cpu),
+        torch.zeros(b, dtype=torch.float32, device=cpu),
+    )
+    owner = [0] * b
+    return _exchange(dist, batch, owner)
+
+
+def _exchange(dist: Dist, batch: StepBatch, owner: list[int]) -> tuple[StepBatch, list[int]]:
+    seqs = batch.seqs
+    for t in (seqs.input_ids_BL, seqs.attention_mask_BL, seqs.mask_BT, batch.behav_logp_BT, batch.advantages_N,
+              batch.rewards_N):
+        t.copy_(dist.broadcast(t))
+    owners = dist.broadcast(torch.tensor(owner, dtype=torch.long, device="cpu"))
+    owner[:] = [int(x) for x in owners.tolist()]
+    return batch, owner
 
 
 class _Sums:
-    """Running sums of the loss-side metrics over micro-batches."""
+    """Running sums of the loss-side metrics over micro-batches (this rank's)."""
+
+    KEYS = ("loss", "w_sum", "w_sq", "corrected", "k3", "clipped", "entropy", "kl_ref", "tokens", "logp_diff")
 
     def __init__(self) -> None:
-        self.v = dict.fromkeys(("loss", "w_sum", "w_sq", "corrected", "k3", "clipped", "entropy", "kl_ref", "tokens"), 0.0)
+        self.v = dict.fromkeys(self.KEYS, 0.0)
         self.w_max = 0.0
+
+    def reduce(self, dist: Dist) -> None:
+        """Every rank's sums, added up (and the largest weight)."""
+        totals = dist.all_reduce([self.v[k] for k in self.KEYS])
+        self.v = dict(zip(self.KEYS, totals, strict=True))
+        self.w_max = dist.all_reduce([self.w_max], op="max")[0]
+
+
+def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist) -> list[list[int] | None]:
+    """This rank's micro-batches of `rows`, padded with None (an empty pass) to as many
+    as the rank with the most has: under FSDP every rank runs the same passes."""
+    plan: list[list[int] | None] = list(
+        plan_micro_batches(batch.lengths(), rows, cfg.max_tokens_per_microbatch, cfg.micro_batch_size))
+    most = int(dist.all_reduce([float(len(plan))], op="max")[0])
+    return plan + [None] * (most - len(plan))
 
 
 def accumulate(
-    policy: Policy, batch: StepBatch, cfg: LearnerConfig, prox_BT: Tensor | None, sums: _Sums
+    policy: Policy, batch: StepBatch, cfg: LearnerConfig, prox_BT: Tensor | None, sums: _Sums, *,
+    plan: list[list[int] | None] | None = None, num_seqs: int | None = None, num_tokens: int | None = None,
+    dist: Dist | None = None,
 ) -> None:
-    """Backward the step's loss for `batch` (one optimizer step's worth), micro-batch by
-    micro-batch; gradients add up to those of the whole batch at once."""
-    num_seqs, num_tokens = len(batch), int(batch.seqs.mask_BT.sum().item())
-    for rows in _micro(num_seqs, cfg.micro_batch_size):
-        mb = batch.select(rows)
+    """Backward this rank's share of the step's loss for `batch` (one optimizer step's
+    worth), micro-batch by micro-batch; `num_seqs` and `num_tokens` count the whole step
+    on every rank, so the gradients add up to those of the whole batch at once. FSDP
+    averages gradients over ranks: each rank's loss is scaled by the world size."""
+    device = policy.device
+    dist = dist or Dist(device=device)
+    if plan is None:  # the whole batch, in one process
+        plan = _plan(batch, list(range(len(batch))), cfg, dist)
+        num_seqs, num_tokens = len(batch), int(batch.seqs.mask_BT.sum().item())
+    assert num_seqs is not None and num_tokens is not None
+    for rows in plan:
+        mb = empty_batch(device) if rows is None else batch.take(rows, device)
         mask = mb.seqs.mask_BT
         logp, ent = policy.forward_logps(mb.seqs, cfg.temperature, with_entropy=True)
-        prox = logp.detach() if prox_BT is None else prox_BT[rows]
+        if prox_BT is None or rows is None:
+            prox = logp.detach()
+        else:
+            prox = prox_BT.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu"))[:, : logp.shape[1]].to(device)
         w = importance_weights(
             prox, mb.behav_logp_BT, mask, cfg.correction,
             tis_cap=cfg.tis_cap, mis_level=cfg.mis_level, mis_low=cfg.mis_low, mis_high=cfg.mis_high,
@@ -98,7 +211,7 @@ def accumulate(
         part = aggregate(
             loss_BT * w.keep_BT, mask, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_tokens=cfg.max_tokens
         )
-        part.backward()
+        (part * dist.world if dist.enabled else part).backward()
 
         m = mask.bool()
         r = w.ratio_BT[m]
@@ -111,6 +224,20 @@ def accumulate(
         sums.v["clipped"] += float(clip_BT[m].sum())
         sums.v["entropy"] += float(ent[m].sum())  # type: ignore[index]
         sums.v["tokens"] += float(m.sum())
+        sums.v["logp_diff"] += float((logp.detach() - mb.behav_logp_BT)[m].abs().sum())
+
+
+def proximal_logps(policy: Policy, batch: StepBatch, cfg: LearnerConfig, rows: list[int], dist: Dist) -> Tensor:
+    """The policy's log-probabilities as this step begins, for this rank's rows (on the
+    CPU, in the batch's layout): the proximal policy of decoupled PPO."""
+    out = torch.zeros_like(batch.behav_logp_BT)
+    with torch.no_grad():
+        for mb_rows in _plan(batch, rows, cfg, dist):
+            mb = empty_batch(policy.device) if mb_rows is None else batch.take(mb_rows, policy.device)
+            logp, _ = policy.forward_logps(mb.seqs, cfg.temperature)
+            if mb_rows is not None:
+                out[torch.tensor(mb_rows, dtype=torch.long, device="cpu"), : logp.shape[1]] = logp.float().cpu()
+    return out
 
 
 def train_on(
@@ -119,30 +246,35 @@ def train_on(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     batch: StepBatch,
     cfg: LearnerConfig,
+    dist: Dist | None = None,
+    owner: list[int] | None = None,
 ) -> dict[str, float]:
-    """`cfg.updates_per_batch` optimizer steps on `batch`; returns the step's metrics."""
-    prox_BT: Tensor | None = None
-    if cfg.updates_per_batch > 1:
-        # the proximal policy: the policy as it was when this step began
-        with torch.no_grad():
-            prox_BT = torch.cat(
-                [policy.forward_logps(batch.seqs.select(s), cfg.temperature)[0] for s in _micro(len(batch), cfg.micro_batch_size)]
-            )
+    """`cfg.updates_per_batch` optimizer steps on `batch`; returns the step's metrics.
+    Under torchrun every rank calls it with the whole batch and `owner` (each row's
+    rank, `send_step`); each trains on its rows and the metrics are the whole step's."""
+    dist = dist or Dist(device=policy.device)
+    mine = [i for i in range(len(batch)) if owner is None or owner[i] == dist.rank]
+    prox_BT = proximal_logps(policy, batch, cfg, mine, dist) if cfg.updates_per_batch > 1 else None
     sums, grad_norms, k, skipped = _Sums(), [], cfg.updates_per_batch, 0
-    for part in [slice(len(batch) * i // k, len(batch) * (i + 1) // k) for i in range(k)]:
+    for part in [range(len(batch) * i // k, len(batch) * (i + 1) // k) for i in range(k)]:
         optimizer.zero_grad(set_to_none=True)
         loss_before = sums.v["loss"]
-        accumulate(policy, batch.select(part), cfg, None if prox_BT is None else prox_BT[part], sums)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
-        if not (math.isfinite(grad_norm) and math.isfinite(sums.v["loss"] - loss_before)):
+        rows = [i for i in mine if i in part]
+        num_tokens = int(batch.seqs.mask_BT[part.start : part.stop].sum().item())
+        accumulate(policy, batch, cfg, prox_BT, sums, plan=_plan(batch, rows, cfg, dist), num_seqs=len(part),
+                   num_tokens=num_tokens, dist=dist)
+        grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm)))
+        loss = dist.all_reduce([sums.v["loss"] - loss_before])[0]
+        if not (math.isfinite(grad_norm) and math.isfinite(loss)):  # the same verdict on every rank
             skipped += 1
-            log.error("update skipped: loss %s, gradient norm %s (not finite)", sums.v["loss"] - loss_before, grad_norm)
+            log.error("update skipped: loss %s, gradient norm %s (not finite)", loss, grad_norm)
             optimizer.zero_grad(set_to_none=True)
             continue
         grad_norms.append(grad_norm)
         optimizer.step()
         scheduler.step()
 
+    sums.reduce(dist)
     v, n = sums.v, max(sums.v["tokens"], 1.0)
     return {
         "skipped_updates": skipped,
@@ -157,5 +289,6 @@ def train_on(
         "clip_frac": v["clipped"] / n,
         "entropy": v["entropy"] / n,
         "kl_ref_k3": v["kl_ref"] / n,
+        "logp_abs_diff": v["logp_diff"] / n,
         "learning_rate": float(scheduler.get_last_lr()[0]),
     }
