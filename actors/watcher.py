@@ -16,11 +16,12 @@ and their files deleted once no queued or running request names them.
 from __future__ import annotations
 
 import abc
+import contextlib
 import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,7 @@ class AdapterWatcher:
         """Seconds from the start of the download to loaded, per version."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # reentrant: `holding` wraps `ensure`
 
     # ------------------------------------------------------------------ control
     def start(self) -> AdapterWatcher:
@@ -164,6 +165,14 @@ class AdapterWatcher:
                 self.on_loaded(manifest, self.load_s[version])
             self._evict()
             return True
+
+    @contextlib.contextmanager
+    def holding(self) -> Iterator[None]:
+        """No version is installed or evicted while inside: a version chosen here stays
+        loaded at least until the requests naming it are queued in the engine (which
+        then keeps it until they are done)."""
+        with self._lock:
+            yield
 
     def ensure(self, version: int) -> bool:
         """Make an older version generate again (an evaluation pinned to it): loaded beside

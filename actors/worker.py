@@ -319,22 +319,25 @@ class Worker:
             raise WorkerRefused(
                 f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
                 "start this worker with --reward")
-        version = self.watcher.current if batch.pinned_version is None else batch.pinned_version
-        if batch.pinned_version is not None and not self.watcher.ensure(version):
-            # an evaluation of a version this worker cannot load: let the lease expire, so
-            # that it is tried elsewhere and, failing that, dead-lettered and counted
-            log.error("lease %s: cannot load adapter v%d for its evaluation; leaving it", lease.lease_id, version)
-            self._error(f"cannot load adapter v{version} for an evaluation")
-            self.batches_claimed += 1
-            return
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
+        # from choosing the version until the engine's queue names it, the watcher neither
+        # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)
+        with self.watcher.holding():
+            version = self.watcher.current if batch.pinned_version is None else batch.pinned_version
+            if batch.pinned_version is not None and not self.watcher.ensure(version):
+                # an evaluation of a version this worker cannot load: let the lease expire, so
+                # that it is tried elsewhere and, failing that, dead-lettered and counted
+                log.error("lease %s: cannot load adapter v%d for its evaluation; leaving it", lease.lease_id, version)
+                self._error(f"cannot load adapter v{version} for an evaluation")
+                self.batches_claimed += 1
+                return
+            seed = batch.sampling.seed
+            self.engine.add([
+                GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
+                             None if seed is None else seed + i * batch.num_generations)
+                for i, prompt in enumerate(prompts)
+            ])
         flight = Flight(lease, prompts, version, time.monotonic(), waiting=set(range(len(prompts))))
-        seed = batch.sampling.seed
-        self.engine.add([
-            GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
-                         None if seed is None else seed + i * batch.num_generations)
-            for i, prompt in enumerate(prompts)
-        ])
         self.flights[lease.lease_id] = flight
         self.heartbeat.hold(lease.lease_id)
         self.batches_claimed += 1

@@ -174,6 +174,20 @@ def _wait_for_step(proc: subprocess.Popen, tmp_path: Path, step: int, log: Path,
         time.sleep(0.1)
 
 
+def _queue_and_actor(tmp_path: Path, tiny_model: Path, redis_url: str, run: str) -> tuple[RedisQueue, SyntheticActor]:
+    write_dataset(tmp_path / "data.jsonl")
+    store = open_store((tmp_path / "store").as_uri())
+    actor = SyntheticActor(RedisQueue.from_url(redis_url, QueueConfig(run=run)), store, tiny_model,
+                           lambda _p, _t, text: float(text[:1].isdigit())).start()
+    return RedisQueue.from_url(redis_url, QueueConfig(run=run)), actor
+
+
+def _two_ranks(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, log: Path) -> subprocess.Popen:  # type: ignore[type-arg]
+    with log.open("w") as out:
+        return subprocess.Popen([*TORCHRUN, *_learner(tmp_path, tiny_model, redis_url, run, 16)],
+                                cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+
+
 def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: RedisQueue) -> None:
     consumed = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
     assert [c["step"] for c in consumed] == list(range(1, steps + 1))
@@ -187,6 +201,8 @@ def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: Redi
     assert versions == sorted(set(versions))
     step_versions = [json.loads(x)["adapter_version"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert step_versions == sorted(step_versions)
+    queue.close()
+    actor.queue.close()
 
 
 @pytest.mark.slow
@@ -195,16 +211,10 @@ def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: Redi
 def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
     """2 ranks, stopped by SIGTERM (rank 0 checkpoints, the other follows) -> 1 process
     -> 2 ranks again: every group trained once, versions increasing."""
-    write_dataset(tmp_path / "data.jsonl")
-    store = open_store((tmp_path / "store").as_uri())
-    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    actor = SyntheticActor(RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model,
-                           lambda _p, _t, text: float(text[:1].isdigit())).start()
+    queue, actor = _queue_and_actor(tmp_path, tiny_model, redis_server.url, run_name)
     log = tmp_path / "first.log"
     try:
-        with log.open("w") as out:
-            first = subprocess.Popen([*TORCHRUN, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 16)],
-                                     cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        first = _two_ranks(tmp_path, tiny_model, redis_server.url, run_name, log)
         _wait_for_step(first, tmp_path, 6, log)
         first.send_signal(signal.SIGTERM)  # torchrun passes it on: rank 0 checkpoints, the other follows
         first.wait(timeout=120)  # torchrun itself exits non-zero for a signal, whatever its workers did
@@ -223,8 +233,6 @@ def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Pa
         kill_process(locals().get("first"))
         actor.close()
     _exactly_once(tmp_path, 16, actor, queue)
-    queue.close()
-    actor.queue.close()
 
 
 @pytest.mark.slow
@@ -233,16 +241,10 @@ def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Pa
 def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
     import psutil
 
-    write_dataset(tmp_path / "data.jsonl")
-    store = open_store((tmp_path / "store").as_uri())
-    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    actor = SyntheticActor(RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model,
-                           lambda _p, _t, text: float(text[:1].isdigit())).start()
+    queue, actor = _queue_and_actor(tmp_path, tiny_model, redis_server.url, run_name)
     log = tmp_path / "first.log"
     try:
-        with log.open("w") as out:
-            first = subprocess.Popen([*TORCHRUN, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 16)],
-                                     cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        first = _two_ranks(tmp_path, tiny_model, redis_server.url, run_name, log)
         _wait_for_step(first, tmp_path, 6, log)  # between checkpoints 4 and 8
         ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(first.pid).children(recursive=True)
                  if "learner" in " ".join(p.cmdline())}
@@ -268,5 +270,3 @@ def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_pat
         kill_process(locals().get("first"))
         actor.close()
     _exactly_once(tmp_path, 16, actor, queue)
-    queue.close()
-    actor.queue.close()

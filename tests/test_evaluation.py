@@ -129,3 +129,44 @@ def test_a_forced_lag_trains_on_groups_exactly_that_many_versions_old(
     # step s trains with version s-1 (published after step s-1); its groups came from max(0, s-1-3)
     assert [(r["staleness_mean"], r["staleness_max"]) for r in rows] == [
         (min(s - 1, 3), min(s - 1, 3)) for s in range(1, 8)], rows
+
+
+@pytest.mark.redis
+def test_a_newer_version_arriving_as_an_evaluation_starts_does_not_evict_it(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
+) -> None:
+    """The race the learner's evaluations once lost: the actor loads the pinned version,
+    and before its requests are queued a newer version is installed, which evicts the
+    oldest beside the current one: the pinned one. The watcher is held from the choice of
+    the version until the engine has the requests, so the install waits."""
+    import msgspec
+    from test_actors import PROMPTS, batch_of, learner_policy, publish
+
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    store = open_store((tmp_path / "store").as_uri())
+    for version in (1, 2, 3):
+        publish(store, queue, learner_policy(tiny_model, version), version)
+    installer: list[threading.Thread] = []
+
+    class RacingEngine(TransformersEngine):
+        def add(self, groups):  # type: ignore[no-untyped-def]
+            if not installer:  # v4 is announced just as the first requests go in
+                publish(store, queue, learner_policy(tiny_model, 4), 4)
+                installer.append(threading.Thread(target=watcher.sync))
+                installer[0].start()
+                installer[0].join(timeout=1.0)  # it would evict v1 here, were the watcher not held
+            super().add(groups)
+
+    engine = RacingEngine(str(tiny_model))
+    watcher = AdapterWatcher(queue, StoreSource(store), engine, tmp_path / "cache", keep_adapters=2)
+    watcher.sync()
+    assert watcher.current == 3
+    pinned = msgspec.structs.replace(batch_of(PROMPTS, batch_id=f"{run_name}-eval-v1-b0"), pinned_version=1)
+    queue.add_prompts([pinned])
+    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w", claim_block_s=0.2)
+    assert worker.work(max_batches=1) == 0
+    installer[0].join(timeout=60)
+    assert watcher.current == 4  # the install went ahead once the requests were queued
+    groups = [d.group for d in queue.read_rollouts("learner", 100)]
+    assert groups and {g.adapter_version for g in groups} == {1}
+    queue.close()
