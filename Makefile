@@ -55,5 +55,7 @@ test-vllm: $(VLLM_VENV)/.installed
 bench: install
 	$(BIN)/python bench/queue.py
 	$(BIN)/python bench/learner.py
+	$(BIN)/python bench/learner.py --scaling
 	$(BIN)/python bench/actor.py
 	$(BIN)/python bench/proxy.py
+	$(BIN)/python bench/chaos.py --minutes 5 --self-test
