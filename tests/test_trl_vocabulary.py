@@ -24,6 +24,7 @@ OURS = {
     "run_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
     "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
     "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
+    "run": "trl-names",
 }
 TRL = {
     "max_completion_length": 64, "loss_type": "dr_grpo", "epsilon": 0.3, "scale_rewards": False,
@@ -31,6 +32,7 @@ TRL = {
     "output_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
     "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
     "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
+    "run_name": "trl-names",
 }
 
 
@@ -52,6 +54,7 @@ def test_grpoconfig_names_give_the_same_configuration(tmp_path: Path) -> None:
         "--epsilon-high", "0.3", "--beta", "0.04", "--learning-rate", "1e-6", "--seed", "7", "--warmup-ratio", "0.1",
         "--importance-sampling-level", "sequence", "--mask-truncated-completions",
         "--reward", "toy_rewards:digit_first", "--reward", "toy_rewards:length_bonus", "--reward-weights", "1.0", "0.5",
+        "--run-name", "trl-names",
     ])
     overrides = {k: v for k, v in vars(flags).items() if k not in ("command", "config", "verbose")}
     assert load_config(None, overrides) == ours
