@@ -120,12 +120,15 @@ class Dist:
         dist.broadcast(wire, src=0)
         return wire.to(t.device)
 
-    def command(self, cmd: int, *args: int) -> list[int]:
-        """Rank 0 sends, the others receive (pass nothing): [cmd, *args]."""
+    def command(self, cmd: int, *args: int) -> None:
+        """Rank 0: [cmd, *args] to the other ranks (which `receive` it)."""
         header = torch.zeros(_HEADER, dtype=torch.long, device="cpu")
-        if self.main:
-            header[: 1 + len(args)] = torch.tensor([cmd, *args], dtype=torch.long, device="cpu")
-        return [int(x) for x in self.broadcast(header).tolist()]
+        header[: 1 + len(args)] = torch.tensor([cmd, *args], dtype=torch.long, device="cpu")
+        self.broadcast(header)
+
+    def receive(self) -> list[int]:
+        """Another rank: rank 0's next [cmd, *args]."""
+        return [int(x) for x in self.broadcast(torch.zeros(_HEADER, dtype=torch.long, device="cpu")).tolist()]
 
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         if not self.enabled:

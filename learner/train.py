@@ -61,15 +61,23 @@ class StepBatch:
                          self.advantages_N.index_select(0, index).to(device), self.rewards_N.index_select(0, index).to(device))
 
 
+def zeros_batch(b: int, width: int, device: torch.device) -> StepBatch:
+    """A step batch of `b` rows of `width`, all zeros (to be filled, or as it is)."""
+    return StepBatch(
+        Sequences(torch.zeros((b, width), dtype=torch.long, device=device),
+                  torch.zeros((b, width), dtype=torch.long, device=device),
+                  torch.zeros((b, width - 1), dtype=torch.float32, device=device)),
+        torch.zeros((b, width - 1), dtype=torch.float32, device=device), torch.zeros(b, dtype=torch.float32, device=device),
+        torch.zeros(b, dtype=torch.float32, device=device),
+    )
+
+
 def empty_batch(device: torch.device) -> StepBatch:
     """One two-token sequence with no completion token: a pass that contributes nothing,
     for a rank with fewer micro-batches than another (FSDP's collectives must pair up)."""
-    return StepBatch(
-        Sequences(torch.zeros((1, 2), dtype=torch.long, device=device), torch.ones((1, 2), dtype=torch.long, device=device),
-                  torch.zeros((1, 1), dtype=torch.float32, device=device)),
-        torch.zeros((1, 1), dtype=torch.float32, device=device), torch.zeros(1, dtype=torch.float32, device=device),
-        torch.zeros(1, dtype=torch.float32, device=device),
-    )
+    batch = zeros_batch(1, 2, device)
+    batch.seqs.attention_mask_BL.fill_(1)
+    return batch
 
 
 def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int) -> StepBatch:
@@ -125,15 +133,7 @@ def send_step(dist: Dist, batch: StepBatch) -> list[int]:
 
 def receive_step(dist: Dist, b: int, width: int) -> tuple[StepBatch, list[int]]:
     """A follower: the batch rank 0 sent with `send_step`."""
-    cpu = torch.device("cpu")
-    batch = StepBatch(
-        Sequences(torch.zeros((b, width), dtype=torch.long, device=cpu), torch.zeros((b, width), dtype=torch.long, device=cpu),
-                  torch.zeros((b, width - 1), dtype=torch.float32, device=cpu)),
-        torch.zeros((b, width - 1), dtype=torch.float32, device=cpu), torch.zeros(b, dtype=torch.float32, device=cpu),
-        torch.zeros(b, dtype=torch.float32, device=cpu),
-    )
-    owner = [0] * b
-    return _exchange(dist, batch, owner)
+    return _exchange(dist, zeros_batch(b, width, torch.device("cpu")), [0] * b)
 
 
 def _exchange(dist: Dist, batch: StepBatch, owner: list[int]) -> tuple[StepBatch, list[int]]:

@@ -97,7 +97,7 @@ class Trainer:
     def follow(self) -> None:
         """Obey rank 0 until STOP."""
         while True:
-            cmd, *args = self.dist.command(STOP)
+            cmd, *args = self.dist.receive()
             if cmd == STOP:
                 return
             if cmd == STEP:
