@@ -174,7 +174,7 @@ def scaling_worker(args: argparse.Namespace) -> None:
         figures |= {"seconds": took, "sequence_tokens_per_s": sequence_tokens / took,
                     "completion_tokens_per_s": completion_tokens / took}
     Path(f"{args.out}.rank{dist.rank}.json").write_text(json.dumps(figures))
-    dist.close()
+    dist.exit(0)
 
 
 def scaling(args: argparse.Namespace) -> None:

@@ -14,12 +14,16 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from learner.config import _LOSS_TYPES, TRL_NAMES, ConfigError, LearnerConfig, load_config
+
+if TYPE_CHECKING:
+    from learner.dist import Dist
 
 log = logging.getLogger("learner")
 
@@ -148,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_rank(cfg: LearnerConfig) -> int:
     """One rank of `torchrun --nproc-per-node N -m learner run ...`: rank 0 is the
-    learner; the others hold their shards and follow it (`learner.dist`)."""
+    learner; the others hold their shards and follow it (`learner.dist`). A rank that
+    got as far as joining the group ends with `Dist.exit` (see there why)."""
     from learner.dist import Dist
 
     try:
@@ -156,12 +161,17 @@ def run_rank(cfg: LearnerConfig) -> int:
     except (ValueError, RuntimeError) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
-    if dist.main:
-        try:
-            return run_learner(cfg, dist)
-        finally:
-            dist.close()
-    # rank 0 leads a stop (a checkpoint needs every rank): torchrun's SIGTERM is for it
+    try:
+        code = run_learner(cfg, dist) if dist.main else follow_rank(cfg, dist)
+    except BaseException:  # a bug: its traceback, and the same way out as any other exit
+        traceback.print_exc()
+        code = 1
+    dist.exit(code)
+
+
+def follow_rank(cfg: LearnerConfig, dist: Dist) -> int:
+    """A rank other than 0: rank 0 leads a stop (a checkpoint needs every rank), so
+    torchrun's SIGTERM is for it alone."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch
@@ -174,7 +184,6 @@ def run_rank(cfg: LearnerConfig) -> int:
     except Exception as err:  # a peer died (its collective failed), or the model did not load
         print(f"learner run (rank {dist.rank}): {type(err).__name__}: {err}", file=sys.stderr)
         return 1
-    dist.close()
     return 0
 
 

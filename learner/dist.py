@@ -32,9 +32,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -108,6 +109,23 @@ class Dist:
     def close(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
+
+    def exit(self, code: int) -> NoReturn:
+        """End a rank's process once everything of ours is closed: the process group
+        destroyed, logs and stdio flushed, then `os._exit` without finalizing the
+        interpreter. gloo's worker threads can still be releasing the last collective's
+        tensors (waiting for the GIL to drop their Python objects) when the main thread
+        starts finalizing; a thread that then takes the GIL is ended by the interpreter
+        mid-destructor and the process aborts (`terminate called without an active
+        exception`, SIGABRT: about 1 exit in 15 with 2 CPU ranks here; pytorch#179291
+        describes the same race). One process (`enabled` False) exits normally."""
+        self.close()
+        if not self.enabled:
+            sys.exit(code)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
     # ------------------------------------------------------------- collectives
     def _wire(self, t: Tensor) -> Tensor:

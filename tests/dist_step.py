@@ -69,7 +69,7 @@ def main() -> None:
     if dist.main:
         save_file(tensors, str(out))
         out.with_suffix(".json").write_text(json.dumps(figures))
-    dist.close()
+    dist.exit(0)
 
 
 if __name__ == "__main__":
