@@ -307,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     for noisy in ("httpx", "botocore", "urllib3", "transformers"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    from protocol.lifeline import follow_lifeline
+
+    follow_lifeline()  # started by the embedded default: end with it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.command == "check":

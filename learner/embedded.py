@@ -31,6 +31,7 @@ from typing import Any
 
 from learner.config import LearnerConfig
 from learner.tasks import REWARD, write_next_digit_dataset
+from protocol.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +134,8 @@ class LocalSystem:
         self.proxy: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.scorers: list[subprocess.Popen[bytes]] = []
+        self.lifeline = Lifeline()
+        """Held open while this process lives: the children stop when it dies, even by SIGKILL."""
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -142,7 +145,7 @@ class LocalSystem:
              "--tls-cert", str(self.cert), "--tls-key", str(self.key), "--lease-timeout-s", str(LEASE_TIMEOUT_S),
              "--log-level", "warning",
              *(["--memory-redis-port", str(self.redis_port)] if self.redis_port else [])],
-            env, self.logs / "proxy.log",
+            env, self.logs / "proxy.log", self.lifeline,
         )
         self._wait_healthy()
         if self.trusted:  # the trusted tier: a scoring worker on the run's Redis, as in a deployment
@@ -151,7 +154,7 @@ class LocalSystem:
                    "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
             for spec in self.cfg.reward_specs:
                 cmd += ["--reward", spec]
-            self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log"))
+            self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log", self.lifeline))
         actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),
                      "OMP_NUM_THREADS": "1"}  # several processes share the cores
         for i in range(self.n_actors):
@@ -160,7 +163,7 @@ class LocalSystem:
                    "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
             for spec in ([] if self.trusted else self.cfg.reward_specs):
                 cmd += ["--reward", spec]
-            self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log"))
+            self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log", self.lifeline))
 
     def _wait_healthy(self) -> None:
         from protocol import QueueUnavailable
@@ -192,6 +195,7 @@ class LocalSystem:
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()
             _wait_or_kill(self.proxy, 15)
+        self.lifeline.close()
 
 
 def _free_port() -> int:
@@ -200,9 +204,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, lifeline: Lifeline) -> subprocess.Popen[bytes]:
+    """A child that stops (SIGTERM) when this process ends, however it ends."""
     with log_path.open("ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env={**env, **lifeline.env()}, stdout=out, stderr=subprocess.STDOUT,
+                                pass_fds=lifeline.pass_fds)
 
 
 def _wait_or_kill(proc: subprocess.Popen[bytes], timeout: float) -> None:

@@ -28,6 +28,16 @@ def _learner_exe() -> str:
     return exe
 
 
+def _running(proc) -> bool:  # type: ignore[no-untyped-def]
+    """Alive and not a zombie (an orphan's exit status waits for whoever reaps it here)."""
+    import psutil
+
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -62,6 +72,45 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
     assert "in_scoring" in accounting and (run_dir / "logs" / "scorer-0.log").exists()
     assert all(r["score_s_mean"] >= 0 and r["scoring_latency_s_mean"] > 0 for r in rows)
     assert "reward" in proc.stderr and "done" in proc.stderr
+
+
+@pytest.mark.slow
+def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp_path: Path) -> None:
+    """SIGKILL gives the learner no chance to stop what it started: the children follow
+    its lifeline (`protocol.lifeline`) and stop by themselves, the actors handing back."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    children: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 240
+        path = run_dir / "metrics.jsonl"
+        while not (path.exists() and len(path.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "the run stalled"
+            time.sleep(0.1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(c.cmdline()) for c in children)
+        assert "proxy.cli" in names and "actors.cli run" in names and "actors.cli score" in names, names
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        stopped = time.monotonic()
+        alive = children
+        while alive and time.monotonic() - stopped < 60:
+            time.sleep(0.2)
+            alive = [c for c in alive if _running(c)]
+        took = time.monotonic() - stopped
+    finally:
+        kill_process(proc)
+        for child in children:
+            if _running(child):
+                child.kill()
+    assert not alive, [" ".join(c.cmdline()) for c in alive]
+    assert took < 60
+    for log in ("proxy.log", "actor-0.log", "scorer-0.log"):  # each was told, and stopped its own way
+        assert "Traceback" not in (run_dir / "logs" / log).read_text(), log
+    assert "is gone: stopping" in (run_dir / "logs" / "actor-0.log").read_text()
 
 
 @pytest.mark.slow
