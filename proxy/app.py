@@ -511,7 +511,7 @@ async def _events(ctx: Context, token: Token | None, request: Request) -> Respon
                     after = event.event_id
                     yield _sse(event)
         yield ": connected\n\n"
-        while hub.error is None:
+        while hub.error is None and not hub.closing:
             fresh = hub.after(after)
             for event in fresh:
                 after = event.event_id

@@ -82,6 +82,7 @@ def serve(args: argparse.Namespace) -> int:
     from proxy.auth import TokenError, Tokens
     from proxy.fairness import HeaderTimeoutProtocol
     from proxy.metrics import ProxyMetrics
+    from proxy.server import ProxyServer
 
     if args.insecure_http == bool(args.tls_cert or args.tls_key):
         print("proxy serve: give --tls-cert and --tls-key, or --insecure-http (plain HTTP)", file=sys.stderr)
@@ -129,18 +130,23 @@ def serve(args: argparse.Namespace) -> int:
         body_timeout_s=args.body_timeout_s, max_long_polls_per_token=args.max_long_polls_per_token,
         max_streams_per_token=args.max_streams_per_token,
     )
-    app = build_app(Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
-                            rate_storage=rate_storage))
+    ctx = Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
+                  rate_storage=rate_storage)
     HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
     log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
              args.host, args.port, len(tokens.tokens))
-    uvicorn.run(
-        app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+    config = uvicorn.Config(
+        build_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
         ssl_keyfile=str(args.tls_key) if args.tls_key else None,
         timeout_keep_alive=30, timeout_graceful_shutdown=2, http=HeaderTimeoutProtocol,
     )
+    server = ProxyServer(config, on_exit=ctx.hub.close_soon)
+    server.run()
     queue.close()
+    if not server.started:  # uvicorn logged why (the port taken, the certificate unreadable)
+        print(f"proxy serve: could not serve on {args.host}:{args.port}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -179,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from protocol.lifeline import follow_lifeline
+
+    follow_lifeline()  # started by the embedded default: end with it
     return serve(args) if args.command == "serve" else selfsigned(args)
 
 

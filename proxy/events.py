@@ -42,11 +42,25 @@ class AdapterEventHub:
         self.ready = asyncio.Event()
         """Set once the hub has caught up with the stream's history."""
         self.error: BaseException | None = None
+        self.closing = False
+        """Set when the server stops: every stream ends (they never end on their own)."""
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="adapter-event-hub")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name="adapter-event-hub")
+
+    def close(self) -> None:
+        """End every event stream, each with a complete response (on the event loop)."""
+        self.closing = True
+        self._wake()
+
+    def close_soon(self) -> None:
+        """`close`, from a signal handler or another thread."""
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self.close)
 
     async def stop(self) -> None:
         if self._task is not None:

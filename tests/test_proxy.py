@@ -432,6 +432,47 @@ def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(mak
     actor.close()
 
 
+def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> None:  # type: ignore[no-untyped-def]
+    """Event streams never end by themselves: on SIGTERM the proxy ends each with a
+    complete response (the client sees a clean end, not a broken transfer), instead of
+    waiting out the graceful-shutdown timeout and cancelling them with a traceback."""
+    import signal
+
+    proxy = make_proxy()
+    ends: list[str] = []
+    connected = threading.Barrier(4)
+
+    def listen() -> None:
+        with httpx.Client(verify=proxy.ssl(), timeout=30) as client, client.stream(
+                "GET", f"{proxy.url}/v1/adapters/events", headers={"Authorization": f"Bearer {TOKENS['actor']}"}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while next(lines) != ": connected":
+                pass
+            connected.wait(10)
+            try:
+                for _ in lines:
+                    pass
+                ends.append("clean")
+            except httpx.HTTPError as err:
+                ends.append(f"broken: {err!r}")
+
+    listeners = [threading.Thread(target=listen) for _ in range(3)]
+    for t in listeners:
+        t.start()
+    connected.wait(10)
+    signalled = time.monotonic()
+    proxy.proc.send_signal(signal.SIGTERM)
+    proxy.proc.wait(timeout=30)
+    took = time.monotonic() - signalled
+    for t in listeners:
+        t.join(10)
+    assert ends == ["clean"] * 3, ends
+    assert took < 2.0, took  # within uvicorn's graceful timeout, not cut off by it
+    text = proxy.log.read_text()
+    assert "Traceback" not in text and "Exception in ASGI" not in text and "Cancel" not in text, text[-3000:]
+
+
 @pytest.mark.slow
 def test_proxy_killed_mid_traffic_loses_no_submitted_group(make_proxy) -> None:  # type: ignore[no-untyped-def]
     proxy = make_proxy()
