@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -129,6 +130,11 @@ def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, toke
                        "--store", tmp_path.as_uri(), "--tokens", str(tokens_file), "--insecure-http"])
     assert rc == 1
     _one_line(err, "proxy serve:", "--redis")
+    with socket.socket() as taken:  # a port in use: uvicorn's own startup failure, named
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        rc, err, _ = _run([*base, "--insecure-http", "--port", str(taken.getsockname()[1])])
+    assert rc == 3 and "address already in use" in err and "Traceback" not in err, err
 
 
 @pytest.mark.redis
