@@ -205,16 +205,20 @@ def scaling(args: argparse.Namespace) -> None:
             subprocess.run([*launch, *worker, "--out", str(out)], check=True, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             ranks = [json.loads(Path(f"{out}.rank{r}.json").read_text()) for r in range(world)]
-            results[world] = {**ranks[0], "peak_bytes": max(r["peak_bytes"] for r in ranks)}
+            results[world] = {**ranks[0], "peak_bytes": max(r["peak_bytes"] for r in ranks),
+                              "follower_peak_bytes": max((r["peak_bytes"] for r in ranks[1:]), default=0)}
         base = results[args.worlds[0]]
         print(f"{'processes':>9} {'seq tok/s':>10} {'compl tok/s':>11} {'peak MB/proc':>12} {'tok/s ratio':>11} "
-              f"{'peak ratio':>10}")
+              f"{'peak ratio':>10} {'other ranks MB':>14}")
         for world, r in results.items():
             print(f"{world:>9} {r['sequence_tokens_per_s']:>10.0f} {r['completion_tokens_per_s']:>11.0f} "
                   f"{r['peak_bytes'] / 2**20:>12.0f} {r['sequence_tokens_per_s'] / base['sequence_tokens_per_s']:>11.2f} "
-                  f"{r['peak_bytes'] / base['peak_bytes']:>10.2f}")
+                  f"{r['peak_bytes'] / base['peak_bytes']:>10.2f} "
+                  + (f"{r['follower_peak_bytes'] / 2**20:>14.0f}" if r["follower_peak_bytes"] else f"{'-':>14}"))
         print("ratios against 1 process; peak: the largest over the processes (CUDA max_memory_allocated on a GPU, "
-              "peak RSS on the CPU, which includes the Python runtime and torch's libraries)")
+              "peak RSS on the CPU, which includes the Python runtime and torch's libraries): rank 0's, which "
+              "reads the whole model; other ranks: the largest of the rest, which build theirs on the meta "
+              "device and receive only their shards")
 
 
 def main() -> None:

@@ -197,6 +197,21 @@ def shard_model(model: torch.nn.Module, dist_: Dist) -> None:
     fully_shard(model, mesh=dist_.mesh)
 
 
+def fill_from_rank0(model: torch.nn.Module, full: dict[str, Tensor], dist_: Dist) -> None:
+    """Every rank's shards (and buffers) from rank 0's whole model: the other ranks built
+    theirs on the meta device, so only rank 0 ever holds the full weights in memory.
+    `full` is rank 0's state dict from before sharding ({} elsewhere); buffers that are not
+    in a state dict (rotary frequencies) are broadcast one by one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not dist_.main:
+        model.to_empty(device=dist_.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for _, buf in sorted(model.named_buffers(), key=lambda nb: nb[0]):
+            buf.copy_(dist_.broadcast(buf))
+
+
 def split_rows(lengths: list[int], world: int) -> list[int]:
     """Each row's rank, so that every rank gets about the same number of tokens (longest
     first, each to the rank with the fewest tokens so far)."""

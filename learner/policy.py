@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
-from learner.dist import Dist, full_tensor, resolve_device, shard_model
+from learner.dist import Dist, fill_from_rank0, full_tensor, resolve_device, shard_model
 from learner.loss import entropy, token_logps
 from protocol.store import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
@@ -84,13 +84,20 @@ class Policy:
 
     def __init__(self, cfg: LearnerConfig, dist: Dist | None = None) -> None:
         from peft import LoraConfig, get_peft_model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.cfg = cfg
         self.dist = dist or Dist(device=resolve_device(cfg.device))
         self.device = self.dist.device
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-        base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=_DTYPES[cfg.dtype])
+        # under torchrun only rank 0 reads the weights; the others build the model's shape
+        # on the meta device (no memory) and receive their shards from rank 0 below
+        follower = self.dist.enabled and not self.dist.main
+        if follower:
+            with torch.device("meta"):
+                base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(cfg.model), dtype=_DTYPES[cfg.dtype])
+        else:
+            base = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=_DTYPES[cfg.dtype])
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         targets: Any = "all-linear" if cfg.target_modules == ["all-linear"] else cfg.target_modules
@@ -111,7 +118,9 @@ class Policy:
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             self.model = get_peft_model(base, lora)  # autocast_adapter_dtype: LoRA weights in float32
         if self.dist.enabled:
+            full = {} if follower else dict(self.model.state_dict())  # rank 0's whole model, adapter included
             shard_model(self.model, self.dist)  # moves each rank's shards to its device
+            fill_from_rank0(self.model, full, self.dist)
         else:
             self.model.to(self.device)
         self.model.train()
