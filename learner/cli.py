@@ -179,7 +179,7 @@ def follow_rank(cfg: LearnerConfig, dist: Dist) -> int:
     from learner.trainer import Trainer
 
     try:
-        torch.manual_seed(cfg.seed)  # the same initial adapter as rank 0's
+        torch.manual_seed(cfg.seed)  # the adapter itself comes from rank 0 (fill_from_rank0); dropout draws from this
         Trainer(cfg, dist).follow()
     except Exception as err:  # a peer died (its collective failed), or the model did not load
         print(f"learner run (rank {dist.rank}): {type(err).__name__}: {err}", file=sys.stderr)

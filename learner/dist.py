@@ -5,7 +5,8 @@ One process (`learner run`): the model on `--device` (auto: CUDA when available)
 Several (`torchrun --nproc-per-node N -m learner.cli run ...`, one process per GPU, or
 per CPU with the gloo backend): every rank holds a shard of the model, FSDP2's
 `fully_shard` on each decoder layer and at the root, so a model that does not fit one
-device trains; frozen base weights and LoRA parameters are sharded alike, and the LoRA
+device trains; only rank 0 reads the weights (the others build the model on the meta
+device and receive their shards, `fill_from_rank0`); frozen base weights and LoRA parameters are sharded alike, and the LoRA
 gradients are reduce-scattered across ranks in the backward. Rank 0 alone is the
 learner the rest of the system sees: it talks to the queue, the store and the metrics,
 acknowledges, publishes and checkpoints. The other ranks follow it (`follow`): rank 0
