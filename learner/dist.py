@@ -6,8 +6,9 @@ Several (`torchrun --nproc-per-node N -m learner.cli run ...`, one process per G
 per CPU with the gloo backend): every rank holds a shard of the model, FSDP2's
 `fully_shard` on each decoder layer and at the root, so a model that does not fit one
 device trains; only rank 0 reads the weights (the others build the model on the meta
-device and receive their shards, `fill_from_rank0`); frozen base weights and LoRA parameters are sharded alike, and the LoRA
-gradients are reduce-scattered across ranks in the backward. Rank 0 alone is the
+device and receive their shards, `fill_from_rank0`); frozen base weights and LoRA
+parameters are sharded alike, and the LoRA gradients are reduce-scattered across ranks
+in the backward. Rank 0 alone is the
 learner the rest of the system sees: it talks to the queue, the store and the metrics,
 acknowledges, publishes and checkpoints. The other ranks follow it (`follow`): rank 0
 broadcasts a command (a small int64 tensor) and every rank then runs the same
