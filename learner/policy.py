@@ -118,7 +118,7 @@ class Policy:
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             self.model = get_peft_model(base, lora)  # autocast_adapter_dtype: LoRA weights in float32
         if self.dist.enabled:
-            full = {} if follower else dict(self.model.state_dict())  # rank 0's whole model, adapter included
+            full = {} if follower else self.model.state_dict()  # rank 0's whole model, adapter included
             shard_model(self.model, self.dist)  # moves each rank's shards to its device
             fill_from_rank0(self.model, full, self.dist)
         else:
