@@ -47,8 +47,15 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
     https = args.queue.startswith(("https://", "http://"))
 
     def queue() -> str:
+        from actors.cli import confirm_identity
+
         try:
-            q = open_queue(args.queue, QueueConfig(run=args.run), args.token, retry_s=5.0, stop=threading.Event())
+            q = open_queue(args.queue, QueueConfig(run=args.run or "default"), args.token, retry_s=5.0,
+                           stop=threading.Event())
+            try:
+                args.run = confirm_identity(q, args.run)
+            except ValueError as err:
+                raise CheckFailed(str(err), "use the token and --run the proxy's operator gave for this run") from None
             q.report_status(WorkerStatus(worker=f"{worker}-check", engine="check", reported_at=time.time()))
         except QueueTLSError as err:
             raise CheckFailed(str(err), "give the proxy's CA certificate: SPOTGRPO_CA_CERT=cert.pem "

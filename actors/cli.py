@@ -53,7 +53,9 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="bearer token for an https:// queue (or SPOTGRPO_TOKEN)")
     a("--store", help="object store to download adapters from, for a redis:// queue: file:///dir or s3://bucket/prefix "
                       "(through an https:// proxy the worker needs none)")
-    a("--run", default="default", help="run name (must match the learner's --run)")
+    a("--run", default=None,
+      help="run name: the learner's --run (default: through a proxy, the run it serves, and a --run that differs "
+           "is refused; with redis://, 'default')")
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
     a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
@@ -93,10 +95,14 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a = score.add_argument
     a("--redis", required=True, help="redis://host:port/db of the run (the trusted side reaches Redis itself)")
     a("--run", default="default", help="run name (the learner's --run)")
+    a("--model", required=True,
+      help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
+           "completion's token ids with it and scores that text, the text the learner trains on")
     a("--reward", action="append", required=True, metavar="MODULE:FUNCTION[=WEIGHT]",
       help="reward function with TRL's signature (may be async def); repeat for several (weighted sum)")
     a("--reward-timeout-s", type=float, default=60.0,
-      help="RQ job_timeout per group (default 60): a reward still running then is killed and the job retried")
+      help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
+           "not retried, and the job goes on with the lease's other groups")
     a("--retries", type=int, default=2, help="re-runs of a group whose reward raised (default 2), with backoff")
     a("--retry-backoff-s", type=float, default=1.0, help="first retry after this, doubling (default 1)")
     a("--abandon-after-s", type=int, default=60,
@@ -107,7 +113,9 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
       help="most groups of one lease scored in one RQ job (default 8; 1: a job per group)")
     a("--redispatch-s", type=float, default=30.0,
       help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)")
-    a("--name", default=None, help="worker name (default scorer-host-pid)")
+    a("--name", default=None,
+      help="worker name within the run (default scorer-<host>-<pid>, with a suffix if a worker of the run holds it); "
+           "a name held by a live worker of the run is refused")
     a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
     a("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -121,27 +129,43 @@ which never leave the trusted side. Start as many as you like; SIGTERM stops one
 
 def score(args: argparse.Namespace) -> int:
     from actors.rewards import RewardError, Scorer, load_reward
-    from actors.scoring import serve
-    from protocol import QueueConfig, QueueUnavailable
+    from actors.scoring import NameTaken, free_name, serve
+    from protocol import QueueConfig, QueueUnavailable, check_model_path
     from protocol.scoring import ScoringQueue
 
     if not args.redis.startswith(("redis://", "rediss://", "unix://")):
         print(f"actors score: --redis {args.redis!r}: expected redis://, rediss:// or unix:// "
               "(scoring runs on the trusted side, on the run's Redis itself, never through the proxy)", file=sys.stderr)
         return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
     try:
         scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=None, reraise=True)
+        check_model_path(args.model)
+        tokenizer = _load_tokenizer(args.model)
         queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run))
-    except (RewardError, ValueError) as err:
+    except (RewardError, ValueError, OSError) as err:
         print(f"actors score: {err}", file=sys.stderr)
         return 2
     except QueueUnavailable as err:
         print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
         return 1
-    name = args.name or f"scorer-{socket.gethostname()}-{os.getpid()}"
-    log.info("scoring worker %s for run %s: %s", name, args.run, ", ".join(args.reward))
     try:
-        serve(queue, scorer, name, job_timeout_s=args.reward_timeout_s, retries=args.retries,
+        name = free_name(queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None)
+    except NameTaken as err:
+        print(f"actors score: {err}", file=sys.stderr)
+        queue.close()
+        return 2
+    except QueueUnavailable as err:
+        print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
+        queue.close()
+        return 1
+    log.info("scoring worker %s for run %s: %s", name, args.run, ", ".join(args.reward))
+
+    def decode(ids: object) -> str:
+        return tokenizer.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
+
+    try:
+        serve(queue, scorer, name, decode=decode, job_timeout_s=args.reward_timeout_s, retries=args.retries,
               retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
               abandon_after_s=args.abandon_after_s,
               monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
@@ -152,6 +176,32 @@ def score(args: argparse.Namespace) -> int:
     finally:
         queue.close()
     return 0
+
+
+def confirm_identity(queue: object, run: str | None) -> str:
+    """Through a proxy: the token must be an actor's and `run` (if given) the proxy's run.
+    Returns the run. Raises ValueError with what to change."""
+    from protocol.http_queue import HttpQueue
+
+    if not isinstance(queue, HttpQueue):
+        return run or "default"
+    who = queue.whoami()
+    if who.role != "actor":
+        raise ValueError(f"the token {who.name!r} has role {who.role}; a rollout worker needs a token with role actor "
+                         "(--token or SPOTGRPO_TOKEN)")
+    if run is not None and run != who.run:
+        raise ValueError(f"--run {run}: the proxy serves run {who.run!r}; give --run {who.run} (or leave --run out), "
+                         "or point --queue at the proxy of run " + repr(run))
+    return who.run
+
+
+def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as err:
+        raise OSError(f"--model {model}: cannot load its tokenizer: {err}") from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -201,8 +251,9 @@ def run(args: argparse.Namespace) -> int:
             else ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
             else Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
         )
-        config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s)
+        config = QueueConfig(run=args.run or "default", lease_timeout_s=args.lease_timeout_s)
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
+        args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
         if args.store is not None:
             source: AdapterSource = StoreSource(open_store(args.store))
         elif args.queue.startswith(("https://", "http://")):

@@ -42,6 +42,7 @@ from typing import Any
 import msgspec
 
 from protocol import Prompt
+from protocol.text import printable
 
 _SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
 
@@ -79,7 +80,12 @@ class Scores:
     rewards: list[float | None]
     components: list[dict[str, float | None]]
     error: str | None
-    """Set when the group failed; then every reward is None."""
+    """Set when the group failed; then every reward is None. One printable line (it comes
+    from a user's exception and is logged and sent on the wire)."""
+
+    @classmethod
+    def failed(cls, n: int, error: str, components: list[dict[str, float | None]] | None = None) -> Scores:
+        return cls([None] * n, components or [{} for _ in range(n)], printable(error, 2000))
 
 
 def unscored(n: int) -> Future[Scores]:
@@ -123,7 +129,7 @@ class Scorer:
         for rf in self.functions:
             values, error = self._call(rf, prompts, completions, completion_ids, columns, n)
             if error is not None:
-                return Scores([None] * n, [{} for _ in range(n)], error)
+                return Scores.failed(n, error)
             per_fn[rf.name] = values  # type: ignore[assignment]
         rewards: list[float | None] = []
         components = []
@@ -133,8 +139,31 @@ class Scorer:
             rewards.append(sum(w * v for w, v in scored) if scored else None)  # type: ignore[operator]
             components.append(parts)
         if any(r is None for r in rewards):
-            return Scores([None] * n, components, "every reward function abstained for some completion")
+            return Scores.failed(n, "every reward function abstained for some completion", components)
         return Scores(rewards, components, None)
+
+    def score_within(self, timeout_s: float, prompt: Prompt, prompt_text: str, texts: list[str],
+                     completion_ids: list[list[int]]) -> Scores:
+        """`score` under one time limit for the whole group, on a thread: past it the
+        group fails with that reason, and its thread is abandoned (in an RQ work horse it
+        ends with the job's process). An exception `reraise` lets through is raised here."""
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["scores"] = self.score(prompt, prompt_text, texts, completion_ids)
+            except BaseException as err:  # handed to the caller's thread as it is
+                box["error"] = err
+
+        thread = threading.Thread(target=target, name="score-group", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            return Scores.failed(len(texts), f"the rewards exceeded the group's time limit of {timeout_s:g}s "
+                                             "(the group is rejected, not retried)")
+        if "error" in box:
+            raise box["error"]
+        return box["scores"]
 
     def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):  # type: ignore[no-untyped-def]
         result: dict[str, Any] = {}
@@ -202,10 +231,9 @@ class ScoringPool:
             try:
                 outer.set_result(done.result())
             except FutureTimeout:
-                outer.set_result(Scores([None] * n, [{} for _ in range(n)],
-                                        f"scoring exceeded its time limit of {self.timeout_s:g}s (its process was killed)"))
+                outer.set_result(Scores.failed(n, f"scoring exceeded its time limit of {self.timeout_s:g}s (its process was killed)"))
             except Exception as err:  # the child died or the reward module failed to import there
-                outer.set_result(Scores([None] * n, [{} for _ in range(n)], f"scoring failed: {type(err).__name__}: {err}"))
+                outer.set_result(Scores.failed(n, f"scoring failed: {type(err).__name__}: {err}"))
 
         inner.add_done_callback(settle)
         return outer

@@ -13,10 +13,22 @@ many as you like; each is one RQ worker plus a dispatcher thread.
   not sink its lease), and a failed one-group job becomes a rejected group (reward
   None, the error text), which reaches the learner and is counted, never trained on.
 - **The RQ worker** (the main thread; a forked work horse per job) runs `score_job`.
-  RQ does the job handling: `job_timeout` ends a hung reward (SIGALRM in the horse;
-  past the timeout plus `abandon_after_s` the worker kills the horse), `Retry` with
-  backoff re-runs a reward that raised, and a job whose worker died is found abandoned
-  by RQ's maintenance and retried.
+  Each group is scored within its own time limit (`--reward-timeout-s`, on a thread of
+  the horse): a group past it is rejected at once, with that reason, and the job goes on
+  with the lease's other groups; a time-out is not retried (the same reward on the same
+  text would hang again). The horse ends with the job, taking an abandoned reward's
+  thread with it. RQ does the rest: `job_timeout` (the groups' limits plus a margin) is
+  the backstop that kills a horse that hangs anyway, `Retry` with backoff re-runs a
+  reward that raised, and a job whose worker died is found abandoned by RQ's
+  maintenance and retried.
+- **Scores follow tokens**: the tier decodes each completion's token ids with the run's
+  tokenizer (`--model`, the learner's) and scores that text, the text the learner trains
+  on; the actor's `text` is replaced by it. Timings come from the trusted side too: the
+  actor's are kept for its own figures (`generate_s`), but `submitted_at` is the
+  unscored entry's Redis time, not a number the actor wrote.
+- **What cannot be stored is dead-lettered**: a scored (or rejected) copy that breaks a
+  wire limit goes to the dead letters with its reason, counted by the learner, never
+  retried; one bad job never holds up the dispatcher.
 - **Idempotent by group id**: a group scored twice (a job re-run after its worker died
   mid-store, a dispatcher that enqueued it again) is stored once (`STORE_SCORED`).
 
@@ -35,6 +47,7 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,11 +63,21 @@ from rq.serializers import JSONSerializer
 from actors.rewards import Scorer, Scores
 from protocol import ProtocolError, QueueUnavailable, RolloutGroup
 from protocol.scoring import ScoringQueue, UnscoredEntry, UnscoredGroup
+from protocol.text import printable
 
 log = logging.getLogger(__name__)
 
 def rq_queue_name(run: str) -> str:
     return f"spotgrpo:{run}:scoring"
+
+
+def rq_worker_name(run: str, name: str) -> str:
+    """RQ's worker names are global to a Redis: scoped to the run, two runs on one Redis
+    can both have a `scorer-1`."""
+    return f"spotgrpo:{run}:{name}"
+
+
+Decode = Callable[[Sequence[int]], str]
 
 
 @dataclass
@@ -64,35 +87,53 @@ class Tier:
     queue: ScoringQueue
     scorer: Scorer
     name: str
+    decode: Decode
+    """The run's tokenizer: token ids -> the text rewards see (special tokens skipped, as
+    the actors' engines decode)."""
+    timeout_s: float
+    """Per group."""
 
 
 _TIER: Tier | None = None
 
+ERROR_CHARS = 300
+"""A completion's error as the tier writes it (the group's error says it whole)."""
 
-def scored_group(item: UnscoredGroup, scores: Scores, scored_by: str, score_s: float) -> RolloutGroup:
-    """The actor's group with the tier's rewards in place of whatever it sent."""
+
+def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_by: str, score_s: float) -> RolloutGroup:
+    """The actor's group with the tier's rewards in place of whatever it sent, and the
+    text the tier scored (decoded from the token ids) in place of the actor's."""
     group = item.group
+    error = printable(scores.error, 2000) if scores.error is not None else None
+    short = printable(scores.error, ERROR_CHARS) if scores.error is not None else None
     completions = [
-        msgspec.structs.replace(c, reward=r, reward_components=comp, error=scores.error)
-        for c, r, comp in zip(group.completions, scores.rewards, scores.components, strict=True)
+        msgspec.structs.replace(c, text=t, reward=r, reward_components=comp, error=short)
+        for c, t, r, comp in zip(group.completions, texts, scores.rewards, scores.components, strict=True)
     ]
-    return msgspec.structs.replace(
-        group, completions=completions, error=scores.error, scored_by=scored_by,
-        timings={**group.timings, "score_s": score_s, "scored_at": time.time()},
-    )
+    submitted = entry_time(item.entry_id)
+    timings = {k: v for k, v in group.timings.items() if k not in ("score_s", "scored_at", "submitted_at")}
+    timings.update(score_s=score_s, scored_at=time.time(), **({"submitted_at": submitted} if submitted else {}))
+    return msgspec.structs.replace(group, completions=completions, error=error, scored_by=scored_by, timings=timings)
 
 
 def rejected_group(item: UnscoredGroup, error: str, scored_by: str) -> RolloutGroup:
     n = len(item.group.completions)
-    return scored_group(item, Scores([None] * n, [{} for _ in range(n)], error), scored_by, 0.0)
+    return scored_group(item, Scores([None] * n, [{} for _ in range(n)], error),
+                        [c.text for c in item.group.completions], scored_by, 0.0)
+
+
+def entry_time(entry_id: str) -> float | None:
+    """The Redis time (seconds) at which a stream entry was added: its id's first part."""
+    head = entry_id.split("-", 1)[0]
+    return int(head) / 1000 if head.isdigit() else None
 
 
 def score_job(*entry_ids: str) -> list[dict[str, Any]]:
     """One RQ job: score the groups of these unscored entries (a lease's, as they came in)
     and store each. A reward that raises fails the job (RQ retries it; groups stored by an
-    earlier attempt are skipped); any other failure of the reward (wrong shape, every
-    function abstaining) rejects that group at once: running it again would give the
-    same answer."""
+    earlier attempt are skipped); any other failure of the reward (past the group's time
+    limit, wrong shape, every function abstaining) rejects that group at once: running it
+    again would give the same answer."""
     tier = _TIER
     if tier is None:
         raise RuntimeError("score_job runs in an `actors score` worker")
@@ -103,20 +144,34 @@ def _score_one(tier: Tier, entry_id: str) -> dict[str, Any]:
     try:
         item = tier.queue.fetch_unscored(entry_id)
     except ProtocolError as err:
-        tier.queue.dead_letter_unscored(entry_id, f"malformed: {err}")
-        return {"entry": entry_id, "stored": False, "dead_lettered": str(err)}
+        reason = printable(f"malformed: {err}", 2000)
+        tier.queue.dead_letter_unscored(entry_id, reason)
+        return {"entry": entry_id, "stored": False, "dead_lettered": reason}
     if item is None or tier.queue.is_scored(item.group.group_id):
         return {"entry": entry_id, "stored": False}
     if item.prompt is None:
         group = rejected_group(item, "scoring: the private prompt record is missing", tier.name)
     else:
         started = time.monotonic()
-        texts = [c.text for c in item.group.completions]
         ids = [c.tokens.tolist() for c in item.group.completions]
-        scores = tier.scorer.score(item.prompt, "", texts, ids)
-        group = scored_group(item, scores, tier.name, time.monotonic() - started)
-    stored = tier.queue.store_scored(entry_id, group)
+        texts = [tier.decode(i) for i in ids]
+        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids)
+        group = scored_group(item, scores, texts, tier.name, time.monotonic() - started)
+    stored = store_or_dead_letter(tier.queue, entry_id, group)
     return {"entry": entry_id, "group": group.group_id, "stored": stored, "error": group.error}
+
+
+def store_or_dead_letter(queue: ScoringQueue, entry_id: str, group: RolloutGroup) -> bool:
+    """Store a scored or rejected group; one the wire's limits refuse (an actor's group
+    that left no room for the scores) goes to the dead letters with the reason instead:
+    trying again would fail the same way. False if nothing new was stored."""
+    try:
+        return queue.store_scored(entry_id, group)
+    except ProtocolError as err:
+        reason = printable(f"unstorable after scoring: {err}", 2000)
+        log.error("group %s dead-lettered: %s", group.group_id, reason)
+        queue.dead_letter_unscored(entry_id, reason)
+        return False
 
 
 class ScoringWorker(Worker):
@@ -168,13 +223,13 @@ class Dispatcher(threading.Thread):
             try:
                 self.dispatch(self.queue.read_unscored(self.consumer, 64, block_s=min(1.0, self.sweep_s)))
                 if time.monotonic() - swept >= self.sweep_s:
+                    swept = time.monotonic()  # a sweep that fails waits for its turn, not for new groups
                     reclaimed = self.queue.reclaim_unscored(self.consumer, self.redispatch_s)
                     if reclaimed:
                         log.warning("%d unscored group(s) read by a dispatcher that never made them jobs; "
                                     "dispatching them now", len(reclaimed))
                         self.dispatch(reclaimed)
                     self.reject_failed()
-                    swept = time.monotonic()
                 backoff = 0.5
             except QueueUnavailable as err:
                 log.warning("redis unavailable, retrying in %.1fs: %s", backoff, err)
@@ -203,7 +258,8 @@ class Dispatcher(threading.Thread):
                  if self.retries else None)
         self.rq.enqueue(
             score_job, *[e.entry_id for e in entries], job_id=self.job_id([e.group_id for e in entries]),
-            job_timeout=max(1, round(self.job_timeout_s * len(entries))), retry=retry, result_ttl=300,
+            # each group has its own limit inside the job (`Tier.timeout_s`); RQ's kills a horse that hangs anyway
+            job_timeout=max(1, round(self.job_timeout_s * len(entries) + JOB_MARGIN_S)), retry=retry, result_ttl=300,
             failure_ttl=3600, description=f"score {len(entries)} group(s) of batch {entries[0].batch_id}",
             meta={"groups": [e.group_id for e in entries], "batch": entries[0].batch_id},
         )
@@ -227,19 +283,24 @@ class Dispatcher(threading.Thread):
                     self.enqueue([UnscoredEntry(entry_id, group_id, str(job.meta.get("batch", "")))])
             elif entry_ids:
                 self.reject(entry_ids[0], _last_line(job))
+            # removed whatever became of its group: a failed job is handled once, never again every sweep
             registry.remove(job, delete_job=False)
 
     def reject(self, entry_id: str, reason: str) -> None:
         try:
             item = self.queue.fetch_unscored(entry_id)
         except ProtocolError as err:
-            self.queue.dead_letter_unscored(entry_id, f"malformed: {err}")
+            self.queue.dead_letter_unscored(entry_id, printable(f"malformed: {err}", 2000))
             return
         if item is None:
             return  # stored meanwhile (an earlier attempt got through)
         error = f"scoring failed after {self.retries + 1} attempt(s): {reason}"
-        if self.queue.store_scored(entry_id, rejected_group(item, error, self.consumer)):
-            log.error("group %s rejected: %s", item.group.group_id, error)
+        if store_or_dead_letter(self.queue, entry_id, rejected_group(item, error, self.consumer)):
+            log.error("group %s rejected: %s", item.group.group_id, printable(error))
+
+
+JOB_MARGIN_S = 30.0
+"""RQ's time limit for a job is its groups' limits plus this: room for fetching and storing."""
 
 
 def _last_line(job: Job) -> str:
@@ -250,7 +311,27 @@ def _last_line(job: Job) -> str:
     return lines[-1] if lines else text
 
 
-def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, job_timeout_s: float, retries: int = 2,
+class NameTaken(ValueError):
+    """`--name` is held by a live scoring worker of this run."""
+
+
+def free_name(queue: ScoringQueue, name: str, chosen: bool) -> str:
+    """A name no live RQ worker of this run holds. A name the user chose is kept or
+    refused (`NameTaken`); the default one gets a suffix (a container's pid repeats, and a
+    SIGKILLed worker's registration outlives it by up to RQ's worker TTL)."""
+    for n in itertools.count(1):
+        candidate = name if n == 1 else f"{name}-{n}"
+        key = Worker.redis_worker_namespace_prefix + rq_worker_name(queue.config.run, candidate)
+        if not queue.rq_worker_registered(key):
+            return candidate
+        if chosen:
+            raise NameTaken(
+                f"--name {name}: a scoring worker of run {queue.config.run!r} by that name is registered "
+                "(a live one, or one killed less than a minute ago); choose another name or leave --name out")
+    raise AssertionError("unreachable")
+
+
+def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job_timeout_s: float, retries: int = 2,
           retry_backoff_s: float = 1.0, groups_per_job: int = 8, abandon_after_s: int = 60,
           monitoring_interval_s: int = 30, maintenance_interval_s: int = 30, redispatch_s: float = 30.0,
           burst: bool = False, outage_s: float = 300.0) -> bool:
@@ -259,14 +340,15 @@ def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, job_timeout_s: floa
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     global _TIER
-    _TIER = Tier(queue=queue, scorer=scorer, name=name)
+    _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s)
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
     dispatcher = Dispatcher(queue, rq, name, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)
     dispatcher.start()
     try:
         for generation in itertools.count():
-            worker = ScoringWorker([rq], name=name if generation == 0 else f"{name}-{generation}",
+            rq_name = rq_worker_name(queue.config.run, name if generation == 0 else f"{name}-{generation}")
+            worker = ScoringWorker([rq], name=rq_name,
                                    connection=queue.client, serializer=JSONSerializer,
                                    job_monitoring_interval=monitoring_interval_s, maintenance_interval=maintenance_interval_s,
                                    worker_ttl=max(20, maintenance_interval_s + 15))

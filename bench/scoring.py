@@ -69,8 +69,13 @@ def unscored(b: PromptBatch, reward: float | None = None) -> RolloutGroup:
 
 def start_scorers(url: str, run: str, n: int, reward: str, logs: Path) -> list[subprocess.Popen[bytes]]:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    model = logs / "model"  # the tier decodes token ids with the run's tokenizer: a tiny model's
+    if not model.exists():
+        from learner.tiny import save_tiny
+
+        save_tiny(model, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
     return [subprocess.Popen([sys.executable, "-m", "actors.cli", "score", "--redis", url, "--run", run, "--reward",
-                              reward, "--name", f"bench-{run}-{i}"], cwd=REPO, env=env,
+                              reward, "--model", str(model), "--name", f"bench-{run}-{i}"], cwd=REPO, env=env,
                              stdout=(logs / f"{run}-{i}.log").open("wb"), stderr=subprocess.STDOUT)
             for i in range(n)]
 

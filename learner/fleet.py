@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 
 from protocol import QueueStats, WorkerStatus
+from protocol.text import printable
 
 log = logging.getLogger("learner.fleet")
 
@@ -26,12 +27,12 @@ def problems(workers: Sequence[WorkerStatus], latest_version: int, max_staleness
     out = {}
     for w in workers:
         behind = latest_version - w.adapter_version
-        why = f"; its last error: {w.last_error}" if w.last_error else ""
+        why = f"; its last error: {printable(w.last_error, 300)}" if w.last_error else ""
         if behind > max_staleness:
-            out[w.worker] = (f"runs adapter v{w.adapter_version}, {behind} versions behind v{latest_version} "
+            out[printable(w.worker, 256)] = (f"runs adapter v{w.adapter_version}, {behind} versions behind v{latest_version} "
                              f"(max_staleness {max_staleness}): its groups are dropped as stale{why}")
         elif w.adapters_refused:
-            out[w.worker] = f"refused {w.adapters_refused} adapter version(s){why}"
+            out[printable(w.worker, 256)] = f"refused {w.adapters_refused} adapter version(s){why}"
     return out
 
 
@@ -64,10 +65,17 @@ class FleetWatch:
         self.live = 0
         self.lagging = 0
 
+    MAX_NAMED = 5
+    """Workers named per check at most; the rest are counted in one line (a flood of
+    statuses must not become a flood of log lines)."""
+
     def update(self, workers: Sequence[WorkerStatus], latest_version: int, max_staleness: int) -> list[str]:
         found = problems(workers, latest_version, max_staleness)
         self.live, self.lagging = len(workers), len(found)
-        lines = [f"worker {name} {why}" for name, why in sorted(found.items()) if self.named.get(name) != why]
+        new = [f"worker {name} {why}" for name, why in sorted(found.items()) if self.named.get(name) != why]
+        lines = new[: self.MAX_NAMED]
+        if len(new) > self.MAX_NAMED:
+            lines.append(f"... and {len(new) - self.MAX_NAMED} more worker(s) with a problem (GET /v1/workers lists them)")
         for line in lines:
             log.warning("%s", line)
         self.named = found

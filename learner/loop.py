@@ -33,6 +33,7 @@ from protocol import (
     Delivery,
     FinishedBatch,
     PromptBatch,
+    ProtocolError,
     Queue,
     QueueError,
     QueueUnavailable,
@@ -42,6 +43,7 @@ from protocol import (
     group_id_for,
 )
 from protocol.store import Store, StoreError
+from protocol.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,8 @@ class Learner:
         self.metrics: MetricsLog | None = None
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
+        self._reward_names = {spec.split(":", 1)[-1].split("=", 1)[0] for spec in cfg.reward}
+        """The names `reward/<name>` may have (`_reward_name_kept`)."""
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -255,6 +259,8 @@ class Learner:
                 continue
             if dl.source in ("rollouts", "unscored"):
                 lost = 1
+                if dl.group_id and dl.batch_id:  # its prompt is consumed: the batch can finish
+                    self._consume_by_group(dl.batch_id, dl.group_id)
             else:
                 entry = self.state.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
                 if dl.batch:
@@ -269,7 +275,8 @@ class Learner:
             self.state.consumed_prompts += lost
             self.state.count(f"dead_letter_entries_{dl.source}")
             self.state.count("dead_lettered_prompts", lost)
-            log.warning("dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source, dl.reason, lost)
+            log.warning("dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source,
+                        printable(dl.reason), lost)
 
     # --------------------------------------------------------------- collecting
     def collect(self, n: int) -> list[RolloutGroup] | None:
@@ -332,8 +339,8 @@ class Learner:
         try:
             workers = self.queue.workers()
             stats = self.queue.stats()
-        except QueueError as err:  # the fleet view is advice; training goes on without it
-            log.debug("no worker statuses: %s", err)
+        except (QueueError, ProtocolError) as err:  # the fleet view is advice; training goes on without it
+            log.debug("no worker statuses: %s", printable(str(err)))
             return
         self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness)
         self.fleet.update_streams(stats, self.cfg.run)
@@ -381,6 +388,29 @@ class Learner:
             entry[2].remove(group.prompt_id)
         else:
             entry[2].append(group.prompt_id)
+
+    def _reward_name_kept(self, name: str) -> bool:
+        """Reward names become metric keys (`reward/<name>`): the configured functions'
+        only, or, for a run that does not know them (actors score with their own), the
+        first `MAX_REWARD_NAMES` met, so no worker can add keys step after step."""
+        if self.cfg.reward:
+            return name in self._reward_names
+        if name not in self._reward_names and len(self._reward_names) < MAX_REWARD_NAMES:
+            self._reward_names.add(name)
+        return name in self._reward_names
+
+    def _consume_by_group(self, batch_id: str, group_id: str) -> None:
+        """Mark the prompt of a dead-lettered group consumed in its outstanding batch (the
+        count is kept by the caller)."""
+        entry = self.state.outstanding.get(batch_id)
+        if entry is None:
+            return
+        start, n, consumed = entry
+        for i in range(n):
+            prompt_id = f"p{start + i}"
+            if group_id_for(batch_id, prompt_id) == group_id and prompt_id not in consumed:
+                consumed.append(prompt_id)
+                return
 
     def _purge_completed(self) -> None:
         done = [b for b, (_, n, consumed) in self.state.outstanding.items() if len(consumed) >= n]
@@ -442,8 +472,8 @@ class Learner:
             return "dropped_flat"
         else:
             return None
-        log.warning("rejected group %s from %s: %s%s", group.group_id, group.actor_id, reason.removeprefix("rejected_"),
-                    f" ({group.error})" if group.error else "")
+        log.warning("rejected group %s from %s: %s%s", group.group_id, printable(group.actor_id),
+                    reason.removeprefix("rejected_"), f" ({printable(group.error)})" if group.error else "")
         return reason
 
     def _answers_issued_prompt(self, group: RolloutGroup) -> bool:
@@ -564,7 +594,7 @@ class Learner:
         components: dict[str, list[float]] = {}
         for c in completions:
             for name, value in c.reward_components.items():
-                if value is not None:
+                if value is not None and self._reward_name_kept(name):
                     components.setdefault(name, []).append(value)
         consumed = len(groups) + len(dropped)
         # the policy's reward: every scored completion consumed this step, the flat and
@@ -616,6 +646,10 @@ class Learner:
             self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:
             log.info(console_line(row, self.cfg.steps))
+
+
+MAX_REWARD_NAMES = 16
+"""Reward-function names a run without --reward reports at most (the first it meets)."""
 
 
 def scoring_figures(groups: list[RolloutGroup]) -> dict[str, float]:

@@ -67,8 +67,16 @@ class VersionConflict(QueueRefused, ValueError):
     code = "version_conflict"
 
 
+class TooManyWorkers(QueueRefused):
+    """A status report from a worker new to its token, while the token already has as
+    many live workers as the proxy allows (`--max-workers-per-token`)."""
+
+    code = "too_many_workers"
+
+
 REFUSALS: dict[str, type[QueueRefused]] = {
     cls.code: cls
-    for cls in (QueueForbidden, QueueTLSError, LeaseMismatch, LeaseLost, SubmissionRejected, VersionConflict)
+    for cls in (QueueForbidden, QueueTLSError, LeaseMismatch, LeaseLost, SubmissionRejected, VersionConflict,
+                TooManyWorkers)
 }
 """Refusals by their wire code, so the HTTPS client raises what the proxy's queue raised."""

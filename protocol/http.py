@@ -122,7 +122,21 @@ class ReportStatusResponse(_Body, tag="reported"):
 
 
 class WorkersResponse(_Body, tag="workers"):
-    workers: list[WorkerStatus]
+    workers: Annotated[list[WorkerStatus], msgspec.Meta(max_length=1000)]
+    """At most `?limit=` of them (default 500, at most 1,000): the furthest behind first
+    (lowest adapter version, then most refusals), then by name."""
+    total: int = 0
+    """How many workers reported within `max_age_s`, listed or not."""
+
+
+class WhoAmIResponse(_Body, tag="whoami"):
+    """Who the proxy takes the caller for, and the run it serves: a client checks its
+    token's role and its `--run` before it spends anything (a model load, a GPU)."""
+
+    name: str
+    """The token's name (its secret is never sent back)."""
+    role: str
+    run: str
 
 
 # --------------------------------------------------------------- learner routes
@@ -208,6 +222,7 @@ RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
+    WhoAmIResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -74,6 +74,7 @@ from protocol.http import (
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
+    WhoAmIResponse,
     WorkersResponse,
     decode_body,
     encode_body,
@@ -155,7 +156,7 @@ class HttpQueue(Queue):
         if verify is None:  # a private CA or a self-signed proxy certificate
             verify = os.environ.get("SPOTGRPO_CA_CERT") or True
         if isinstance(verify, str):
-            verify = ssl.create_default_context(cafile=verify)
+            verify = _ca_context(verify)
         self._verify = verify
         self.client = httpx.Client(
             base_url=self.url,
@@ -318,7 +319,12 @@ class HttpQueue(Queue):
         self._call("POST", "/v1/workers/status", ReportStatusResponse, ReportStatusRequest(status=status))
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
+        """The proxy lists at most 500, those furthest behind first."""
         return self._call("GET", "/v1/workers", WorkersResponse, params={"max_age_s": max(1, round(max_age_s))}).workers
+
+    def whoami(self) -> WhoAmIResponse:
+        """The token's name and role, and the run the proxy serves."""
+        return self._call("GET", "/v1/whoami", WhoAmIResponse)
 
     # ------------------------------------------------------------------- everyone
     def stats(self) -> QueueStats:
@@ -336,6 +342,17 @@ def _error_text(r: httpx.Response) -> tuple[str, str]:
         body = decode_body(r.content, ErrorResponse)
         return body.code, body.error
     return "", r.text[:200]
+
+
+def _ca_context(path: str) -> ssl.SSLContext:
+    """A TLS context trusting the CA in `path`; a file that is missing or holds no
+    certificate is a `QueueTLSError` naming it, not a traceback."""
+    try:
+        return ssl.create_default_context(cafile=path)
+    except FileNotFoundError:
+        raise QueueTLSError(f"CA file {path}: no such file (SPOTGRPO_CA_CERT or the CA flag)") from None
+    except ssl.SSLError as err:
+        raise QueueTLSError(f"CA file {path}: not a PEM certificate ({err.reason or err})") from None
 
 
 def _retry_after(r: httpx.Response, default: float) -> float:

@@ -71,6 +71,16 @@ class Keys:
         """Hash: worker name -> its latest WorkerStatus (MessagePack)."""
         return self._key("workers")
 
+    def workers_of(self, owner: str) -> str:
+        """Sorted set: the workers of one owner (a proxy token) -> when each last reported,
+        so the proxy can bound the live statuses per token."""
+        return self._key(f"workers-of:{owner}")
+
+    @property
+    def worker_owners(self) -> str:
+        """Set of the `workers_of` keys in use (so that they expire with the run)."""
+        return self._key("worker-owners")
+
     @property
     def adapter_latest(self) -> str:
         """Hash: version, m (manifest), event (its id in adapter-events)."""
@@ -84,7 +94,8 @@ class Keys:
     def all(self) -> list[str]:
         """Every key of the run (the pub/sub channel is not a key)."""
         return [self.prompts, self.rollouts, self.unscored, self.dead_letters, self.batches_seen, self.groups_seen,
-                self.private, self.scored_seen, self.workers, self.adapter_latest, self.adapter_events]
+                self.private, self.scored_seen, self.workers, self.worker_owners, self.adapter_latest,
+                self.adapter_events]
 
     @property
     def adapter_channel(self) -> str:

@@ -25,6 +25,7 @@ import msgspec
 import numpy as np
 
 from protocol.errors import ProtocolError
+from protocol.text import SAFE_LINE, SAFE_NAME
 
 SCHEMA_VERSION = 1
 """Bumped on any incompatible change; decoders refuse versions they do not know."""
@@ -34,8 +35,15 @@ _F32 = np.dtype("<f4")
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
-Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=r"^[^\x00-\x1f]+$")]
-"""An identifier: 1-256 printable characters."""
+Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=SAFE_NAME)]
+"""An identifier: 1-256 characters, none of them a control or text-reordering character
+(`protocol.text`): identifiers are logged and shown."""
+Label = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=SAFE_NAME)]
+"""A short name an actor may write (a reward function, a timing, an engine): becomes a
+metric key or a label, so safe characters only."""
+OneLine = Annotated[str, msgspec.Meta(max_length=2000, pattern=SAFE_LINE)]
+"""An error or note an actor may write: one line of safe characters (`protocol.text.printable`
+makes one from any text)."""
 Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 """Seconds since the epoch."""
 
@@ -226,9 +234,9 @@ class Completion(_Struct):
     """Decoded completion, as the reward functions saw it."""
     reward: float | None = None
     """Weighted total reward; None when no reward could be computed (see error)."""
-    reward_components: dict[str, float | None] = {}
+    reward_components: Annotated[dict[Label, float | None], msgspec.Meta(max_length=64)] = {}
     """Each reward function's score by name, before weighting; None where it abstained."""
-    error: str | None = None
+    error: OneLine | None = None
     """Why this completion has no reward; None when it has one."""
 
     def __post_init__(self) -> None:
@@ -284,10 +292,10 @@ class RolloutGroup(_Struct, tag="rollout_group", tag_field="type", kw_only=True)
     prompt_token_ids: bytes
     """Packed <i4 prompt tokens exactly as the actor fed them to the model."""
     completions: Annotated[list[Completion], msgspec.Meta(min_length=1)]
-    error: str | None = None
+    error: OneLine | None = None
     """Set when the whole group failed (a reward raised or timed out); such a group is
     never trained on as if its reward were 0."""
-    timings: dict[str, float] = {}
+    timings: Annotated[dict[Label, float], msgspec.Meta(max_length=64)] = {}
     """Seconds spent per phase (e.g. generate_s, reward_s) and wall-clock marks."""
     scored_by: Ident | None = None
     """The scoring-tier worker that scored the group (trusted scoring); None when the
@@ -350,7 +358,7 @@ class WorkerStatus(_Struct, tag="worker_status", tag_field="type", kw_only=True)
     schema: int = SCHEMA_VERSION
     worker: Ident
     """The queue's name for it (through the proxy: the token's name first)."""
-    engine: Annotated[str, msgspec.Meta(max_length=64)] = ""
+    engine: Annotated[str, msgspec.Meta(max_length=64, pattern=SAFE_LINE)] = ""
     adapter_version: NonNegInt = 0
     """The newest adapter version it has loaded (0: the base model)."""
     leases: NonNegInt = 0
@@ -360,8 +368,8 @@ class WorkerStatus(_Struct, tag="worker_status", tag_field="type", kw_only=True)
     """Generated tokens per second over the last report interval."""
     adapters_refused: NonNegInt = 0
     """Adapter versions it could not load (a bad download, a rank above its limit...)."""
-    last_error: Annotated[str, msgspec.Meta(max_length=2000)] | None = None
-    """The latest refusal or error it met, in one line; None if none."""
+    last_error: Annotated[str, msgspec.Meta(max_length=500, pattern=SAFE_LINE)] | None = None
+    """The latest refusal or error it met, in one line (`protocol.text.printable`); None if none."""
     reported_at: Timestamp
 
     def __post_init__(self) -> None:
@@ -420,6 +428,16 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
     """Most tokens in one prompt or completion."""
     max_text_chars: PosInt = 4 * 1024 * 1024
     """Longest prompt or completion text."""
+    scoring_room_bytes: NonNegInt = 64 * 1024
+    """Room a submitted group leaves under `max_message_bytes` for what the trusted side
+    adds to it (the scorer's name, its timings, the group's error), plus
+    `scoring_room_per_completion` for each completion (its reward, a score per reward
+    function, a short error): a group an actor can submit is a group the tier can store."""
+    scoring_room_per_completion: NonNegInt = 1024
+
+    def submit_limit(self, completions: int) -> int:
+        """The largest encoded group of `completions` completions an actor may submit."""
+        return self.max_message_bytes - self.scoring_room_bytes - self.scoring_room_per_completion * completions
 
 
 DEFAULT_LIMITS = Limits()

@@ -172,6 +172,10 @@ class DeadLetter:
     missing_groups: list[str] | None = None
     """For a batch: the group ids it still lacked (the prompts lost with it; the groups
     of its other prompts were stored and reach the learner). None when unknown."""
+    group_id: str | None = None
+    """For an unscored group the tier could not score or store: its group id."""
+    batch_id: str | None = None
+    """For an unscored group: the batch it answers."""
 
 
 @dataclass(frozen=True)

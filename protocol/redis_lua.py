@@ -141,6 +141,31 @@ return 1
 """
 )
 
+DEAD_LETTER_UNSCORED = (
+    _HELPERS
+    + r"""
+-- KEYS: unscored, dead, private   ARGV: group, id, reason, now
+-- An unscored entry the tier cannot score or store (unreadable, or its scored copy breaks
+-- a limit) leaves the stream for the dead letters, pending or not (a dispatched entry is
+-- no longer pending), naming its group and batch so the learner can account for it.
+-- 0 if the entry is gone (stored, or dead-lettered before).
+local entry = redis.call('XRANGE', KEYS[1], ARGV[2], ARGV[2])[1]
+if not entry then
+  redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+  return 0
+end
+local flat = entry[2]
+local gid = field(flat, 'g') or ''
+redis.call('XADD', KEYS[2], '*', 'source', 'unscored', 'lease', ARGV[2], 'm', field(flat, 'm') or '',
+           'deliveries', 0, 'worker', '', 'reason', ARGV[3], 'at', ARGV[4], 'g', gid, 'b', field(flat, 'b') or '')
+redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XDEL', KEYS[1], ARGV[2])
+if gid ~= '' then redis.call('HDEL', KEYS[3], gid) end
+follow_ttl(KEYS[1], KEYS[2])
+return 1
+"""
+)
+
 HEARTBEAT = (
     _HELPERS
     + r"""
@@ -330,7 +355,21 @@ return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+')
 """
 
 REPORT_STATUS = _HELPERS + r"""
--- KEYS: workers, prompts   ARGV: worker, payload
+-- KEYS: workers, prompts, owner's workers (zset: name -> last report), owners (set)
+-- ARGV: worker, payload, now, max_age_s, cap (0: no cap)
+-- A report from a worker new to its owner (a token) is refused (0) while the owner has
+-- `cap` workers that reported within max_age_s: one token cannot grow the fleet view.
+local cap = tonumber(ARGV[5])
+if cap > 0 then
+  local now = tonumber(ARGV[3])
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', '(' .. tostring(now - tonumber(ARGV[4])))
+  if not redis.call('ZSCORE', KEYS[3], ARGV[1]) and redis.call('ZCARD', KEYS[3]) >= cap then
+    return 0
+  end
+  redis.call('ZADD', KEYS[3], now, ARGV[1])
+  redis.call('SADD', KEYS[4], KEYS[3])
+  follow_ttl(KEYS[2], KEYS[3], KEYS[4])
+end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 follow_ttl(KEYS[2], KEYS[1])
 return 1

@@ -21,7 +21,7 @@ import redis
 import redis.exceptions
 
 from protocol import redis_lua
-from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable
+from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable, TooManyWorkers
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
 from protocol.messages import (
     DEFAULT_LIMITS,
@@ -49,12 +49,13 @@ from protocol.queue import (
     check_finished,
     is_entry_id,
 )
+from protocol.text import UNSAFE
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
-_WORKER = re.compile(r"^[^\x00-\x20]{1,256}$")
+_WORKER = re.compile(f"^[^\\x20{UNSAFE}]{{1,256}}$")
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
 
 
@@ -121,6 +122,7 @@ class RedisQueue(Queue):
                 "ADD_PROMPTS",
                 "CLAIM_EXPIRED",
                 "DEAD_LETTER",
+                "DEAD_LETTER_UNSCORED",
                 "HEARTBEAT",
                 "SUBMIT",
                 "STORE_SCORED",
@@ -257,6 +259,7 @@ class RedisQueue(Queue):
                 log.error("prompt entry %s is unreadable, dead-lettering it: %s", lease_id, err)
                 self._script(
                     "DEAD_LETTER",
+                "DEAD_LETTER_UNSCORED",
                     [self.keys.prompts, self.keys.dead_letters],
                     [ACTORS_GROUP, lease_id, "prompts", f"malformed: {err}", time.time()],
                 )
@@ -282,8 +285,13 @@ class RedisQueue(Queue):
             if not isinstance(g, RolloutGroup):
                 raise ProtocolError(f"groups: expected RolloutGroup, got {type(g).__name__}")
             longest = max(len(c.token_ids) // 4 for c in g.completions)
-            args += [g.group_id, encode(g, self.config.limits), len(g.completions), longest,
-                     prompt_digest(g.prompt_token_ids)]
+            payload = encode(g, self.config.limits)
+            room = self.config.limits.submit_limit(len(g.completions))
+            if len(payload) > room:
+                raise ProtocolError(
+                    f"group {g.group_id}: {len(payload)} bytes exceed the {room} a group of {len(g.completions)} "
+                    f"completions may have (the message limit less the room the scoring tier needs)")
+            args += [g.group_id, payload, len(g.completions), longest, prompt_digest(g.prompt_token_ids)]
         batch_ids = {g.batch_id for g in groups}
         if len(batch_ids) != 1:
             raise ProtocolError(
@@ -322,6 +330,7 @@ class RedisQueue(Queue):
                 log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, err)
                 self._script(
                     "DEAD_LETTER",
+                "DEAD_LETTER_UNSCORED",
                     [self.keys.rollouts, self.keys.dead_letters],
                     [LEARNER_GROUP, entry_id, "rollouts", f"malformed: {err}", time.time()],
                 )
@@ -411,6 +420,8 @@ class RedisQueue(Queue):
                     last_worker=_s(f.get("worker")),
                     batch=batch,
                     missing_groups=missing,
+                    group_id=_s(f["g"]) if f.get("g") else None,
+                    batch_id=_s(f["b"]) if f.get("b") else None,
                 )
             )
         return out
@@ -464,8 +475,9 @@ class RedisQueue(Queue):
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
 
         def expire() -> int:
+            owners = [_s(k) for k in self._r.smembers(self.keys.worker_owners)]
             with self._r.pipeline(transaction=False) as pipe:
-                for key in self.keys.all():
+                for key in [*self.keys.all(), *owners]:
                     pipe.expire(key, max(1, round(ttl_s)))
                 return sum(1 for done in pipe.execute() if done)
 
@@ -473,12 +485,23 @@ class RedisQueue(Queue):
 
     # ------------------------------------------------------------------ fleet
 
-    def report_status(self, status: WorkerStatus) -> None:
+    def report_status(self, status: WorkerStatus, owner: str = "", max_per_owner: int = 0,
+                      max_age_s: float = 120.0) -> None:
+        """`owner` (the proxy: the token's name) with `max_per_owner` > 0: a worker new to
+        its owner is refused (`TooManyWorkers`) while the owner has that many that reported
+        within `max_age_s`."""
         if not isinstance(status, WorkerStatus):
             raise ProtocolError(f"report_status: expected WorkerStatus, got {type(status).__name__}")
         _check_worker(status.worker)
         payload = encode(status, self.config.limits)
-        self._script("REPORT_STATUS", [self.keys.workers, self.keys.prompts], [status.worker, payload])
+        accepted = self._script(
+            "REPORT_STATUS",
+            [self.keys.workers, self.keys.prompts, self.keys.workers_of(owner), self.keys.worker_owners],
+            [status.worker, payload, time.time(), max_age_s, max_per_owner if owner else 0])
+        if not int(accepted):
+            raise TooManyWorkers(
+                f"worker {status.worker}: token {owner!r} already has {max_per_owner} workers reporting "
+                f"(the proxy's --max-workers-per-token); this one's status is not recorded")
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         now = time.time()

@@ -52,6 +52,11 @@ class ScoringQueue(RedisQueue):
         """The redis-py client, for RQ (which needs a connection of its own kind)."""
         return self._r
 
+    def rq_worker_registered(self, key: str) -> bool:
+        """An RQ worker's registration under `key` exists and records no death (RQ's own
+        test before it registers a worker by that name)."""
+        return bool(self._call(lambda: self._r.exists(key) and not self._r.hexists(key, "death")))
+
     def _entries(self, raw: list[Any]) -> list[UnscoredEntry]:
         return [UnscoredEntry(_s(i), _s(_fields(f).get("g")), _s(_fields(f).get("b"))) for i, f in raw if f is not None]
 
@@ -111,8 +116,10 @@ class ScoringQueue(RedisQueue):
             [SCORERS_GROUP, entry_id, group.group_id, encode(group, self.config.limits)],
         ))
 
-    def dead_letter_unscored(self, entry_id: str, reason: str) -> None:
-        """An unscored entry that cannot be read goes to the dead letters (counted there)."""
+    def dead_letter_unscored(self, entry_id: str, reason: str) -> bool:
+        """An unscored entry the tier cannot read or store goes to the dead letters, with
+        its group and batch ids and the reason (the learner counts it there), whether or
+        not a dispatcher still holds it. False if it was gone already."""
         _check_ids("entry_id", [entry_id])
-        self._script("DEAD_LETTER", [self.keys.unscored, self.keys.dead_letters],
-                     [SCORERS_GROUP, entry_id, "unscored", reason, time.time()])
+        return bool(self._script("DEAD_LETTER_UNSCORED", [self.keys.unscored, self.keys.dead_letters, self.keys.private],
+                                 [SCORERS_GROUP, entry_id, reason, time.time()]))

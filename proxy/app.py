@@ -52,12 +52,13 @@ from starlette.routing import Route
 from protocol import (
     LeaseLost,
     ProtocolError,
-    Queue,
     QueueError,
     QueueForbidden,
     QueueRefused,
     QueueUnavailable,
+    RedisQueue,
     SubmissionRejected,
+    WorkerStatus,
     encode,
     is_entry_id,
 )
@@ -90,6 +91,7 @@ from protocol.http import (
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
+    WhoAmIResponse,
     WorkersResponse,
     decode_body,
     encode_body,
@@ -131,6 +133,9 @@ class ProxyLimits:
     """408 when a client takes longer than this to send its body."""
     presign_s: int = 300
     """Lifetime of presigned adapter URLs."""
+    max_workers_per_token: int = 256
+    """Live worker statuses one token may have in the fleet view; a new worker's report past
+    it is refused (409), so one token cannot grow the view, the learner's log or /metrics."""
 
 
 class ApiError(Exception):
@@ -146,7 +151,8 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 @dataclass
 class Context:
-    queue: Queue
+    queue: RedisQueue
+    """The run's Redis itself (the proxy is trusted; it may pass owners and caps)."""
     store: Store
     tokens: Tokens
     limits: ProxyLimits
@@ -226,13 +232,24 @@ def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, 
 def report_status(ctx: Context, token: Token, body: ReportStatusRequest, params: dict[str, str]) -> ReportStatusResponse:
     name = worker_name(token, body.status.worker)
     status = msgspec.structs.replace(body.status, worker=name, reported_at=time.time())  # the proxy's clock
-    ctx.queue.report_status(status)
+    ctx.queue.report_status(status, owner=token.name, max_per_owner=ctx.limits.max_workers_per_token)
     return ReportStatusResponse(worker=name)
+
+
+def behind_first(workers: list[WorkerStatus]) -> list[WorkerStatus]:
+    """The workers a reader most needs to see first: furthest behind, then refusing."""
+    return sorted(workers, key=lambda w: (w.adapter_version, -w.adapters_refused, w.worker))
 
 
 def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WorkersResponse:
     max_age_s = _int_param(params, "max_age_s", 120, 1, 86_400)
-    return WorkersResponse(workers=ctx.queue.workers(max_age_s))
+    limit = _int_param(params, "limit", 500, 1, 1000)
+    workers = ctx.queue.workers(max_age_s)
+    return WorkersResponse(workers=behind_first(workers)[:limit], total=len(workers))
+
+
+def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WhoAmIResponse:
+    return WhoAmIResponse(name=token.name, role=token.role, run=ctx.queue.config.run)
 
 
 def expire_run(ctx: Context, token: Token, body: ExpireRunRequest, params: dict[str, str]) -> ExpireRunResponse:
@@ -343,7 +360,8 @@ ROUTES: list[RouteSpec] = [
     _r("POST", "/v1/leases/submit", {"actor"}, "Store a batch's rollout groups and acknowledge its lease (idempotent by group id).", submit, SubmitRequest, SubmitResponse),
     _r("POST", "/v1/leases/release", {"actor"}, "Hand a lease back unfinished.", release, ReleaseRequest, ReleaseResponse),
     _r("POST", "/v1/workers/status", {"actor"}, "Report this worker's status (adapter loaded, last error, throughput).", report_status, ReportStatusRequest, ReportStatusResponse),
-    _r("GET", "/v1/workers", {"learner", "admin"}, "Workers that reported within ?max_age_s= (default 120), with their status.", list_workers, None, WorkersResponse),
+    _r("GET", "/v1/workers", {"learner", "admin"}, "Workers that reported within ?max_age_s= (default 120), with their status: up to ?limit= (default 500, at most 1000), furthest behind first, and how many in all.", list_workers, None, WorkersResponse),
+    _r("GET", "/v1/whoami", {"actor", "learner", "admin"}, "The token's name and role, and the run this proxy serves.", whoami, None, WhoAmIResponse),
     _r("GET", "/v1/adapters/latest", {"actor", "learner"}, "The newest announced adapter manifest.", latest_adapter, None, LatestAdapterResponse),
     _r("GET", "/v1/adapters/events", {"actor", "learner"}, "Adapter announcements as server-sent events; resumes after Last-Event-ID."),
     _r("GET", "/v1/adapters/history", {"actor", "learner"}, "Announcements after ?after= (up to ?count=, waiting up to ?block_ms=).", adapter_history, None, AdapterEventsResponse),

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 log = logging.getLogger("proxy")
@@ -46,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--header-timeout-s", type=float, default=10.0, help="close a connection whose request headers take longer than this")
     a("--backlog-limit", type=int, default=100_000, help="503 for submissions while this many groups wait")
     a("--presign-s", type=int, default=300, help="lifetime of presigned adapter URLs")
+    a("--max-workers-per-token", type=int, default=256,
+      help="live worker statuses one token may have in the fleet view (default 256); a new worker's report past it is refused")
+    a("--startup-timeout-s", type=float, default=300.0,
+      help="wait this long for Redis at start-up, as the learner and actors do (default 300); then exit 1")
     a("--presign-endpoint", default=os.environ.get("SPOTGRPO_PRESIGN_ENDPOINT"),
       help="s3:// store: the public address presigned URLs name, when workers reach the bucket elsewhere than "
            "AWS_ENDPOINT_URL (compose's http://minio:9000); or SPOTGRPO_PRESIGN_ENDPOINT")
@@ -112,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
             raise ValueError("--memory-redis-port: only with --redis memory://")
         else:
             # a connection for every worker thread, and some for the event hub and health checks
-            queue = RedisQueue.from_url(args.redis, config, max_connections=THREADS + 16)
+            queue = wait_for_redis(args.redis, config, THREADS + 16, args.startup_timeout_s)
             rate_storage = "async+" + args.redis
         store = open_store(args.store, presign_endpoint=args.presign_endpoint)
     except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
@@ -128,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_long_poll_s=args.max_long_poll_s,
         rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,
         body_timeout_s=args.body_timeout_s, max_long_polls_per_token=args.max_long_polls_per_token,
-        max_streams_per_token=args.max_streams_per_token,
+        max_streams_per_token=args.max_streams_per_token, max_workers_per_token=args.max_workers_per_token,
     )
     ctx = Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
                   rate_storage=rate_storage)
@@ -144,6 +149,25 @@ def serve(args: argparse.Namespace) -> int:
     ProxyServer(config, on_exit=ctx.hub.close_soon).run()  # a port it cannot bind: uvicorn says so, exit 3
     queue.close()
     return 0
+
+
+def wait_for_redis(url: str, config: object, max_connections: int, timeout_s: float):  # type: ignore[no-untyped-def]
+    """The run's Redis, waited for up to `timeout_s` (it may start after the proxy, as in
+    compose): the learner and the actors wait the same way. Raises QueueUnavailable."""
+    from protocol import QueueUnavailable, RedisQueue
+
+    deadline, backoff = time.monotonic() + timeout_s, 0.5
+    while True:
+        try:
+            queue = RedisQueue.from_url(url, config, max_connections=max_connections)  # type: ignore[arg-type]
+            queue.latest_adapter()
+            return queue
+        except QueueUnavailable as err:
+            if time.monotonic() + backoff > deadline:
+                raise QueueUnavailable(f"unreachable for {timeout_s:g}s: {err}") from None
+            log.warning("redis unreachable, retrying in %.1fs: %s", backoff, err)
+            time.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)
 
 
 def share_memory_redis(server: object, port: int) -> None:

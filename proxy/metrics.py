@@ -57,13 +57,18 @@ class ProxyMetrics:
             self._workers(queue)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
+    max_worker_series = 100
+    """Per-worker series at most (the furthest behind first): a fleet, or one token's
+    flood, cannot grow a scrape without bound; `spotgrpo_workers_live` counts them all."""
+
     def _workers(self, queue: Queue) -> None:
         """The live workers only, read at scrape time: a worker gone is no series left."""
         workers = queue.workers()
         self.workers_live.set(len(workers))
         for gauge in (self.worker_version, self.worker_tokens, self.worker_refused):
             gauge.clear()
-        for w in workers:
+        shown = sorted(workers, key=lambda w: (w.adapter_version, -w.adapters_refused, w.worker))
+        for w in shown[: self.max_worker_series]:
             self.worker_version.labels(w.worker).set(w.adapter_version)
             self.worker_tokens.labels(w.worker).set(w.tokens_per_s)
             self.worker_refused.labels(w.worker).set(w.adapters_refused)
