@@ -24,7 +24,7 @@ from learner.data import PromptSource, load_rows
 from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import Evaluator
 from learner.fleet import FleetWatch
-from learner.metrics import MetricsLog, clean, console_line
+from learner.metrics import MetricsLog, RewardNames, clean, console_line
 from learner.publish import Publisher, PublishJob
 from learner.trackers import open_trackers
 from learner.train import build_step_batch
@@ -108,8 +108,7 @@ class Learner:
         self.metrics: MetricsLog | None = None
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
-        self._reward_names = {spec.split(":", 1)[-1].split("=", 1)[0] for spec in cfg.reward}
-        """The names `reward/<name>` may have (`_reward_name_kept`)."""
+        self._reward_names = RewardNames(cfg.reward)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -389,16 +388,6 @@ class Learner:
         else:
             entry[2].append(group.prompt_id)
 
-    def _reward_name_kept(self, name: str) -> bool:
-        """Reward names become metric keys (`reward/<name>`): the configured functions'
-        only, or, for a run that does not know them (actors score with their own), the
-        first `MAX_REWARD_NAMES` met, so no worker can add keys step after step."""
-        if self.cfg.reward:
-            return name in self._reward_names
-        if name not in self._reward_names and len(self._reward_names) < MAX_REWARD_NAMES:
-            self._reward_names.add(name)
-        return name in self._reward_names
-
     def _consume_by_group(self, batch_id: str, group_id: str) -> None:
         """Mark the prompt of a dead-lettered group consumed in its outstanding batch (the
         count is kept by the caller)."""
@@ -594,7 +583,7 @@ class Learner:
         components: dict[str, list[float]] = {}
         for c in completions:
             for name, value in c.reward_components.items():
-                if value is not None and self._reward_name_kept(name):
+                if value is not None and self._reward_names.keep(name):
                     components.setdefault(name, []).append(value)
         consumed = len(groups) + len(dropped)
         # the policy's reward: every scored completion consumed this step, the flat and
@@ -648,17 +637,15 @@ class Learner:
             log.info(console_line(row, self.cfg.steps))
 
 
-MAX_REWARD_NAMES = 16
-"""Reward-function names a run without --reward reports at most (the first it meets)."""
-
-
 def scoring_figures(groups: list[RolloutGroup]) -> dict[str, float]:
     """Trusted scoring's cost: seconds in the reward functions per group (`score_s_mean`)
-    and from generation's end on the actor to the score (`scoring_latency_s_mean`, wall
-    clocks of two machines: as good as their synchronisation)."""
-    score = [g.timings["score_s"] for g in groups if "score_s" in g.timings]
-    latency = [g.timings["scored_at"] - g.timings["generated_at"] for g in groups
-               if "scored_at" in g.timings and "generated_at" in g.timings]
+    and from the group's arrival in Redis to its score (`scoring_latency_s_mean`). Both
+    are the tier's own figures (`submitted_at` is the unscored entry's Redis time), never
+    the actor's: a group with no tier timings counts in neither."""
+    scored = [g for g in groups if g.scored_by is not None]
+    score = [g.timings["score_s"] for g in scored if "score_s" in g.timings]
+    latency = [g.timings["scored_at"] - g.timings["submitted_at"] for g in scored
+               if "scored_at" in g.timings and "submitted_at" in g.timings]
     out = {}
     if score:
         out["score_s_mean"] = sum(score) / len(score)

@@ -100,3 +100,20 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
         f"groups {row['groups']} drop {row['dropped_stale']}s/{row['dropped_flat']}f/{row['rejected']}r  "
         f"wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s pub {publish}ms{skipped}"
     )
+
+
+class RewardNames:
+    """The reward-function names a run reports (`reward/<name>`, a metric key each): the
+    configured functions' (`--reward module:function[=weight]`), or, for a run that does
+    not know them (actors scoring with their own), the first `limit` met. Whatever the
+    groups carry, no worker can add metric keys step after step."""
+
+    def __init__(self, specs: list[str], limit: int = 16) -> None:
+        self.fixed = bool(specs)
+        self.names = {spec.split(":", 1)[-1].split("=", 1)[0] for spec in specs}
+        self.limit = limit
+
+    def keep(self, name: str) -> bool:
+        if not self.fixed and name not in self.names and len(self.names) < self.limit:
+            self.names.add(name)
+        return name in self.names

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fakeredis
@@ -209,6 +209,33 @@ def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"adapters-{uuid.uuid4().hex[:12]}"
     boto3.client("s3").create_bucket(Bucket=name)
     return name
+
+
+# ------------------------------------------------------------------ scoring tier
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """`scorers(*flags, reward=...)` starts one `actors score` worker, as a user would
+    (named scorer-<n>-<run>: RQ worker names are global to the Redis)."""
+    started: list[subprocess.Popen] = []
+
+    def start(*flags: str, reward: str = "toy_rewards:digit_first") -> subprocess.Popen:
+        with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
+                 "--reward", reward, "--model", str(tiny_model), "--name", f"scorer-{len(started)}-{run_name}",
+                 "--maintenance-interval-s", "1",
+                 "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],
+                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        kill_process(proc)
 
 
 # -------------------------------------------------------------------- proxy fixtures

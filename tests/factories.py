@@ -33,6 +33,14 @@ def batch(i: int | str = 0, prompts: int = 2, *, version: int = 0) -> PromptBatc
     )
 
 
+def trusted(b: PromptBatch, **columns: object) -> PromptBatch:
+    """The batch for the trusted scoring tier (its columns stay on the trusted side)."""
+    import msgspec
+
+    return msgspec.structs.replace(b, scoring="trusted", prompts=[
+        msgspec.structs.replace(p, columns={**p.columns, **columns}) for p in b.prompts])
+
+
 def chat_batch() -> PromptBatch:
     return PromptBatch(
         batch_id="chat",

@@ -6,8 +6,11 @@ that changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,20 +18,32 @@ import httpx
 import msgspec
 import pytest
 from conftest import TOKENS, ProxyProcess
-from factories import batch, group, groups
+from factories import batch, group, groups, trusted
 
 from protocol import (
+    Completion,
     LeaseLost,
     LeaseMismatch,
     ProtocolError,
     QueueConfig,
     SubmissionRejected,
+    WorkerStatus,
 )
-from protocol.http import CONTENT_TYPE, ErrorResponse, SubmitRequest, decode_body, encode_body
+from protocol.errors import TooManyWorkers
+from protocol.http import (
+    CONTENT_TYPE,
+    ErrorResponse,
+    SubmitRequest,
+    WorkersResponse,
+    decode_body,
+    encode_body,
+)
 from protocol.http_queue import HttpQueue
+from protocol.text import is_safe, printable
 
 pytestmark = pytest.mark.redis
 
+REPO = Path(__file__).resolve().parents[1]
 MALLORY = "mallory-secret-for-tests-0123456789-abcdef"
 """A second actor token: a worker of another fleet, or a stolen token."""
 
@@ -280,3 +295,233 @@ def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:  # type: ig
     # counted per process, each proxy would have let its 7 through; the sliding window may
     # weigh a request of the window before, hence a margin of one
     assert 10 <= codes.count(200) <= 11 and codes.count(429) == 14 - codes.count(200), codes
+
+
+# ------------------------------------------------------------- round three (issue 22)
+
+
+def _read_all(q: HttpQueue, n: int, timeout_s: float = 60) -> list:
+    out: list = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += [d.group for d in q.read_rollouts("learner-0", n, block_s=1.0)]
+    return out
+
+
+def _saying(b, i: int, ids: list[int], text: str):  # type: ignore[no-untyped-def]
+    """Prompt i's group whose every completion has these token ids and claims this text."""
+    g = group(b, i)
+    return msgspec.structs.replace(g, completions=[
+        Completion.of(ids, [-0.5] * len(ids), finish_reason="stop", text=text, reward=1.0) for _ in g.completions])
+
+
+def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorers, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    p = proxy()
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    learner.add_prompts([trusted(batch(0, prompts=2))])
+    (lease,) = actor.claim("w", 1)
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    zz, one = tok.encode("zz", add_special_tokens=False), tok.encode("1", add_special_tokens=False)
+    # the right answer as text on wrong tokens, and the right tokens with a wrong text
+    assert actor.submit("w", lease.lease_id, [_saying(lease.batch, 0, zz, "1"), _saying(lease.batch, 1, one, "q")]).finished
+    scorers(reward="toy_rewards:digit_first")
+    got = {g.prompt_id: g for g in _read_all(learner, 2)}
+    assert got["p0"].rewards == [0.0] * 4 and {c.text for c in got["p0"].completions} == {"zz"}
+    assert got["p1"].rewards == [1.0] * 4 and {c.text for c in got["p1"].completions} == {"1"}
+
+
+def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(proxy) -> None:  # type: ignore[no-untyped-def]
+    """Just under the 16 MiB body limit, but past the message limit less the room the tier
+    needs for its scores: refused with the numbers, and nothing changes."""
+    p = proxy()
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    learner.add_prompts([trusted(batch(0, prompts=1))])
+    (lease,) = actor.claim("w", 1)
+    g = group(lease.batch, 0)
+    big = msgspec.structs.replace(g, completions=[msgspec.structs.replace(c, text="x" * 4_185_000) for c in g.completions])
+    body = encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[big]))
+    assert len(body) < 16 * 1024 * 1024
+    before = _ledger(learner)
+    with _raw(p, MALLORY) as client:
+        r = client.post("/v1/leases/submit", content=body)
+    assert r.status_code == 400 and "room the scoring tier needs" in _error(r).error, r.text[:300]
+    assert _ledger(learner) == before and learner.stats().unscored.length == 0
+    assert actor.submit("w", lease.lease_id, [g]).finished  # the honest group still goes in
+
+
+def test_a_hanging_reward_costs_only_its_own_group(proxy, scorers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """One group of a lease of eight hangs its reward: it is rejected at the per-group limit,
+    not retried, and the seven others are scored meanwhile, not after it."""
+    p = proxy()
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    b = trusted(batch(0, prompts=8), pid_file=str(tmp_path / "pid"))
+    b = msgspec.structs.replace(b, prompts=[msgspec.structs.replace(b.prompts[0], text="hang now"), *b.prompts[1:]])
+    learner.add_prompts([b])
+    (lease,) = actor.claim("w", 1)
+    assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished
+    started = time.monotonic()
+    scorers("--reward-timeout-s", "3", "--retries", "2", reward="toy_rewards:hangs_when_asked")
+    got = {g.prompt_id: g for g in _read_all(learner, 8, timeout_s=40)}
+    elapsed = time.monotonic() - started
+    assert len(got) == 8 and elapsed < 20, (len(got), elapsed)  # the old way: 3 attempts of 8 x 3 s, then a split
+    assert "time limit of 3s" in got["p0"].error and "not retried" in got["p0"].error
+    assert all(got[f"p{i}"].rewards == [1.0] * 4 for i in range(1, 8))
+
+
+def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(proxy, caplog) -> None:  # type: ignore[no-untyped-def]
+    p = proxy("--max-workers-per-token", "20", "--rate-per-s", "10000")
+    learner, mallory, honest = _queue(p, TOKENS["learner"]), _queue(p, MALLORY), _queue(p, TOKENS["actor"])
+    long_error = "e" * 500
+
+    def status(name: str, version: int = 0) -> WorkerStatus:
+        return WorkerStatus(worker=name, engine="flood", adapter_version=version, last_error=long_error,
+                            reported_at=time.time())
+
+    refused = 0
+    for i in range(60):
+        try:
+            mallory.report_status(status(f"gpu-{i}"))
+        except TooManyWorkers:
+            refused += 1
+    assert refused == 40
+    mallory.report_status(status("gpu-3", version=2))  # a worker it already has still reports
+    honest.report_status(status("real-0"))  # and other tokens are not affected
+    with _raw(p, TOKENS["learner"]) as client:
+        r = client.get("/v1/workers", params={"limit": 5})
+    listed = decode_body(r.content, WorkersResponse)
+    assert listed.total == 21 and len(listed.workers) == 5
+    assert learner.workers()[0].adapter_version == 0 and len(learner.workers()) == 21
+    with _raw(p, TOKENS["admin"]) as client:
+        text = client.get("/metrics").text
+    assert text.count("spotgrpo_worker_adapter_version{") == 21 and "spotgrpo_workers_live 21.0" in text
+    # the learner's view is advice: it names a few and counts the rest, once
+    from learner.fleet import FleetWatch
+
+    watch = FleetWatch()
+    with caplog.at_level("WARNING", logger="learner.fleet"):
+        lines = watch.update(learner.workers(), latest_version=10, max_staleness=2)
+        assert watch.update(learner.workers(), latest_version=10, max_staleness=2) == []
+    assert len(lines) == 6 and "16 more worker(s)" in lines[-1] and len(caplog.records) == 6
+
+
+def test_the_metrics_keep_at_most_a_hundred_worker_series(proxy) -> None:  # type: ignore[no-untyped-def]
+    p = proxy("--max-workers-per-token", "150", "--rate-per-s", "10000")
+    actor = _queue(p, MALLORY)
+    for i in range(130):
+        actor.report_status(WorkerStatus(worker=f"w{i}", reported_at=time.time()))
+    with _raw(p, TOKENS["admin"]) as client:
+        text = client.get("/metrics").text
+    assert text.count("spotgrpo_worker_adapter_version{") == 100 and "spotgrpo_workers_live 130.0" in text
+
+
+UNSAFE_SAMPLES = ["\x1b]0;owned\x07", "\r", "\x7f", "\x9b31m", "\u202e", "\u2066", "\u200b", "\u2028"]
+
+
+@pytest.mark.parametrize("bad", UNSAFE_SAMPLES, ids=[repr(s) for s in UNSAFE_SAMPLES])
+def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(proxy_once, bad: str) -> None:  # type: ignore[no-untyped-def]
+    """Worker names, the engine, the last error, reward-function names, timing keys and
+    errors: a 400 naming the field, and nothing stored."""
+    p, learner = proxy_once
+    good = {"type": "worker_status", "schema": 1, "worker": "w", "reported_at": time.time()}
+    statuses = [{**good, "worker": f"w{bad}"}, {**good, "engine": f"vllm{bad}"}, {**good, "last_error": f"boom{bad}"}]
+    with _raw(p, MALLORY) as client:
+        for s in statuses:
+            r = client.post("/v1/workers/status", content=msgspec.msgpack.encode({"type": "report_status", "status": s}))
+            assert r.status_code == 400, (s, r.status_code, r.text)
+        r = client.post("/v1/leases/claim", content=msgspec.msgpack.encode(
+            {"type": "claim", "schema": 1, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}))
+        assert r.status_code == 400 and "worker" in _error(r).error, r.text
+    learner.add_prompts([batch(f"ctl-{ord(bad[0])}")])
+    actor = _queue(p, MALLORY)
+    lease = next(le for le in actor.claim("w", 4) if le.batch.batch_id == f"batch-ctl-{ord(bad[0])}")
+    sent = msgspec.msgpack.decode(encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id,
+                                                             groups=groups(lease.batch))))
+    for where in ("components", "timings", "completion_error", "group_error"):
+        body = msgspec.msgpack.decode(msgspec.msgpack.encode(sent))
+        g, c = body["groups"][0], body["groups"][0]["completions"][0]
+        if where == "components":
+            c["reward_components"] = {f"acc{bad}": 1.0}
+        elif where == "timings":
+            g["timings"] = {f"generate_s{bad}": 1.0}
+        elif where == "completion_error":
+            c["error"] = f"oops{bad}"
+        else:
+            g["error"] = f"oops{bad}"
+        with _raw(p, MALLORY) as client:
+            r = client.post("/v1/leases/submit", content=msgspec.msgpack.encode(body))
+        assert r.status_code == 400, (where, r.status_code, r.text)
+    assert learner.workers() == [] or all(printable(w.worker) == w.worker for w in learner.workers())
+    assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished  # clean text still goes in
+
+
+@pytest.fixture(scope="module")
+def proxy_once(redis_server, tls_pair, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """One proxy for a parametrized test (its cases share the run; each uses its own batch)."""
+    folder = tmp_path_factory.mktemp("proxy-once")
+    tokens = folder / "tokens.toml"
+    tokens.write_text(f'[[tokens]]\nname = "mallory"\nrole = "actor"\nsecret = "{MALLORY}"\n'
+                      f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n')
+    run = f"ctl-{time.time_ns()}"
+    p = ProxyProcess(redis_server.url, (folder / "store").as_uri(), run, tls_pair, tokens).start()
+    learner = HttpQueue(p.url, TOKENS["learner"], QueueConfig(run=run), verify=p.ca, retry_s=2)  # outlives each case
+    yield p, learner
+    learner.close()
+    p.kill()
+
+
+def test_printable_escapes_what_the_wire_refuses() -> None:
+    assert printable("a\x1b[31mb\r\u202ec\x9b") == "a\\x1b[31mb\\x0d\\u202ec\\x9b"
+    assert printable("x" * 600, 10) == "x" * 9 + "…"
+    assert is_safe(printable("".join(chr(c) for c in range(0x2100))))
+
+
+def _actors(p: ProxyProcess, *args: str, token: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", *args], capture_output=True, text=True, timeout=180,
+        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": token, "SPOTGRPO_CA_CERT": p.ca, **(env or {})})
+
+
+def test_a_worker_checks_its_token_role_run_and_ca_before_it_loads_a_model(proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    p = proxy()
+    run = p.cmd[p.cmd.index("--run") + 1]
+    model = tmp_path / "not-a-model"  # a folder a model load fails on: the refusals must come first
+    model.mkdir()
+    flags = ("--queue", p.url, "--model", str(model))
+    r = _actors(p, "run", *flags, token=TOKENS["learner"])
+    assert r.returncode == 2 and "has role learner" in r.stderr, r.stderr[-2000:]
+    r = _actors(p, "run", *flags, "--run", "another-run", token=MALLORY)
+    assert r.returncode == 2 and f"the proxy serves run '{run}'" in r.stderr, r.stderr[-2000:]
+    bad_ca = tmp_path / "ca.pem"
+    bad_ca.write_text("not a certificate\n")
+    r = _actors(p, "run", *flags, token=MALLORY, env={"SPOTGRPO_CA_CERT": str(bad_ca)})
+    assert r.returncode == 2 and "not a PEM certificate" in r.stderr, r.stderr[-2000:]
+    r = _actors(p, "check", *flags, "--run", "another-run", "--skip-engine", token=MALLORY)
+    assert r.returncode == 1 and f"the proxy serves run '{run}'" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    # the right token and run get as far as the model (which this folder is not)
+    r = _actors(p, "run", *flags, "--run", run, token=MALLORY)
+    assert r.returncode == 2 and "cannot load" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, tokens_file, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    server = make_server()
+    store = (tmp_path / "store").as_uri()
+    gone = ProxyProcess(server.url, store, "waits", tls_pair, tokens_file, extra=("--startup-timeout-s", "1"))
+    r = subprocess.run(gone.cmd, env=gone.env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "unreachable for 1s" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+    p = ProxyProcess(server.url, store, "waits", tls_pair, tokens_file, extra=("--startup-timeout-s", "60"))
+    with p.log.open("ab") as log:
+        p.proc = subprocess.Popen(p.cmd, env=p.env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        time.sleep(3)
+        assert p.proc.poll() is None, p.log.read_text()[-2000:]
+        server.start()
+        from protocol.http_queue import wait_for_proxy
+
+        wait_for_proxy(p.url, p.ca, p.proc, timeout_s=30)
+        assert "redis unreachable, retrying" in p.log.read_text()
+    finally:
+        p.kill()
+        server.kill()

@@ -516,3 +516,60 @@ def test_store_failures_are_retried_and_training_goes_on(tmp_path: Path, tiny_mo
     assert set(store.failed.values()) == {2} and len(store.failed) == 3  # three files, two refusals each
     assert json.loads(store.get("checkpoints/latest.json"))["step"] == 2
     assert queue.stats().rollouts.pending == 0
+
+
+def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tmp_path: Path, tiny_model: Path) -> None:
+    """Trusted scoring, with the tier in a thread: the first group's scored copy cannot be
+    stored, so the tier dead-letters it. The learner counts its prompt as lost once, and
+    the batch it belonged to finishes (its prompt is not outstanding for ever)."""
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from actors import scoring
+    from actors.rewards import Scorer, load_reward
+    from protocol.scoring import ScoringQueue
+
+    cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2, reward=["toy_rewards:digit_first"])
+    server = fakeredis.FakeServer(version=(7, 0))
+
+    def make() -> RedisQueue:
+        return RedisQueue(fakeredis.FakeRedis(server=server, version=(7, 0)), QueueConfig(run=cfg.run))
+
+    store = open_store(cfg.store)
+    actor = SyntheticActor(make(), store, tiny_model, digit_first).start()
+    sq = ScoringQueue(fakeredis.FakeRedis(server=server, version=(7, 0)), QueueConfig(run=cfg.run))
+    tok = AutoTokenizer.from_pretrained(tiny_model)
+    doomed: list[str] = []  # the group whose copy outgrows the limits
+    current = [""]
+
+    def decode(ids: object) -> str:
+        return "7" * 5_000_000 if current[0] in doomed else tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
+
+    tier = scoring.Tier(queue=sq, scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
+                        name="tier-0", decode=decode, timeout_s=30)
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            entries = sq.read_unscored("d", 16, block_s=0.2)
+            for e in entries:
+                if not doomed:
+                    doomed.append(e.group_id)
+                current[0] = e.group_id
+                scoring._score_one(tier, e.entry_id)
+            sq.dispatched([e.entry_id for e in entries])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        state = Learner(cfg, make(), store).run()
+    finally:
+        stop.set()
+        thread.join(10)
+        actor.close()
+    (dl,) = make().dead_letters()
+    assert dl.group_id == doomed[0] and "unstorable" in dl.reason
+    assert state.totals["dead_letter_entries_unscored"] == 1 and state.totals["dead_lettered_prompts"] == 1
+    assert dl.batch_id not in state.outstanding
+    assert state.step == 3

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import factories
@@ -40,28 +40,6 @@ def queue(redis_server: RedisServer, run_name: str) -> Iterator[RedisQueue]:
     q.close()
 
 
-@pytest.fixture
-def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """`scorers(*flags, reward=...)` starts one `actors score` worker, as a user would
-    (named scorer-<n>-<run>: RQ worker names are global to the Redis)."""
-    started: list[subprocess.Popen] = []
-
-    def start(*flags: str, reward: str = "toy_rewards:digit_first") -> subprocess.Popen:
-        with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
-                 "--reward", reward, "--model", str(tiny_model), "--name", f"scorer-{len(started)}-{run_name}",
-                 "--maintenance-interval-s", "1",
-                 "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],
-                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
-        started.append(proc)
-        return proc
-
-    yield start
-    for proc in started:
-        kill_process(proc)
-
-
 def submit_unscored(q: RedisQueue, batches: list[PromptBatch], reward: float = 100.0) -> list[str]:
     """Claim and submit each batch as an actor would, with a forged reward on every completion."""
     q.add_prompts(batches)
@@ -69,7 +47,8 @@ def submit_unscored(q: RedisQueue, batches: list[PromptBatch], reward: float = 1
     for _ in batches:
         (lease,) = q.claim("actor-1", 1)
         groups = factories.groups(lease.batch)
-        forged = [msgspec.structs.replace(g, completions=[
+        forged = [msgspec.structs.replace(g, timings={"submitted_at": 1.0, "score_s": 0.0, "generated_at": 2.0},
+                                          completions=[
             msgspec.structs.replace(c, reward=reward, reward_components={"forged": reward}) for c in g.completions])
             for g in groups]
         assert q.submit("actor-1", lease.lease_id, forged).finished
@@ -124,6 +103,8 @@ def test_a_forged_reward_is_ignored_and_only_the_tier_writes_rollouts(queue: Red
         assert g.rewards == [float(len(SECRET) + 4)] * 4
         assert all(c.reward_components == {"answer_length": float(len(SECRET) + 4)} for c in g.completions)
         assert "score_s" in g.timings
+        # the tier's clocks, not the actor's: Redis's time of arrival, then the score
+        assert time.time() - 120 < g.timings["submitted_at"] <= g.timings["scored_at"] <= time.time() + 1
     stats = queue.stats()
     assert stats.unscored.length == 0
     assert queue._r.hlen(queue.keys.private) == 0  # private prompts go once scored
@@ -280,3 +261,63 @@ def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, 
     finally:
         kill_process(proc)
         q.close()
+
+
+def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobody(queue: RedisQueue, run_name: str) -> None:
+    """A scored copy past the wire's limits (here: a tokenizer whose text outgrows what the
+    actor sent) leaves the unscored stream for the dead letters with its reason and its
+    group, at once and never again; the job's other group is stored."""
+    from actors import scoring
+    from actors.rewards import Scorer, load_reward
+
+    gids = submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
+    sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
+    entries = sq.read_unscored("d", 10)
+    sq.dispatched([e.entry_id for e in entries])  # as after enqueueing: no longer pending
+    big = {entries[0].group_id}
+
+    decoding = [""]  # the group being scored
+
+    def decode(ids: object) -> str:  # the first group's text outgrows the limits
+        return "7" * 5_000_000 if decoding[0] in big else "7"
+
+    tier = scoring.Tier(queue=sq, scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
+                        name="t", decode=decode, timeout_s=10)
+    results = []
+    for e in entries:
+        decoding[0] = e.group_id
+        results.append(scoring._score_one(tier, e.entry_id))
+    assert [r["stored"] for r in results] == [False, True]
+    (dl,) = queue.dead_letters()
+    assert (dl.source, dl.group_id, dl.batch_id) == ("unscored", entries[0].group_id, "batch-0")
+    assert "unstorable after scoring" in dl.reason and "exceed the limit" in dl.reason
+    assert sq.stats().unscored.length == 0 and not sq._r.hexists(sq.keys.private, entries[0].group_id)
+    assert scoring._score_one(tier, entries[0].entry_id) == {"entry": entries[0].entry_id, "stored": False}  # a re-run
+    assert [g.group_id for g in read_all(queue, 1)] == [gids[1]] and len(queue.dead_letters()) == 1
+    sq.close()
+
+
+def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: RedisQueue, run_name: str,
+                                                                        redis_server: RedisServer,
+                                                                        tiny_model: Path) -> None:
+    from actors.scoring import NameTaken, free_name
+
+    sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
+    key = f"rq:worker:spotgrpo:{run_name}:scorer-h-1"
+    queue._r.hset(key, "birth", "now")  # a live registration (a SIGKILLed worker's outlives it)
+    assert free_name(sq, "scorer-h-1", chosen=False) == "scorer-h-1-2"
+    with pytest.raises(NameTaken, match="choose another name"):
+        free_name(sq, "scorer-h-1", chosen=True)
+    other = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=f"{run_name}-other"))
+    assert free_name(other, "scorer-h-1", chosen=True) == "scorer-h-1"  # another run's name space
+    queue._r.hset(key, "death", "then")
+    assert free_name(sq, "scorer-h-1", chosen=True) == "scorer-h-1"  # a worker that died cleanly
+    queue._r.hdel(key, "death")
+    proc = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
+         "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--name", "scorer-h-1"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("actors score: --name scorer-h-1: a scoring worker")
+    sq.close()
+    other.close()

@@ -8,7 +8,7 @@ import time
 
 import msgspec
 import pytest
-from factories import batch, completion, group, groups
+from factories import batch, completion, group, groups, trusted
 
 from protocol import (
     Completion,
@@ -155,10 +155,13 @@ def test_an_empty_completion_is_not_over_any_limit(make_queue) -> None:
 
 @pytest.mark.redis
 def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type: ignore[no-untyped-def]
-    """Claims, heartbeats, submissions (whole, partial, retried, malformed, for someone
-    else's lease), releases and lease expiry from two workers, interleaved by hypothesis.
-    After every step: each issued prompt is stored once, or missing from a dead letter,
-    or still in flight; no group is stored twice; nothing is stored that was not issued."""
+    """Claims, heartbeats, submissions (whole, partial, retried, malformed, oversized, for
+    someone else's lease), releases and lease expiry from two workers, and for batches of
+    the trusted scoring tier its scoring: groups whose scored copy cannot be stored, and
+    scorers that die between storing a group and acknowledging it (their job run again),
+    interleaved by hypothesis. After every step: each issued prompt is stored once, or
+    dead-lettered, or waiting to be scored, or still in flight; no group is stored twice;
+    nothing is stored that was not issued."""
     import uuid
 
     import redis as redis_py
@@ -171,9 +174,16 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
         rule,
         run_state_machine_as_test,
     )
+    from toy_rewards import digit_first
 
-    from protocol import QueueConfig, QueueRefused, RedisQueue, group_id_for
+    from actors import scoring
+    from actors.rewards import RewardFn, Scorer
+    from protocol import Limits, ProtocolError, QueueConfig, QueueRefused, RedisQueue, group_id_for
     from protocol.keys import ACTORS_GROUP
+    from protocol.scoring import ScoringQueue
+
+    # small messages, so an oversized group is cheap to make: 56,320 bytes for 4 completions
+    limits = Limits(max_message_bytes=64 * 1024, scoring_room_bytes=8 * 1024, scoring_room_per_completion=256)
 
     workers = st.sampled_from(["w1", "w2"])
 
@@ -188,17 +198,27 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
 
         @initialize(max_deliveries=st.sampled_from([1, 2]))
         def open_queue(self, max_deliveries: int) -> None:
-            config = QueueConfig(run=f"sm-{uuid.uuid4().hex[:10]}", max_deliveries=max_deliveries, lease_timeout_s=60)
+            config = QueueConfig(run=f"sm-{uuid.uuid4().hex[:10]}", max_deliveries=max_deliveries, lease_timeout_s=60,
+                                 limits=limits)
             self.q = RedisQueue(redis_py.Redis(port=redis_server.port), config)
+            sq = ScoringQueue(redis_py.Redis(port=redis_server.port), config)
+            self.too_big: set[str] = set()  # groups whose scored copy outgrows the limits
+            self.tier = scoring.Tier(
+                queue=sq, scorer=Scorer([RewardFn("digit_first", digit_first)], timeout_s=None, reraise=True),
+                name="tier", decode=lambda ids: "7" * 70_000 if self.scoring_now in self.too_big else "7", timeout_s=10)
+            self.scoring_now = ""
 
         def teardown(self) -> None:
             if self.q is not None:
                 self.q.close()
+                self.tier.queue.close()
             self.raw.close()
 
-        @rule(prompts=st.integers(1, 3))
-        def add_batch(self, prompts: int) -> None:
+        @rule(prompts=st.integers(1, 3), scored_by_the_tier=st.booleans())
+        def add_batch(self, prompts: int, scored_by_the_tier: bool) -> None:
             b = batch(f"{len(self.issued)}-{uuid.uuid4().hex[:6]}", prompts=prompts)
+            if scored_by_the_tier:
+                b = trusted(b)
             self.q.add_prompts([b])
             self.issued |= {group_id_for(b.batch_id, p.id) for p in b.prompts}
 
@@ -229,6 +249,48 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
                 seen["stored"] += 1
             except QueueRefused:
                 pass  # refusals are the point: the invariants say they changed nothing
+
+        @rule(data=st.data())
+        def submit_oversized(self, data: st.DataObject) -> None:
+            """A group past the room the tier needs is refused whole: nothing changes."""
+            held = [(e["message_id"].decode(), e["consumer"].decode())
+                    for e in self.raw.xpending_range(self.q.keys.prompts, ACTORS_GROUP, "-", "+", 100)]
+            if not held:
+                return
+            lease_id, worker = data.draw(st.sampled_from(held))
+            g = group(self.leases[lease_id], 0, actor=worker)
+            big = msgspec.structs.replace(g, completions=[msgspec.structs.replace(c, text="x" * 15_000)
+                                                          for c in g.completions])
+            try:
+                self.q.submit(worker, lease_id, [big])
+                raise AssertionError("an oversized group was accepted")
+            except ProtocolError as err:
+                assert "room the scoring tier needs" in str(err)
+                seen["oversized"] += 1
+
+        @rule(data=st.data(), unstorable=st.booleans(), dies_after_storing=st.booleans())
+        def tier_scores(self, data: st.DataObject, unstorable: bool, dies_after_storing: bool) -> None:
+            """The tier scores one waiting group: stored, or (its copy too big) dead-lettered;
+            a scorer that died after storing has its job run again, which stores nothing."""
+            waiting = self.raw.xrange(self.q.keys.unscored)
+            if not waiting:
+                return
+            entry_id, fields = data.draw(st.sampled_from(waiting))
+            self.scoring_now = fields[b"g"].decode()
+            if unstorable:
+                self.too_big.add(self.scoring_now)
+            first = scoring._score_one(self.tier, entry_id.decode())
+            seen["tier_dead_lettered" if unstorable else "tier_stored"] += 1
+            assert first["stored"] is not unstorable, first
+            if dies_after_storing:
+                assert scoring._score_one(self.tier, entry_id.decode())["stored"] is False
+
+        @rule(worker=workers)
+        def claim_and_answer_every_prompt(self, worker: str) -> None:
+            """An honest worker: a whole batch, in one submission."""
+            for lease in self.q.claim(worker, 1):
+                self.leases[lease.lease_id] = lease.batch
+                self.q.submit(worker, lease.lease_id, groups(lease.batch, actor=worker))
 
         @rule(worker=workers)
         def answer_one_prompt_and_vanish(self, worker: str) -> None:
@@ -267,18 +329,26 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
             stored = self.trained + unread
             assert len(stored) == len(set(stored)), "a group was stored twice"
             assert set(stored) <= self.issued, "a group nobody issued was stored"
-            dead = [g for d in self.q.dead_letters(count=1000) for g in (d.missing_groups or [])]
+            letters = self.q.dead_letters(count=1000)
+            lost_batches = [g for d in letters for g in (d.missing_groups or [])]
+            # a group the tier dead-lettered may belong to a batch still leased (a partial submission)
+            lost_groups = [d.group_id for d in letters if d.source == "unscored"]
+            dead = lost_batches + lost_groups
             assert len(dead) == len(set(dead)) and not set(dead) & set(stored)
+            unscored = [f[b"g"].decode() for _, f in self.raw.xrange(self.q.keys.unscored)]
+            assert len(unscored) == len(set(unscored)) and not set(unscored) & (set(stored) | set(dead))
             in_flight = set()
             for _, f in self.raw.xrange(self.q.keys.prompts):
-                in_flight |= {gid for gid in re_gids(f[b"g"].decode())} - set(stored)
-            assert set(stored) | set(dead) | in_flight == self.issued
-            assert not in_flight & set(dead)
+                in_flight |= {gid for gid in re_gids(f[b"g"].decode())} - set(stored) - set(unscored)
+            assert not in_flight & set(lost_batches)
+            in_flight -= set(lost_groups)
+            assert set(stored) | set(dead) | set(unscored) | in_flight == self.issued
             seen["checks"] += 1
             seen["dead"] += bool(dead)
             seen["partial"] += bool(set(stored) & {g for d in self.q.dead_letters(count=1000) for g in issued_of(d)})
 
-    seen = {"checks": 0, "dead": 0, "partial": 0, "stored": 0}
+    seen = {"checks": 0, "dead": 0, "partial": 0, "stored": 0, "oversized": 0, "tier_stored": 0,
+            "tier_dead_lettered": 0}
 
     def issued_of(d) -> set[str]:  # type: ignore[no-untyped-def]
         return {group_id_for(d.batch.batch_id, p.id) for p in d.batch.prompts} if d.batch else set()
@@ -291,5 +361,7 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
         # derandomized: the same examples every run, so the coverage check below is stable
         settings=settings(max_examples=60, stateful_step_count=40, deadline=None, database=None, derandomize=True),
     )
-    # the interesting cases happened: batches dead-lettered with some of their groups stored
-    assert seen["partial"] > 0, str(seen)
+    # the interesting cases happened: batches dead-lettered with some of their groups stored,
+    # oversized groups refused, groups scored and dead-lettered by the tier
+    assert seen["partial"] > 0 and seen["oversized"] > 0, str(seen)
+    assert seen["tier_stored"] > 0 and seen["tier_dead_lettered"] > 0, str(seen)
