@@ -259,7 +259,6 @@ class RedisQueue(Queue):
                 log.error("prompt entry %s is unreadable, dead-lettering it: %s", lease_id, err)
                 self._script(
                     "DEAD_LETTER",
-                "DEAD_LETTER_UNSCORED",
                     [self.keys.prompts, self.keys.dead_letters],
                     [ACTORS_GROUP, lease_id, "prompts", f"malformed: {err}", time.time()],
                 )
@@ -330,7 +329,6 @@ class RedisQueue(Queue):
                 log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, err)
                 self._script(
                     "DEAD_LETTER",
-                "DEAD_LETTER_UNSCORED",
                     [self.keys.rollouts, self.keys.dead_letters],
                     [LEARNER_GROUP, entry_id, "rollouts", f"malformed: {err}", time.time()],
                 )

@@ -126,10 +126,12 @@ def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, toke
     rc, err, _ = _run([*base, "--tls-cert", str(garbage), "--tls-key", str(tls_pair[1])])
     assert rc == 2
     _one_line(err, "proxy serve:", "garbage.pem")
+    # Redis down: it waits, as the learner and the actors do (test_hostile has the wait), then says so
     rc, err, _ = _run(["-m", "proxy.cli", "serve", "--redis", f"redis://127.0.0.1:{free_port()}/0",
-                       "--store", tmp_path.as_uri(), "--tokens", str(tokens_file), "--insecure-http"])
+                       "--store", tmp_path.as_uri(), "--tokens", str(tokens_file), "--insecure-http",
+                       "--startup-timeout-s", "1"])
     assert rc == 1
-    _one_line(err, "proxy serve:", "--redis")
+    _one_line(err, "proxy serve:", "--redis", "unreachable for 1s")
     with socket.socket() as taken:  # a port in use: uvicorn's own startup failure, named
         taken.bind(("127.0.0.1", 0))
         taken.listen()

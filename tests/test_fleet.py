@@ -84,3 +84,49 @@ def test_a_stall_is_named_once_until_it_ends(caplog: pytest.LogCaptureFixture) -
         assert watch.update_streams(stats(None), "r") == []  # a worker came
         assert len(watch.update_streams(stats(50.0), "r")) == 1  # a new stall
     assert sum("no rollout worker has claimed a batch" in r.message for r in caplog.records) == 2
+
+
+def test_a_fleet_view_that_fails_never_stops_the_learner(tmp_path, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """The fleet view is advice: a queue whose worker list cannot be read (a proxy's answer
+    past the body limit, as a status flood once made it, or an outage) leaves the learner
+    as it was."""
+    import fakeredis
+    from test_learner import small_config
+
+    from learner.loop import Learner
+    from protocol import ProtocolError, QueueConfig, QueueUnavailable, RedisQueue, open_store
+
+    class Failing(RedisQueue):
+        error: Exception = ProtocolError("message: 20971520 bytes exceed the limit of 16777216")
+
+        def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
+            raise self.error
+
+    cfg = small_config(tmp_path, tiny_model)
+    queue = Failing(fakeredis.FakeRedis(version=(7, 0)), QueueConfig(run="fleet"))
+    learner = Learner(cfg, queue, open_store(cfg.store))
+    for error in (ProtocolError("message: 20971520 bytes exceed the limit of 16777216"), QueueUnavailable("down")):
+        queue.error = error
+        learner.check_fleet(every_s=0)
+    assert learner.fleet.live == 0
+
+
+def test_reward_names_are_the_configured_ones_or_a_bounded_few() -> None:
+    """`reward/<name>` metric keys: no worker can add one step after step."""
+    from learner.metrics import RewardNames
+
+    fixed = RewardNames(["toy_rewards:digit_first=0.5", "my.mod:accuracy"])
+    assert fixed.keep("digit_first") and fixed.keep("accuracy") and not fixed.keep("forged-0")
+    learnt = RewardNames([], limit=3)
+    assert [learnt.keep(f"f{i}") for i in range(5)] == [True, True, True, False, False]
+    assert learnt.keep("f0") and not learnt.keep("f4")
+
+
+def test_the_learner_escapes_what_it_logs_of_a_worker(caplog: pytest.LogCaptureFixture) -> None:
+    """Statuses read straight from Redis were validated on decode; the log escapes anyway."""
+    watch = FleetWatch()
+    # msgspec checks constraints when decoding, not when a struct is built: as a bug elsewhere might
+    bad = WorkerStatus(worker="w\x1b]0;x\x07", adapters_refused=1, last_error="\x9b2J\u202eboom", reported_at=time.time())
+    with caplog.at_level(logging.WARNING, logger="learner.fleet"):
+        (line,) = watch.update([bad], latest_version=0, max_staleness=4)
+    assert "\x1b" not in line and "\x9b" not in line and "\u202e" not in line and "\\x1b]0;x\\x07" in line
