@@ -344,10 +344,11 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
     keys = queue.keys
 
     # issued: batch i holds data positions PPB*i .. PPB*i + PPB - 1
-    if state["cursor"] != state["batches_issued"] * PPB:
-        problems.append(f"cursor {state['cursor']} is not {state['batches_issued']} batches of {PPB}")
+    ledger = state["ledger"]
+    if ledger["cursor"] != ledger["batches_issued"] * PPB:
+        problems.append(f"cursor {ledger['cursor']} is not {ledger['batches_issued']} batches of {PPB}")
     issued = {group_id_for(f"{RUN}-b{i}", f"p{PPB * i + j}"): f"{RUN}-b{i}"
-              for i in range(state["batches_issued"]) for j in range(PPB)}
+              for i in range(ledger["batches_issued"]) for j in range(PPB)}
 
     if rows is None:
         rows = consumed_rows(work)
@@ -381,6 +382,8 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
             lost = dl.missing_groups if dl.missing_groups is not None else \
                 [group_id_for(dl.batch.batch_id, p.id) for p in dl.batch.prompts]
             dead.update(lost)
+        elif dl.source == "unscored" and dl.group_id:  # a group the scoring tier could not store
+            dead.add(dl.group_id)
     # where the groups still in flight are: a stream entry each
     in_streams: Counter[str] = Counter()
     for stream in (keys.rollouts, keys.unscored):
@@ -412,7 +415,7 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
             accounted[name] += 1
     if unaccounted:
         problems.append(f"{len(unaccounted)} issued prompts are not in exactly one place, e.g. {unaccounted[:3]}")
-    inflight = state["cursor"] - state["consumed_prompts"]
+    inflight = state["ledger"]["cursor"] - state["ledger"]["consumed_prompts"]
     if inflight != accounted["in_queue"] + accounted["waiting_batch"]:
         problems.append(f"the checkpoint counts {inflight} prompts in flight; the queue holds "
                         f"{accounted['in_queue'] + accounted['waiting_batch']}")

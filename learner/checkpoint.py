@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from learner.ledger import PromptLedger
 from learner.policy import read_adapter_weights
 from protocol.store import (
     ADAPTER_WEIGHTS,
@@ -45,31 +46,25 @@ class LearnerState:
     step: int = 0
     policy_version: int = 0
     """The newest adapter version the learner has produced (0: the base model)."""
-    cursor: int = 0
-    """Prompts issued so far: the data set position of the next prompt."""
-    batches_issued: int = 0
-    consumed_prompts: int = 0
-    """Prompts whose group was read (trained or dropped) or whose batch was dead-lettered."""
-    dead_letter_after: str = "0"
+    ledger: PromptLedger = field(default_factory=PromptLedger)
+    """Where every issued prompt is (`learner.ledger`)."""
     totals: dict[str, int] = field(default_factory=dict)
     """Run-long counters: trained groups, drops and rejections by reason."""
     unacked: dict[str, str] = field(default_factory=dict)
     """group id -> delivery id of groups consumed and not yet acknowledged."""
-    outstanding: dict[str, list[Any]] = field(default_factory=dict)
-    """batch id -> [first data position, prompts, ids of the prompts consumed so far] for
-    batches issued and not fully consumed (at most max_inflight prompts' worth)."""
-    finished: dict[str, list[int]] = field(default_factory=dict)
-    """batch id -> [first data position, prompts] of batches consumed to the end (or
-    dead-lettered) and not yet reported to the queue, which then forgets their
-    deduplication records (`protocol.queue.FinishedBatch`)."""
     rng: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def inflight(self) -> int:
-        return self.cursor - self.consumed_prompts
 
     def count(self, key: str, n: int = 1) -> None:
         self.totals[key] = self.totals.get(key, 0) + n
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> LearnerState:
+        """From state.json; a checkpoint written before the ledger had its own type kept
+        its fields at the top level."""
+        ledger = raw.get("ledger", raw)
+        return cls(step=int(raw.get("step", 0)), policy_version=int(raw.get("policy_version", 0)),
+                   ledger=PromptLedger.from_json(ledger), totals=dict(raw.get("totals") or {}),
+                   unacked=dict(raw.get("unacked") or {}), rng=dict(raw.get("rng") or {}))
 
 
 def _python_rng() -> dict[str, Any]:
@@ -147,7 +142,7 @@ def load_checkpoint(store: Store) -> Checkpoint | None:
     if step is None:
         return None
     raw = json.loads(retrying(lambda: store.get(checkpoint_key(step, STATE)), what="read checkpoint state"))
-    state = LearnerState(**raw)
+    state = LearnerState.from_json(raw)
     adapter = read_adapter_weights(retrying(lambda: store.get(checkpoint_key(step, ADAPTER_WEIGHTS)), what="read checkpoint adapter"))
     trainer_bytes = retrying(lambda: store.get(checkpoint_key(step, TRAINER_STATE)), what="read trainer state")
     trainer = torch.load(io.BytesIO(trainer_bytes), weights_only=True)

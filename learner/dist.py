@@ -150,6 +150,24 @@ class Dist:
         """Another rank: rank 0's next [cmd, *args]."""
         return [int(x) for x in self.broadcast(torch.zeros(_HEADER, dtype=torch.long, device="cpu")).tolist()]
 
+    def send_step(self, tensors: list[Tensor], lengths: list[int]) -> list[int]:
+        """Rank 0: a training step's tensors (each row's length in `lengths`) to every
+        rank, and each row's rank (by token count, `split_rows`); returns the latter."""
+        owner = split_rows(lengths, self.world)
+        self.command(STEP, *tensors[0].shape)
+        for t in tensors:
+            t.copy_(self.broadcast(t))
+        self.broadcast(torch.tensor(owner, dtype=torch.long, device="cpu"))
+        return owner
+
+    def receive_step(self, tensors: list[Tensor]) -> list[int]:
+        """Another rank, after STEP: rank 0's step into `tensors` (zeros of the shapes the
+        command named); returns each row's rank."""
+        for t in tensors:
+            t.copy_(self.broadcast(t))
+        owners = self.broadcast(torch.zeros(tensors[0].shape[0], dtype=torch.long, device="cpu"))
+        return [int(x) for x in owners.tolist()]
+
     def all_reduce(self, values: list[float], op: str = "sum") -> list[float]:
         if not self.enabled:
             return values

@@ -228,7 +228,7 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
     dropped = {k: v for k, v in totals.items() if k.startswith(("dropped_", "rejected_")) and k != "rejected_duplicate"}
     dead = totals.get("dead_lettered_prompts", 0)
     out: dict[str, Any] = {
-        "issued": state.cursor,
+        "issued": state.ledger.cursor,
         "trained": totals.get("trained_groups", 0),
         "dropped": dropped,
         "dead_lettered": dead,

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +23,8 @@ from learner.data import PromptSource, load_rows
 from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import Evaluator
 from learner.fleet import FleetWatch
+from learner.judge import Bounds, StepGroups, judge
+from learner.ledger import PromptLedger
 from learner.metrics import MetricsLog, RewardNames, clean, console_line
 from learner.publish import Publisher, PublishJob
 from learner.trackers import open_trackers
@@ -31,7 +32,6 @@ from learner.train import build_step_batch
 from learner.trainer import Trainer
 from protocol import (
     Delivery,
-    FinishedBatch,
     PromptBatch,
     ProtocolError,
     Queue,
@@ -40,7 +40,6 @@ from protocol import (
     RolloutGroup,
     SamplingParams,
     fingerprint_of_model,
-    group_id_for,
 )
 from protocol.store import Store, StoreError
 from protocol.text import printable
@@ -96,12 +95,12 @@ class Learner:
         self.stop_requested = stop_requested or threading.Event()
         """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
         self._replay: list[Delivery] = []
-        self._collected: list[RolloutGroup] = []
-        self._dropped: list[tuple[str, str]] = []
-        """(group id, reason) of the groups consumed and not trained since the last step."""
-        self._dropped_groups: list[RolloutGroup] = []
-        self._dropped_rewards: list[float] = []
-        """Rewards of groups dropped as stale or flat: still a measure of the policy."""
+        self._step_groups = StepGroups()
+        """The groups judged since the last step: kept for the next, or consumed and dropped."""
+        self.bounds = Bounds(
+            scoring_mode=cfg.scoring_mode, max_abs_reward=cfg.max_abs_reward, vocab_size=self.policy.vocab_size,
+            context=self.policy.context, num_generations=cfg.num_generations, max_tokens=cfg.max_tokens,
+            max_staleness=cfg.max_staleness)
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
@@ -164,7 +163,7 @@ class Learner:
             self.trainer.restore(ckpt.adapter, ckpt.trainer)
             restore_rng(ckpt)
             resumed_at = self._checkpointed_step = self.state.step
-            log.info("resumed at step %d (cursor %d, version %d)", self.state.step, self.state.cursor, self.state.policy_version)
+            log.info("resumed at step %d (cursor %d, version %d)", self.state.step, self.ledger.cursor, self.state.policy_version)
         elif self.cfg.resume:
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
         # a version number names one adapter forever: continue above any ever announced
@@ -188,36 +187,38 @@ class Learner:
             after = batch[-1].delivery_id
         done = [d.delivery_id for d in pending if d.group.group_id in self.state.unacked]
         self._replay = [d for d in pending if d.group.group_id not in self.state.unacked]
-        if done or self.state.finished:
-            self._retry(lambda: self.queue.ack_rollouts(done, self._finished_batches()))
+        if done or self.ledger.finished:
+            self._retry(lambda: self.queue.ack_rollouts(done, self.ledger.finished_batches()))
             acked = set(done)
             self.state.unacked = {g: i for g, i in self.state.unacked.items() if i not in acked}
-            self.state.finished = {}
+            self.ledger.reported()
         if pending:
             log.info("pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay))
 
     # ----------------------------------------------------------------- feeding
+    @property
+    def ledger(self) -> PromptLedger:
+        return self.state.ledger
+
     def feed(self) -> None:
         """Issue prompt batches until `max_inflight` prompts are outstanding."""
-        cfg, state = self.cfg, self.state
-        batches = []
-        cursor, issued = state.cursor, state.batches_issued
+        cfg, ledger = self.cfg, self.ledger
         limit, size = cfg.max_inflight, cfg.prompts_per_batch
         if cfg.lag_versions is not None:
             # a forced lag: only what this step still needs (in a smaller last batch if need
             # be), so that no batch issued now is trained on after the next publish
-            limit = cfg.groups_per_step - len(self._collected)
-            size = min(size, limit - (cursor - state.consumed_prompts))
+            limit = cfg.groups_per_step - len(self._step_groups.kept)
+            size = min(size, ledger.room(limit))
             if size > 0:
                 self.publisher.flush()  # the versions the batches are pinned to must be out first
-        while size > 0 and cursor - state.consumed_prompts + size <= limit:
-            batches.append(self._batch(f"{cfg.run}-b{issued}", cursor, size))
-            cursor, issued = cursor + size, issued + 1
+        batches, room = [], ledger.room(limit)
+        while size > 0 and size <= room - size * len(batches):
+            batches.append(self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}",
+                                       ledger.cursor + size * len(batches), size))
         if batches:
             self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
             for b in batches:
-                state.outstanding.setdefault(b.batch_id, [int(b.prompts[0].id[1:]), len(b.prompts), []])
-            state.cursor, state.batches_issued = cursor, issued
+                ledger.issue(b.batch_id, len(b.prompts))
 
     def _batch(self, batch_id: str, start: int, n: int) -> PromptBatch:
         cfg = self.cfg
@@ -241,7 +242,7 @@ class Learner:
         """Batches the checkpoint says are not fully consumed go to the queue again: a
         no-op where the queue kept them (ids are deduplicated), and their recovery where
         it did not (a Redis without persistence, the embedded default's in-process one)."""
-        batches = [self._batch(batch_id, start, n) for batch_id, (start, n, _) in self.state.outstanding.items()]
+        batches = [self._batch(batch_id, entry.start, entry.n) for batch_id, entry in self.ledger.outstanding.items()]
         if batches:
             added = self._retry(lambda: self.queue.add_prompts(batches))
             if added:
@@ -249,29 +250,16 @@ class Learner:
 
     def poll_dead_letters(self) -> None:
         """A dead-lettered batch's prompts will never come back: free their slots."""
-        for dl in self.queue.dead_letters(after=self.state.dead_letter_after, count=100):
-            self.state.dead_letter_after = dl.entry_id
+        for dl in self.queue.dead_letters(after=self.ledger.dead_letter_after, count=100):
+            self.ledger.dead_letter_after = dl.entry_id
             if dl.batch is not None and self.evaluator is not None and self.evaluator.is_eval(dl.batch.batch_id):
                 self.state.count("eval_dead_lettered_prompts", len(dl.batch.prompts))
                 log.warning("eval batch %s dead-lettered (%s)", dl.batch.batch_id, dl.reason)
                 self._eval_done(self.evaluator.lost(dl.batch.batch_id, len(dl.batch.prompts)))
                 continue
-            if dl.source in ("rollouts", "unscored"):
-                lost = 1
-                if dl.group_id and dl.batch_id:  # its prompt is consumed: the batch can finish
-                    self._consume_by_group(dl.batch_id, dl.group_id)
-            else:
-                entry = self.state.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
-                if dl.batch:
-                    self._issued_tokens.pop(dl.batch.batch_id, None)
-                if entry is not None:
-                    self.state.finished[dl.batch.batch_id] = entry[:2]  # type: ignore[union-attr]
-                if dl.missing_groups is not None:
-                    # exactly the prompts without a stored group; the others reach us as groups
-                    lost = len(dl.missing_groups)
-                else:
-                    lost = entry[1] - len(entry[2]) if entry else (len(dl.batch.prompts) if dl.batch else self.cfg.prompts_per_batch)
-            self.state.consumed_prompts += lost
+            if dl.batch is not None:
+                self._issued_tokens.pop(dl.batch.batch_id, None)
+            lost = self.ledger.dead_letter(dl)
             self.state.count(f"dead_letter_entries_{dl.source}")
             self.state.count("dead_lettered_prompts", lost)
             log.warning("dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source,
@@ -282,7 +270,8 @@ class Learner:
         """Block until `n` groups pass the filters; None if a stop was requested."""
         self._purge_completed()
         backoff = 0.5
-        while len(self._collected) < n:
+        step = self._step_groups
+        while len(step.kept) < n:
             if self.stop_requested.is_set():
                 self._abandon_collection()
                 return None
@@ -291,10 +280,11 @@ class Learner:
                 self.check_fleet()
                 self.feed()
                 self.issue_evals()
+                wanted = n - len(step.kept)
                 if self._replay:
-                    deliveries, self._replay = self._replay[: n - len(self._collected)], self._replay[n - len(self._collected) :]
+                    deliveries, self._replay = self._replay[:wanted], self._replay[wanted:]
                 else:
-                    deliveries = self.queue.read_rollouts(CONSUMER, n - len(self._collected), block_s=1.0)
+                    deliveries = self.queue.read_rollouts(CONSUMER, wanted, block_s=1.0)
                 backoff = 0.5
             except QueueUnavailable as err:
                 log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
@@ -306,28 +296,20 @@ class Learner:
                 if self.evaluator is not None and self.evaluator.is_eval(d.group.batch_id):
                     self._evaluated(d.group)  # never trained on, never counted as a training prompt
                     continue
-                entry = self.state.outstanding.get(d.group.batch_id)
-                if entry is not None and d.group.prompt_id in entry[2]:
+                if self.ledger.is_consumed(d.group.batch_id, d.group.prompt_id):
                     # only a queue that lost its dedup record (a fresh in-process Redis
                     # after --resume) can hand out a consumed prompt's group again
-                    self._dropped.append((d.group.group_id, "rejected_duplicate"))
-                    self._dropped_groups.append(d.group)
+                    step.add(d.group, "rejected_duplicate")
                     self.state.count("rejected_duplicate")
                     continue
-                self._consume(d.group)
+                self.ledger.consume(d.group.batch_id, d.group.prompt_id)
                 if d.group.scored_by is not None:
                     self.state.count("scored_groups")
                 reason = self.judge(d.group)
-                if reason is None:
-                    self._collected.append(d.group)
-                else:
-                    self._dropped.append((d.group.group_id, reason))
-                    self._dropped_groups.append(d.group)
+                step.add(d.group, reason)
+                if reason is not None:
                     self.state.count(reason)
-                    if reason.startswith("dropped_"):
-                        self._dropped_rewards.extend(float(r) for r in d.group.rewards)  # type: ignore[arg-type]
-        groups, self._collected = self._collected, []
-        return groups
+        return list(step.kept)
 
     def check_fleet(self, every_s: float = 15.0) -> None:
         """Every `every_s`: name the workers that lag or refuse adapters, and the streams
@@ -365,7 +347,7 @@ class Learner:
         self._eval_figures.update(figures)
         assert self.evaluator is not None
         for batch_id, start, n in self.evaluator.ranges(int(figures["eval/version"])):
-            self.state.finished[batch_id] = [start, n]
+            self.ledger.finish(batch_id, start, n)
 
     def _evaluated(self, group: RolloutGroup) -> None:
         assert self.evaluator is not None
@@ -375,107 +357,33 @@ class Learner:
             log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward_mean"],
                      figures["eval/pass@1"])
 
-    def _consume(self, group: RolloutGroup, undo: bool = False) -> None:
-        """Count a group's prompt as consumed (or, with `undo`, not consumed after all).
-        Completed batches leave `outstanding` at the next collection (`_purge_completed`),
-        so an undo always finds its entry."""
-        self.state.consumed_prompts += -1 if undo else 1
-        entry = self.state.outstanding.get(group.batch_id)
-        if entry is None:
-            return
-        if undo:
-            entry[2].remove(group.prompt_id)
-        else:
-            entry[2].append(group.prompt_id)
-
-    def _consume_by_group(self, batch_id: str, group_id: str) -> None:
-        """Mark the prompt of a dead-lettered group consumed in its outstanding batch (the
-        count is kept by the caller)."""
-        entry = self.state.outstanding.get(batch_id)
-        if entry is None:
-            return
-        start, n, consumed = entry
-        for i in range(n):
-            prompt_id = f"p{start + i}"
-            if group_id_for(batch_id, prompt_id) == group_id and prompt_id not in consumed:
-                consumed.append(prompt_id)
-                return
-
     def _purge_completed(self) -> None:
-        done = [b for b, (_, n, consumed) in self.state.outstanding.items() if len(consumed) >= n]
-        for batch_id in done:
-            start, n, _ = self.state.outstanding.pop(batch_id)
-            self.state.finished[batch_id] = [start, n]
+        for batch_id in self.ledger.purge_completed():
             self._issued_tokens.pop(batch_id, None)
-
-    def _finished_batches(self) -> list[FinishedBatch]:
-        return [
-            FinishedBatch(batch_id, [group_id_for(batch_id, f"p{start + i}") for i in range(n)])
-            for batch_id, (start, n) in self.state.finished.items()
-        ]
 
     def _abandon_collection(self) -> None:
         """Groups collected for a step that will not run are not consumed, nor those
         dropped while collecting it (`consumed.jsonl` names them with a step, and this
         step has none): forget them all, so the checkpoint does not claim them and they
         stay pending for the next run, which judges them again."""
-        for g in self._collected:
+        for g in self._step_groups.kept:
             del self.state.unacked[g.group_id]
-            self._consume(g, undo=True)
-        for g, (_, reason) in zip(self._dropped_groups, self._dropped, strict=True):
+            self.ledger.undo(g.batch_id, g.prompt_id)
+        for g, reason in self._step_groups.dropped:
             self.state.unacked.pop(g.group_id, None)
             if reason != "rejected_duplicate":  # a duplicate was never counted as consumed
-                self._consume(g, undo=True)
+                self.ledger.undo(g.batch_id, g.prompt_id)
             self.state.count(reason, -1)
-        self._collected, self._dropped, self._dropped_groups, self._dropped_rewards = [], [], [], []
+        self._step_groups = StepGroups()
 
     def judge(self, group: RolloutGroup) -> str | None:
-        """Why a group is not trained on (a counter name), or None to train on it."""
-        prompt = group.prompt_tokens
-        lengths = [c.tokens.size for c in group.completions]
-        all_ids = [prompt, *(c.tokens for c in group.completions)]
-        rewards = group.rewards
-        if self.cfg.scoring_mode == "trusted" and group.scored_by is None:
-            reason = "rejected_unscored"  # only the scoring tier writes trusted groups to the rollouts stream
-        elif group.error is not None and group.scored_by is not None:
-            reason = "rejected_scoring"  # the tier gave up on it (a reward that hung or kept raising)
-        elif group.error is not None or any(r is None for r in rewards):
-            reason = "rejected_reward_error"
-        elif any(not (math.isfinite(r) and abs(r) <= self.cfg.max_abs_reward) for r in rewards):  # type: ignore[arg-type]
-            reason = "rejected_bad_reward"  # 1e39 is finite in float64 and inf in float32
-        elif prompt.size == 0:
-            reason = "rejected_empty_prompt"
-        elif any(ids.size and (ids.min() < 0 or ids.max() >= self.policy.vocab_size) for ids in all_ids):
-            reason = "rejected_bad_vocab"
-        elif prompt.size + max(lengths) > self.policy.context:
-            reason = "rejected_too_long"
-        elif len(lengths) != self.cfg.num_generations or max(lengths) > self.cfg.max_tokens:
-            reason = "rejected_bad_shape"
-        elif not self._answers_issued_prompt(group):
-            reason = "rejected_bad_shape"
-        elif group.adapter_version > self.state.policy_version:
-            reason = "rejected_future_version"
-        elif self.state.policy_version - group.adapter_version > self.cfg.max_staleness:
-            return "dropped_stale"
-        elif len(set(rewards)) == 1:
-            return "dropped_flat"
-        else:
-            return None
-        log.warning("rejected group %s from %s: %s%s", group.group_id, printable(group.actor_id),
-                    reason.removeprefix("rejected_"), f" ({printable(group.error)})" if group.error else "")
+        """`learner.judge.judge` with what this learner knows; a rejection is logged."""
+        issued = self._issued_tokens.get(group.batch_id, {}) if group.batch_id in self.ledger.outstanding else None
+        reason = judge(group, self.bounds, self.state.policy_version, issued)
+        if reason is not None and reason.startswith("rejected_"):
+            log.warning("rejected group %s from %s: %s%s", group.group_id, printable(group.actor_id),
+                        reason.removeprefix("rejected_"), f" ({printable(group.error)})" if group.error else "")
         return reason
-
-    def _answers_issued_prompt(self, group: RolloutGroup) -> bool:
-        """For a batch this learner has outstanding: the group's prompt is one of the
-        batch's, with the tokens issued. (The queue checks the same on submission; this
-        covers whoever writes to Redis directly.)"""
-        if group.batch_id not in self.state.outstanding:
-            return True  # a batch issued before a restart and not yet re-issued: the queue checked it
-        prompts = self._issued_tokens.get(group.batch_id, {})
-        if group.prompt_id not in prompts:
-            return False
-        issued = prompts[group.prompt_id]
-        return issued is None or issued == group.prompt_token_ids
 
     # ------------------------------------------------------- publish/checkpoint
     def publish(self) -> float:
@@ -538,11 +446,12 @@ class Learner:
         self._checkpoint_versions.append(self.state.policy_version)
         acked = list(self.state.unacked.values())
         try:
-            self.queue.ack_rollouts(acked, self._finished_batches())
+            self.queue.ack_rollouts(acked, self.ledger.finished_batches())
         except QueueUnavailable as err:  # they stay in the ledger; the next checkpoint retries
             log.warning("could not acknowledge %d groups yet: %s", len(acked), err)
             return
-        self.state.unacked, self.state.finished = {}, {}
+        self.state.unacked = {}
+        self.ledger.reported()
         log.info("checkpoint at step %d", self.state.step)
 
     def expire_queue(self) -> None:
@@ -577,7 +486,8 @@ class Learner:
         trained_with: int, *, wait_s: float, step_s: float, publish_s: float,
     ) -> None:
         staleness = [trained_with - g.adapter_version for g in groups]
-        dropped = self._dropped
+        step_groups, self._step_groups = self._step_groups, StepGroups()
+        dropped = step_groups.reasons()
         completions = [c for g in groups for c in g.completions]
         lengths = [c.tokens.size for c in completions]
         components: dict[str, list[float]] = {}
@@ -588,7 +498,7 @@ class Learner:
         consumed = len(groups) + len(dropped)
         # the policy's reward: every scored completion consumed this step, the flat and
         # stale groups included (the trained groups alone overstate it early on)
-        scored = torch.cat([rewards_N, torch.tensor(self._dropped_rewards, dtype=rewards_N.dtype, device="cpu")])
+        scored = torch.cat([rewards_N, torch.tensor(step_groups.dropped_rewards(), dtype=rewards_N.dtype, device="cpu")])
         row = clean({
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
@@ -598,11 +508,11 @@ class Learner:
             "groups": len(groups),
             "staleness_mean": sum(staleness) / len(staleness),
             "staleness_max": max(staleness),
-            "dropped_stale": sum(1 for _, r in dropped if r == "dropped_stale"),
-            "dropped_flat": sum(1 for _, r in dropped if r == "dropped_flat"),
+            "dropped_stale": step_groups.count("dropped_stale"),
+            "dropped_flat": step_groups.count("dropped_flat"),
             "rejected": sum(1 for _, r in dropped if r.startswith("rejected_")),
-            "dropped_stale_rate": sum(1 for _, r in dropped if r == "dropped_stale") / consumed,
-            "dropped_flat_rate": sum(1 for _, r in dropped if r == "dropped_flat") / consumed,
+            "dropped_stale_rate": step_groups.count("dropped_stale") / consumed,
+            "dropped_flat_rate": step_groups.count("dropped_flat") / consumed,
             "completion_len_mean": sum(lengths) / len(lengths),
             "completion_len_max": max(lengths),
             "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
@@ -612,8 +522,8 @@ class Learner:
             "wait_s": wait_s,
             "step_s": step_s,
             "publish_s": publish_s,
-            "inflight": self.state.inflight,
-            "epoch": self.source.epochs(self.state.cursor),
+            "inflight": self.ledger.inflight,
+            "epoch": self.source.epochs(self.ledger.cursor),
             "publish_failures": self.publisher.failures,
             "workers_live": self.fleet.live,
             "workers_lagging": self.fleet.lagging,
@@ -630,7 +540,6 @@ class Learner:
                 (decode(g.prompt_tokens.tolist(), skip_special_tokens=True), c.text, float(c.reward))  # type: ignore[arg-type]
                 for g in groups[:4] for c in g.completions[:2]
             ], self.state.step)
-        self._dropped, self._dropped_groups, self._dropped_rewards = [], [], []
         if self.on_step is not None:
             self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:

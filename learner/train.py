@@ -1,6 +1,14 @@
 """One learner step on a batch of scored rollout groups: advantages, the corrected
 loss over micro-batches, the optimizer step, and the step's loss-side metrics.
 
+The algorithm, in the order it runs (each a plain function of `learner.loss`):
+
+    build_step_batch   rewards -> group-relative `advantages`, sequences packed
+    train_on           per update: micro-batches, then clip, check, optimizer step
+      micro_batch_loss   forward -> `importance_weights` (behaviour -> proximal policy)
+                         -> `policy_loss` (clipped, PPO/GSPO level) -> + beta x `kl_k3`
+                         -> `aggregate` (grpo / dapo / dr_grpo / bnpo)
+
 Micro-batches are formed by a token budget (`max_tokens_per_microbatch`, sequences
 sorted by length, each micro-batch cut to its own longest), so long completions do not
 run the device out of memory and short ones are not padded to the longest of the step.
@@ -20,8 +28,8 @@ import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
-from learner.dist import STEP, Dist, full_tensor, split_rows
-from learner.loss import advantages, aggregate, importance_weights, kl_k3, policy_loss
+from learner.dist import Dist, full_tensor
+from learner.loss import ISWeights, advantages, aggregate, importance_weights, kl_k3, policy_loss
 from learner.policy import Policy, Sequences, pack_sequences, scatter_completion_values
 from protocol import RolloutGroup
 
@@ -42,6 +50,11 @@ class StepBatch:
         return StepBatch(
             self.seqs.select(rows), self.behav_logp_BT[rows], self.advantages_N[rows], self.rewards_N[rows]
         )
+
+    def tensors(self) -> list[Tensor]:
+        """Every tensor of the batch, in a fixed order (what rank 0 sends the others)."""
+        return [self.seqs.input_ids_BL, self.seqs.attention_mask_BL, self.seqs.mask_BT, self.behav_logp_BT,
+                self.advantages_N, self.rewards_N]
 
     def lengths(self) -> list[int]:
         """Prompt+completion tokens of each row (without padding)."""
@@ -123,27 +136,14 @@ def plan_micro_batches(lengths: list[int], rows: list[int], max_tokens: int, max
 
 
 def send_step(dist: Dist, batch: StepBatch) -> list[int]:
-    """Rank 0: the step's tensors to every rank, and each row's rank (by token count)."""
-    owner = split_rows(batch.lengths(), dist.world)
-    b, width = batch.seqs.input_ids_BL.shape
-    dist.command(STEP, b, width)
-    _exchange(dist, batch, owner)
-    return owner
+    """Rank 0: the step's tensors to every rank, and each row's rank (`Dist.send_step`)."""
+    return dist.send_step(batch.tensors(), batch.lengths())
 
 
 def receive_step(dist: Dist, b: int, width: int) -> tuple[StepBatch, list[int]]:
     """A follower: the batch rank 0 sent with `send_step`."""
-    return _exchange(dist, zeros_batch(b, width, torch.device("cpu")), [0] * b)
-
-
-def _exchange(dist: Dist, batch: StepBatch, owner: list[int]) -> tuple[StepBatch, list[int]]:
-    seqs = batch.seqs
-    for t in (seqs.input_ids_BL, seqs.attention_mask_BL, seqs.mask_BT, batch.behav_logp_BT, batch.advantages_N,
-              batch.rewards_N):
-        t.copy_(dist.broadcast(t))
-    owners = dist.broadcast(torch.tensor(owner, dtype=torch.long, device="cpu"))
-    owner[:] = [int(x) for x in owners.tolist()]
-    return batch, owner
+    batch = zeros_batch(b, width, torch.device("cpu"))
+    return batch, dist.receive_step(batch.tensors())
 
 
 class _Sums:
@@ -154,6 +154,22 @@ class _Sums:
     def __init__(self) -> None:
         self.v = dict.fromkeys(self.KEYS, 0.0)
         self.w_max = 0.0
+
+    def add(self, loss: float, t: Terms, mb: StepBatch) -> None:
+        m = mb.seqs.mask_BT.bool()
+        r = t.weights.ratio_BT[m]
+        self.v["loss"] += loss
+        self.v["w_sum"] += float(r.sum())
+        self.v["w_sq"] += float((r * r).sum())
+        self.w_max = max(self.w_max, float(r.max())) if r.numel() else self.w_max
+        self.v["corrected"] += float(t.weights.corrected_BT[m].sum())
+        self.v["k3"] += float((r - 1 - r.log()).sum())
+        self.v["clipped"] += float(t.clipped_BT[m].sum())
+        self.v["entropy"] += float(t.entropy_BT[m].sum())
+        self.v["tokens"] += float(m.sum())
+        self.v["logp_diff"] += float((t.logp_BT.detach() - mb.behav_logp_BT)[m].abs().sum())
+        if t.kl_BT is not None:
+            self.v["kl_ref"] += float((t.kl_BT.detach() * mb.seqs.mask_BT).sum())
 
     def reduce(self, dist: Dist) -> None:
         """Every rank's sums, added up (and the largest weight)."""
@@ -188,43 +204,46 @@ def accumulate(
     assert num_seqs is not None and num_tokens is not None
     for rows in plan:
         mb = empty_batch(device) if rows is None else batch.take(rows, device)
-        mask = mb.seqs.mask_BT
-        logp, ent = policy.forward_logps(mb.seqs, cfg.temperature, with_entropy=True)
-        if prox_BT is None or rows is None:
-            prox = logp.detach()
-        else:
-            prox = prox_BT.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu"))[:, : logp.shape[1]].to(device)
-        w = importance_weights(
-            prox, mb.behav_logp_BT, mask, cfg.correction,
-            tis_cap=cfg.tis_cap, mis_level=cfg.mis_level, mis_low=cfg.mis_low, mis_high=cfg.mis_high,
-        )
-        loss_BT, clip_BT = policy_loss(
-            logp, prox, mb.advantages_N, w.weights_BT, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.epsilon_high,
-            level=cfg.importance_sampling_level, mask_BT=mask,
-        )
-        if cfg.beta > 0:
-            with torch.no_grad(), policy.reference():
-                ref, _ = policy.forward_logps(mb.seqs, cfg.temperature)
-            kl_BT = kl_k3(logp, ref)
-            loss_BT = loss_BT + cfg.beta * kl_BT
-            sums.v["kl_ref"] += float((kl_BT.detach() * mask).sum())
-        part = aggregate(
-            loss_BT * w.keep_BT, mask, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_tokens=cfg.max_tokens
-        )
+        prox = None if prox_BT is None or rows is None else \
+            prox_BT.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu")).to(device)
+        part, t = micro_batch_loss(policy, mb, prox, cfg, num_seqs=num_seqs, num_tokens=num_tokens)
         (part * dist.world if dist.enabled else part).backward()
+        sums.add(float(part.detach()), t, mb)
 
-        m = mask.bool()
-        r = w.ratio_BT[m]
-        sums.v["loss"] += float(part.detach())
-        sums.v["w_sum"] += float(r.sum())
-        sums.v["w_sq"] += float((r * r).sum())
-        sums.w_max = max(sums.w_max, float(r.max())) if r.numel() else sums.w_max
-        sums.v["corrected"] += float(w.corrected_BT[m].sum())
-        sums.v["k3"] += float((r - 1 - r.log()).sum())
-        sums.v["clipped"] += float(clip_BT[m].sum())
-        sums.v["entropy"] += float(ent[m].sum())  # type: ignore[index]
-        sums.v["tokens"] += float(m.sum())
-        sums.v["logp_diff"] += float((logp.detach() - mb.behav_logp_BT)[m].abs().sum())
+
+@dataclass
+class Terms:
+    """What a micro-batch's loss was made of, for the step's metrics."""
+
+    logp_BT: Tensor
+    entropy_BT: Tensor
+    weights: ISWeights
+    clipped_BT: Tensor
+    kl_BT: Tensor | None
+
+
+def micro_batch_loss(policy: Policy, mb: StepBatch, prox_BT: Tensor | None, cfg: LearnerConfig, *,
+                     num_seqs: int, num_tokens: int) -> tuple[Tensor, Terms]:
+    """One micro-batch's share of the step's loss (`num_seqs` sequences and `num_tokens`
+    completion tokens in the whole step). `prox_BT`: the proximal policy's
+    log-probabilities (decoupled PPO, several updates per batch); None: the policy itself."""
+    mask = mb.seqs.mask_BT
+    logp, ent = policy.forward_logps(mb.seqs, cfg.temperature, with_entropy=True)
+    prox = logp.detach() if prox_BT is None else prox_BT[:, : logp.shape[1]]
+    w = importance_weights(prox, mb.behav_logp_BT, mask, cfg.correction,
+                           tis_cap=cfg.tis_cap, mis_level=cfg.mis_level, mis_low=cfg.mis_low, mis_high=cfg.mis_high)
+    loss_BT, clip_BT = policy_loss(logp, prox, mb.advantages_N, w.weights_BT, epsilon_low=cfg.epsilon_low,
+                                   epsilon_high=cfg.epsilon_high, level=cfg.importance_sampling_level, mask_BT=mask)
+    kl_BT = None
+    if cfg.beta > 0:
+        with torch.no_grad(), policy.reference():
+            ref, _ = policy.forward_logps(mb.seqs, cfg.temperature)
+        kl_BT = kl_k3(logp, ref)
+        loss_BT = loss_BT + cfg.beta * kl_BT
+    loss = aggregate(loss_BT * w.keep_BT, mask, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens,
+                     max_tokens=cfg.max_tokens)
+    assert ent is not None
+    return loss, Terms(logp, ent, w, clip_BT, kl_BT)
 
 
 def proximal_logps(policy: Policy, batch: StepBatch, cfg: LearnerConfig, rows: list[int], dist: Dist) -> Tensor:

@@ -82,7 +82,7 @@ def test_every_second_version_is_evaluated_with_exactly_that_version(
     trained = {g for line in (cfg.resolved_run_dir / "consumed.jsonl").read_text().splitlines()
                for g in json.loads(line)["trained"]}
     assert len(trained) == state.totals["trained_groups"]  # eval groups are not among them
-    assert state.consumed_prompts == sum(1 for _ in trained) + sum(
+    assert state.ledger.consumed_prompts == sum(1 for _ in trained) + sum(
         v for k, v in state.totals.items() if k.startswith(("dropped_", "rejected_")))
 
 

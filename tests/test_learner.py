@@ -484,7 +484,7 @@ def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Pat
     store = open_store((tmp_path / "store").as_uri())
     assert json.loads(store.get("checkpoints/latest.json"))["step"] == 0
     state = json.loads(store.get("checkpoints/step-0/state.json"))
-    assert state["cursor"] == 16 and state["consumed_prompts"] == 0
+    assert state["ledger"]["cursor"] == 16 and state["ledger"]["consumed_prompts"] == 0
     assert queue._r.ttl(queue.keys.prompts) == -1  # stopped, not complete: the queue stays for --resume
     queue.close()
 
@@ -571,5 +571,5 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
     (dl,) = make().dead_letters()
     assert dl.group_id == doomed[0] and "unstorable" in dl.reason
     assert state.totals["dead_letter_entries_unscored"] == 1 and state.totals["dead_lettered_prompts"] == 1
-    assert dl.batch_id not in state.outstanding
+    assert dl.batch_id not in state.ledger.outstanding
     assert state.step == 3

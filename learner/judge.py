@@ -1,0 +1,92 @@
+"""The filter between the queue and the step: which groups are trained on, and why not.
+
+`judge` is a pure function of a group and what the learner knows (`Bounds`, its version,
+the prompt tokens it issued): a counter name (`rejected_*` for groups that break a rule,
+`dropped_stale` and `dropped_flat` for good groups that carry no usable signal) or None
+to train on it. Rejections are checked first, in the order below, so a group breaking
+several rules is counted once under the first. `StepGroups` collects one step's verdicts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from protocol import RolloutGroup
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What every group must fit, from the run's configuration and its model."""
+
+    scoring_mode: str
+    """`trusted`: only the scoring tier may write a group (it stamps `scored_by`)."""
+    max_abs_reward: float
+    vocab_size: int
+    context: int
+    """Prompt plus completion tokens the model can take."""
+    num_generations: int
+    max_tokens: int
+    max_staleness: int
+
+
+def judge(group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict[str, bytes | None] | None) -> str | None:
+    """Why `group` is not trained on (a counter name), or None to train on it. `issued`:
+    prompt id -> the prompt tokens issued, for the group's batch if this learner has it
+    outstanding (None: a batch issued before a restart, which the queue checked)."""
+    prompt = group.prompt_tokens
+    lengths = [c.tokens.size for c in group.completions]
+    rewards = group.rewards
+    if bounds.scoring_mode == "trusted" and group.scored_by is None:
+        return "rejected_unscored"  # only the scoring tier writes trusted groups to the rollouts stream
+    if group.error is not None and group.scored_by is not None:
+        return "rejected_scoring"  # the tier gave up on it (a reward that hung or kept raising)
+    if group.error is not None or any(r is None for r in rewards):
+        return "rejected_reward_error"
+    if any(not (math.isfinite(r) and abs(r) <= bounds.max_abs_reward) for r in rewards if r is not None):
+        return "rejected_bad_reward"  # 1e39 is finite in float64 and inf in float32
+    if prompt.size == 0:
+        return "rejected_empty_prompt"
+    if any(ids.size and (ids.min() < 0 or ids.max() >= bounds.vocab_size)
+           for ids in (prompt, *(c.tokens for c in group.completions))):
+        return "rejected_bad_vocab"
+    if prompt.size + max(lengths) > bounds.context:
+        return "rejected_too_long"
+    if len(lengths) != bounds.num_generations or max(lengths) > bounds.max_tokens:
+        return "rejected_bad_shape"
+    if issued is not None and (group.prompt_id not in issued or issued[group.prompt_id] not in (None, group.prompt_token_ids)):
+        return "rejected_bad_shape"  # not the prompt, or not the tokens, this learner issued
+    if group.adapter_version > policy_version:
+        return "rejected_future_version"
+    if policy_version - group.adapter_version > bounds.max_staleness:
+        return "dropped_stale"
+    if len(set(rewards)) == 1:
+        return "dropped_flat"
+    return None
+
+
+@dataclass
+class StepGroups:
+    """One step's groups as they were judged: those to train on, and those consumed and
+    not trained (with the reason), in the order they came."""
+
+    kept: list[RolloutGroup] = field(default_factory=list)
+    dropped: list[tuple[RolloutGroup, str]] = field(default_factory=list)
+
+    def add(self, group: RolloutGroup, reason: str | None) -> None:
+        if reason is None:
+            self.kept.append(group)
+        else:
+            self.dropped.append((group, reason))
+
+    def dropped_rewards(self) -> list[float]:
+        """Rewards of the good groups not trained on (stale, flat): still a measure of the policy."""
+        return [float(r) for g, reason in self.dropped if reason.startswith("dropped_") for r in g.rewards
+                if r is not None]
+
+    def count(self, reason: str) -> int:
+        return sum(1 for _, r in self.dropped if r == reason)
+
+    def reasons(self) -> list[tuple[str, str]]:
+        """(group id, reason) of the dropped groups."""
+        return [(g.group_id, reason) for g, reason in self.dropped]

@@ -1,0 +1,174 @@
+"""The prompt ledger: where every prompt the learner issued is, checkpointed with it.
+
+A training prompt is issued in a batch (`issue`) and then consumed exactly once: its group
+read from the queue (trained, or dropped and counted; `consume`), or lost with a dead
+letter (its batch dead-lettered, or its group dead-lettered by the scoring tier;
+`dead_letter`). `inflight` (issued less consumed) is what `max_inflight` bounds. A batch
+whose every prompt is consumed is finished (`purge_completed`): it waits in `finished`
+until the queue has been told (`finished_batches`, with a checkpoint's acknowledgement),
+which then forgets its deduplication records. A step that never runs gives its prompts
+back (`undo`), so the next run consumes them.
+
+The guarantee (`tests/test_ledger.py`, and the chaos soak's exact count): every issued
+prompt is in exactly one of trained, dropped, dead-lettered, or in flight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol import DeadLetter, FinishedBatch, group_id_for
+
+
+def prompt_id(position: int) -> str:
+    """The id of the prompt at this data set position (`learner.data.PromptSource`)."""
+    return f"p{position}"
+
+
+@dataclass
+class Outstanding:
+    """A batch issued and not yet consumed to its end."""
+
+    start: int
+    """The data set position of its first prompt."""
+    n: int
+    """Its prompts."""
+    consumed: list[str] = field(default_factory=list)
+    """Ids of its prompts consumed so far."""
+
+    @property
+    def complete(self) -> bool:
+        return len(self.consumed) >= self.n
+
+    def prompt_ids(self) -> list[str]:
+        return [prompt_id(self.start + i) for i in range(self.n)]
+
+
+@dataclass
+class Span:
+    """A finished batch: where its prompts are in the data set."""
+
+    start: int
+    n: int
+
+
+@dataclass
+class PromptLedger:
+    cursor: int = 0
+    """Prompts issued so far: the data set position of the next prompt."""
+    batches_issued: int = 0
+    consumed_prompts: int = 0
+    """Prompts whose group was read (trained or dropped) or that a dead letter lost."""
+    dead_letter_after: str = "0"
+    """The last dead letter accounted for (its entry id)."""
+    outstanding: dict[str, Outstanding] = field(default_factory=dict)
+    """Batches issued and not fully consumed (at most max_inflight prompts' worth)."""
+    finished: dict[str, Span] = field(default_factory=dict)
+    """Batches consumed to the end (or dead-lettered), not yet reported to the queue."""
+
+    @property
+    def inflight(self) -> int:
+        return self.cursor - self.consumed_prompts
+
+    def room(self, limit: int) -> int:
+        """Prompts that may be issued now without passing `limit` in flight."""
+        return limit - self.inflight
+
+    def issue(self, batch_id: str, n: int) -> int:
+        """A batch of the next `n` prompts; returns its first data set position."""
+        start = self.cursor
+        self.outstanding.setdefault(batch_id, Outstanding(start, n))
+        self.cursor += n
+        self.batches_issued += 1
+        return start
+
+    def is_consumed(self, batch_id: str, prompt: str) -> bool:
+        entry = self.outstanding.get(batch_id)
+        return entry is not None and prompt in entry.consumed
+
+    def consume(self, batch_id: str, prompt: str) -> None:
+        """A group of this prompt was read. Completed batches leave `outstanding` only at
+        `purge_completed`, so an `undo` always finds its entry."""
+        self.consumed_prompts += 1
+        entry = self.outstanding.get(batch_id)
+        if entry is not None:
+            entry.consumed.append(prompt)
+
+    def undo(self, batch_id: str, prompt: str) -> None:
+        """The group of this prompt is given back (a step that will not run)."""
+        self.consumed_prompts -= 1
+        entry = self.outstanding.get(batch_id)
+        if entry is not None:
+            entry.consumed.remove(prompt)
+
+    def dead_letter(self, dl: DeadLetter) -> int:
+        """Account for a dead letter of the training stream; returns the prompts it lost.
+        A batch's letter finishes the batch (its stored groups still reach the learner as
+        groups); a group's letter (the tier could not score or store it) consumes its
+        prompt, so that its batch can finish."""
+        if dl.source in ("rollouts", "unscored"):
+            if dl.group_id and dl.batch_id:
+                self._consume_group(dl.batch_id, dl.group_id)
+            lost = 1
+        else:
+            entry = self.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
+            if entry is not None and dl.batch is not None:
+                self.finished[dl.batch.batch_id] = Span(entry.start, entry.n)
+            if dl.missing_groups is not None:  # exactly the prompts without a stored group
+                lost = len(dl.missing_groups)
+            elif entry is not None:
+                lost = entry.n - len(entry.consumed)
+            else:
+                lost = len(dl.batch.prompts) if dl.batch else 0
+        self.consumed_prompts += lost
+        return lost
+
+    def _consume_group(self, batch_id: str, group_id: str) -> None:
+        entry = self.outstanding.get(batch_id)
+        if entry is None:
+            return
+        for prompt in entry.prompt_ids():
+            if group_id_for(batch_id, prompt) == group_id and prompt not in entry.consumed:
+                entry.consumed.append(prompt)
+                return
+
+    def purge_completed(self) -> list[str]:
+        """Move the batches consumed to their end to `finished`; returns their ids."""
+        done = [batch_id for batch_id, entry in self.outstanding.items() if entry.complete]
+        for batch_id in done:
+            entry = self.outstanding.pop(batch_id)
+            self.finished[batch_id] = Span(entry.start, entry.n)
+        return done
+
+    def finish(self, batch_id: str, start: int, n: int) -> None:
+        """A batch that ends outside training (an evaluation's)."""
+        self.finished[batch_id] = Span(start, n)
+
+    def finished_batches(self) -> list[FinishedBatch]:
+        """What the queue may forget, with the acknowledgement of a checkpoint."""
+        return [FinishedBatch(batch_id, [group_id_for(batch_id, prompt_id(s.start + i)) for i in range(s.n)])
+                for batch_id, s in self.finished.items()]
+
+    def reported(self) -> None:
+        """The queue was told of every finished batch."""
+        self.finished = {}
+
+    # ------------------------------------------------------------- checkpoints
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> PromptLedger:
+        """From `asdict` (state.json), or from a checkpoint written before the ledger had
+        its named types (positional lists)."""
+        def outstanding(v: Any) -> Outstanding:
+            return Outstanding(**v) if isinstance(v, dict) else Outstanding(int(v[0]), int(v[1]), list(v[2]))
+
+        def span(v: Any) -> Span:
+            return Span(**v) if isinstance(v, dict) else Span(int(v[0]), int(v[1]))
+
+        return cls(
+            cursor=int(raw.get("cursor", 0)), batches_issued=int(raw.get("batches_issued", 0)),
+            consumed_prompts=int(raw.get("consumed_prompts", 0)),
+            dead_letter_after=str(raw.get("dead_letter_after", "0")),
+            outstanding={k: outstanding(v) for k, v in (raw.get("outstanding") or {}).items()},
+            finished={k: span(v) for k, v in (raw.get("finished") or {}).items()},
+        )
