@@ -62,6 +62,7 @@ from rq.serializers import JSONSerializer
 
 from actors.rewards import Scorer, Scores
 from protocol import ProtocolError, QueueUnavailable, RolloutGroup
+from protocol.retry import Backoff, retry
 from protocol.scoring import ScoringQueue, UnscoredEntry, UnscoredGroup
 from protocol.text import printable
 
@@ -218,7 +219,7 @@ class Dispatcher(threading.Thread):
         return hashlib.blake2b(key, digest_size=16).hexdigest()
 
     def run(self) -> None:
-        backoff, swept = 0.5, 0.0
+        backoff, swept = Backoff(0.5, 30.0), 0.0
         while not self.stopping.is_set():
             try:
                 self.dispatch(self.queue.read_unscored(self.consumer, 64, block_s=min(1.0, self.sweep_s)))
@@ -230,15 +231,13 @@ class Dispatcher(threading.Thread):
                                     "dispatching them now", len(reclaimed))
                         self.dispatch(reclaimed)
                     self.reject_failed()
-                backoff = 0.5
+                backoff.reset()
             except QueueUnavailable as err:
-                log.warning("redis unavailable, retrying in %.1fs: %s", backoff, err)
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                log.warning("redis unavailable, retrying in %.1fs: %s", backoff.next, err)
+                backoff.wait(self.stopping)
             except Exception:  # RQ's own errors included: keep dispatching
-                log.exception("dispatcher error; retrying in %.1fs", backoff)
-                self.stopping.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
+                log.exception("dispatcher error; retrying in %.1fs", backoff.next)
+                backoff.wait(self.stopping)
 
     def dispatch(self, entries: list[UnscoredEntry]) -> None:
         """One job per lease's groups read together (at most `groups_per_job`), then the
@@ -376,14 +375,8 @@ def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job
 
 
 def _wait_for_redis(queue: ScoringQueue, outage_s: float) -> None:
-    deadline, backoff = time.monotonic() + outage_s, 0.5
-    while True:
-        try:
-            queue.client.ping()
-            return
-        except redis.exceptions.RedisError as err:
-            if time.monotonic() + backoff > deadline:
-                raise QueueUnavailable(f"Redis unreachable for {outage_s:.0f}s: {err}") from None
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+    try:
+        retry(queue.client.ping, on=(redis.exceptions.RedisError,), deadline_s=outage_s, cap=5.0)
+    except redis.exceptions.RedisError as err:
+        raise QueueUnavailable(f"Redis unreachable for {outage_s:.0f}s: {err}") from None
 

@@ -56,6 +56,7 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
+from protocol.retry import Backoff
 from protocol.text import printable
 
 log = logging.getLogger(__name__)
@@ -212,7 +213,7 @@ class Worker:
         self.batches_done = 0
         self._lease_size: int | None = None
         """Sequences in the last lease seen: how much room a claim needs (unknown: claim one)."""
-        self._backoff = 0.5
+        self._backoff = Backoff(0.5, max_backoff_s)
         self._queue_back_at = 0.0
         """While the queue is unreachable, no queue call before this time."""
         self._idle_claim_at = 0.0
@@ -287,13 +288,13 @@ class Worker:
             self._submit_ready()
             if not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
                 self._fill(max_batches)
-            self._backoff = 0.5
+            self._backoff.reset()
         except QueueUnavailable as err:
             self.metrics.connection_errors.inc()
-            log.warning("queue unavailable, retrying in %.1fs: %s", self._backoff, err)
+            delay = self._backoff.failed()  # the engine generates on meanwhile: no sleep here
+            log.warning("queue unavailable, retrying in %.1fs: %s", delay, err)
             self._error(f"queue unavailable: {err}")
-            self._queue_back_at = time.monotonic() + self._backoff
-            self._backoff = min(self._backoff * 2, self.max_backoff_s)
+            self._queue_back_at = time.monotonic() + delay
 
     def _fill(self, max_batches: int | None) -> None:
         """Claim leases while the engine has room for one more; long-poll only when idle."""

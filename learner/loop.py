@@ -25,7 +25,7 @@ from learner.evaluate import Evaluator
 from learner.fleet import FleetWatch
 from learner.judge import Bounds, StepGroups, judge
 from learner.ledger import PromptLedger
-from learner.metrics import MetricsLog, RewardNames, clean, console_line
+from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures
 from learner.publish import Publisher, PublishJob
 from learner.trackers import open_trackers
 from learner.train import build_step_batch
@@ -41,6 +41,7 @@ from protocol import (
     SamplingParams,
     fingerprint_of_model,
 )
+from protocol.retry import Backoff, retry
 from protocol.store import Store, StoreError
 from protocol.text import printable
 
@@ -269,8 +270,7 @@ class Learner:
     def collect(self, n: int) -> list[RolloutGroup] | None:
         """Block until `n` groups pass the filters; None if a stop was requested."""
         self._purge_completed()
-        backoff = 0.5
-        step = self._step_groups
+        step, backoff = self._step_groups, Backoff(0.5, 10.0)
         while len(step.kept) < n:
             if self.stop_requested.is_set():
                 self._abandon_collection()
@@ -285,11 +285,10 @@ class Learner:
                     deliveries, self._replay = self._replay[:wanted], self._replay[wanted:]
                 else:
                     deliveries = self.queue.read_rollouts(CONSUMER, wanted, block_s=1.0)
-                backoff = 0.5
+                backoff.reset()
             except QueueUnavailable as err:
-                log.warning("queue unavailable, retrying in %.1fs: %s", backoff, err)
-                self.stop_requested.wait(backoff)
-                backoff = min(backoff * 2, 10.0)
+                log.warning("queue unavailable, retrying in %.1fs: %s", backoff.next, err)
+                backoff.wait(self.stop_requested)
                 continue
             for d in deliveries:
                 self.state.unacked[d.group.group_id] = d.delivery_id
@@ -468,56 +467,24 @@ class Learner:
         """A queue call at start-up, retried through an outage for `startup_timeout_s` in all
         (the client's own retries included), and given up at once on SIGTERM."""
         limit = self.cfg.startup_timeout_s
-        deadline, backoff = time.monotonic() + limit, 1.0
-        while True:
-            try:
-                return fn()
-            except QueueUnavailable as err:
-                if time.monotonic() + backoff > deadline:
-                    raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
-                log.warning("queue unavailable, retrying in %.0fs: %s", backoff, err)
-                if self.stop_requested.wait(backoff):
-                    raise LearnerError(f"stopped while waiting for the queue: {err}") from None
-                backoff = min(backoff * 2, 30.0)
+        try:
+            return retry(fn, on=(QueueUnavailable,), deadline_s=limit, first=1.0, stop=self.stop_requested,
+                         before_wait=lambda err, delay: log.warning("queue unavailable, retrying in %.0fs: %s", delay, err))
+        except QueueUnavailable as err:
+            if self.stop_requested.is_set():
+                raise LearnerError(f"stopped while waiting for the queue: {err}") from None
+            raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
 
     # ----------------------------------------------------------------- metrics
     def report(
         self, groups: list[RolloutGroup], rewards_N: torch.Tensor, stats: dict[str, float],
         trained_with: int, *, wait_s: float, step_s: float, publish_s: float,
     ) -> None:
-        staleness = [trained_with - g.adapter_version for g in groups]
         step_groups, self._step_groups = self._step_groups, StepGroups()
-        dropped = step_groups.reasons()
-        completions = [c for g in groups for c in g.completions]
-        lengths = [c.tokens.size for c in completions]
-        components: dict[str, list[float]] = {}
-        for c in completions:
-            for name, value in c.reward_components.items():
-                if value is not None and self._reward_names.keep(name):
-                    components.setdefault(name, []).append(value)
-        consumed = len(groups) + len(dropped)
-        # the policy's reward: every scored completion consumed this step, the flat and
-        # stale groups included (the trained groups alone overstate it early on)
-        scored = torch.cat([rewards_N, torch.tensor(step_groups.dropped_rewards(), dtype=rewards_N.dtype, device="cpu")])
         row = clean({
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
-            "reward_mean": float(scored.mean()),
-            "reward_std": float(scored.std()) if scored.numel() > 1 else 0.0,
-            "reward_trained_mean": float(rewards_N.mean()),
-            "groups": len(groups),
-            "staleness_mean": sum(staleness) / len(staleness),
-            "staleness_max": max(staleness),
-            "dropped_stale": step_groups.count("dropped_stale"),
-            "dropped_flat": step_groups.count("dropped_flat"),
-            "rejected": sum(1 for _, r in dropped if r.startswith("rejected_")),
-            "dropped_stale_rate": step_groups.count("dropped_stale") / consumed,
-            "dropped_flat_rate": step_groups.count("dropped_flat") / consumed,
-            "completion_len_mean": sum(lengths) / len(lengths),
-            "completion_len_max": max(lengths),
-            "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
-            **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
-            **scoring_figures(groups),
+            **group_figures(groups, step_groups, rewards_N.tolist(), trained_with, self._reward_names),
             **stats,
             "wait_s": wait_s,
             "step_s": step_s,
@@ -533,7 +500,7 @@ class Learner:
         })
         self._eval_figures = {}
         assert self.metrics is not None
-        self.metrics.write(row, [g.group_id for g in groups], dropped)
+        self.metrics.write(row, [g.group_id for g in groups], step_groups.reasons())
         if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
             decode = self.policy.tokenizer.decode
             self.metrics.samples([
@@ -544,20 +511,3 @@ class Learner:
             self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:
             log.info(console_line(row, self.cfg.steps))
-
-
-def scoring_figures(groups: list[RolloutGroup]) -> dict[str, float]:
-    """Trusted scoring's cost: seconds in the reward functions per group (`score_s_mean`)
-    and from the group's arrival in Redis to its score (`scoring_latency_s_mean`). Both
-    are the tier's own figures (`submitted_at` is the unscored entry's Redis time), never
-    the actor's: a group with no tier timings counts in neither."""
-    scored = [g for g in groups if g.scored_by is not None]
-    score = [g.timings["score_s"] for g in scored if "score_s" in g.timings]
-    latency = [g.timings["scored_at"] - g.timings["submitted_at"] for g in scored
-               if "scored_at" in g.timings and "submitted_at" in g.timings]
-    out = {}
-    if score:
-        out["score_s_mean"] = sum(score) / len(score)
-    if latency:
-        out["scoring_latency_s_mean"] = sum(latency) / len(latency)
-    return out

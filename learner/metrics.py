@@ -11,10 +11,13 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
+from learner.judge import StepGroups
 from learner.trackers import Sample, Tracker
+from protocol import RolloutGroup
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +120,57 @@ class RewardNames:
         if not self.fixed and name not in self.names and len(self.names) < self.limit:
             self.names.add(name)
         return name in self.names
+
+
+def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[float], trained_with: int,
+                  names: RewardNames) -> dict[str, float]:
+    """A step's figures from its groups: the policy's reward, staleness, what was dropped
+    and why, completion lengths, each reward function's mean, the scoring tier's cost.
+    `rewards_N`: the trained completions' rewards; `trained_with`: the policy's version."""
+    staleness = [trained_with - g.adapter_version for g in groups]
+    completions = [c for g in groups for c in g.completions]
+    lengths = [c.tokens.size for c in completions]
+    components: dict[str, list[float]] = {}
+    for c in completions:
+        for name, value in c.reward_components.items():
+            if value is not None and names.keep(name):
+                components.setdefault(name, []).append(value)
+    consumed = len(groups) + len(step.dropped)
+    # the policy's reward: every scored completion consumed this step, the flat and
+    # stale groups included (the trained groups alone overstate it early on)
+    scored = rewards_N + step.dropped_rewards()
+    return {
+        "reward_mean": sum(scored) / len(scored),
+        "reward_std": statistics.stdev(scored) if len(scored) > 1 else 0.0,
+        "reward_trained_mean": sum(rewards_N) / len(rewards_N),
+        "groups": len(groups),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "staleness_max": max(staleness),
+        "dropped_stale": step.count("dropped_stale"),
+        "dropped_flat": step.count("dropped_flat"),
+        "rejected": sum(1 for _, r in step.dropped if r.startswith("rejected_")),
+        "dropped_stale_rate": step.count("dropped_stale") / consumed,
+        "dropped_flat_rate": step.count("dropped_flat") / consumed,
+        "completion_len_mean": sum(lengths) / len(lengths),
+        "completion_len_max": max(lengths),
+        "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
+        **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
+        **scoring_figures(groups),
+    }
+
+
+def scoring_figures(groups: list[RolloutGroup]) -> dict[str, float]:
+    """Trusted scoring's cost: seconds in the reward functions per group (`score_s_mean`)
+    and from the group's arrival in Redis to its score (`scoring_latency_s_mean`). Both
+    are the tier's own figures (`submitted_at` is the unscored entry's Redis time), never
+    the actor's: a group with no tier timings counts in neither."""
+    scored = [g for g in groups if g.scored_by is not None]
+    score = [g.timings["score_s"] for g in scored if "score_s" in g.timings]
+    latency = [g.timings["scored_at"] - g.timings["submitted_at"] for g in scored
+               if "scored_at" in g.timings and "submitted_at" in g.timings]
+    out = {}
+    if score:
+        out["score_s_mean"] = sum(score) / len(score)
+    if latency:
+        out["scoring_latency_s_mean"] = sum(latency) / len(latency)
+    return out

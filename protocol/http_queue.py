@@ -92,6 +92,7 @@ from protocol.queue import (
     QueueStats,
     SubmitResult,
 )
+from protocol.retry import Backoff, retry
 from protocol.store import StoreError, StoreMissing
 
 log = logging.getLogger(__name__)
@@ -179,33 +180,35 @@ class HttpQueue(Queue):
     def _call(self, method: str, path: str, response: type, body: Any = None, params: dict[str, Any] | None = None) -> Any:
         content = encode_body(body) if body is not None else None
         headers = {"Content-Type": CONTENT_TYPE} if content is not None else None
-        deadline, backoff = time.monotonic() + self.retry_s, 0.25
         self.retried = False
-        while True:
+
+        def attempt() -> Any:
             try:
                 r = self.client.request(method, path, content=content, headers=headers, params=params)
             except httpx.TransportError as err:
                 if (bad := _tls_failure(err)) is not None:
                     raise QueueTLSError(
                         f"{self.url}: the certificate does not verify ({bad.verify_message}); "
-                        "give the proxy's CA with SPOTGRPO_CA_CERT or --ca-cert"
+                        "give the proxy's CA with SPOTGRPO_CA_CERT"
                     ) from None
-                problem, wait = f"{type(err).__name__}: {err}", backoff
-            else:
-                if r.status_code == 200:
-                    return decode_body(r.content, response)
-                code, message = _error_text(r)
-                if r.status_code in (429, 502, 503, 504):
-                    problem, wait = f"{r.status_code} {message}", _retry_after(r, backoff)
-                else:
-                    raise _error(r.status_code, code, message, path)
-            if self._stopping.is_set() or time.monotonic() + wait > deadline:
-                raise QueueUnavailable(f"{self.url}{path}: {problem}")
-            log.debug("%s %s: %s; retrying in %.2fs", method, path, problem, wait)
+                raise _Transient(f"{type(err).__name__}: {err}") from None
+            if r.status_code == 200:
+                return decode_body(r.content, response)
+            code, message = _error_text(r)
+            if r.status_code in (429, 502, 503, 504):
+                raise _Transient(f"{r.status_code} {message}", _retry_after(r))
+            raise _error(r.status_code, code, message, path)
+
+        def before_wait(err: BaseException, delay: float) -> None:
+            log.debug("%s %s: %s; retrying in %.2fs", method, path, err, delay)
             self.retried = True
-            if self._stopping.wait(wait):
-                raise QueueUnavailable(f"{self.url}{path}: {problem} (stopping)")
-            backoff = min(backoff * 2, 5.0)
+
+        try:
+            return retry(attempt, on=(_Transient,), deadline_s=self.retry_s, first=0.25, cap=5.0, stop=self._stopping,
+                         delay_of=lambda err, delay: err.wait if err.wait is not None else delay,  # type: ignore[attr-defined]
+                         before_wait=before_wait)
+        except _Transient as err:
+            raise QueueUnavailable(f"{self.url}{path}: {err}" + (" (stopping)" if self._stopping.is_set() else "")) from None
 
     # -------------------------------------------------------------------- prompts
     def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
@@ -355,11 +358,21 @@ def _ca_context(path: str) -> ssl.SSLContext:
         raise QueueTLSError(f"CA file {path}: not a PEM certificate ({err.reason or err})") from None
 
 
-def _retry_after(r: httpx.Response, default: float) -> float:
+class _Transient(Exception):
+    """A call to try again: an outage, or the proxy's 429/502/503/504 (`wait`: its Retry-After)."""
+
+    def __init__(self, problem: str, wait: float | None = None) -> None:
+        super().__init__(problem)
+        self.wait = wait
+
+
+def _retry_after(r: httpx.Response) -> float | None:
+    """The proxy's Retry-After in seconds (0.05 to 30), or None if it gave none."""
     try:
-        return min(30.0, max(0.05, float(r.headers.get("retry-after", default))))
+        value = r.headers.get("retry-after")
+        return None if value is None else min(30.0, max(0.05, float(value)))
     except ValueError:
-        return default
+        return None
 
 
 def _error(status: int, code: str, message: str, path: str) -> QueueError | ProtocolError:
@@ -403,7 +416,7 @@ class SseSubscription(AdapterSubscription):
         self._thread.join(timeout=2)
 
     def _run(self) -> None:
-        backoff = 0.25
+        backoff = Backoff(0.25, 5.0)
         while not self._stop.is_set():
             headers = {"Accept": "text/event-stream"}
             if self.last_event_id is not None:
@@ -416,7 +429,7 @@ class SseSubscription(AdapterSubscription):
                         return
                     if r.status_code != 200:
                         raise QueueError(f"events: HTTP {r.status_code}")
-                    backoff = 0.25
+                    backoff.reset()
                     for event_id, data in _sse_events(r.iter_lines()):
                         manifest = decode(base64.b64decode(data))
                         if isinstance(manifest, AdapterManifest):
@@ -428,9 +441,8 @@ class SseSubscription(AdapterSubscription):
                 if _tls_failure(err) is not None:
                     log.error("adapter events: the proxy's certificate does not verify; not retrying")
                     return
-                log.debug("adapter events: %s; reconnecting in %.2fs", err, backoff)
-            self._stop.wait(backoff)
-            backoff = min(backoff * 2, 5.0)
+                log.debug("adapter events: %s; reconnecting in %.2fs", err, backoff.next)
+            backoff.wait(self._stop)
 
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:

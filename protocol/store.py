@@ -22,7 +22,6 @@ import hashlib
 import os
 import re
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -30,6 +29,7 @@ from urllib.parse import urlparse
 
 from protocol.errors import ProtocolError
 from protocol.messages import AdapterFile, AdapterManifest, from_json
+from protocol.retry import retry
 
 T = TypeVar("T")
 
@@ -304,20 +304,32 @@ def retrying(
     max_s: float = 10.0,
     on_retry: Callable[[int, Exception], None] | None = None,
 ) -> T:
-    """Call `fn`, retrying the `retry_on` errors with capped exponential backoff. A missing
-    key is never retried. A store that still fails raises StoreError("gave up ..."); any
-    other error is re-raised as it was after the last attempt."""
-    for attempt in range(1, attempts + 1):
+    """Call `fn`, retrying the `retry_on` errors (`protocol.retry`). A missing key is never
+    retried. A store that still fails raises StoreError("gave up ..."); any other error is
+    re-raised as it was after the last attempt."""
+    made = [0]
+
+    def call() -> T:
+        made[0] += 1
         try:
             return fn()
-        except StoreMissing:
-            raise
-        except retry_on as err:
-            if attempt == attempts:
-                if isinstance(err, StoreError):
-                    raise StoreError(f"{what}: gave up after {attempts} attempts: {err}") from err
-                raise
-            if on_retry is not None:
-                on_retry(attempt, err)
-            time.sleep(min(max_s, base_s * 2 ** (attempt - 1)))
-    raise AssertionError("unreachable")
+        except StoreMissing as err:
+            raise _Final(err) from None
+
+    def before_wait(err: BaseException, _delay: float) -> None:
+        if on_retry is not None:
+            on_retry(made[0], err)  # type: ignore[arg-type]
+
+    try:
+        return retry(call, on=retry_on, attempts=attempts, first=base_s, cap=max_s, before_wait=before_wait)
+    except _Final as final:
+        raise final.error from None
+    except StoreError as err:
+        raise StoreError(f"{what}: gave up after {attempts} attempts: {err}") from err
+
+
+class _Final(Exception):
+    """An error `retrying` must not retry, whatever `retry_on` says (a missing key)."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error

@@ -7,13 +7,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
 from protocol.errors import QueueUnavailable
 from protocol.queue import Queue, QueueConfig
 from protocol.redis_queue import RedisQueue
+from protocol.retry import retry
 
 log = logging.getLogger(__name__)
 
@@ -42,23 +42,22 @@ def connect_queue(
     `stop` is set; the queue keeps `stop` as its own signal to stop retrying. A refusal
     (token, role, certificate) raises at once: it is not an outage. Raises QueueUnavailable
     with one line when the time is up."""
-    deadline, backoff = time.monotonic() + timeout_s, 1.0
-    while True:
+    def connect() -> Queue:
+        queue = open_queue(url, config, token, retry_s=min(30.0, timeout_s), stop=stop)
         try:
-            queue = open_queue(url, config, token, retry_s=min(30.0, timeout_s), stop=stop)
-            try:
-                queue.latest_adapter()
-            except BaseException:
-                queue.close()
-                raise
-            return queue
-        except QueueUnavailable as err:
-            if time.monotonic() + backoff > deadline:
-                raise QueueUnavailable(f"{url} unreachable for {timeout_s:g}s: {err}") from None
-            log.warning("queue unreachable, retrying in %.0fs: %s", backoff, err)
-            if stop.wait(backoff):
-                raise QueueUnavailable(f"{url} unreachable; stopped while waiting") from None
-            backoff = min(backoff * 2, 30.0)
+            queue.latest_adapter()
+        except BaseException:
+            queue.close()
+            raise
+        return queue
+
+    try:
+        return retry(connect, on=(QueueUnavailable,), deadline_s=timeout_s, first=1.0, stop=stop,
+                     before_wait=lambda err, delay: log.warning("queue unreachable, retrying in %.0fs: %s", delay, err))
+    except QueueUnavailable as err:
+        if stop.is_set():
+            raise QueueUnavailable(f"{url} unreachable; stopped while waiting") from None
+        raise QueueUnavailable(f"{url} unreachable for {timeout_s:g}s: {err}") from None
 
 
 def fingerprint_of_model(spec: str) -> str:

@@ -11,7 +11,6 @@ import argparse
 import logging
 import os
 import sys
-import time
 from pathlib import Path
 
 log = logging.getLogger("proxy")
@@ -155,19 +154,18 @@ def wait_for_redis(url: str, config: object, max_connections: int, timeout_s: fl
     """The run's Redis, waited for up to `timeout_s` (it may start after the proxy, as in
     compose): the learner and the actors wait the same way. Raises QueueUnavailable."""
     from protocol import QueueUnavailable, RedisQueue
+    from protocol.retry import retry
 
-    deadline, backoff = time.monotonic() + timeout_s, 0.5
-    while True:
-        try:
-            queue = RedisQueue.from_url(url, config, max_connections=max_connections)  # type: ignore[arg-type]
-            queue.latest_adapter()
-            return queue
-        except QueueUnavailable as err:
-            if time.monotonic() + backoff > deadline:
-                raise QueueUnavailable(f"unreachable for {timeout_s:g}s: {err}") from None
-            log.warning("redis unreachable, retrying in %.1fs: %s", backoff, err)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+    def connect() -> RedisQueue:
+        queue = RedisQueue.from_url(url, config, max_connections=max_connections)  # type: ignore[arg-type]
+        queue.latest_adapter()
+        return queue
+
+    try:
+        return retry(connect, on=(QueueUnavailable,), deadline_s=timeout_s, cap=10.0,
+                     before_wait=lambda err, delay: log.warning("redis unreachable, retrying in %.1fs: %s", delay, err))
+    except QueueUnavailable as err:
+        raise QueueUnavailable(f"unreachable for {timeout_s:g}s: {err}") from None
 
 
 def share_memory_redis(server: object, port: int) -> None:
