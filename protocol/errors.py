@@ -74,9 +74,41 @@ class TooManyWorkers(QueueRefused):
     code = "too_many_workers"
 
 
+class QueueNotFound(QueueError, LookupError):
+    """The proxy has no such thing (404): an adapter version that does not exist."""
+
+
 REFUSALS: dict[str, type[QueueRefused]] = {
     cls.code: cls
     for cls in (QueueForbidden, QueueTLSError, LeaseMismatch, LeaseLost, SubmissionRejected, VersionConflict,
                 TooManyWorkers)
 }
 """Refusals by their wire code, so the HTTPS client raises what the proxy's queue raised."""
+
+REFUSAL_STATUS: dict[type[QueueRefused], int] = {
+    QueueForbidden: 403, SubmissionRejected: 422, LeaseLost: 409, LeaseMismatch: 409, VersionConflict: 409,
+    TooManyWorkers: 409,
+}
+"""The HTTP status each refusal travels as (its `code` goes in the body); 409 for any other."""
+
+
+def status_of(err: QueueRefused) -> int:
+    """The proxy's side: the status of a refusal."""
+    return REFUSAL_STATUS.get(type(err), 409)
+
+
+def from_response(status: int, code: str, message: str, where: str) -> QueueError | ProtocolError:
+    """The client's side: the exception an error answer stands for. The body's `code`
+    names a refusal exactly; otherwise the status decides (bad input is a ProtocolError,
+    as the queue itself raises it)."""
+    if status in (401, 403):
+        return QueueForbidden(f"{status} {where}: {message}")
+    if code in REFUSALS:
+        return REFUSALS[code](message)
+    if status in (400, 413, 415, 422):
+        return ProtocolError(message)
+    if status == 409:
+        return VersionConflict(message) if "announce" in where else LeaseMismatch(message)
+    if status == 404:
+        return QueueNotFound(f"404 {where}: {message}")
+    return QueueError(f"{status} {where}: {message}")

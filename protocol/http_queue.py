@@ -36,46 +36,32 @@ from typing import Any
 
 import httpx
 
+from protocol import api
+from protocol.api import Endpoint
 from protocol.errors import (
-    REFUSALS,
-    LeaseMismatch,
     ProtocolError,
     QueueError,
     QueueForbidden,
+    QueueNotFound,
     QueueTLSError,
     QueueUnavailable,
-    VersionConflict,
+    from_response,
 )
 from protocol.http import (
     CONTENT_TYPE,
     AckRequest,
-    AckResponse,
     AdapterDownload,
-    AdapterEventsResponse,
     AddPromptsRequest,
-    AddPromptsResponse,
     AnnounceRequest,
-    AnnounceResponse,
     ClaimRequest,
-    ClaimResponse,
-    DeadLettersResponse,
     ErrorResponse,
     ExpireRunRequest,
-    ExpireRunResponse,
     HeartbeatRequest,
-    HeartbeatResponse,
-    LatestAdapterResponse,
     ReadRolloutsRequest,
     ReleaseRequest,
-    ReleaseResponse,
     ReportStatusRequest,
-    ReportStatusResponse,
-    RolloutsResponse,
-    StatsResponse,
     SubmitRequest,
-    SubmitResponse,
     WhoAmIResponse,
-    WorkersResponse,
     decode_body,
     encode_body,
 )
@@ -131,10 +117,6 @@ def _tls_failure(err: BaseException) -> ssl.SSLCertVerificationError | None:
     return None
 
 
-class QueueNotFound(QueueError, LookupError):
-    """The proxy has no such thing (404): an adapter version that does not exist."""
-
-
 class HttpQueue(Queue):
     def __init__(
         self,
@@ -177,7 +159,9 @@ class HttpQueue(Queue):
         self._stopping.set()
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, method: str, path: str, response: type, body: Any = None, params: dict[str, Any] | None = None) -> Any:
+    def _call(self, endpoint: Endpoint, body: Any = None, params: dict[str, Any] | None = None, **path_params: object) -> Any:
+        """One call of `endpoint` (`protocol.api`), retried through outages; its response body."""
+        method, path, response = endpoint.method, endpoint.url(**path_params), endpoint.response
         content = encode_body(body) if body is not None else None
         headers = {"Content-Type": CONTENT_TYPE} if content is not None else None
         self.retried = False
@@ -197,7 +181,7 @@ class HttpQueue(Queue):
             code, message = _error_text(r)
             if r.status_code in (429, 502, 503, 504):
                 raise _Transient(f"{r.status_code} {message}", _retry_after(r))
-            raise _error(r.status_code, code, message, path)
+            raise from_response(r.status_code, code, message, path)
 
         def before_wait(err: BaseException, delay: float) -> None:
             log.debug("%s %s: %s; retrying in %.2fs", method, path, err, delay)
@@ -214,22 +198,22 @@ class HttpQueue(Queue):
     def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
         if not batches:
             return 0
-        return self._call("POST", "/v1/prompts", AddPromptsResponse, AddPromptsRequest(batches=list(batches))).added
+        return self._call(api.ADD_PROMPTS, AddPromptsRequest(batches=list(batches))).added
 
     def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
-        return self._call("POST", "/v1/leases/claim", ClaimResponse, ClaimRequest(worker=worker, count=count, block_s=block_s)).leases
+        return self._call(api.CLAIM, ClaimRequest(worker=worker, count=count, block_s=block_s)).leases
 
     def heartbeat(self, worker: str, lease_ids: Sequence[str]) -> list[str]:
         body = HeartbeatRequest(worker=worker, lease_ids=list(lease_ids))
-        return self._call("POST", "/v1/leases/heartbeat", HeartbeatResponse, body).lease_ids
+        return self._call(api.HEARTBEAT, body).lease_ids
 
     def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
         body = SubmitRequest(worker=worker, lease_id=lease_id, groups=list(groups))
-        return self._call("POST", "/v1/leases/submit", SubmitResponse, body).result
+        return self._call(api.SUBMIT, body).result
 
     def release(self, worker: str, lease_id: str) -> bool:
         body = ReleaseRequest(worker=worker, lease_id=lease_id)
-        return self._call("POST", "/v1/leases/release", ReleaseResponse, body).released
+        return self._call(api.RELEASE, body).released
 
     # ------------------------------------------------------------------- rollouts
     def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
@@ -242,7 +226,7 @@ class HttpQueue(Queue):
                 return missed
         body = ReadRolloutsRequest(consumer=consumer, count=count, block_s=block_s)
         try:
-            deliveries = self._call("POST", "/v1/rollouts/read", RolloutsResponse, body).deliveries
+            deliveries = self._call(api.READ_ROLLOUTS, body).deliveries
         except QueueUnavailable:
             self._resync.add(consumer)
             raise
@@ -253,7 +237,7 @@ class HttpQueue(Queue):
 
     def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
         body = ReadRolloutsRequest(consumer=consumer, count=count, pending=True, after=after)
-        return self._call("POST", "/v1/rollouts/read", RolloutsResponse, body).deliveries
+        return self._call(api.READ_ROLLOUTS, body).deliveries
 
     def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
         ids, batches = list(delivery_ids), list(finished)
@@ -261,27 +245,27 @@ class HttpQueue(Queue):
         for i in range(0, max(len(ids), len(batches)), 256):
             chunk = ids[i : i + 256]
             body = AckRequest(delivery_ids=chunk, finished=batches[i : i + 256])
-            acked += self._call("POST", "/v1/rollouts/ack", AckResponse, body).acked
+            acked += self._call(api.ACK, body).acked
             for received in self._received.values():
                 received.difference_update(chunk)
         return acked
 
     def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
-        return self._call("GET", "/v1/dead-letters", DeadLettersResponse, params={"after": after, "count": count}).entries
+        return self._call(api.DEAD_LETTERS, params={"after": after, "count": count}).entries
 
     # ------------------------------------------------------------------- adapters
     def announce(self, manifest: AdapterManifest) -> str:
-        return self._call("POST", "/v1/adapters/announce", AnnounceResponse, AnnounceRequest(manifest=manifest)).event_id
+        return self._call(api.ANNOUNCE, AnnounceRequest(manifest=manifest)).event_id
 
     def latest_adapter(self) -> AdapterManifest | None:
-        return self._call("GET", "/v1/adapters/latest", LatestAdapterResponse).manifest
+        return self._call(api.LATEST_ADAPTER).manifest
 
     def adapter_events(self, after: str = "0", count: int = 100, block_s: float = 0.0) -> list[AdapterEvent]:
         params = {"after": after, "count": count, "block_ms": int(block_s * 1000)}
-        return self._call("GET", "/v1/adapters/history", AdapterEventsResponse, params=params).events
+        return self._call(api.ADAPTER_HISTORY, params=params).events
 
     def subscribe_adapters(self) -> AdapterSubscription:
-        sub = SseSubscription(self.client, "/v1/adapters/events")
+        sub = SseSubscription(self.client, api.ADAPTER_EVENTS.path)
         self._subscriptions.append(sub)
         return sub
 
@@ -289,7 +273,7 @@ class HttpQueue(Queue):
         """The manifest of adapter `version` and a URL per file (presigned, or the proxy's
         own). Raises StoreMissing for a version that does not exist, else StoreError."""
         try:
-            return self._call("GET", f"/v1/adapters/{version}", AdapterDownload)
+            return self._call(api.ADAPTER_DOWNLOAD, version=version)
         except QueueNotFound as err:
             raise StoreMissing(f"adapter v{version}: {err}") from None
         except QueueError as err:
@@ -315,23 +299,23 @@ class HttpQueue(Queue):
         return r.content
 
     def expire_run(self, ttl_s: float) -> int:
-        return self._call("POST", "/v1/run/expire", ExpireRunResponse, ExpireRunRequest(ttl_s=ttl_s)).keys
+        return self._call(api.EXPIRE_RUN, ExpireRunRequest(ttl_s=ttl_s)).keys
 
     # ------------------------------------------------------------------- fleet
     def report_status(self, status: WorkerStatus) -> None:
-        self._call("POST", "/v1/workers/status", ReportStatusResponse, ReportStatusRequest(status=status))
+        self._call(api.REPORT_STATUS, ReportStatusRequest(status=status))
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         """The proxy lists at most 500, those furthest behind first."""
-        return self._call("GET", "/v1/workers", WorkersResponse, params={"max_age_s": max(1, round(max_age_s))}).workers
+        return self._call(api.WORKERS, params={"max_age_s": max(1, round(max_age_s))}).workers
 
     def whoami(self) -> WhoAmIResponse:
         """The token's name and role, and the run the proxy serves."""
-        return self._call("GET", "/v1/whoami", WhoAmIResponse)
+        return self._call(api.WHOAMI)
 
     # ------------------------------------------------------------------- everyone
     def stats(self) -> QueueStats:
-        return self._call("GET", "/v1/stats", StatsResponse).stats
+        return self._call(api.STATS).stats
 
     def close(self) -> None:
         for sub in self._subscriptions:
@@ -373,20 +357,6 @@ def _retry_after(r: httpx.Response) -> float | None:
         return None if value is None else min(30.0, max(0.05, float(value)))
     except ValueError:
         return None
-
-
-def _error(status: int, code: str, message: str, path: str) -> QueueError | ProtocolError:
-    if status in (401, 403):
-        return QueueForbidden(f"{status} {path}: {message}")
-    if code in REFUSALS:
-        return REFUSALS[code](message)
-    if status in (400, 413, 415, 422):
-        return ProtocolError(message)
-    if status == 409:
-        return VersionConflict(message) if "announce" in path else LeaseMismatch(message)
-    if status == 404:
-        return QueueNotFound(f"404 {path}: {message}")
-    return QueueError(f"{status} {path}: {message}")
 
 
 class SseSubscription(AdapterSubscription):

@@ -4,9 +4,10 @@ Stateless: every request is served from Redis and the store, so any number of pr
 can run behind a load balancer and a restarted one loses nothing. Leases are taken over
 and poison batches dead-lettered inside the queue's claim, so no janitor is needed.
 
-Each route is declared once in `ROUTES` with the roles that may call it, its request
-and response bodies and its handler; the app, the auth checks and `/openapi.json` are
-all generated from that table, so a route cannot exist without its roles.
+Each endpoint is declared once in `protocol.api` with the roles that may call it and its
+request and response bodies, shared with the HTTPS client; `HANDLERS` binds a handler to
+each, and the app, the auth checks and `/openapi.json` are generated from that table, so
+a route cannot exist without its roles (nor an endpoint without its handler).
 
 One actor token cannot hurt a run (see the README's "What one actor token can do"):
 - the worker name a token uses is prefixed with the token's name (`fleet-a/host-1`), so
@@ -50,18 +51,18 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Route
 
 from protocol import (
-    LeaseLost,
     ProtocolError,
     QueueError,
-    QueueForbidden,
     QueueRefused,
     QueueUnavailable,
     RedisQueue,
-    SubmissionRejected,
     WorkerStatus,
+    api,
     encode,
     is_entry_id,
 )
+from protocol.api import Endpoint
+from protocol.errors import status_of
 from protocol.http import (
     ACCEPTED_CONTENT_TYPES,
     CONTENT_TYPE,
@@ -99,7 +100,7 @@ from protocol.http import (
 )
 from protocol.messages import DEFAULT_LIMITS, Limits
 from protocol.store import FileStore, Store, StoreError, StoreMissing, adapter_key
-from proxy.auth import Role, Token, Tokens
+from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub
 from proxy.fairness import Holds, OverCap, SharedRateLimit
 from proxy.metrics import MetricsMiddleware, ProxyMetrics
@@ -338,60 +339,26 @@ def _int_param(params: dict[str, str], name: str, default: int, low: int, high: 
 # ----------------------------------------------------------------------- routes
 
 
-@dataclass(frozen=True)
-class RouteSpec:
-    method: str
-    path: str
-    roles: frozenset[str]
-    """Who may call it; empty: no token needed."""
-    summary: str
-    handler: Callable[..., Any] | None = None
-    request: type | None = None
-    response: type | None = None
-
-
-def _r(method: str, path: str, roles: set[Role] | set[str], summary: str, handler=None, request=None, response=None) -> RouteSpec:  # type: ignore[no-untyped-def]
-    return RouteSpec(method, path, frozenset(roles), summary, handler, request, response)
-
-
-ROUTES: list[RouteSpec] = [
-    _r("POST", "/v1/leases/claim", {"actor"}, "Claim prompt batches (long-poll); expired leases are taken over first.", claim, ClaimRequest, ClaimResponse),
-    _r("POST", "/v1/leases/heartbeat", {"actor"}, "Extend leases; returns those still held.", heartbeat, HeartbeatRequest, HeartbeatResponse),
-    _r("POST", "/v1/leases/submit", {"actor"}, "Store a batch's rollout groups and acknowledge its lease (idempotent by group id).", submit, SubmitRequest, SubmitResponse),
-    _r("POST", "/v1/leases/release", {"actor"}, "Hand a lease back unfinished.", release, ReleaseRequest, ReleaseResponse),
-    _r("POST", "/v1/workers/status", {"actor"}, "Report this worker's status (adapter loaded, last error, throughput).", report_status, ReportStatusRequest, ReportStatusResponse),
-    _r("GET", "/v1/workers", {"learner", "admin"}, "Workers that reported within ?max_age_s= (default 120), with their status: up to ?limit= (default 500, at most 1000), furthest behind first, and how many in all.", list_workers, None, WorkersResponse),
-    _r("GET", "/v1/whoami", {"actor", "learner", "admin"}, "The token's name and role, and the run this proxy serves.", whoami, None, WhoAmIResponse),
-    _r("GET", "/v1/adapters/latest", {"actor", "learner"}, "The newest announced adapter manifest.", latest_adapter, None, LatestAdapterResponse),
-    _r("GET", "/v1/adapters/events", {"actor", "learner"}, "Adapter announcements as server-sent events; resumes after Last-Event-ID."),
-    _r("GET", "/v1/adapters/history", {"actor", "learner"}, "Announcements after ?after= (up to ?count=, waiting up to ?block_ms=).", adapter_history, None, AdapterEventsResponse),
-    _r("GET", "/v1/adapters/{version}", {"actor"}, "Manifest and short-lived download URLs of one adapter version.", adapter_download, None, AdapterDownload),
-    _r("GET", "/v1/adapters/{version}/files/{name}", {"actor"}, "One adapter file, streamed by the proxy (file:// stores)."),
-    _r("POST", "/v1/prompts", {"learner"}, "Queue prompt batches (idempotent by batch id).", add_prompts, AddPromptsRequest, AddPromptsResponse),
-    _r("POST", "/v1/rollouts/read", {"learner"}, "Read new (or, with pending, unacknowledged) rollout groups.", read_rollouts, ReadRolloutsRequest, RolloutsResponse),
-    _r("POST", "/v1/rollouts/ack", {"learner"}, "Acknowledge consumed rollout groups.", ack, AckRequest, AckResponse),
-    _r("POST", "/v1/run/expire", {"learner"}, "The run is over: its keys expire after ttl_s.", expire_run, ExpireRunRequest, ExpireRunResponse),
-    _r("POST", "/v1/adapters/announce", {"learner"}, "Make a manifest the latest adapter.", announce, AnnounceRequest, AnnounceResponse),
-    _r("GET", "/v1/dead-letters", {"learner", "admin"}, "Dead-lettered batches after ?after=, up to ?count=.", dead_letters, None, DeadLettersResponse),
-    _r("GET", "/v1/stats", {"learner", "admin"}, "Stream depths, leases by worker, latest version.", stats, None, StatsResponse),
-    _r("GET", "/metrics", {"admin"}, "Prometheus metrics."),
-    _r("GET", "/healthz", set(), "200 when Redis answers."),
-    _r("GET", "/openapi.json", set(), "This document."),
-]
+HANDLERS: dict[Endpoint, Callable[..., Any]] = {
+    api.CLAIM: claim, api.HEARTBEAT: heartbeat, api.SUBMIT: submit, api.RELEASE: release,
+    api.REPORT_STATUS: report_status, api.WORKERS: list_workers, api.WHOAMI: whoami,
+    api.LATEST_ADAPTER: latest_adapter, api.ADAPTER_HISTORY: adapter_history, api.ADAPTER_DOWNLOAD: adapter_download,
+    api.ADD_PROMPTS: add_prompts, api.READ_ROLLOUTS: read_rollouts, api.ACK: ack, api.EXPIRE_RUN: expire_run,
+    api.ANNOUNCE: announce, api.DEAD_LETTERS: dead_letters, api.STATS: stats,
+}
+"""Plain handlers: (ctx, token, decoded body, params) -> the endpoint's response type, in a worker thread."""
 
 
 def build_app(ctx: Context) -> Starlette:
-    special: dict[str, Callable[..., Any]] = {
-        "/v1/adapters/events": _events,
-        "/v1/adapters/{version}/files/{name}": _file,
-        "/metrics": _metrics,
-        "/healthz": _healthz,
-        "/openapi.json": _openapi,
+    special: dict[Endpoint, Callable[..., Any]] = {  # streams, files, text: async, with the request itself
+        api.ADAPTER_EVENTS: _events, api.ADAPTER_FILE: _file, api.METRICS: _metrics, api.HEALTHZ: _healthz,
+        api.OPENAPI: _openapi,
     }
-    routes = [
-        Route(spec.path, _endpoint(spec, special.get(spec.path)), methods=[spec.method], name=spec.path)
-        for spec in ROUTES
-    ]
+    missing = [e.path for e in api.ENDPOINTS if e not in HANDLERS and e not in special]
+    if missing:
+        raise RuntimeError(f"endpoints without a handler: {missing}")
+    routes = [Route(e.path, _endpoint(e, HANDLERS.get(e), special.get(e)), methods=[e.method], name=e.path)
+              for e in api.ENDPOINTS]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -405,7 +372,8 @@ def build_app(ctx: Context) -> Starlette:
     return app
 
 
-def _endpoint(spec: RouteSpec, special: Callable[..., Any] | None) -> Callable[[Request], Any]:
+def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Callable[..., Any] | None,
+              ) -> Callable[[Request], Any]:
     async def endpoint(request: Request) -> Response:
         ctx: Context = request.app.state.ctx
         try:
@@ -416,14 +384,14 @@ def _endpoint(spec: RouteSpec, special: Callable[..., Any] | None) -> Callable[[
             params = {**request.query_params, **request.path_params}
             if token is not None and _waits(body, params):
                 with _hold(ctx, token, "long-poll"):
-                    result = await run_in_threadpool(spec.handler, ctx, token, body, params)  # type: ignore[arg-type]
+                    result = await run_in_threadpool(handler, ctx, token, body, params)  # type: ignore[arg-type]
             else:
-                result = await run_in_threadpool(spec.handler, ctx, token, body, params)  # type: ignore[arg-type]
+                result = await run_in_threadpool(handler, ctx, token, body, params)  # type: ignore[arg-type]
             return Response(encode_body(result), media_type=CONTENT_TYPE)
         except ApiError as err:
             return error_response(err.status, err.message, err.headers)
         except QueueRefused as err:  # the queue refused a lease or version: nothing changed
-            return error_response(_REFUSAL_STATUS.get(type(err), 409), str(err), code=err.code)
+            return error_response(status_of(err), str(err), code=err.code)
         except (ProtocolError, ValueError) as err:  # the queue refused the arguments
             return error_response(400, str(err))
         except QueueUnavailable as err:
@@ -443,7 +411,6 @@ def _endpoint(spec: RouteSpec, special: Callable[..., Any] | None) -> Callable[[
     return endpoint
 
 
-_REFUSAL_STATUS: dict[type[QueueRefused], int] = {QueueForbidden: 403, SubmissionRejected: 422, LeaseLost: 409}
 
 
 def _waits(body: Any, params: dict[str, str]) -> bool:
@@ -468,7 +435,7 @@ def _hold(ctx: Context, token: Token, kind: str) -> Iterator[None]:
         ctx.holds.release(token.name, kind)
 
 
-async def _authorise(ctx: Context, spec: RouteSpec, request: Request) -> Token | None:
+async def _authorise(ctx: Context, spec: Endpoint, request: Request) -> Token | None:
     if not spec.roles:
         return None
     header = request.headers.get("authorization", "")
@@ -486,7 +453,7 @@ async def _authorise(ctx: Context, spec: RouteSpec, request: Request) -> Token |
     return token
 
 
-async def _read_body(ctx: Context, spec: RouteSpec, request: Request) -> Any:
+async def _read_body(ctx: Context, spec: Endpoint, request: Request) -> Any:
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media not in ACCEPTED_CONTENT_TYPES:
         raise ApiError(415, f"content type must be {CONTENT_TYPE}, got {media or 'none'}")
@@ -602,7 +569,7 @@ async def _openapi(ctx: Context, token: Token | None, request: Request) -> Respo
 def openapi_document() -> dict[str, Any]:
     refs, components = schema_components()
     paths: dict[str, dict[str, Any]] = {}
-    for spec in ROUTES:
+    for spec in api.ENDPOINTS:
         op: dict[str, Any] = {
             "summary": spec.summary,
             "x-roles": sorted(spec.roles),

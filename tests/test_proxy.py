@@ -27,6 +27,7 @@ from protocol import (
     encode,
     to_json,
 )
+from protocol.api import ENDPOINTS
 from protocol.http import (
     CONTENT_TYPE,
     AckRequest,
@@ -37,7 +38,6 @@ from protocol.http import (
 )
 from protocol.http_queue import QueueForbidden
 from protocol.store import StoreMissing, adapter_key, file_entry, open_store
-from proxy.app import ROUTES
 from proxy.auth import TokenError, Tokens
 
 pytestmark = pytest.mark.redis
@@ -104,7 +104,7 @@ def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:  # type: ignor
                 else:
                     assert status == expected, (method, path, role, secret, status)
                 checked += 1
-    assert checked == 5 * sum(1 for spec in ROUTES if spec.roles) and checked >= 16 * 5
+    assert checked == 5 * sum(1 for e in ENDPOINTS if e.roles) and checked >= 16 * 5
 
 
 # -------------------------------------------------------------------- bad input
