@@ -120,7 +120,12 @@ def make_server(tmp_path: Path) -> Iterator[type[RedisServer]]:
 def backend(request: pytest.FixtureRequest) -> Iterator[object]:
     """A client factory on a real redis-server or an in-process fakeredis server.
     Each call returns a new client (a new connection) to the same server."""
-    if request.param == "redis":
+    yield from redis_clients(request, request.param)
+
+
+def redis_clients(request: pytest.FixtureRequest, kind: str) -> Iterator[object]:
+    """`backend`'s body: a factory of clients of a real ("redis") or fake Redis server."""
+    if kind == "redis":
         request.applymarker(pytest.mark.redis)
         server: RedisServer = request.getfixturevalue("redis_server")
         clients: list[redis.Redis] = []
