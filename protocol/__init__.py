@@ -3,7 +3,12 @@
 Public API: the messages, `encode`/`decode` (MessagePack), `ProtocolError`, the
 `Queue` interface and its Redis transport, `open_queue(url)`, and the object store
 (`open_store(url)`).
+
+`RedisQueue` is imported on first use (PEP 562), not with the package: a spot worker,
+which reaches its queue through the proxy, never imports a Redis client.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from protocol.errors import (
     LeaseLost,
@@ -57,9 +62,19 @@ from protocol.queue import (
     SubmitResult,
     is_entry_id,
 )
-from protocol.redis_queue import RedisQueue
 from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
 from protocol.urls import check_model_path, connect_queue, fingerprint_of_model, open_queue
+
+if TYPE_CHECKING:
+    from protocol.redis_queue import RedisQueue
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisQueue":
+        from protocol.redis_queue import RedisQueue
+
+        return RedisQueue
+    raise AttributeError(f"module 'protocol' has no attribute {name!r}")
 
 __all__ = [
     "DEFAULT_LIMITS",

@@ -12,7 +12,6 @@ from urllib.parse import urlparse
 
 from protocol.errors import QueueUnavailable
 from protocol.queue import Queue, QueueConfig
-from protocol.redis_queue import RedisQueue
 from protocol.retry import retry
 
 log = logging.getLogger(__name__)
@@ -26,6 +25,9 @@ def open_queue(
     once set, such calls stop retrying (the process is shutting down)."""
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
+        # the trusted side's transport: a spot worker (https://) never imports a Redis client
+        from protocol.redis_queue import RedisQueue
+
         return RedisQueue.from_url(url, config)
     if scheme in ("https", "http"):
         from protocol.http_queue import HttpQueue  # httpx only where it is used

@@ -412,3 +412,23 @@ def test_a_version_evicted_while_in_use_can_be_taken_back(tmp_path: Path, tiny_m
     engine.evict_adapter(1, on_released=lambda: released.append(1))
     engine.step(0.0)
     assert released == [1] and engine.loaded_versions() == [2]
+
+
+def test_a_spot_worker_imports_no_redis_client() -> None:
+    """What runs on an untrusted machine (`actors run --queue https://...`: the command,
+    the work loop, the engines' interface, the watcher, rewards, the HTTPS queue) imports
+    neither redis nor rq nor fakeredis: the trust boundary shows in the imports."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import actors.cli, actors.check, actors.worker, actors.watcher, actors.engine, actors.hf_engine\n"
+        "import actors.rewards, actors.metrics\n"
+        "from protocol import QueueConfig, open_queue\n"
+        "q = open_queue('https://127.0.0.1:1', QueueConfig(), 'x' * 40)\n"
+        "q.close()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('redis', 'rq', 'fakeredis')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
