@@ -22,6 +22,7 @@ from protocol.errors import (
     SubmissionRejected,
     VersionConflict,
 )
+from protocol.fingerprint import fingerprint_of_model, model_fingerprint
 from protocol.keys import Keys
 from protocol.messages import (
     DEFAULT_LIMITS,
@@ -41,7 +42,6 @@ from protocol.messages import (
     encode,
     from_json,
     group_id_for,
-    model_fingerprint,
     pack_f32,
     pack_i32,
     to_json,
@@ -63,7 +63,7 @@ from protocol.queue import (
     is_entry_id,
 )
 from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
-from protocol.urls import check_model_path, connect_queue, fingerprint_of_model, open_queue
+from protocol.urls import check_model_path, connect_queue, open_queue
 
 if TYPE_CHECKING:
     from protocol.redis_queue import RedisQueue

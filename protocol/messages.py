@@ -17,7 +17,6 @@ Guarantees:
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -25,13 +24,20 @@ import msgspec
 import numpy as np
 
 from protocol.errors import ProtocolError
+from protocol.packing import (
+    check_f32,
+    check_finite,
+    check_json_like,
+    check_token_ids,
+    pack_f32,
+    pack_i32,
+    unpack_f32,
+    unpack_i32,
+)
 from protocol.text import SAFE_LINE, SAFE_NAME
 
 SCHEMA_VERSION = 1
 """Bumped on any incompatible change; decoders refuse versions they do not know."""
-
-_I32 = np.dtype("<i4")
-_F32 = np.dtype("<f4")
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -50,79 +56,6 @@ Timestamp = Annotated[float, msgspec.Meta(ge=0.0, le=1e11)]
 FileName = Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")]
 """A plain file name: no directory part, no leading dot, so it can never escape its folder."""
 Sha256Hex = Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{64}$")]
-
-
-# ---------------------------------------------------------------------------- packing
-
-
-def pack_i32(values: Any) -> bytes:
-    """Pack integers (a sequence or array) as little-endian int32 bytes."""
-    arr = np.asarray(values)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise ProtocolError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-        raise ProtocolError("token ids must fit in int32")
-    return np.ascontiguousarray(arr.reshape(-1), dtype=_I32).tobytes()
-
-
-def pack_f32(values: Any) -> bytes:
-    """Pack floats (a sequence or array) as little-endian float32 bytes."""
-    return np.ascontiguousarray(
-        np.asarray(values, dtype=np.float64).reshape(-1), dtype=_F32
-    ).tobytes()
-
-
-def unpack_i32(data: bytes) -> np.ndarray:
-    """A read-only int32 view of packed bytes (no copy)."""
-    return np.frombuffer(data, dtype=_I32)
-
-
-def unpack_f32(data: bytes) -> np.ndarray:
-    """A read-only float32 view of packed bytes (no copy)."""
-    return np.frombuffer(data, dtype=_F32)
-
-
-def _check_token_ids(field: str, data: bytes) -> int:
-    if len(data) % 4:
-        raise ProtocolError(f"{field}: {len(data)} bytes is not a whole number of int32 values")
-    ids = unpack_i32(data)
-    if ids.size and ids.min() < 0:
-        raise ProtocolError(f"{field}: negative token id {int(ids.min())}")
-    return ids.size
-
-
-def _check_json_like(field: str, value: Any, depth: int) -> None:
-    """Dataset columns must survive a JSON round trip: no bytes, no extension types."""
-    if depth > 32:
-        raise ProtocolError(f"{field}: nested more than 32 levels deep")
-    if value is None or isinstance(value, str | bool | int):
-        return
-    if isinstance(value, float):
-        _check_finite(field, value)
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_json_like(f"{field}[{i}]", item, depth + 1)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise ProtocolError(f"{field}: keys must be strings")
-            _check_json_like(f"{field}[{key!r}]", item, depth + 1)
-    else:
-        raise ProtocolError(f"{field}: {type(value).__name__} is not a JSON value")
-
-
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-def _check_finite(field: str, value: float | None) -> None:
-    if value is not None and not math.isfinite(value):
-        raise ProtocolError(f"{field}: must be finite, got {value}")
-
-
-def _check_f32(field: str, value: float | None) -> None:
-    """Finite in float32, where the learner computes: 1e39 is finite in float64 and inf there."""
-    if value is not None and not (math.isfinite(value) and abs(value) <= _F32_MAX):
-        raise ProtocolError(f"{field}: must be finite in float32 (|x| <= {_F32_MAX:.3g}), got {value}")
 
 
 # ---------------------------------------------------------------------------- messages
@@ -155,7 +88,7 @@ class SamplingParams(_Struct):
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
-            _check_finite(name, getattr(self, name))
+            check_finite(name, getattr(self, name))
 
 
 class ChatTurn(_Struct):
@@ -185,8 +118,8 @@ class Prompt(_Struct):
                 f"prompt {self.id!r}: one of text, messages or token_ids is required"
             )
         if self.token_ids is not None:
-            _check_token_ids("token_ids", self.token_ids)
-        _check_json_like("columns", self.columns, depth=0)
+            check_token_ids("token_ids", self.token_ids)
+        check_json_like("columns", self.columns, depth=0)
 
 
 class PromptBatch(_Struct, tag="prompt_batch", tag_field="type", kw_only=True):
@@ -240,7 +173,7 @@ class Completion(_Struct):
     """Why this completion has no reward; None when it has one."""
 
     def __post_init__(self) -> None:
-        n = _check_token_ids("token_ids", self.token_ids)
+        n = check_token_ids("token_ids", self.token_ids)
         if len(self.logprobs) % 4:
             raise ProtocolError(
                 f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values"
@@ -253,9 +186,9 @@ class Completion(_Struct):
                 raise ProtocolError("logprobs: NaN or infinite value")
             if lp.max() > 0.0:
                 raise ProtocolError(f"logprobs: positive log-probability {float(lp.max())}")
-        _check_f32("reward", self.reward)
+        check_f32("reward", self.reward)
         for name, value in self.reward_components.items():
-            _check_f32(f"reward_components[{name!r}]", value)
+            check_f32(f"reward_components[{name!r}]", value)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -305,9 +238,9 @@ class RolloutGroup(_Struct, tag="rollout_group", tag_field="type", kw_only=True)
         _check_schema(self.schema)
         if self.group_id != group_id_for(self.batch_id, self.prompt_id):
             raise ProtocolError("group_id: does not match group_id_for(batch_id, prompt_id)")
-        _check_token_ids("prompt_token_ids", self.prompt_token_ids)
+        check_token_ids("prompt_token_ids", self.prompt_token_ids)
         for name, value in self.timings.items():
-            _check_finite(f"timings[{name!r}]", value)
+            check_finite(f"timings[{name!r}]", value)
 
     @property
     def prompt_tokens(self) -> np.ndarray:
@@ -374,25 +307,7 @@ class WorkerStatus(_Struct, tag="worker_status", tag_field="type", kw_only=True)
 
     def __post_init__(self) -> None:
         _check_schema(self.schema)
-        _check_finite("tokens_per_s", self.tokens_per_s)
-
-
-def model_fingerprint(config: dict[str, Any], vocab: dict[str, int]) -> str:
-    """32 hex characters naming a base model as generation sees it: its configuration
-    (less the keys that name where or how it was saved) and its tokenizer's vocabulary.
-    The learner publishes it with every adapter; a worker compares its own."""
-    volatile = {"transformers_version", "torch_dtype", "dtype", "use_cache"}
-    kept = {k: v for k, v in config.items() if not k.startswith("_") and k not in volatile}
-
-    def plain(value: Any) -> Any:  # str keys (id2label has ints), anything else as text
-        if isinstance(value, dict):
-            return {str(k): plain(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [plain(v) for v in value]
-        return value if value is None or isinstance(value, str | bool | int | float) else str(value)
-
-    payload = msgspec.json.encode([plain(kept), sorted(vocab.items())], order="sorted")
-    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+        check_finite("tokens_per_s", self.tokens_per_s)
 
 
 Message = PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus

@@ -9,14 +9,11 @@ lease acknowledged without its groups stored, or the other way round.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-import msgspec
 import redis
 import redis.exceptions
 
@@ -24,19 +21,13 @@ from protocol import redis_lua
 from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable, TooManyWorkers
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
 from protocol.messages import (
-    DEFAULT_LIMITS,
     AdapterManifest,
-    Limits,
     PromptBatch,
     RolloutGroup,
     WorkerStatus,
-    decode,
     encode,
-    group_id_for,
 )
 from protocol.queue import (
-    AdapterEvent,
-    AdapterSubscription,
     DeadLetter,
     Delivery,
     FinishedBatch,
@@ -47,66 +38,27 @@ from protocol.queue import (
     StreamStats,
     SubmitResult,
     check_finished,
-    is_entry_id,
 )
-from protocol.text import UNSAFE
+from protocol.redis_adapters import RedisAdapters
+from protocol.redis_fields import (
+    check_ids,
+    check_worker,
+    decode_as,
+    expected_groups,
+    fields_of,
+    prompt_digest,
+    split_private,
+    text_of,
+)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
-_WORKER = re.compile(f"^[^\\x20{UNSAFE}]{{1,256}}$")
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
 
 
-def _check_worker(worker: str) -> None:
-    if not isinstance(worker, str) or not _WORKER.match(worker):
-        raise ValueError(
-            f"worker: {worker!r} must be 1-256 characters without spaces or control characters"
-        )
-
-
-def _check_ids(field: str, ids: Sequence[str]) -> None:
-    for i in ids:
-        if not is_entry_id(i):
-            raise ValueError(f"{field}: {str(i)[:48]!r} is not a stream entry id")
-
-
-_NO_TOKENS = "-" * 16
-"""The digest of a prompt the learner sent without token ids (the actor tokenizes)."""
-
-
-def prompt_digest(token_ids: bytes | None) -> str:
-    """16 hex characters naming a prompt's packed token ids, as SUBMIT compares them."""
-    return _NO_TOKENS if token_ids is None else hashlib.blake2b(token_ids, digest_size=8).hexdigest()
-
-
-def _expected_groups(b: PromptBatch) -> str:
-    """The batch's `g` field: "<group id>:<prompt digest>;" per prompt."""
-    return "".join(f"{group_id_for(b.batch_id, p.id)}:{prompt_digest(p.token_ids)};" for p in b.prompts)
-
-
-def split_private(b: PromptBatch) -> tuple[PromptBatch, dict[str, bytes]]:
-    """A batch as the actors may see it, and what stays on the trusted side. A batch
-    scored by the actors travels whole. A trusted-scoring batch loses its prompts'
-    dataset columns, which are kept per group id (the full `Prompt`, MessagePack) for
-    the scoring tier."""
-    if b.scoring != "trusted":
-        return b, {}
-    private = {group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(p) for p in b.prompts}
-    public = msgspec.structs.replace(b, prompts=[msgspec.structs.replace(p, columns={}) for p in b.prompts])
-    return public, private
-
-
-def _s(value: bytes | str | None) -> str:
-    return value.decode() if isinstance(value, bytes) else (value or "")
-
-
-def _fields(flat: dict[bytes, bytes] | None) -> dict[str, bytes]:
-    return {_s(k): v for k, v in (flat or {}).items()}
-
-
-class RedisQueue(Queue):
+class RedisQueue(RedisAdapters, Queue):
     """`Queue` on a redis-py client (a `fakeredis.FakeRedis` works too).
 
     The client must not decode responses (`decode_responses=False`): payloads are bytes.
@@ -214,7 +166,7 @@ class RedisQueue(Queue):
                 raise ProtocolError(f"add_prompts: expected PromptBatch, got {type(b).__name__}")
             public, private = split_private(b)
             args += [b.batch_id, encode(public, self.config.limits), b.num_generations, b.sampling.max_tokens,
-                     _expected_groups(b), b.scoring, len(private)]
+                     expected_groups(b), b.scoring, len(private)]
             for group_id, record in private.items():
                 args += [group_id, record]
         if not args:
@@ -222,7 +174,7 @@ class RedisQueue(Queue):
         return int(self._script("ADD_PROMPTS", [self.keys.prompts, self.keys.batches_seen, self.keys.private], args))
 
     def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
-        _check_worker(worker)
+        check_worker(worker)
         if count < 1:
             raise ValueError(f"count: must be >= 1, got {count}")
         block_ms = self._block_ms(block_s)
@@ -238,7 +190,7 @@ class RedisQueue(Queue):
                 time.time(),
             ],
         )
-        rows = [(_s(i), int(n), payload) for i, n, payload in expired]
+        rows = [(text_of(i), int(n), payload) for i, n, payload in expired]
         if len(rows) < count:
             resp = self._call(
                 lambda: self._r.xreadgroup(
@@ -250,11 +202,11 @@ class RedisQueue(Queue):
                 )
             )
             for _stream, entries in resp or ():
-                rows += [(_s(i), 1, _fields(f).get("m")) for i, f in entries]
+                rows += [(text_of(i), 1, fields_of(f).get("m")) for i, f in entries]
         leases = []
         for lease_id, deliveries, payload in rows:
             try:
-                batch = _decode_as(payload, PromptBatch, self.config.limits)
+                batch = decode_as(payload, PromptBatch, self.config.limits)
             except ProtocolError as err:
                 log.error("prompt entry %s is unreadable, dead-lettering it: %s", lease_id, err)
                 self._script(
@@ -267,16 +219,16 @@ class RedisQueue(Queue):
         return leases
 
     def heartbeat(self, worker: str, lease_ids: Sequence[str]) -> list[str]:
-        _check_worker(worker)
-        _check_ids("lease_ids", lease_ids)
+        check_worker(worker)
+        check_ids("lease_ids", lease_ids)
         if not lease_ids:
             return []
         held = self._script("HEARTBEAT", [self.keys.prompts], [ACTORS_GROUP, worker, *lease_ids])
-        return [_s(i) for i in held]
+        return [text_of(i) for i in held]
 
     def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
-        _check_worker(worker)
-        _check_ids("lease_id", [lease_id])
+        check_worker(worker)
+        check_ids("lease_id", [lease_id])
         if not groups:
             raise ProtocolError("groups: a submit carries at least one rollout group")
         args: list[Any] = [ACTORS_GROUP, worker, lease_id, None]
@@ -306,8 +258,8 @@ class RedisQueue(Queue):
         )
 
     def release(self, worker: str, lease_id: str) -> bool:
-        _check_worker(worker)
-        _check_ids("lease_id", [lease_id])
+        check_worker(worker)
+        check_ids("lease_id", [lease_id])
         idle_ms = int(self.config.lease_timeout_s * 1000) + 1000
         return bool(
             self._script("RELEASE", [self.keys.prompts], [ACTORS_GROUP, worker, lease_id, idle_ms])
@@ -321,10 +273,10 @@ class RedisQueue(Queue):
         out = []
         handed = self._handed_out.setdefault(consumer, set())
         for raw_id, flat in entries:
-            entry_id = _s(raw_id)
-            payload = _fields(flat).get("m")
+            entry_id = text_of(raw_id)
+            payload = fields_of(flat).get("m")
             try:
-                group = _decode_as(payload, RolloutGroup, self.config.limits)
+                group = decode_as(payload, RolloutGroup, self.config.limits)
             except ProtocolError as err:
                 log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, err)
                 self._script(
@@ -346,14 +298,14 @@ class RedisQueue(Queue):
         return [e for _stream, entries in resp or () for e in entries]
 
     def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
-        _check_worker(consumer)
+        check_worker(consumer)
         if count < 1:
             raise ValueError(f"count: must be >= 1, got {count}")
         block_ms = self._block_ms(block_s)
         if consumer in self._resync:
             handed = self._handed_out.get(consumer, set())
             lost = [
-                e for e in self._read_pending(consumer, 1_000_000, "0") if _s(e[0]) not in handed
+                e for e in self._read_pending(consumer, 1_000_000, "0") if text_of(e[0]) not in handed
             ]
             self._resync.discard(consumer)
             if lost:
@@ -371,14 +323,14 @@ class RedisQueue(Queue):
         return self._deliveries(consumer, [e for _stream, entries in resp or () for e in entries])
 
     def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
-        _check_worker(consumer)
+        check_worker(consumer)
         if after != "0":
-            _check_ids("after", [after])
+            check_ids("after", [after])
         return self._deliveries(consumer, self._read_pending(consumer, count, after))
 
     def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
         ids = list(delivery_ids)
-        _check_ids("delivery_ids", ids)
+        check_ids("delivery_ids", ids)
         batches = [check_finished(b) for b in finished]
         keys = [self.keys.rollouts, self.keys.batches_seen, self.keys.groups_seen, self.keys.scored_seen]
         acked = 0
@@ -397,83 +349,39 @@ class RedisQueue(Queue):
 
     def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
         if after != "0":
-            _check_ids("after", [after])
+            check_ids("after", [after])
         start = "-" if after == "0" else f"({after}"
         entries = self._call(lambda: self._r.xrange(self.keys.dead_letters, min=start, count=count))
         out = []
         for raw_id, flat in entries:
-            f = _fields(flat)
+            f = fields_of(flat)
             batch = None
-            missing = _s(f["missing"]).split() if "missing" in f else None
+            missing = text_of(f["missing"]).split() if "missing" in f else None
             if f.get("source") == b"prompts" and f.get("m"):
                 with contextlib.suppress(ProtocolError):  # unreadable ones are why some are here
-                    batch = _decode_as(f["m"], PromptBatch, self.config.limits)
+                    batch = decode_as(f["m"], PromptBatch, self.config.limits)
             out.append(
                 DeadLetter(
-                    entry_id=_s(raw_id),
-                    source=_s(f.get("source")),
-                    lease_id=_s(f.get("lease")),
-                    reason=_s(f.get("reason")),
+                    entry_id=text_of(raw_id),
+                    source=text_of(f.get("source")),
+                    lease_id=text_of(f.get("lease")),
+                    reason=text_of(f.get("reason")),
                     deliveries=int(f.get("deliveries") or 0),
-                    last_worker=_s(f.get("worker")),
+                    last_worker=text_of(f.get("worker")),
                     batch=batch,
                     missing_groups=missing,
-                    group_id=_s(f["g"]) if f.get("g") else None,
-                    batch_id=_s(f["b"]) if f.get("b") else None,
+                    group_id=text_of(f["g"]) if f.get("g") else None,
+                    batch_id=text_of(f["b"]) if f.get("b") else None,
                 )
             )
         return out
-
-    # ------------------------------------------------------------------ adapters
-
-    def announce(self, manifest: AdapterManifest) -> str:
-        if not isinstance(manifest, AdapterManifest):
-            raise ProtocolError(
-                f"announce: expected AdapterManifest, got {type(manifest).__name__}"
-            )
-        return _s(
-            self._script(
-                "ANNOUNCE",
-                [self.keys.adapter_latest, self.keys.adapter_events],
-                [
-                    manifest.version,
-                    encode(manifest),
-                    self.keys.adapter_channel,
-                    self.config.adapter_events_maxlen,
-                ],
-            )
-        )
-
-    def latest_adapter(self) -> AdapterManifest | None:
-        payload = self._call(lambda: self._r.hget(self.keys.adapter_latest, "m"))
-        return _decode_manifest(payload) if payload else None
-
-    def adapter_events(
-        self, after: str = "0", count: int = 100, block_s: float = 0.0
-    ) -> list[AdapterEvent]:
-        if after != "0":
-            _check_ids("after", [after])
-        block_ms = self._block_ms(block_s)
-        resp = self._call(
-            lambda: self._r.xread({self.keys.adapter_events: after}, count=count, block=block_ms)
-        )
-        events = []
-        for _stream, entries in resp or ():
-            for raw_id, flat in entries:
-                manifest = _decode_manifest(_fields(flat).get("m"))
-                if manifest is not None:
-                    events.append(AdapterEvent(event_id=_s(raw_id), manifest=manifest))
-        return events
-
-    def subscribe_adapters(self) -> AdapterSubscription:
-        return _RedisAdapterSubscription(self)
 
     def expire_run(self, ttl_s: float) -> int:
         if not ttl_s > 0:
             raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
 
         def expire() -> int:
-            owners = [_s(k) for k in self._r.smembers(self.keys.worker_owners)]
+            owners = [text_of(k) for k in self._r.smembers(self.keys.worker_owners)]
             with self._r.pipeline(transaction=False) as pipe:
                 for key in [*self.keys.all(), *owners]:
                     pipe.expire(key, max(1, round(ttl_s)))
@@ -490,7 +398,7 @@ class RedisQueue(Queue):
         within `max_age_s`."""
         if not isinstance(status, WorkerStatus):
             raise ProtocolError(f"report_status: expected WorkerStatus, got {type(status).__name__}")
-        _check_worker(status.worker)
+        check_worker(status.worker)
         payload = encode(status, self.config.limits)
         accepted = self._script(
             "REPORT_STATUS",
@@ -507,7 +415,7 @@ class RedisQueue(Queue):
         gone: list[bytes] = []
         for name, payload in sorted(self._call(lambda: self._r.hgetall(self.keys.workers)).items()):
             try:
-                status = _decode_as(payload, WorkerStatus, self.config.limits)
+                status = decode_as(payload, WorkerStatus, self.config.limits)
             except ProtocolError:
                 gone.append(name)
                 continue
@@ -524,13 +432,13 @@ class RedisQueue(Queue):
     def _stream_stats(self, stream: str, group: str) -> StreamStats:
         length = int(self._call(lambda: self._r.xlen(stream)))
         info = next(
-            (g for g in self._call(lambda: self._r.xinfo_groups(stream)) if _s(g["name"]) == group),
+            (g for g in self._call(lambda: self._r.xinfo_groups(stream)) if text_of(g["name"]) == group),
             None,
         )
         if info is None:  # no reader ever came
             waiting, pending, last = length, 0, "0-0"
         else:
-            waiting, pending, last = info.get("lag"), int(info["pending"]), _s(info["last-delivered-id"])
+            waiting, pending, last = info.get("lag"), int(info["pending"]), text_of(info["last-delivered-id"])
             if waiting is None:  # Redis cannot tell after some deletions; count instead
                 waiting = self._script("COUNT_AFTER", [stream], [last])
         oldest = None
@@ -538,7 +446,7 @@ class RedisQueue(Queue):
             first = self._call(lambda: self._r.xrange(stream, min=f"({last}", count=1))
             if first:  # entry ids are Redis's clock in ms: compare with Redis's clock
                 seconds, micros = self._call(self._r.time)
-                oldest = max(0.0, seconds + micros / 1e6 - int(_s(first[0][0]).split("-")[0]) / 1000)
+                oldest = max(0.0, seconds + micros / 1e6 - int(text_of(first[0][0]).split("-")[0]) / 1000)
         return StreamStats(length=length, pending=pending, waiting=int(waiting), oldest_waiting_s=oldest)
 
     def stats(self) -> QueueStats:
@@ -553,7 +461,7 @@ class RedisQueue(Queue):
             rollouts=self._stream_stats(self.keys.rollouts, LEARNER_GROUP),
             dead_letters=int(self._call(lambda: self._r.xlen(self.keys.dead_letters))),
             leases_by_worker={
-                _s(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
+                text_of(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
             },
             latest_adapter_version=int(version or 0),
             unscored=unscored,
@@ -561,45 +469,3 @@ class RedisQueue(Queue):
 
     def close(self) -> None:
         self._r.close()
-
-
-def _decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
-    """Decode a stored payload that must be a `cls`; `ProtocolError` otherwise."""
-    if payload is None:
-        raise ProtocolError("message: entry payload is missing")
-    msg = decode(payload, limits)
-    if not isinstance(msg, cls):
-        raise ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
-    return msg
-
-
-def _decode_manifest(payload: bytes | None) -> AdapterManifest | None:
-    try:
-        return _decode_as(payload, AdapterManifest)
-    except ProtocolError as err:
-        log.error("ignoring an unreadable adapter announcement: %s", err)
-        return None
-
-
-class _RedisAdapterSubscription(AdapterSubscription):
-    def __init__(self, queue: RedisQueue) -> None:
-        self._queue = queue
-        self._pubsub = queue._r.pubsub(ignore_subscribe_messages=True)
-        with queue._errors():
-            self._pubsub.subscribe(queue.keys.adapter_channel)
-
-    def get(self, timeout_s: float) -> AdapterManifest | None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            remaining = deadline - time.monotonic()
-            with self._queue._errors():
-                msg = self._pubsub.get_message(timeout=max(remaining, 0.0))
-            if msg is not None and msg.get("type") == "message":
-                manifest = _decode_manifest(msg["data"])
-                if manifest is not None:
-                    return manifest
-            if remaining <= 0:
-                return None
-
-    def close(self) -> None:
-        self._pubsub.close()

@@ -24,7 +24,8 @@ import msgspec
 from protocol.errors import ProtocolError
 from protocol.keys import SCORERS_GROUP
 from protocol.messages import Prompt, RolloutGroup, encode
-from protocol.redis_queue import RedisQueue, _check_ids, _check_worker, _decode_as, _fields, _s
+from protocol.redis_fields import check_ids, check_worker, decode_as, fields_of, text_of
+from protocol.redis_queue import RedisQueue
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,11 @@ class ScoringQueue(RedisQueue):
         return bool(self._call(lambda: self._r.exists(key) and not self._r.hexists(key, "death")))
 
     def _entries(self, raw: list[Any]) -> list[UnscoredEntry]:
-        return [UnscoredEntry(_s(i), _s(_fields(f).get("g")), _s(_fields(f).get("b"))) for i, f in raw if f is not None]
+        return [UnscoredEntry(text_of(i), text_of(fields_of(f).get("g")), text_of(fields_of(f).get("b"))) for i, f in raw if f is not None]
 
     def read_unscored(self, consumer: str, count: int, block_s: float = 0.0) -> list[UnscoredEntry]:
         """New unscored groups for dispatcher `consumer`, pending until it `dispatched` them."""
-        _check_worker(consumer)
+        check_worker(consumer)
         block_ms = self._block_ms(block_s)
         resp = self._call(lambda: self._r.xreadgroup(
             SCORERS_GROUP, consumer, {self.keys.unscored: ">"}, count=count, block=block_ms))
@@ -71,7 +72,7 @@ class ScoringQueue(RedisQueue):
     def dispatched(self, entry_ids: list[str]) -> int:
         """The entries are RQ jobs now: no longer pending (they stay in the stream, to be
         read by the job and deleted when stored)."""
-        _check_ids("entry_ids", entry_ids)
+        check_ids("entry_ids", entry_ids)
         if not entry_ids:
             return 0
         return int(self._call(lambda: self._r.xack(self.keys.unscored, SCORERS_GROUP, *entry_ids)))
@@ -79,7 +80,7 @@ class ScoringQueue(RedisQueue):
     def reclaim_unscored(self, consumer: str, idle_s: float, count: int = 100) -> list[UnscoredEntry]:
         """Entries read by a dispatcher more than `idle_s` ago and never made jobs (it died
         in between), now `consumer`'s to dispatch."""
-        _check_worker(consumer)
+        check_worker(consumer)
         resp = self._call(lambda: self._r.xautoclaim(
             self.keys.unscored, SCORERS_GROUP, consumer, int(idle_s * 1000), "0-0", count=count))
         return self._entries(resp[1])
@@ -87,11 +88,11 @@ class ScoringQueue(RedisQueue):
     def fetch_unscored(self, entry_id: str) -> UnscoredGroup | None:
         """The group of an unscored entry and its private prompt; None once it was stored
         (the entry is deleted then). Raises `ProtocolError` for an unreadable entry."""
-        _check_ids("entry_id", [entry_id])
+        check_ids("entry_id", [entry_id])
         entries = self._call(lambda: self._r.xrange(self.keys.unscored, min=entry_id, max=entry_id))
         if not entries:
             return None
-        group = _decode_as(_fields(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
+        group = decode_as(fields_of(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
         record = self._call(lambda: self._r.hget(self.keys.private, group.group_id))
         prompt = None
         if record is not None:
@@ -107,7 +108,7 @@ class ScoringQueue(RedisQueue):
     def store_scored(self, entry_id: str, group: RolloutGroup) -> bool:
         """Put a scored (or, with `error` set, rejected) group in the rollouts stream and
         acknowledge its unscored entry. False if the group was stored before."""
-        _check_ids("entry_id", [entry_id])
+        check_ids("entry_id", [entry_id])
         if not isinstance(group, RolloutGroup):
             raise ProtocolError(f"store_scored: expected RolloutGroup, got {type(group).__name__}")
         return bool(self._script(
@@ -120,6 +121,6 @@ class ScoringQueue(RedisQueue):
         """An unscored entry the tier cannot read or store goes to the dead letters, with
         its group and batch ids and the reason (the learner counts it there), whether or
         not a dispatcher still holds it. False if it was gone already."""
-        _check_ids("entry_id", [entry_id])
+        check_ids("entry_id", [entry_id])
         return bool(self._script("DEAD_LETTER_UNSCORED", [self.keys.unscored, self.keys.dead_letters, self.keys.private],
                                  [SCORERS_GROUP, entry_id, reason, time.time()]))

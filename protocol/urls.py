@@ -62,16 +62,6 @@ def connect_queue(
         raise QueueUnavailable(f"{url} unreachable for {timeout_s:g}s: {err}") from None
 
 
-def fingerprint_of_model(spec: str) -> str:
-    """`model_fingerprint` of the model at `spec` (a path or hub id): its config and its
-    tokenizer's vocabulary, no weights loaded."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from protocol.messages import model_fingerprint
-
-    return model_fingerprint(AutoConfig.from_pretrained(spec).to_dict(), AutoTokenizer.from_pretrained(spec).get_vocab())
-
-
 def check_model_path(spec: str) -> None:
     """Raise a plain "no such directory" for a `--model` that names a local path that is
     not there, instead of the hub client's complaint about repository ids. A hub id is

@@ -82,9 +82,10 @@ def serve(args: argparse.Namespace) -> int:
 
     from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
     from protocol.store import StoreError
-    from proxy.app import THREADS, Context, ProxyLimits, build_app
+    from proxy.app import THREADS, build_app
     from proxy.auth import TokenError, Tokens
     from proxy.fairness import HeaderTimeoutProtocol
+    from proxy.handlers import Context, ProxyLimits
     from proxy.metrics import ProxyMetrics
     from proxy.server import ProxyServer
 

@@ -29,8 +29,9 @@ from protocol import (
 from protocol.http_queue import HttpQueue
 from protocol.queue import AdapterEvent
 from protocol.store import FileStore
-from proxy.app import Context, ProxyLimits, build_app
+from proxy.app import build_app
 from proxy.auth import Tokens
+from proxy.handlers import Context, ProxyLimits
 from proxy.metrics import ProxyMetrics
 
 URL = "http://proxy.test"

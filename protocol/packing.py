@@ -1,0 +1,83 @@
+"""Arrays on the wire: token ids and log-probabilities as packed little-endian int32 /
+float32 bytes (never lists of Python numbers), and the value checks the messages share."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from protocol.errors import ProtocolError
+
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+def pack_i32(values: Any) -> bytes:
+    """Pack integers (a sequence or array) as little-endian int32 bytes."""
+    arr = np.asarray(values)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ProtocolError(f"token ids must be integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ProtocolError("token ids must fit in int32")
+    return np.ascontiguousarray(arr.reshape(-1), dtype=_I32).tobytes()
+
+
+def pack_f32(values: Any) -> bytes:
+    """Pack floats (a sequence or array) as little-endian float32 bytes."""
+    return np.ascontiguousarray(
+        np.asarray(values, dtype=np.float64).reshape(-1), dtype=_F32
+    ).tobytes()
+
+
+def unpack_i32(data: bytes) -> np.ndarray:
+    """A read-only int32 view of packed bytes (no copy)."""
+    return np.frombuffer(data, dtype=_I32)
+
+
+def unpack_f32(data: bytes) -> np.ndarray:
+    """A read-only float32 view of packed bytes (no copy)."""
+    return np.frombuffer(data, dtype=_F32)
+
+
+def check_token_ids(field: str, data: bytes) -> int:
+    if len(data) % 4:
+        raise ProtocolError(f"{field}: {len(data)} bytes is not a whole number of int32 values")
+    ids = unpack_i32(data)
+    if ids.size and ids.min() < 0:
+        raise ProtocolError(f"{field}: negative token id {int(ids.min())}")
+    return ids.size
+
+
+def check_json_like(field: str, value: Any, depth: int) -> None:
+    """Dataset columns must survive a JSON round trip: no bytes, no extension types."""
+    if depth > 32:
+        raise ProtocolError(f"{field}: nested more than 32 levels deep")
+    if value is None or isinstance(value, str | bool | int):
+        return
+    if isinstance(value, float):
+        check_finite(field, value)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_json_like(f"{field}[{i}]", item, depth + 1)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise ProtocolError(f"{field}: keys must be strings")
+            check_json_like(f"{field}[{key!r}]", item, depth + 1)
+    else:
+        raise ProtocolError(f"{field}: {type(value).__name__} is not a JSON value")
+
+
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_finite(field: str, value: float | None) -> None:
+    if value is not None and not math.isfinite(value):
+        raise ProtocolError(f"{field}: must be finite, got {value}")
+
+
+def check_f32(field: str, value: float | None) -> None:
+    """Finite in float32, where the learner computes: 1e39 is finite in float64 and inf there."""
+    if value is not None and not (math.isfinite(value) and abs(value) <= _F32_MAX):
+        raise ProtocolError(f"{field}: must be finite in float32 (|x| <= {_F32_MAX:.3g}), got {value}")

@@ -1,0 +1,98 @@
+"""How the queue's messages sit in Redis: the fields of stream entries, a batch's
+expected groups and its private part, stored payloads decoded back, and the checks on
+worker names and entry ids every call makes. Shared by `RedisQueue` and the scoring
+tier's `ScoringQueue`."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from typing import TypeVar
+
+import msgspec
+
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    DEFAULT_LIMITS,
+    AdapterManifest,
+    Limits,
+    PromptBatch,
+    RolloutGroup,
+    WorkerStatus,
+    decode,
+    group_id_for,
+)
+from protocol.queue import is_entry_id
+from protocol.text import UNSAFE
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
+_WORKER = re.compile(f"^[^\\x20{UNSAFE}]{{1,256}}$")
+
+
+def check_worker(worker: str) -> None:
+    if not isinstance(worker, str) or not _WORKER.match(worker):
+        raise ValueError(
+            f"worker: {worker!r} must be 1-256 characters without spaces or control characters"
+        )
+
+
+def check_ids(field: str, ids: Sequence[str]) -> None:
+    for i in ids:
+        if not is_entry_id(i):
+            raise ValueError(f"{field}: {str(i)[:48]!r} is not a stream entry id")
+
+
+_NO_TOKENS = "-" * 16
+"""The digest of a prompt the learner sent without token ids (the actor tokenizes)."""
+
+
+def prompt_digest(token_ids: bytes | None) -> str:
+    """16 hex characters naming a prompt's packed token ids, as SUBMIT compares them."""
+    return _NO_TOKENS if token_ids is None else hashlib.blake2b(token_ids, digest_size=8).hexdigest()
+
+
+def expected_groups(b: PromptBatch) -> str:
+    """The batch's `g` field: "<group id>:<prompt digest>;" per prompt."""
+    return "".join(f"{group_id_for(b.batch_id, p.id)}:{prompt_digest(p.token_ids)};" for p in b.prompts)
+
+
+def split_private(b: PromptBatch) -> tuple[PromptBatch, dict[str, bytes]]:
+    """A batch as the actors may see it, and what stays on the trusted side. A batch
+    scored by the actors travels whole. A trusted-scoring batch loses its prompts'
+    dataset columns, which are kept per group id (the full `Prompt`, MessagePack) for
+    the scoring tier."""
+    if b.scoring != "trusted":
+        return b, {}
+    private = {group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(p) for p in b.prompts}
+    public = msgspec.structs.replace(b, prompts=[msgspec.structs.replace(p, columns={}) for p in b.prompts])
+    return public, private
+
+
+def text_of(value: bytes | str | None) -> str:
+    return value.decode() if isinstance(value, bytes) else (value or "")
+
+
+def fields_of(flat: dict[bytes, bytes] | None) -> dict[str, bytes]:
+    return {text_of(k): v for k, v in (flat or {}).items()}
+
+
+def decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
+    """Decode a stored payload that must be a `cls`; `ProtocolError` otherwise."""
+    if payload is None:
+        raise ProtocolError("message: entry payload is missing")
+    msg = decode(payload, limits)
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+def decode_manifest(payload: bytes | None) -> AdapterManifest | None:
+    try:
+        return decode_as(payload, AdapterManifest)
+    except ProtocolError as err:
+        log.error("ignoring an unreadable adapter announcement: %s", err)
+        return None

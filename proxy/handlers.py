@@ -1,0 +1,300 @@
+"""The proxy's endpoints as plain functions: (context, token, decoded body, parameters) ->
+the endpoint's response type, run in a worker thread; `HANDLERS` binds each to its
+endpoint of `protocol.api`. The HTTP machinery around them (auth, limits, bodies,
+errors, streams) is `proxy.app`'s."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+
+from protocol import (
+    RedisQueue,
+    WorkerStatus,
+    api,
+    is_entry_id,
+)
+from protocol.api import Endpoint
+from protocol.http import (
+    CONTENT_TYPE,
+    AckRequest,
+    AckResponse,
+    AdapterDownload,
+    AdapterEventsResponse,
+    AddPromptsRequest,
+    AddPromptsResponse,
+    AnnounceRequest,
+    AnnounceResponse,
+    ClaimRequest,
+    ClaimResponse,
+    DeadLettersResponse,
+    ErrorResponse,
+    ExpireRunRequest,
+    ExpireRunResponse,
+    HeartbeatRequest,
+    HeartbeatResponse,
+    LatestAdapterResponse,
+    ReadRolloutsRequest,
+    ReleaseRequest,
+    ReleaseResponse,
+    ReportStatusRequest,
+    ReportStatusResponse,
+    RolloutsResponse,
+    StatsResponse,
+    SubmitRequest,
+    SubmitResponse,
+    WhoAmIResponse,
+    WorkersResponse,
+    encode_body,
+)
+from protocol.messages import DEFAULT_LIMITS, Limits
+from protocol.store import FileStore, Store, StoreMissing, adapter_key
+from proxy.auth import Token, Tokens
+from proxy.events import AdapterEventHub
+from proxy.fairness import Holds, SharedRateLimit
+from proxy.metrics import ProxyMetrics
+
+log = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    max_body_bytes: int = 16 * 1024 * 1024
+    """413 above this."""
+    max_messages: int = 512
+    """Most groups, batches or ids in one request."""
+    max_long_poll_s: float = 10.0
+    """Long-polls (claim, read, events) wait at most this long per request."""
+    rate_per_s: float = 500.0
+    """Sustained requests per second per token, across every proxy of the run."""
+    burst: float = 1000.0
+    max_long_polls_per_token: int = 64
+    """Claims, reads and history reads with a wait that one token may hold open at once."""
+    max_streams_per_token: int = 256
+    """Adapter-event streams one token may hold open at once (they share one Redis reader)."""
+    backlog_limit: int = 100_000
+    """503 for submissions while more rollout groups than this wait for the learner."""
+    body_timeout_s: float = 30.0
+    """408 when a client takes longer than this to send its body."""
+    presign_s: int = 300
+    """Lifetime of presigned adapter URLs."""
+    max_workers_per_token: int = 256
+    """Live worker statuses one token may have in the fleet view; a new worker's report past
+    it is refused (409), so one token cannot grow the view, the learner's log or /metrics."""
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers or {}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, code: str = "") -> Response:
+    body = encode_body(ErrorResponse(status=status, error=message, code=code))
+    return Response(body, status_code=status, media_type=CONTENT_TYPE, headers=headers)
+
+
+@dataclass
+class Context:
+    queue: RedisQueue
+    """The run's Redis itself (the proxy is trusted; it may pass owners and caps)."""
+    store: Store
+    tokens: Tokens
+    limits: ProxyLimits
+    metrics: ProxyMetrics
+    rate_storage: str = "async+memory://"
+    """Where request rates are counted: the run's Redis (`async+redis://…`) so every proxy
+    shares one budget per token, or this process's memory."""
+    wire_limits: Limits = DEFAULT_LIMITS
+    rate: SharedRateLimit = field(init=False)
+    holds: Holds = field(init=False)
+    hub: AdapterEventHub = field(init=False)
+    body_limits: Limits = field(init=False)
+    """The wire limits with this proxy's body size: what every request body is decoded with."""
+    _backlog: tuple[float, int] = (0.0, 0)
+
+    def __post_init__(self) -> None:
+        self.rate = SharedRateLimit(self.rate_storage, self.limits.rate_per_s, self.limits.burst,
+                                    prefix=f"spotgrpo:{{{self.queue.config.run}}}:rate")
+        self.holds = Holds({"long-poll": self.limits.max_long_polls_per_token,
+                            "event stream": self.limits.max_streams_per_token})
+        self.hub = AdapterEventHub(self.queue)
+        self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
+
+    def block(self, requested: float) -> float:
+        return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)
+
+    def backlog(self) -> int:
+        """Waiting rollout groups, re-read at most once a second."""
+        at, value = self._backlog
+        if time.monotonic() - at > 1.0:
+            value = self.queue.stats().rollouts.waiting
+            self._backlog = (time.monotonic(), value)
+        return value
+
+    def check_count(self, what: str, n: int) -> None:
+        if n > self.limits.max_messages:
+            raise ApiError(413, f"{what}: {n} entries exceed this proxy's limit of {self.limits.max_messages}")
+
+
+# --------------------------------------------------------------------- handlers
+# Plain functions run in a worker thread: (ctx, token, body, request params) -> response body.
+
+
+def worker_name(token: Token, worker: str) -> str:
+    """The queue's name for a worker: the token's name first, so that a token can only
+    ever name (and so touch) leases claimed with it."""
+    name = f"{token.name}/{worker}"
+    if len(name) > 256 or any(c.isspace() for c in worker):
+        raise ApiError(400, "worker: token name + '/' + worker must be 1-256 characters without spaces")
+    return name
+
+
+def claim(ctx: Context, token: Token, body: ClaimRequest, params: dict[str, str]) -> ClaimResponse:
+    ctx.check_count("count", body.count)
+    return ClaimResponse(leases=ctx.queue.claim(worker_name(token, body.worker), body.count, ctx.block(body.block_s)))
+
+
+def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[str, str]) -> HeartbeatResponse:
+    ctx.check_count("lease_ids", len(body.lease_ids))
+    return HeartbeatResponse(lease_ids=ctx.queue.heartbeat(worker_name(token, body.worker), body.lease_ids))
+
+
+def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, str]) -> SubmitResponse:
+    ctx.check_count("groups", len(body.groups))
+    worker = worker_name(token, body.worker)
+    if ctx.backlog() > ctx.limits.backlog_limit:
+        ctx.metrics.backpressure.inc()
+        raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
+    groups = [g if g.actor_id == worker else msgspec.structs.replace(g, actor_id=worker) for g in body.groups]
+    return SubmitResponse(result=ctx.queue.submit(worker, body.lease_id, groups))
+
+
+def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, str]) -> ReleaseResponse:
+    return ReleaseResponse(released=ctx.queue.release(worker_name(token, body.worker), body.lease_id))
+
+
+def report_status(ctx: Context, token: Token, body: ReportStatusRequest, params: dict[str, str]) -> ReportStatusResponse:
+    name = worker_name(token, body.status.worker)
+    status = msgspec.structs.replace(body.status, worker=name, reported_at=time.time())  # the proxy's clock
+    ctx.queue.report_status(status, owner=token.name, max_per_owner=ctx.limits.max_workers_per_token)
+    return ReportStatusResponse(worker=name)
+
+
+def behind_first(workers: list[WorkerStatus]) -> list[WorkerStatus]:
+    """The workers a reader most needs to see first: furthest behind, then refusing."""
+    return sorted(workers, key=lambda w: (w.adapter_version, -w.adapters_refused, w.worker))
+
+
+def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WorkersResponse:
+    max_age_s = _int_param(params, "max_age_s", 120, 1, 86_400)
+    limit = _int_param(params, "limit", 500, 1, 1000)
+    workers = ctx.queue.workers(max_age_s)
+    return WorkersResponse(workers=behind_first(workers)[:limit], total=len(workers))
+
+
+def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WhoAmIResponse:
+    return WhoAmIResponse(name=token.name, role=token.role, run=ctx.queue.config.run)
+
+
+def expire_run(ctx: Context, token: Token, body: ExpireRunRequest, params: dict[str, str]) -> ExpireRunResponse:
+    return ExpireRunResponse(keys=ctx.queue.expire_run(body.ttl_s))
+
+
+def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
+    ctx.check_count("batches", len(body.batches))
+    return AddPromptsResponse(added=ctx.queue.add_prompts(body.batches))
+
+
+def read_rollouts(ctx: Context, token: Token, body: ReadRolloutsRequest, params: dict[str, str]) -> RolloutsResponse:
+    ctx.check_count("count", body.count)
+    if body.pending:
+        if body.after != "0" and not is_entry_id(body.after):
+            raise ApiError(400, "after: not a stream entry id")
+        return RolloutsResponse(deliveries=ctx.queue.pending_rollouts(body.consumer, body.count, body.after))
+    return RolloutsResponse(deliveries=ctx.queue.read_rollouts(body.consumer, body.count, ctx.block(body.block_s)))
+
+
+def ack(ctx: Context, token: Token, body: AckRequest, params: dict[str, str]) -> AckResponse:
+    ctx.check_count("delivery_ids", len(body.delivery_ids))
+    ctx.check_count("finished", len(body.finished))
+    return AckResponse(acked=ctx.queue.ack_rollouts(body.delivery_ids, body.finished))
+
+
+def announce(ctx: Context, token: Token, body: AnnounceRequest, params: dict[str, str]) -> AnnounceResponse:
+    return AnnounceResponse(event_id=ctx.queue.announce(body.manifest))
+
+
+def latest_adapter(ctx: Context, token: Token, body: None, params: dict[str, str]) -> LatestAdapterResponse:
+    return LatestAdapterResponse(manifest=ctx.queue.latest_adapter())
+
+
+def adapter_history(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AdapterEventsResponse:
+    after = params.get("after", "0")
+    if after != "0" and not is_entry_id(after):
+        raise ApiError(400, "after: not an event id")
+    count = _int_param(params, "count", 100, 1, ctx.limits.max_messages)
+    wait = _int_param(params, "block_ms", 0, 0, 60_000) / 1000
+    return AdapterEventsResponse(events=ctx.queue.adapter_events(after=after, count=count, block_s=ctx.block(wait)))
+
+
+def dead_letters(ctx: Context, token: Token, body: None, params: dict[str, str]) -> DeadLettersResponse:
+    after = params.get("after", "0")
+    if after != "0" and not is_entry_id(after):
+        raise ApiError(400, "after: not a stream entry id")
+    count = _int_param(params, "count", 100, 1, ctx.limits.max_messages)
+    return DeadLettersResponse(entries=ctx.queue.dead_letters(after=after, count=count))
+
+
+def stats(ctx: Context, token: Token, body: None, params: dict[str, str]) -> StatsResponse:
+    return StatsResponse(stats=ctx.queue.stats())
+
+
+def adapter_download(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AdapterDownload:
+    version = parse_version(params["version"])
+    try:
+        manifest = ctx.store.read_manifest(version)
+    except StoreMissing:
+        raise ApiError(404, f"adapter v{version} does not exist") from None
+    urls: dict[str, str] = {}
+    proxied = isinstance(ctx.store, FileStore)
+    for f in manifest.files:
+        url = None if proxied else ctx.store.presign(adapter_key(version, f.name), ctx.limits.presign_s)
+        urls[f.name] = url or f"/v1/adapters/{version}/files/{f.name}"
+        proxied = proxied or url is None
+    return AdapterDownload(manifest=manifest, urls=urls, proxied=proxied)
+
+
+def parse_version(text: str) -> int:
+    if not text.isdigit() or len(text) > 9 or int(text) < 1:
+        raise ApiError(400, f"version: {text[:32]!r} is not an adapter version (1, 2, ...)")
+    return int(text)
+
+
+def _int_param(params: dict[str, str], name: str, default: int, low: int, high: int) -> int:
+    text = params.get(name)
+    if text is None:
+        return default
+    if not text.isdigit() or not low <= int(text) <= high:
+        raise ApiError(400, f"{name}: must be an integer in [{low}, {high}]")
+    return int(text)
+
+
+# ----------------------------------------------------------------------- routes
+
+
+HANDLERS: dict[Endpoint, Callable[..., Any]] = {
+    api.CLAIM: claim, api.HEARTBEAT: heartbeat, api.SUBMIT: submit, api.RELEASE: release,
+    api.REPORT_STATUS: report_status, api.WORKERS: list_workers, api.WHOAMI: whoami,
+    api.LATEST_ADAPTER: latest_adapter, api.ADAPTER_HISTORY: adapter_history, api.ADAPTER_DOWNLOAD: adapter_download,
+    api.ADD_PROMPTS: add_prompts, api.READ_ROLLOUTS: read_rollouts, api.ACK: ack, api.EXPIRE_RUN: expire_run,
+    api.ANNOUNCE: announce, api.DEAD_LETTERS: dead_letters, api.STATS: stats,
+}
+"""Plain handlers: (ctx, token, decoded body, params) -> the endpoint's response type, in a worker thread."""
+
+
