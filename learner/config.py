@@ -103,7 +103,7 @@ class LearnerConfig(BaseModel):
 
     # -- the loss
     advantage_scale: Literal["group", "batch", "none"] = Field("group", description="Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO).")
-    correction: Literal["tis", "mis", "none"] = Field("mis", description="Off-policy correction: masked (the default: within 5 percent of on-policy at 4 versions of lag, bench/staleness.py) or truncated importance sampling.")
+    correction: Literal["tis", "mis", "none"] = Field("mis", description="Off-policy correction: masked (the default; the README compares them) or truncated importance sampling.")
     tis_cap: float = Field(2.0, ge=1, description="Truncation cap C of TIS weights.")
     mis_level: Literal["token", "sequence"] = Field("token", description="Masked IS: mask tokens, or whole sequences by their geometric-mean ratio.")
     mis_low: float = Field(0.5, ge=0, le=1, description="Masked IS: lower bound of kept ratios.")

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from learner.config import LearnerConfig
 from learner.data import PromptSource
-from protocol import PromptBatch, RolloutGroup, SamplingParams
+from protocol import PromptBatch, Queue, RolloutGroup, SamplingParams
 
 
 def _mean(values: list[float]) -> float:
@@ -89,6 +89,18 @@ class Evaluator:
 
     def is_eval(self, batch_id: str) -> bool:
         return batch_id.startswith(self.prefix)
+
+    def issue_due(self, queue: Queue, published: set[int] | list[int], last_published: int) -> None:
+        """Issue the evaluations of the due versions now published (version 0 at once); a
+        version whose upload failed is dropped (there is nothing to measure)."""
+        for version in list(self.due):
+            if version and version not in published:
+                if version < last_published:
+                    self.due.remove(version)
+                continue
+            queue.add_prompts(self.batches(version))
+            self.issued(version)
+            self.due.remove(version)
 
     def issued(self, version: int) -> None:
         self.runs[version] = _Run(version, self.prompts())

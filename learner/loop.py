@@ -26,7 +26,7 @@ from learner.fleet import FleetWatch
 from learner.judge import Bounds, StepGroups, judge
 from learner.ledger import PromptLedger
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures
-from learner.publish import Publisher, PublishJob
+from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
 from learner.train import build_step_batch
 from learner.trainer import Trainer
@@ -82,16 +82,13 @@ class Learner:
             if cfg.eval_every else None
         )
         self._eval_figures: dict[str, float] = {}
+        """eval/* figures of evaluations completed since the last metrics row."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
-        """eval/* figures of evaluations completed since the last metrics row."""
         self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
         """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
-        self.publisher = Publisher(
-            store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.adapters_kept,
-            fingerprint=fingerprint_of_model(cfg.model),
-            protected=self.pinned_versions,
-        )
+        self.publisher = Publisher(store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.adapters_kept,
+                                   fingerprint=fingerprint_of_model(cfg.model), protected=self.pinned_versions)
         self.state = LearnerState()
         self.stop_requested = stop_requested or threading.Event()
         """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
@@ -326,17 +323,8 @@ class Learner:
         self.fleet.update_streams(stats, self.cfg.run)
 
     def issue_evals(self) -> None:
-        """Issue the evaluations of versions now published (version 0 at once)."""
-        if self.evaluator is None:
-            return
-        for version in list(self.evaluator.due):
-            if version and version not in self.publisher.published:
-                if version < self.publisher.last_published:  # its upload failed: nothing to measure
-                    self.evaluator.due.remove(version)
-                continue
-            self.queue.add_prompts(self.evaluator.batches(version))
-            self.evaluator.issued(version)
-            self.evaluator.due.remove(version)
+        if self.evaluator is not None:
+            self.evaluator.issue_due(self.queue, self.publisher.published, self.publisher.last_published)
 
     def _eval_done(self, figures: dict[str, float] | None) -> None:
         """An evaluation is complete: its figures go out with the next step, and its
@@ -414,13 +402,10 @@ class Learner:
         infinite: such an adapter is never published (actors would generate garbage) nor
         checkpointed (the last good checkpoint stays the one to resume from)."""
         adapter = self.trainer.adapter() if adapter is None else adapter
-        bad = [name for name, t in adapter.items() if not bool(torch.isfinite(t).all())]
-        if bad:
-            raise LearnerError(
-                f"step {self.state.step}: the adapter has non-finite values ({bad[0]}"
-                f"{f' and {len(bad) - 1} more' if len(bad) > 1 else ''}); not publishing or checkpointing it. "
-                "Resume from the last checkpoint, with a lower --learning-rate or --max-grad-norm"
-            )
+        if bad := nonfinite(adapter):
+            raise LearnerError(f"step {self.state.step}: the adapter has non-finite values ({bad}); not publishing or "
+                               "checkpointing it. Resume from the last checkpoint, with a lower --learning-rate or "
+                               "--max-grad-norm")
         return adapter
 
     def checkpoint(self, final: bool = False) -> None:

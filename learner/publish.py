@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from learner.policy import adapter_files
@@ -174,3 +175,9 @@ class Publisher:
                 log.info("pruned adapter versions %s", ", ".join(f"v{v}" for v in sorted(old)))
         except StoreError as err:  # a leftover old version costs only space
             log.warning("could not prune old adapter versions: %s", err)
+
+
+def nonfinite(adapter: dict[str, Tensor]) -> str:
+    """The tensors of `adapter` holding a NaN or an infinity, named ("" if none)."""
+    bad = [name for name, t in adapter.items() if not bool(torch.isfinite(t).all())]
+    return "" if not bad else bad[0] + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")

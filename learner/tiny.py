@@ -7,7 +7,9 @@ model, save it with `save_pretrained`, and load it back through the same
 A randomly initialised model learns slowly under LoRA, because LoRA leaves the
 `lm_head` and the final norm alone and the reachable range of logits stays small.
 The head is therefore untied and initialised with scaled orthonormal rows, which
-gives LoRA a usable logit range (see FACTS.md, "Training on CPU").
+gives LoRA a usable logit range (measured on this project's 2-core machines: with such a
+head at gain ~0.75, GRPO + LoRA r=8, lr 3e-3, 32 prompts x 8 completions went from 0.03 to
+0.9 reward on the next-digit task in 60-80 steps).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The queue interface: what the learner and the actors need from the transport, nothing more.
 
 Two transports implement it: `RedisQueue` (Redis streams, direct; also over fakeredis
-for the embedded default) and, in the proxy package's client, HTTPS through the proxy.
+for the embedded default; `protocol.redis_queue`) and HTTPS through the proxy (`protocol.http_queue`).
 Code above this interface never imports `redis`.
 
 Semantics every transport keeps:
