@@ -38,6 +38,7 @@ $(DEPLOY_VENV)/.installed: Makefile
 
 lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
+	$(BIN)/mypy
 
 test: test-main test-deploy test-vllm
 

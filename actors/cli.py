@@ -195,7 +195,7 @@ def confirm_identity(queue: object, run: str | None) -> str:
     return who.run
 
 
-def _load_tokenizer(model: str):  # type: ignore[no-untyped-def]
+def _load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     try:
@@ -223,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
     from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
     from protocol import (
+        AdapterManifest,
         QueueConfig,
         QueueError,
         QueueRefused,
@@ -275,9 +276,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"actors run: cannot load {args.model}: {err}", file=sys.stderr)
         return 2
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="spotgrpo-adapters-"))
+    def loaded(manifest: AdapterManifest, seconds: float) -> None:
+        metrics.adapter_version.set(manifest.version)
+        metrics.adapter_load.observe(seconds)
+
     watcher = AdapterWatcher(
-        queue, source, engine, cache, keep_adapters=args.keep_adapters,
-        on_loaded=lambda m, s: (metrics.adapter_version.set(m.version), metrics.adapter_load.observe(s)),
+        queue, source, engine, cache, keep_adapters=args.keep_adapters, on_loaded=loaded,
         on_refused=lambda v, reason: metrics.adapters_refused.inc(),
     )
     worker = Worker(queue, engine, watcher, scorer, worker_id, claim_block_s=args.claim_block_s,

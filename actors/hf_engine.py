@@ -24,6 +24,7 @@ import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -46,8 +47,9 @@ class TransformersEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(model)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.base = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype]).to(self.device).eval()
-        self.model: torch.nn.Module = self.base  # a PeftModel once the first adapter is loaded
+        loaded: Any = AutoModelForCausalLM.from_pretrained(model, dtype=_DTYPES[dtype])
+        self.base: Any = loaded.to(self.device).eval()
+        self.model: Any = self.base  # a PeftModel once the first adapter is loaded
         self.max_batch_sequences = self.max_num_seqs = max_batch_sequences
         self._queue: deque[GroupRequest] = deque()
         self._queued_seqs = 0
@@ -179,7 +181,7 @@ class TransformersEngine(Engine):
         self._release_evicted()
 
     def _generate_chunk(
-        self, model: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int, s: SamplingParams,
+        self, model: Any, prompts: Sequence[Sequence[int]], n: int, s: SamplingParams,
         abort: threading.Event | None,
     ) -> list[list[Sample]]:
         from transformers import StoppingCriteria, StoppingCriteriaList

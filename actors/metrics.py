@@ -27,6 +27,6 @@ class WorkerMetrics:
         )
         self.adapters_refused = Counter("spotgrpo_actor_adapters_refused", "Adapters refused (checksum, missing, load error)", registry=r)
 
-    def serve(self, port: int, host: str = "0.0.0.0"):  # type: ignore[no-untyped-def]
+    def serve(self, port: int, host: str = "0.0.0.0"):
         """Serve /metrics from a daemon thread; returns (server, thread)."""
         return start_http_server(port, addr=host, registry=self.registry)

@@ -130,13 +130,13 @@ class Scorer:
             values, error = self._call(rf, prompts, completions, completion_ids, columns, n)
             if error is not None:
                 return Scores.failed(n, error)
-            per_fn[rf.name] = values  # type: ignore[assignment]
+            per_fn[rf.name] = values
         rewards: list[float | None] = []
         components = []
         for i in range(n):
             parts = {name: values[i] for name, values in per_fn.items()}
             scored = [(rf.weight, parts[rf.name]) for rf in self.functions if parts[rf.name] is not None]
-            rewards.append(sum(w * v for w, v in scored) if scored else None)  # type: ignore[operator]
+            rewards.append(sum(w * float(v) for w, v in scored if v is not None) if scored else None)
             components.append(parts)
         if any(r is None for r in rewards):
             return Scores.failed(n, "every reward function abstained for some completion", components)
@@ -165,7 +165,7 @@ class Scorer:
             raise box["error"]
         return box["scores"]
 
-    def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):  # type: ignore[no-untyped-def]
+    def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):
         result: dict[str, Any] = {}
 
         def target() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def _text(completion: object) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else str(completion)  # type: ignore[index]
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)
 
 
 def next_digit(prompts: list, completions: list, answer: list, **_: object) -> list[float]:

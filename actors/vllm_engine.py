@@ -154,7 +154,7 @@ class VLLMEngine(Engine):
     def decode(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
-    def _sampling(self, s: SamplingParams, seed: int | None):  # type: ignore[no-untyped-def]
+    def _sampling(self, s: SamplingParams, seed: int | None):
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
@@ -216,7 +216,7 @@ class VLLMEngine(Engine):
         self._release_evicted()
         return done
 
-    def _finish(self, result) -> tuple[Hashable, list[Sample]] | None:  # type: ignore[no-untyped-def]
+    def _finish(self, result) -> tuple[Hashable, list[Sample]] | None:
         key, j = self._sequences.pop(result.request_id)
         group = self._groups[key]
         completion = result.outputs[0]

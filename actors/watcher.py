@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import logging
 import shutil
 import threading
@@ -225,4 +226,4 @@ class AdapterWatcher:
             # the files go only when no queued or running request names the version any
             # more: vLLM loads a LoRA lazily, when its first request is scheduled
             folder = self.cache_dir / f"v{old}"
-            self.engine.evict_adapter(old, on_released=lambda folder=folder: shutil.rmtree(folder, ignore_errors=True))
+            self.engine.evict_adapter(old, on_released=functools.partial(shutil.rmtree, folder, ignore_errors=True))

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, cast
 
 from actors.engine import Engine, EngineDead, GroupRequest, Sample
 from actors.metrics import WorkerMetrics
@@ -348,7 +348,7 @@ class Worker:
     def _advance(self, timeout_s: float) -> None:
         """Step the engine; send finished groups to scoring; collect finished scores."""
         for key, samples in self.engine.step(timeout_s, self.abort):
-            lease_id, i = key  # type: ignore[misc]
+            lease_id, i = cast(tuple[str, int], key)  # the keys this worker gave the engine
             flight = self.flights.get(lease_id)
             if flight is None:
                 continue

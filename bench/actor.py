@@ -37,7 +37,7 @@ from protocol import QueueConfig, RedisQueue, SamplingParams
 from protocol.store import open_store
 
 
-def fake_queue_factory():  # type: ignore[no-untyped-def]
+def fake_queue_factory():
     server = fakeredis.FakeServer(version=(7, 0))
     return lambda: RedisQueue(fakeredis.FakeRedis(server=server, version=(7, 0)), QueueConfig(run="bench"))
 

@@ -72,13 +72,13 @@ def synthetic_batch(policy: Policy, groups: int, group_size: int, prompt_len: in
     return StepBatch(seqs, behaviour, advantages(rewards, [group_size] * groups, "group"), rewards)
 
 
-def inline_publish(store, version: int, state, config_json: bytes) -> None:  # type: ignore[no-untyped-def]
+def inline_publish(store, version: int, state, config_json: bytes) -> None:
     """Baseline: the training thread serialises and uploads the adapter itself."""
     for name, data in adapter_files(state, config_json).items():
         store.put(f"adapters/v{version}/{name}", data)
 
 
-def open_bench_store(kind: str, tmp: str):  # type: ignore[no-untyped-def]
+def open_bench_store(kind: str, tmp: str):
     if kind == "file":
         return open_store(str(Path(tmp) / "store")), None
     import logging
@@ -101,7 +101,7 @@ class RankBench:
     """One rank's policy, optimizer and batch; `run(mode)` times steps with publishing
     after each: none, background (the learner's way) or inline (the baseline)."""
 
-    def __init__(self, model_dir: Path, rank: int, store, args: argparse.Namespace) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, model_dir: Path, rank: int, store, args: argparse.Namespace) -> None:
         self.cfg = LearnerConfig(model=str(model_dir), lora_rank=rank, lora_alpha=2 * rank, micro_batch_size=8,
                                  max_tokens=args.completion_len, learning_rate=1e-5)
         self.policy = Policy(self.cfg)
@@ -111,7 +111,7 @@ class RankBench:
         self.store = store
         self.steps = args.steps
         self.version = rank * 10_000
-        self.publisher = Publisher(store, NullAnnounce(), base_model="bench", rank=rank)  # type: ignore[arg-type]
+        self.publisher = Publisher(store, NullAnnounce(), base_model="bench", rank=rank)
         self.step()  # warm-up
 
     def step(self) -> None:

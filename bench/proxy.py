@@ -82,7 +82,7 @@ def prepare(queue: RedisQueue, n: int, clients: int, tag: str, prefix: str = "")
     return work
 
 
-def run(make_queue, work: list[list[tuple[str, RolloutGroup]]], tag: str) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+def run(make_queue, work: list[list[tuple[str, RolloutGroup]]], tag: str) -> tuple[float, list[float]]:
     latencies: list[float] = []
     lock = threading.Lock()
     barrier = threading.Barrier(len(work) + 1)
@@ -154,10 +154,10 @@ def main() -> None:
                 tag = f"{transport}{clients}"
                 work = prepare(setup, args.groups, clients, tag, prefix="" if transport == "direct" else "actor/")
                 if transport == "direct":
-                    def make_queue():  # type: ignore[no-untyped-def]
+                    def make_queue():
                         return RedisQueue(redis.Redis(port=redis_port), config)
                 else:
-                    def make_queue():  # type: ignore[no-untyped-def]
+                    def make_queue():
                         return HttpQueue(url, TOKENS["actor"], config, verify=ctx)
                 rate, lat = run(make_queue, work, tag)
                 rows[transport] = rate

@@ -56,7 +56,7 @@ from protocol import (
 def batch(run: str, i: int, scoring: str = "trusted") -> PromptBatch:
     return PromptBatch(batch_id=f"{run}-b{i}", prompts=[Prompt(id="p0", text=f"question {i}", columns={"answer": "4"})],
                        num_generations=8, sampling=SamplingParams(max_tokens=16), learner_version=0,
-                       issued_at=time.time(), scoring=scoring)  # type: ignore[arg-type]
+                       issued_at=time.time(), scoring=scoring)
 
 
 def unscored(b: PromptBatch, reward: float | None = None) -> RolloutGroup:

@@ -17,11 +17,12 @@ or not (train them again: the model state that trained them was lost).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import random
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -68,7 +69,7 @@ class LearnerState:
 
 
 def _python_rng() -> dict[str, Any]:
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[Any, ...], np.random.get_state())
     return {
         "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
         "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
@@ -107,7 +108,7 @@ def save_checkpoint(
     }
     for name, data in files.items():
         key = checkpoint_key(step, name)
-        retrying(lambda key=key, data=data: store.put(key, data), what=f"write {key}")
+        retrying(functools.partial(store.put, key, data), what=f"write {key}")
     pointer = json.dumps({"step": step, "prefix": f"checkpoints/step-{step}/"}).encode()
     retrying(lambda: store.put(CHECKPOINT_POINTER, pointer), what="write checkpoint pointer")
     _prune(store, step, keep)

@@ -299,7 +299,7 @@ def load_config(
 ) -> LearnerConfig:
     """`defaults`, then the TOML file's values, then `overrides` (flags the user gave);
     GRPOConfig names are read as ours in each."""
-    values: dict[str, object] = {}
+    values: dict[str, Any] = {}
     if toml_path is not None:
         try:
             values = tomllib.loads(toml_path.read_text())
@@ -311,7 +311,7 @@ def load_config(
     if unknown:
         raise ConfigError(f"invalid configuration: {_unknown(unknown)}")
     try:
-        return LearnerConfig(**values)
+        return LearnerConfig.model_validate(values)
     except ValidationError as err:
         lines = [
             f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors()

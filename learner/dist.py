@@ -37,7 +37,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -226,7 +226,8 @@ def fill_from_rank0(model: torch.nn.Module, full: dict[str, Tensor], dist_: Dist
 
     if not dist_.main:
         model.to_empty(device=dist_.device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(model, cast(dict[str, Any], full),  # torch annotates its values as a union Tensor is in
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for _, buf in sorted(model.named_buffers(), key=lambda nb: nb[0]):
             buf.copy_(dist_.broadcast(buf))

@@ -155,6 +155,6 @@ class Evaluator:
             "eval/reward_mean": _mean(rewards),
             "eval/pass@1": _mean(p1),
             f"eval/pass@{k}": _mean(pk),
-            "eval/completion_len_mean": _mean(lengths),
+            "eval/completion_len_mean": _mean([float(n) for n in lengths]),
             "eval/completion_len_max": max(lengths) if lengths else math.nan,
         }

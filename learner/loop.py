@@ -209,7 +209,8 @@ class Learner:
             size = min(size, ledger.room(limit))
             if size > 0:
                 self.publisher.flush()  # the versions the batches are pinned to must be out first
-        batches, room = [], ledger.room(limit)
+        batches: list[PromptBatch] = []
+        room = ledger.room(limit)
         while size > 0 and size <= room - size * len(batches):
             batches.append(self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}",
                                        ledger.cursor + size * len(batches), size))
@@ -489,7 +490,7 @@ class Learner:
         if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
             decode = self.policy.tokenizer.decode
             self.metrics.samples([
-                (decode(g.prompt_tokens.tolist(), skip_special_tokens=True), c.text, float(c.reward))  # type: ignore[arg-type]
+                (str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)), c.text, float(c.reward or 0.0))
                 for g in groups[:4] for c in g.completions[:2]
             ], self.state.step)
         if self.on_step is not None:

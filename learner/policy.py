@@ -15,7 +15,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -103,7 +103,7 @@ class Policy:
         targets: Any = "all-linear" if cfg.target_modules == ["all-linear"] else cfg.target_modules
         lora = LoraConfig(
             r=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha,
+            lora_alpha=cfg.lora_alpha,  # type: ignore[arg-type]  # annotated int by PEFT; used as a float (alpha / r)
             lora_dropout=cfg.lora_dropout,
             target_modules=targets,
             task_type="CAUSAL_LM",
@@ -181,7 +181,7 @@ class Policy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = {n: state[self._peft_key(n)] for n, _ in self._trainable} if self.dist.main else {}
-        set_model_state_dict(self.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+        set_model_state_dict(self.model, cast(dict[str, Any], full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
                                                                         strict=False))
 
     def adapter_config_json(self) -> bytes:

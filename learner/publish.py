@@ -14,6 +14,7 @@ outage) is re-raised on the training thread at the next `submit`/`check`/`close`
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue as stdqueue
 import re
@@ -144,7 +145,7 @@ class Publisher:
         files = adapter_files(job.state, job.config_json)
         for name, data in files.items():
             key = adapter_key(job.version, name)
-            self._retry(f"upload {key}", lambda key=key, data=data: self.store.put(key, data))
+            self._retry(f"upload {key}", functools.partial(self.store.put, key, data))
         manifest = AdapterManifest(
             version=job.version,
             step=job.step,

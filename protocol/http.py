@@ -62,46 +62,46 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
 # ----------------------------------------------------------------- actor routes
 
 
-class ClaimRequest(_Body, tag="claim"):
+class ClaimRequest(_Body, frozen=True, tag="claim"):
     worker: Ident
     count: Count = 1
     block_s: BlockS = 0.0
     """Long-poll: wait up to this long for a batch (the proxy may cap it)."""
 
 
-class ClaimResponse(_Body, tag="leases"):
+class ClaimResponse(_Body, frozen=True, tag="leases"):
     leases: list[Lease]
 
 
-class HeartbeatRequest(_Body, tag="heartbeat"):
+class HeartbeatRequest(_Body, frozen=True, tag="heartbeat"):
     worker: Ident
     lease_ids: Annotated[list[EntryId], msgspec.Meta(max_length=MAX_ITEMS)]
 
 
-class HeartbeatResponse(_Body, tag="held"):
+class HeartbeatResponse(_Body, frozen=True, tag="held"):
     lease_ids: list[str]
 
 
-class SubmitRequest(_Body, tag="submit"):
+class SubmitRequest(_Body, frozen=True, tag="submit"):
     worker: Ident
     lease_id: EntryId
     groups: Annotated[list[RolloutGroup], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
 
 
-class SubmitResponse(_Body, tag="submitted"):
+class SubmitResponse(_Body, frozen=True, tag="submitted"):
     result: SubmitResult
 
 
-class ReleaseRequest(_Body, tag="release"):
+class ReleaseRequest(_Body, frozen=True, tag="release"):
     worker: Ident
     lease_id: EntryId
 
 
-class ReleaseResponse(_Body, tag="released"):
+class ReleaseResponse(_Body, frozen=True, tag="released"):
     released: bool
 
 
-class AdapterDownload(_Body, tag="adapter_download"):
+class AdapterDownload(_Body, frozen=True, tag="adapter_download"):
     """Where to fetch each file of an adapter version: short-lived presigned URLs, or
     the proxy's own file route (which needs the actor's token) for a file:// store."""
 
@@ -111,17 +111,17 @@ class AdapterDownload(_Body, tag="adapter_download"):
     """True when the URLs are the proxy's own and need the bearer token."""
 
 
-class ReportStatusRequest(_Body, tag="report_status"):
+class ReportStatusRequest(_Body, frozen=True, tag="report_status"):
     status: WorkerStatus
     """Its `worker` is the worker's own name; the proxy puts the token's name first."""
 
 
-class ReportStatusResponse(_Body, tag="reported"):
+class ReportStatusResponse(_Body, frozen=True, tag="reported"):
     worker: str
     """The name the status is listed under."""
 
 
-class WorkersResponse(_Body, tag="workers"):
+class WorkersResponse(_Body, frozen=True, tag="workers"):
     workers: Annotated[list[WorkerStatus], msgspec.Meta(max_length=1000)]
     """At most `?limit=` of them (default 500, at most 1,000): the furthest behind first
     (lowest adapter version, then most refusals), then by name."""
@@ -129,7 +129,7 @@ class WorkersResponse(_Body, tag="workers"):
     """How many workers reported within `max_age_s`, listed or not."""
 
 
-class WhoAmIResponse(_Body, tag="whoami"):
+class WhoAmIResponse(_Body, frozen=True, tag="whoami"):
     """Who the proxy takes the caller for, and the run it serves: a client checks its
     token's role and its `--run` before it spends anything (a model load, a GPU)."""
 
@@ -142,23 +142,23 @@ class WhoAmIResponse(_Body, tag="whoami"):
 # --------------------------------------------------------------- learner routes
 
 
-class AddPromptsRequest(_Body, tag="add_prompts"):
+class AddPromptsRequest(_Body, frozen=True, tag="add_prompts"):
     batches: Annotated[list[PromptBatch], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
 
 
-class AddPromptsResponse(_Body, tag="added"):
+class AddPromptsResponse(_Body, frozen=True, tag="added"):
     added: NonNegInt
 
 
-class ExpireRunRequest(_Body, tag="expire_run"):
+class ExpireRunRequest(_Body, frozen=True, tag="expire_run"):
     ttl_s: Annotated[float, msgspec.Meta(gt=0.0, le=365 * 86400.0)]
 
 
-class ExpireRunResponse(_Body, tag="expiring"):
+class ExpireRunResponse(_Body, frozen=True, tag="expiring"):
     keys: NonNegInt
 
 
-class ReadRolloutsRequest(_Body, tag="read_rollouts"):
+class ReadRolloutsRequest(_Body, frozen=True, tag="read_rollouts"):
     consumer: Ident
     count: Count = 1
     block_s: BlockS = 0.0
@@ -167,45 +167,45 @@ class ReadRolloutsRequest(_Body, tag="read_rollouts"):
     after: str = "0"
 
 
-class RolloutsResponse(_Body, tag="rollouts"):
+class RolloutsResponse(_Body, frozen=True, tag="rollouts"):
     deliveries: list[Delivery]
 
 
-class AckRequest(_Body, tag="ack"):
+class AckRequest(_Body, frozen=True, tag="ack"):
     delivery_ids: Annotated[list[EntryId], msgspec.Meta(max_length=MAX_ITEMS)]
     finished: Annotated[list[FinishedBatch], msgspec.Meta(max_length=MAX_ITEMS)] = []
     """Batches the learner has checkpointed to the end: their dedup records go."""
 
 
-class AckResponse(_Body, tag="acked"):
+class AckResponse(_Body, frozen=True, tag="acked"):
     acked: NonNegInt
 
 
-class AnnounceRequest(_Body, tag="announce"):
+class AnnounceRequest(_Body, frozen=True, tag="announce"):
     manifest: AdapterManifest
 
 
-class AnnounceResponse(_Body, tag="announced"):
+class AnnounceResponse(_Body, frozen=True, tag="announced"):
     event_id: str
 
 
-class LatestAdapterResponse(_Body, tag="latest_adapter"):
+class LatestAdapterResponse(_Body, frozen=True, tag="latest_adapter"):
     manifest: AdapterManifest | None
 
 
-class AdapterEventsResponse(_Body, tag="adapter_events"):
+class AdapterEventsResponse(_Body, frozen=True, tag="adapter_events"):
     events: list[AdapterEvent]
 
 
-class DeadLettersResponse(_Body, tag="dead_letters"):
+class DeadLettersResponse(_Body, frozen=True, tag="dead_letters"):
     entries: list[DeadLetter]
 
 
-class StatsResponse(_Body, tag="stats"):
+class StatsResponse(_Body, frozen=True, tag="stats"):
     stats: QueueStats
 
 
-class ErrorResponse(_Body, tag="error"):
+class ErrorResponse(_Body, frozen=True, tag="error"):
     status: PosInt
     error: str
     """One line saying what was wrong; never a traceback."""
@@ -242,7 +242,7 @@ def decode_body(data: bytes, cls: type[Any], limits: Limits = DEFAULT_LIMITS) ->
     if len(data) > limits.max_message_bytes:
         raise ProtocolError(f"body: {len(data)} bytes exceed the limit of {limits.max_message_bytes}")
     try:
-        body = _decoder(cls).decode(data)
+        body = _decoder(cls).decode(data)  # type: ignore[arg-type]  # a class is hashable; typeshed's cache says otherwise
     except ProtocolError:
         raise
     except msgspec.MsgspecError as err:

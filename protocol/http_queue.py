@@ -183,6 +183,7 @@ class HttpQueue(Queue):
                     ) from None
                 raise _Transient(f"{type(err).__name__}: {err}") from None
             if r.status_code == 200:
+                assert response is not None, f"{path} answers no MessagePack body"
                 return decode_body(r.content, response)
             code, message = _error_text(r)
             if r.status_code in (429, 502, 503, 504):
@@ -423,7 +424,7 @@ class SseSubscription(AdapterSubscription):
 
 def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
     """(id, data) of each event in a text/event-stream (comments and blank keep-alives skipped)."""
-    event_id, data = "", []
+    event_id, data = "", list[str]()
     for line in lines:
         if not line:
             if data:

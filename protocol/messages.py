@@ -65,7 +65,7 @@ class _Struct(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     pass
 
 
-class SamplingParams(_Struct):
+class SamplingParams(_Struct, frozen=True):
     """How an actor samples completions. Log-probabilities are reported under this
     (temperature-scaled, top-p/top-k truncated) distribution."""
 
@@ -91,14 +91,14 @@ class SamplingParams(_Struct):
             check_finite(name, getattr(self, name))
 
 
-class ChatTurn(_Struct):
+class ChatTurn(_Struct, frozen=True):
     """One turn of a chat prompt, as TRL's conversational datasets have them."""
 
     role: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     content: str
 
 
-class Prompt(_Struct):
+class Prompt(_Struct, frozen=True):
     """One dataset row to be completed `num_generations` times."""
 
     id: Ident
@@ -122,7 +122,7 @@ class Prompt(_Struct):
         check_json_like("columns", self.columns, depth=0)
 
 
-class PromptBatch(_Struct, tag="prompt_batch", tag_field="type", kw_only=True):
+class PromptBatch(_Struct, frozen=True, tag="prompt_batch", tag_field="type", kw_only=True):
     """Prompts the learner hands to the actors; an actor claims one batch as a lease."""
 
     schema: int = SCHEMA_VERSION
@@ -153,7 +153,7 @@ class PromptBatch(_Struct, tag="prompt_batch", tag_field="type", kw_only=True):
 FinishReason = Literal["stop", "length", "abort"]
 
 
-class Completion(_Struct):
+class Completion(_Struct, frozen=True):
     """One sampled completion with what the learner needs to train on it."""
 
     token_ids: bytes
@@ -211,7 +211,7 @@ def group_id_for(batch_id: str, prompt_id: str) -> str:
     return digest.hexdigest()
 
 
-class RolloutGroup(_Struct, tag="rollout_group", tag_field="type", kw_only=True):
+class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", kw_only=True):
     """All completions of one prompt, scored, from one adapter version."""
 
     schema: int = SCHEMA_VERSION
@@ -251,14 +251,14 @@ class RolloutGroup(_Struct, tag="rollout_group", tag_field="type", kw_only=True)
         return [c.reward for c in self.completions]
 
 
-class AdapterFile(_Struct):
+class AdapterFile(_Struct, frozen=True):
     name: FileName
     sha256: Sha256Hex
     size: NonNegInt
     """Bytes."""
 
 
-class AdapterManifest(_Struct, tag="adapter_manifest", tag_field="type", kw_only=True):
+class AdapterManifest(_Struct, frozen=True, tag="adapter_manifest", tag_field="type", kw_only=True):
     """Describes one published adapter version; also the announcement actors receive.
 
     Written last as `adapters/v<N>/manifest.json`, so a manifest's presence means its
@@ -284,7 +284,7 @@ class AdapterManifest(_Struct, tag="adapter_manifest", tag_field="type", kw_only
             raise ProtocolError("files: file names must be unique")
 
 
-class WorkerStatus(_Struct, tag="worker_status", tag_field="type", kw_only=True):
+class WorkerStatus(_Struct, frozen=True, tag="worker_status", tag_field="type", kw_only=True):
     """What a rollout worker reports about itself, every few seconds, for the fleet view
     (`GET /v1/workers`, the learner's warnings about lagging or refusing workers)."""
 

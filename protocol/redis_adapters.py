@@ -9,8 +9,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-import redis
-
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
 from protocol.messages import AdapterManifest, encode
@@ -23,11 +21,12 @@ T = TypeVar("T")
 class RedisAdapters:
     """The announcement calls of `RedisQueue` (which provides the plumbing below)."""
 
-    _r: redis.Redis
+    _r: Any
     keys: Keys
     config: QueueConfig
 
-    def _call(self, fn: Callable[[], T]) -> T: ...
+    def _call(self, fn: Callable[[], T]) -> T:
+        raise NotImplementedError
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any: ...
     def _block_ms(self, block_s: float) -> int | None: ...
     @contextlib.contextmanager

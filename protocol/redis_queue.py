@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import redis
 import redis.exceptions
@@ -67,7 +67,7 @@ class RedisQueue(RedisAdapters, Queue):
     def __init__(self, client: redis.Redis, config: QueueConfig | None = None) -> None:
         self.config = config or QueueConfig()
         self.keys = Keys(self.config.run)
-        self._r = client
+        self._r: Any = client  # redis-py's annotations mix in its asyncio types: read as Any
         self._scripts = {
             name: client.register_script(getattr(redis_lua, name))
             for name in (
@@ -93,7 +93,7 @@ class RedisQueue(RedisAdapters, Queue):
             self._ensure_groups()
 
     @classmethod
-    def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100) -> RedisQueue:
+    def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100) -> Self:
         """Connect to `redis://host:port/db` (or `rediss://` for TLS). A server that calls
         the queue from many threads at once needs `max_connections` above its thread count:
         one blocking read holds a connection for its whole wait."""

@@ -17,14 +17,16 @@ JSON are read back from a store.
 from __future__ import annotations
 
 import abc
+import builtins
 import contextlib
+import functools
 import hashlib
 import os
 import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from protocol.errors import ProtocolError
@@ -100,11 +102,11 @@ class Store(abc.ABC):
     def exists(self, key: str) -> bool: ...
 
     @abc.abstractmethod
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         """Keys under `prefix` (a folder key ending in `/`), sorted."""
 
     @abc.abstractmethod
-    def delete(self, keys: list[str]) -> None: ...
+    def delete(self, keys: builtins.list[str]) -> None: ...
 
     def presign(self, key: str, expires_s: int) -> str | None:
         """A URL that fetches `key` without credentials, or None if the backend has none."""
@@ -154,7 +156,7 @@ class FileStore(Store):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         base = self.root / prefix.rstrip("/") if prefix else self.root
         if not base.is_dir():
             return []
@@ -164,7 +166,7 @@ class FileStore(Store):
             if p.is_file() and not p.name.startswith(".tmp-")
         )
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         for key in keys:
             path = self._path(key)
             path.unlink(missing_ok=True)
@@ -191,8 +193,8 @@ class S3Store(Store):
         config = Config(retries={"max_attempts": 3, "mode": "standard"})
         if client is None:
             client = boto3.client("s3", config=config)
-        self.client = client
-        self.presign_client = client
+        self.client: Any = client
+        self.presign_client: Any = client
         if presign_endpoint is not None:
             parsed = urlparse(presign_endpoint)
             if parsed.scheme not in ("http", "https") or not parsed.netloc:
@@ -241,7 +243,7 @@ class S3Store(Store):
             return False
         return True
 
-    def list(self, prefix: str) -> list[str]:
+    def list(self, prefix: str) -> builtins.list[str]:
         full = self._key(prefix.rstrip("/")) + "/" if prefix else (self.prefix + "/" if self.prefix else "")
         strip = len(self.prefix) + 1 if self.prefix else 0
         keys: list[str] = []
@@ -254,14 +256,13 @@ class S3Store(Store):
         self._call(f"list {prefix}", page_through)
         return sorted(keys)
 
-    def delete(self, keys: list[str]) -> None:
+    def delete(self, keys: builtins.list[str]) -> None:
         for i in range(0, len(keys), 1000):
             chunk = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             self._call(
                 "delete",
-                lambda chunk=chunk: self.client.delete_objects(
-                    Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True}
-                ),
+                functools.partial(self.client.delete_objects, Bucket=self.bucket,
+                                  Delete={"Objects": chunk, "Quiet": True}),
             )
 
     def presign(self, key: str, expires_s: int) -> str | None:

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("proxy")
 
@@ -140,18 +141,18 @@ def serve(args: argparse.Namespace) -> int:
     HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
     log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
              args.host, args.port, len(tokens.tokens))
-    config = uvicorn.Config(
+    server_config = uvicorn.Config(
         build_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
         ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
         ssl_keyfile=str(args.tls_key) if args.tls_key else None,
         timeout_keep_alive=30, timeout_graceful_shutdown=2, http=HeaderTimeoutProtocol,
     )
-    ProxyServer(config, on_exit=ctx.hub.close_soon).run()  # a port it cannot bind: uvicorn says so, exit 3
+    ProxyServer(server_config, on_exit=ctx.hub.close_soon).run()  # a port it cannot bind: uvicorn says so, exit 3
     queue.close()
     return 0
 
 
-def wait_for_redis(url: str, config: object, max_connections: int, timeout_s: float):  # type: ignore[no-untyped-def]
+def wait_for_redis(url: str, config: object, max_connections: int, timeout_s: float):
     """The run's Redis, waited for up to `timeout_s` (it may start after the proxy, as in
     compose): the learner and the actors wait the same way. Raises QueueUnavailable."""
     from protocol import QueueUnavailable, RedisQueue
@@ -169,7 +170,7 @@ def wait_for_redis(url: str, config: object, max_connections: int, timeout_s: fl
         raise QueueUnavailable(f"unreachable for {timeout_s:g}s: {err}") from None
 
 
-def share_memory_redis(server: object, port: int) -> None:
+def share_memory_redis(server: Any, port: int) -> None:
     """Serve an in-process fakeredis server on loopback (fakeredis's own TCP server)."""
     import threading
 

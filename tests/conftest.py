@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def kill_process(proc: subprocess.Popen | None) -> None:  # type: ignore[type-arg]
+def kill_process(proc: subprocess.Popen | None) -> None:
     """SIGKILL by process id if it still runs, and reap it (draining its pipes, if any)."""
     if proc is None:
         return
@@ -107,11 +107,11 @@ def make_server(tmp_path: Path) -> Iterator[type[RedisServer]]:
     started: list[RedisServer] = []
 
     def make(**kwargs: object) -> RedisServer:
-        server = RedisServer(tmp_path / f"redis-{len(started)}", **kwargs)  # type: ignore[arg-type]
+        server = RedisServer(tmp_path / f"redis-{len(started)}", **kwargs)
         started.append(server)
         return server
 
-    yield make  # type: ignore[misc]
+    yield make
     for server in started:
         server.stop()
 
@@ -152,11 +152,11 @@ def run_name() -> str:
 
 
 @pytest.fixture
-def make_queue(backend, run_name):  # type: ignore[no-untyped-def]
+def make_queue(backend, run_name):
     """`make_queue(**config)` -> a RedisQueue on the backend, sharing the test's run."""
 
     def make(**overrides: object) -> RedisQueue:
-        config = QueueConfig(run=run_name, **overrides)  # type: ignore[arg-type]
+        config = QueueConfig(run=run_name, **overrides)
         return RedisQueue(backend(), config)
 
     return make
@@ -302,7 +302,7 @@ class ProxyProcess:
             raise RuntimeError(f"{err}: {self.log.read_text()[-2000:]}") from None
         return self
 
-    def ssl(self):  # type: ignore[no-untyped-def]
+    def ssl(self):
         import ssl
 
         return ssl.create_default_context(cafile=self.ca)
@@ -313,15 +313,15 @@ class ProxyProcess:
     def stop(self) -> None:
         stop_process(self.proc)
 
-    def queue(self, role: str, **config: object):  # type: ignore[no-untyped-def]
+    def queue(self, role: str, **config: object):
         from protocol.http_queue import HttpQueue
 
         run = self.cmd[self.cmd.index("--run") + 1]
-        return HttpQueue(self.url, TOKENS[role], QueueConfig(run=run, **config), verify=self.ca)  # type: ignore[arg-type]
+        return HttpQueue(self.url, TOKENS[role], QueueConfig(run=run, **config), verify=self.ca)
 
 
 @pytest.fixture
-def make_proxy(redis_server: RedisServer, run_name: str, tls_pair, tokens_file, tmp_path: Path):  # type: ignore[no-untyped-def]
+def make_proxy(redis_server: RedisServer, run_name: str, tls_pair, tokens_file, tmp_path: Path):
     """`make_proxy(store=..., extra=(...))` -> a started ProxyProcess on the session's Redis."""
     started: list[ProxyProcess] = []
 

@@ -32,7 +32,7 @@ CASES = {"token_mean": {"loss_agg": "token_mean"}, "seq_mean": {"loss_agg": "seq
          "constant": {"loss_agg": "constant"}, "ppo2": {"loss_agg": "token_mean", "updates_per_batch": 2}}
 
 
-def step_batch(policy, temperature: float) -> StepBatch:  # type: ignore[no-untyped-def]
+def step_batch(policy, temperature: float) -> StepBatch:
     g = torch.Generator(device="cpu").manual_seed(0)
     lengths = [(3, 6), (5, 2), (3, 4), (5, 6), (4, 1), (2, 6), (6, 3), (3, 5)]
     prompts = [torch.randint(4, 60, (p,), generator=g).tolist() for p, _ in lengths]

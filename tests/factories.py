@@ -80,7 +80,7 @@ def group(b: PromptBatch, prompt_index: int = 0, *, actor: str = "actor-1", vers
 
 
 def groups(b: PromptBatch, **kwargs: object) -> list[RolloutGroup]:
-    return [group(b, i, **kwargs) for i in range(len(b.prompts))]  # type: ignore[arg-type]
+    return [group(b, i, **kwargs) for i in range(len(b.prompts))]
 
 
 def manifest(version: int = 1, step: int = 0) -> AdapterManifest:

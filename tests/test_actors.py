@@ -46,7 +46,7 @@ def learner_policy(tiny_model: Path, seed: int) -> Policy:
     return perturbed_policy(tiny_model, seed)
 
 
-def publish(store: Store, queue, policy: Policy, version: int) -> None:  # type: ignore[no-untyped-def]
+def publish(store: Store, queue, policy: Policy, version: int) -> None:
     publisher = Publisher(store, queue, base_model="tiny", rank=4)
     publisher.submit(PublishJob(version, version, policy.adapter_state(), policy.adapter_config_json()))
     publisher.close()
@@ -131,7 +131,7 @@ def test_watcher_refuses_a_corrupt_adapter_and_keeps_generating(tmp_path: Path, 
     store = open_store((tmp_path / "store").as_uri())
     queue = FakeQueue()
     engine = TransformersEngine(str(tiny_model))
-    watcher = AdapterWatcher(queue, StoreSource(store), engine, tmp_path / "cache", keep_adapters=2)  # type: ignore[arg-type]
+    watcher = AdapterWatcher(queue, StoreSource(store), engine, tmp_path / "cache", keep_adapters=2)
     publish(store, queue, learner_policy(tiny_model, 1), 1)
     watcher.sync()
     assert watcher.current == 1 and engine.loaded_versions() == [1]
@@ -196,9 +196,9 @@ def test_scorer_follows_trl_conventions() -> None:
         (lambda prompts, completions, **_: ["good"] * len(completions), "not a finite number"),
     ],
 )
-def test_a_failing_reward_fails_the_group_never_scores_zero(fn, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_reward_fails_the_group_never_scores_zero(fn, message: str) -> None:
     scores = Scorer([RewardFn("r", fn)], timeout_s=0.2).score(Prompt(id="p", text="q"), "q", ["a", "b"], [[1], [2]])
-    assert message in scores.error  # type: ignore[operator]
+    assert message in scores.error
     assert scores.rewards == [None, None]
 
 
@@ -208,12 +208,12 @@ def test_a_failing_reward_fails_the_group_never_scores_zero(fn, message: str) ->
 class GatedEngine(TransformersEngine):
     """The real engine, reporting when a generation starts and ends."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.started = threading.Event()
         self.spans: list[tuple[int, float, float]] = []
 
-    def step(self, timeout_s, abort=None):  # type: ignore[no-untyped-def]
+    def step(self, timeout_s, abort=None):
         version = self._queue[0].version if self._queue else None
         begin = time.monotonic()
         if version is not None:
@@ -227,7 +227,7 @@ class GatedEngine(TransformersEngine):
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     """v2 is announced while a batch generates on v1: that batch finishes on v1 (its
     log-probabilities are v1's), the next uses v2, and each group says which."""
     make = lambda: RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))  # noqa: E731
@@ -268,7 +268,7 @@ def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_se
 
 
 @pytest.mark.redis
-def test_a_failing_reward_is_reported_and_the_worker_goes_on(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_reward_is_reported_and_the_worker_goes_on(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     engine = TransformersEngine(str(tiny_model))
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "c")
@@ -278,7 +278,7 @@ def test_a_failing_reward_is_reported_and_the_worker_goes_on(tmp_path: Path, tin
     groups = [d.group for d in queue.read_rollouts("t", 10)]
     assert len(groups) == 2
     for g in groups:
-        assert "ZeroDivisionError" in g.error and all(c.reward is None for c in g.completions)  # type: ignore[operator]
+        assert "ZeroDivisionError" in g.error and all(c.reward is None for c in g.completions)
     assert worker.metrics.reward_errors._value.get() == 2
     queue.close()
 
@@ -295,7 +295,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
 
 
-def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, timeout: float = 90) -> None:  # type: ignore[type-arg]
+def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
     while queue.stats().leases_by_worker.get(worker, 0) == 0:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -305,7 +305,7 @@ def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, time
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=4)])
     victim = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "victim"), cwd=REPO, env=_env(),
@@ -340,7 +340,7 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=8, max_tokens=200)])
     proc = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "spot", "--lease-timeout-s", "600"),

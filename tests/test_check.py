@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def published(make_proxy, tiny_model: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+def published(make_proxy, tiny_model: Path, tmp_path: Path):
     """A proxy whose run has adapter v1 (rank 4) of `tiny_model`, published as the learner does."""
     store_url = (tmp_path / "store").as_uri()
     proxy = make_proxy(store=store_url)
@@ -34,7 +34,7 @@ def published(make_proxy, tiny_model: Path, tmp_path: Path):  # type: ignore[no-
     return proxy
 
 
-def actors_check(proxy, *flags: str, token: str = TOKENS["actor"], ca: str | None = None) -> subprocess.CompletedProcess[str]:  # type: ignore[no-untyped-def]
+def actors_check(proxy, *flags: str, token: str = TOKENS["actor"], ca: str | None = None) -> subprocess.CompletedProcess[str]:
     run = proxy.cmd[proxy.cmd.index("--run") + 1]
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "SPOTGRPO_TOKEN": token,
            "SPOTGRPO_CA_CERT": ca or proxy.ca}
@@ -42,7 +42,7 @@ def actors_check(proxy, *flags: str, token: str = TOKENS["actor"], ca: str | Non
                           capture_output=True, text=True, timeout=180, env=env)
 
 
-def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path) -> None:
     proc = actors_check(published, "--model", str(tiny_model), "--reward", "toy_rewards:digit_first")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -53,7 +53,7 @@ def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path
     assert lines[-1].startswith("all 7 checks passed")
 
 
-def test_another_base_model_is_named_with_the_fix(published, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_another_base_model_is_named_with_the_fix(published, tmp_path: Path, tiny_model: Path) -> None:
     from learner.tiny import save_tiny
 
     other = save_tiny(tmp_path / "other", hidden_size=48)
@@ -63,13 +63,13 @@ def test_another_base_model_is_named_with_the_fix(published, tmp_path: Path, tin
     assert "engine" not in proc.stdout  # it stops at the first failure
 
 
-def test_a_rank_above_the_engines_limit_fails_before_any_gpu_work(published, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_rank_above_the_engines_limit_fails_before_any_gpu_work(published, tiny_model: Path) -> None:
     proc = actors_check(published, "--model", str(tiny_model), "--engine", "vllm", "--max-lora-rank", "2")
     assert proc.returncode == 1
     assert "above --max-lora-rank 2" in proc.stdout and "fix: start the worker with --max-lora-rank" in proc.stdout
 
 
-def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model: Path, tmp_path: Path) -> None:
     proc = actors_check(published, "--model", str(tiny_model), token=TOKENS["learner"])
     assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "role actor" in proc.stdout
     from proxy.tls import write_self_signed
@@ -80,7 +80,7 @@ def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model
     assert proc.returncode == 1 and "SPOTGRPO_CA_CERT" in proc.stdout, proc.stdout
 
 
-def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str, tiny_model: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str, tiny_model: Path, tmp_path: Path) -> None:
     from factories import write_dataset
 
     data = write_dataset(tmp_path / "data.jsonl")

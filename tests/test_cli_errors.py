@@ -55,7 +55,7 @@ def _learner(tmp_path: Path, queue: str, model: Path | str, *extra: str) -> list
 
 
 @pytest.mark.redis
-def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Path) -> None:
     proxy = make_proxy()
     rc, err, _ = _run(_actor(proxy.url, tiny_model, "--token", "x" * 40), SPOTGRPO_CA_CERT=proxy.ca)
     assert rc == 2
@@ -66,7 +66,7 @@ def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Pa
 
 
 @pytest.mark.redis
-def test_a_certificate_that_does_not_verify_is_not_retried(make_proxy, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_certificate_that_does_not_verify_is_not_retried(make_proxy, tiny_model: Path) -> None:
     proxy = make_proxy()  # self-signed: the system's CAs do not know it
     rc, err, took = _run(_actor(proxy.url, tiny_model, "--token", TOKENS["actor"]))
     assert rc == 2 and took < 30
@@ -116,7 +116,7 @@ def test_missing_local_models_and_bad_run_dirs_are_named(tiny_model: Path, tmp_p
     _one_line(err, "learner run:", "--run-dir", "not a writable directory")
 
 
-def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, tokens_file: Path) -> None:  # type: ignore[no-untyped-def]
+def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, tokens_file: Path) -> None:
     base = ["-m", "proxy.cli", "serve", "--redis", "memory://", "--store", tmp_path.as_uri(), "--tokens", str(tokens_file)]
     rc, err, _ = _run([*base, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tls_pair[1])])
     assert rc == 2
@@ -141,7 +141,7 @@ def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, toke
 
 @pytest.mark.redis
 def test_an_actor_exits_in_seconds_on_sigterm_when_the_proxy_is_gone(make_proxy, tiny_model: Path, run_name: str,
-                                                                     redis_server) -> None:  # type: ignore[no-untyped-def]
+                                                                     redis_server) -> None:
     proxy = make_proxy()
     proc = subprocess.Popen(
         [sys.executable, *_actor(proxy.url, tiny_model, "--token", TOKENS["actor"], "--run", run_name,

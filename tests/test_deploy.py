@@ -114,7 +114,7 @@ def _k8s_model(doc: dict[str, Any]) -> Any:
     klass = f"{group_version.capitalize()}{doc['kind']}"
     _strict(doc, klass, doc["kind"])
     # the client's own constructors check required fields and enums (client-side validation)
-    return ApiClient()._ApiClient__deserialize(doc, klass)  # type: ignore[attr-defined]
+    return ApiClient()._ApiClient__deserialize(doc, klass)
 
 
 def _k8s_args(container: Any) -> list[str]:

@@ -166,7 +166,7 @@ def _steps(tmp_path: Path) -> list[int]:
     return [json.loads(x)["step"] for x in path.read_text().splitlines()] if path.exists() else []
 
 
-def _wait_for_step(proc: subprocess.Popen, tmp_path: Path, step: int, log: Path, timeout_s: float = 240) -> None:  # type: ignore[type-arg]
+def _wait_for_step(proc: subprocess.Popen, tmp_path: Path, step: int, log: Path, timeout_s: float = 240) -> None:
     deadline = time.monotonic() + timeout_s
     while not (_steps(tmp_path) and _steps(tmp_path)[-1] >= step):
         assert proc.poll() is None, log.read_text()[-4000:]
@@ -182,7 +182,7 @@ def _queue_and_actor(tmp_path: Path, tiny_model: Path, redis_url: str, run: str)
     return RedisQueue.from_url(redis_url, QueueConfig(run=run)), actor
 
 
-def _two_ranks(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, log: Path) -> subprocess.Popen:  # type: ignore[type-arg]
+def _two_ranks(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen([*TORCHRUN, *_learner(tmp_path, tiny_model, redis_url, run, 16)],
                                 cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
@@ -208,7 +208,7 @@ def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: Redi
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(900)
-def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     """2 ranks, stopped by SIGTERM (rank 0 checkpoints, the other follows) -> 1 process
     -> 2 ranks again: every group trained once, versions increasing."""
     queue, actor = _queue_and_actor(tmp_path, tiny_model, redis_server.url, run_name)
@@ -238,7 +238,7 @@ def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Pa
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(900)
-def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     import psutil
 
     queue, actor = _queue_and_actor(tmp_path, tiny_model, redis_server.url, run_name)

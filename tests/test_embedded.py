@@ -28,7 +28,7 @@ def _learner_exe() -> str:
     return exe
 
 
-def _running(proc) -> bool:  # type: ignore[no-untyped-def]
+def _running(proc) -> bool:
     """Alive and not a zombie (an orphan's exit status waits for whoever reaps it here)."""
     import psutil
 

@@ -29,10 +29,10 @@ def _config(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, **overri
         "num_generations": 4, "prompts_per_batch": 2, "max_tokens": 4, "learning_rate": 3e-3, "lora_rank": 8,
         "checkpoint_every": 4, "tensorboard": False,
     }
-    return LearnerConfig(**{**values, **overrides})  # type: ignore[arg-type]
+    return LearnerConfig(**{**values, **overrides})
 
 
-def _train_with_an_actor(cfg: LearnerConfig, redis_url: str, tiny_model: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
+def _train_with_an_actor(cfg: LearnerConfig, redis_url: str, tiny_model: Path, tmp_path: Path):
     """The learner's run, with one real actor work loop (transformers engine) in a thread;
     returns the learner's state and its metrics rows."""
     store = open_store(cfg.store)
@@ -67,7 +67,7 @@ def test_pass_at_k_is_the_unbiased_estimator() -> None:
 @pytest.mark.redis
 @pytest.mark.slow
 def test_every_second_version_is_evaluated_with_exactly_that_version(
-    tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
 ) -> None:
     cfg = _config(tmp_path, tiny_model, redis_server.url, run_name, steps=8, max_inflight=8, eval_every=2,
                   eval_dataset=str(write_dataset(tmp_path / "held-out.jsonl", n=20, seed=1)), eval_max_prompts=4,
@@ -88,7 +88,7 @@ def test_every_second_version_is_evaluated_with_exactly_that_version(
 
 @pytest.mark.redis
 def test_an_actor_loads_an_evicted_version_again_for_an_evaluation(
-    tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
 ) -> None:
     import msgspec
     import torch
@@ -120,7 +120,7 @@ def test_an_actor_loads_an_evicted_version_again_for_an_evaluation(
 @pytest.mark.redis
 @pytest.mark.slow
 def test_a_forced_lag_trains_on_groups_exactly_that_many_versions_old(
-    tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
 ) -> None:
     """The mechanism bench/staleness.py measures with: batches pinned lag_versions behind."""
     cfg = _config(tmp_path, tiny_model, redis_server.url, run_name, steps=7, max_inflight=4, lag_versions=3,
@@ -133,7 +133,7 @@ def test_a_forced_lag_trains_on_groups_exactly_that_many_versions_old(
 
 @pytest.mark.redis
 def test_a_newer_version_arriving_as_an_evaluation_starts_does_not_evict_it(
-    tmp_path: Path, tiny_model: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
 ) -> None:
     """The race the learner's evaluations once lost: the actor loads the pinned version,
     and before its requests are queued a newer version is installed, which evicts the
@@ -149,7 +149,7 @@ def test_a_newer_version_arriving_as_an_evaluation_starts_does_not_evict_it(
     installer: list[threading.Thread] = []
 
     class RacingEngine(TransformersEngine):
-        def add(self, groups):  # type: ignore[no-untyped-def]
+        def add(self, groups):
             if not installer:  # v4 is announced just as the first requests go in
                 publish(store, queue, learner_policy(tiny_model, 4), 4)
                 installer.append(threading.Thread(target=watcher.sync))

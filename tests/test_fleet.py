@@ -37,7 +37,7 @@ def test_each_problem_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
 
 
 @pytest.mark.redis
-def test_streams_nobody_reads_are_named_from_the_real_queue(redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_streams_nobody_reads_are_named_from_the_real_queue(redis_server, run_name: str) -> None:
     """No worker claims (a wrong --run on the actors, say) or no scorer scores: the
     learner's console says which, and what to start; a stream being read is not named."""
     import msgspec
@@ -86,7 +86,7 @@ def test_a_stall_is_named_once_until_it_ends(caplog: pytest.LogCaptureFixture) -
     assert sum("no rollout worker has claimed a batch" in r.message for r in caplog.records) == 2
 
 
-def test_a_fleet_view_that_fails_never_stops_the_learner(tmp_path, tiny_model) -> None:  # type: ignore[no-untyped-def]
+def test_a_fleet_view_that_fails_never_stops_the_learner(tmp_path, tiny_model) -> None:
     """The fleet view is advice: a queue whose worker list cannot be read (a proxy's answer
     past the body limit, as a status flood once made it, or an outage) leaves the learner
     as it was."""

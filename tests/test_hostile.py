@@ -49,7 +49,7 @@ MALLORY = "mallory-secret-for-tests-0123456789-abcdef"
 
 
 @pytest.fixture
-def proxy(redis_server, run_name: str, tls_pair, tmp_path: Path):  # type: ignore[no-untyped-def]
+def proxy(redis_server, run_name: str, tls_pair, tmp_path: Path):
     """A proxy whose tokens file has two actor tokens; `proxy.extra` flags go to serve."""
     tokens = tmp_path / "tokens.toml"
     tokens.write_text("".join(
@@ -75,7 +75,7 @@ _OPEN: list[HttpQueue] = []
 
 
 @pytest.fixture(autouse=True)
-def _close_queues():  # type: ignore[no-untyped-def]
+def _close_queues():
     yield
     while _OPEN:
         _OPEN.pop().close()
@@ -102,7 +102,7 @@ def _ledger(learner: HttpQueue) -> tuple:
     return (s.prompts.length, s.prompts.pending, s.rollouts.length, s.dead_letters)
 
 
-def test_a_reward_that_overflows_float32_is_refused_at_the_door(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_reward_that_overflows_float32_is_refused_at_the_door(proxy) -> None:
     p = proxy()
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"])
     learner.add_prompts([batch(0)])
@@ -118,7 +118,7 @@ def test_a_reward_that_overflows_float32_is_refused_at_the_door(proxy) -> None: 
     assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished  # the honest answer still goes in
 
 
-def test_a_lease_never_issued_or_held_by_another_takes_nothing(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_lease_never_issued_or_held_by_another_takes_nothing(proxy) -> None:
     p = proxy()
     learner, honest, mallory = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"]), _queue(p, MALLORY)
     learner.add_prompts([batch(0), batch(1)])
@@ -141,7 +141,7 @@ def test_a_lease_never_issued_or_held_by_another_takes_nothing(proxy) -> None:  
     assert {d.group.actor_id for d in stored} == {"fleet-a/gpu-1"}  # the proxy names the submitter
 
 
-def test_a_partial_submission_keeps_the_lease_until_every_prompt_has_its_group(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_partial_submission_keeps_the_lease_until_every_prompt_has_its_group(proxy) -> None:
     p = proxy()
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"])
     learner.add_prompts([batch(0, prompts=3)])
@@ -156,7 +156,7 @@ def test_a_partial_submission_keeps_the_lease_until_every_prompt_has_its_group(p
     assert learner.stats().prompts.length == 0
 
 
-def test_groups_that_do_not_answer_their_batch_are_refused_whole(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_groups_that_do_not_answer_their_batch_are_refused_whole(proxy) -> None:
     p = proxy()
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"])
     learner.add_prompts([batch(0)])
@@ -175,7 +175,7 @@ def test_groups_that_do_not_answer_their_batch_are_refused_whole(proxy) -> None:
     assert r.status_code == 422 and _error(r).code == "submission_rejected"
 
 
-def test_stream_ids_past_64_bits_are_a_400_not_a_500(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_stream_ids_past_64_bits_are_a_400_not_a_500(proxy) -> None:
     p = proxy()
     huge = "99999999999999999999-0"
     with _raw(p, TOKENS["actor"]) as actor, _raw(p, TOKENS["learner"]) as learner:
@@ -192,13 +192,13 @@ def test_stream_ids_past_64_bits_are_a_400_not_a_500(proxy) -> None:  # type: ig
         assert "id" in _error(r).error
 
 
-def _heartbeat():  # type: ignore[no-untyped-def]
+def _heartbeat():
     from protocol.http import HeartbeatRequest
 
     return HeartbeatRequest
 
 
-def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:
     """150 event streams and 100 long-polls from one actor token: the streams are served
     (they share one Redis reader), the long-polls past its cap get 429, and the admin,
     the learner and the other actor token keep getting answers."""
@@ -257,13 +257,13 @@ def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:  # ty
         assert c.get("/healthz").status_code == 200
 
 
-def _claim():  # type: ignore[no-untyped-def]
+def _claim():
     from protocol.http import ClaimRequest
 
     return ClaimRequest
 
 
-def test_a_connection_that_never_finishes_its_headers_is_closed(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_connection_that_never_finishes_its_headers_is_closed(proxy) -> None:
     p = proxy("--header-timeout-s", "1")
     context = ssl.create_default_context(cafile=p.ca)
     for first_bytes in (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):
@@ -277,14 +277,14 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(proxy) -> None: 
         assert c.get("/healthz").status_code == 200
 
 
-def test_malformed_worker_names_are_a_400(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_worker_names_are_a_400(proxy) -> None:
     p = proxy()
     actor = _queue(p, TOKENS["actor"])
     with pytest.raises(ProtocolError, match="worker"):
         actor.claim("x" * 250, 1)
 
 
-def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:
     """The rate is counted in the run's Redis: a token spreading its requests over two
     proxies gets the budget of one (10 requests per 2 s at --rate-per-s 5), not twice it."""
     a, b = proxy("--rate-per-s", "5"), proxy("--rate-per-s", "5")
@@ -308,14 +308,14 @@ def _read_all(q: HttpQueue, n: int, timeout_s: float = 60) -> list:
     return out
 
 
-def _saying(b, i: int, ids: list[int], text: str):  # type: ignore[no-untyped-def]
+def _saying(b, i: int, ids: list[int], text: str):
     """Prompt i's group whose every completion has these token ids and claims this text."""
     g = group(b, i)
     return msgspec.structs.replace(g, completions=[
         Completion.of(ids, [-0.5] * len(ids), finish_reason="stop", text=text, reward=1.0) for _ in g.completions])
 
 
-def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorers, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorers, tiny_model: Path) -> None:
     from transformers import AutoTokenizer
 
     p = proxy()
@@ -332,7 +332,7 @@ def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorer
     assert got["p1"].rewards == [1.0] * 4 and {c.text for c in got["p1"].completions} == {"1"}
 
 
-def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(proxy) -> None:
     """Just under the 16 MiB body limit, but past the message limit less the room the tier
     needs for its scores: refused with the numbers, and nothing changes."""
     p = proxy()
@@ -351,7 +351,7 @@ def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(proxy) -> N
     assert actor.submit("w", lease.lease_id, [g]).finished  # the honest group still goes in
 
 
-def test_a_hanging_reward_costs_only_its_own_group(proxy, scorers, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_hanging_reward_costs_only_its_own_group(proxy, scorers, tmp_path: Path) -> None:
     """One group of a lease of eight hangs its reward: it is rejected at the per-group limit,
     not retried, and the seven others are scored meanwhile, not after it."""
     p = proxy()
@@ -370,7 +370,7 @@ def test_a_hanging_reward_costs_only_its_own_group(proxy, scorers, tmp_path: Pat
     assert all(got[f"p{i}"].rewards == [1.0] * 4 for i in range(1, 8))
 
 
-def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(proxy, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(proxy, caplog) -> None:
     p = proxy("--max-workers-per-token", "20", "--rate-per-s", "10000")
     learner, mallory, honest = _queue(p, TOKENS["learner"]), _queue(p, MALLORY), _queue(p, TOKENS["actor"])
     long_error = "e" * 500
@@ -406,7 +406,7 @@ def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(pr
     assert len(lines) == 6 and "16 more worker(s)" in lines[-1] and len(caplog.records) == 6
 
 
-def test_the_metrics_keep_at_most_a_hundred_worker_series(proxy) -> None:  # type: ignore[no-untyped-def]
+def test_the_metrics_keep_at_most_a_hundred_worker_series(proxy) -> None:
     p = proxy("--max-workers-per-token", "150", "--rate-per-s", "10000")
     actor = _queue(p, MALLORY)
     for i in range(130):
@@ -420,7 +420,7 @@ UNSAFE_SAMPLES = ["\x1b]0;owned\x07", "\r", "\x7f", "\x9b31m", "\u202e", "\u2066
 
 
 @pytest.mark.parametrize("bad", UNSAFE_SAMPLES, ids=[repr(s) for s in UNSAFE_SAMPLES])
-def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(proxy_once, bad: str) -> None:  # type: ignore[no-untyped-def]
+def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(proxy_once, bad: str) -> None:
     """Worker names, the engine, the last error, reward-function names, timing keys and
     errors: a 400 naming the field, and nothing stored."""
     p, learner = proxy_once
@@ -457,7 +457,7 @@ def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(p
 
 
 @pytest.fixture(scope="module")
-def proxy_once(redis_server, tls_pair, tmp_path_factory):  # type: ignore[no-untyped-def]
+def proxy_once(redis_server, tls_pair, tmp_path_factory):
     """One proxy for a parametrized test (its cases share the run; each uses its own batch)."""
     folder = tmp_path_factory.mktemp("proxy-once")
     tokens = folder / "tokens.toml"
@@ -483,7 +483,7 @@ def _actors(p: ProxyProcess, *args: str, token: str, env: dict[str, str] | None 
         env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": token, "SPOTGRPO_CA_CERT": p.ca, **(env or {})})
 
 
-def test_a_worker_checks_its_token_role_run_and_ca_before_it_loads_a_model(proxy, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_worker_checks_its_token_role_run_and_ca_before_it_loads_a_model(proxy, tmp_path: Path) -> None:
     p = proxy()
     run = p.cmd[p.cmd.index("--run") + 1]
     model = tmp_path / "not-a-model"  # a folder a model load fails on: the refusals must come first
@@ -505,7 +505,7 @@ def test_a_worker_checks_its_token_role_run_and_ca_before_it_loads_a_model(proxy
     assert r.returncode == 2 and "cannot load" in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
-def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, tokens_file, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, tokens_file, tmp_path: Path) -> None:
     server = make_server()
     store = (tmp_path / "store").as_uri()
     gone = ProxyProcess(server.url, store, "waits", tls_pair, tokens_file, extra=("--startup-timeout-s", "1"))

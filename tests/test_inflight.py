@@ -49,7 +49,7 @@ def _batch(batch_id: str, n: int = 4, max_tokens: int = 6, prompts: Sequence[Seq
 class RecordingQueue(RedisQueue):
     """The real Redis queue, noting each submission and the leases held at that moment."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.submits: list[tuple[str, int, SubmitResult]] = []
         self.held: list[int] = []
@@ -63,7 +63,7 @@ class RecordingQueue(RedisQueue):
 
 @pytest.mark.redis
 def test_many_leases_in_flight_and_groups_streamed_as_they_finish(tmp_path: Path, tiny_model: Path,
-                                                                   redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+                                                                   redis_server, run_name: str) -> None:
     config = QueueConfig(run=run_name)
     queue = RecordingQueue(RedisQueue.from_url(redis_server.url, config)._r, config)
     queue.add_prompts([_batch(f"b{i}") for i in range(6)])
@@ -104,7 +104,7 @@ def test_a_hung_reward_is_killed_and_the_pool_recovers(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
-def test_a_partial_submission_racing_a_takeover_stores_each_group_once(redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_a_partial_submission_racing_a_takeover_stores_each_group_once(redis_server, run_name: str) -> None:
     from factories import batch, groups
 
     q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=0.3))
@@ -126,8 +126,8 @@ def test_a_partial_submission_racing_a_takeover_stores_each_group_once(redis_ser
     racer.start()
     results["fast"] = q.submit("fast", fast.lease_id, gs)
     racer.join()
-    assert isinstance(results["slow"], LeaseLost) or results["slow"].duplicates == 2  # type: ignore[union-attr]
-    assert results["fast"].finished  # type: ignore[union-attr]
+    assert isinstance(results["slow"], LeaseLost) or results["slow"].duplicates == 2
+    assert results["fast"].finished
     got = [d.group.group_id for d in q.read_rollouts("learner", 100)]
     assert sorted(got) == sorted(g.group_id for g in gs)
     q.close()
@@ -146,7 +146,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
 
 
-def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Popen) -> None:  # type: ignore[type-arg]
+def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 120
     while queue.stats().leases_by_worker.get(worker, 0) < n:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
@@ -157,7 +157,7 @@ def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Po
 @pytest.mark.redis
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
-                                                      signum: int) -> None:  # type: ignore[no-untyped-def]
+                                                      signum: int) -> None:
     """SIGKILL: the leases expire and another worker finishes them. SIGTERM: they are
     handed back at once (the other worker needs no lease timeout). Either way every
     group is stored exactly once."""
@@ -200,7 +200,7 @@ class DyingEngine(TransformersEngine):
 
     steps = 0
 
-    def step(self, timeout_s, abort=None):  # type: ignore[no-untyped-def]
+    def step(self, timeout_s, abort=None):
         from actors.engine import EngineDead
 
         self.steps += 1
@@ -210,7 +210,7 @@ class DyingEngine(TransformersEngine):
 
 
 @pytest.mark.redis
-def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     from actors.rewards import Scorer, load_reward
     from actors.worker import WorkerEngineDead
 
@@ -229,7 +229,7 @@ def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: 
 
 @pytest.mark.redis
 def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp_path: Path, redis_server,
-                                                           run_name: str) -> None:  # type: ignore[no-untyped-def]
+                                                           run_name: str) -> None:
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([_batch(f"b{i}", max_tokens=200) for i in range(4)])
     cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", redis_server.url, "--run", run_name,
@@ -256,7 +256,7 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp
 
 @pytest.mark.redis
 def test_prompts_sent_as_text_are_tokenized_by_the_actor(tmp_path: Path, tiny_model: Path, redis_server,
-                                                         run_name: str) -> None:  # type: ignore[no-untyped-def]
+                                                         run_name: str) -> None:
     from factories import batch
 
     from actors.rewards import Scorer, load_reward

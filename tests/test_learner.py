@@ -48,7 +48,7 @@ def digit_first(_prompt: list[int], _tokens: list[int], text: str) -> float:
     return 1.0 if text[:1].isdigit() else 0.0
 
 
-def fake_queue_factory(run: str):  # type: ignore[no-untyped-def]
+def fake_queue_factory(run: str):
     server = fakeredis.FakeServer(version=(7, 0))
     return lambda: RedisQueue(fakeredis.FakeRedis(server=server, version=(7, 0)), QueueConfig(run=run))
 
@@ -61,7 +61,7 @@ def small_config(tmp_path: Path, tiny_model: Path, **overrides: object) -> Learn
         "max_tokens": 4, "learning_rate": 3e-3, "lora_rank": 8, "checkpoint_every": 2, "tensorboard": False,
     }
     values.update(overrides)
-    return LearnerConfig(**values)  # type: ignore[arg-type]
+    return LearnerConfig(**values)
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -173,7 +173,7 @@ class ScriptedActor(SyntheticActor):
     """A direct Redis writer (past the queue's submission checks): answers its first four
     batches with groups the learner must reject, later ones with valid random ones."""
 
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.batches = 0
 
@@ -296,7 +296,7 @@ def test_the_console_line_copes_with_missing_figures() -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     cfg = small_config(
         tmp_path, tiny_model, run=run_name, queue=redis_server.url, steps=20, groups_per_step=8,
         num_generations=8, prompts_per_batch=4, max_inflight=16, checkpoint_every=5, tensorboard=True,
@@ -343,7 +343,7 @@ def _learner_cmd(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, *ex
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     write_dataset(tmp_path / "data.jsonl")
     store = open_store((tmp_path / "store").as_uri())
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
@@ -366,7 +366,7 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tin
     finally:
         kill_process(first)
         log1.close()
-    version_at_kill = queue.latest_adapter().version  # type: ignore[union-attr]
+    version_at_kill = queue.latest_adapter().version
 
     second = subprocess.run(
         _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name, "--resume"),
@@ -422,7 +422,7 @@ def test_an_existing_checkpoint_needs_resume(tmp_path: Path, tiny_model: Path) -
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_learner_rides_out_a_redis_crash(tmp_path: Path, tiny_model: Path, make_server, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_learner_rides_out_a_redis_crash(tmp_path: Path, tiny_model: Path, make_server, caplog) -> None:
     """Redis (AOF, fsync always) is SIGKILLed mid-run and restarted on the same port: the
     learner and the sampler back off, reconnect, and the run completes exactly once."""
     server = make_server(persistent=True)
@@ -463,7 +463,7 @@ def test_learner_rides_out_a_redis_crash(tmp_path: Path, tiny_model: Path, make_
     actor.queue.close()
 
 
-def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     """No sampler: the learner waits for rollouts; SIGTERM ends it at once with exit 0 and
     a checkpoint holding its data cursor."""
     write_dataset(tmp_path / "data.jsonl")
@@ -544,7 +544,7 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
     current = [""]
 
     def decode(ids: object) -> str:
-        return "7" * 5_000_000 if current[0] in doomed else tok.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
+        return "7" * 5_000_000 if current[0] in doomed else tok.decode(list(ids), skip_special_tokens=True)
 
     tier = scoring.Tier(queue=sq, scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
                         name="tier-0", decode=decode, timeout_s=30)

@@ -82,11 +82,11 @@ BOUNDS = Bounds(scoring_mode="actors", max_abs_reward=10.0, vocab_size=100, cont
                 max_tokens=8, max_staleness=2)
 
 
-def _with(g, **changes):  # type: ignore[no-untyped-def]
+def _with(g, **changes):
     return msgspec.structs.replace(g, **changes)
 
 
-def _rewards(g, *values):  # type: ignore[no-untyped-def]
+def _rewards(g, *values):
     return _with(g, completions=[msgspec.structs.replace(c, reward=v) for c, v in zip(g.completions, values, strict=True)])
 
 
@@ -121,7 +121,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("group_", "version", "issued", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
-def test_judge(group_, version: int, issued, reason: str | None) -> None:  # type: ignore[no-untyped-def]
+def test_judge(group_, version: int, issued, reason: str | None) -> None:
     bounds = Bounds(**{**asdict(BOUNDS), "scoring_mode": "trusted"}) if reason == "rejected_unscored" else BOUNDS
     assert judge(group_, bounds, version, issued) == reason
 

@@ -94,8 +94,8 @@ def test_aggregation_modes() -> None:
     assert aggregate(loss, mask, "constant", **kw).item() == pytest.approx(10 / (2 * 5))
     # shares of a split batch add up to the whole
     for mode in ("token_mean", "seq_mean", "constant"):
-        parts = aggregate(loss[:1], mask[:1], mode, **kw) + aggregate(loss[1:], mask[1:], mode, **kw)  # type: ignore[arg-type]
-        assert parts.item() == pytest.approx(aggregate(loss, mask, mode, **kw).item())  # type: ignore[arg-type]
+        parts = aggregate(loss[:1], mask[:1], mode, **kw) + aggregate(loss[1:], mask[1:], mode, **kw)
+        assert parts.item() == pytest.approx(aggregate(loss, mask, mode, **kw).item())
 
 
 def test_token_logps_match_log_softmax_at_temperature() -> None:
@@ -108,7 +108,7 @@ def test_token_logps_match_log_softmax_at_temperature() -> None:
 # ---------------------------------------------------------------- on a real model
 
 
-def _policy(tiny_model, **overrides) -> Policy:  # type: ignore[no-untyped-def]
+def _policy(tiny_model, **overrides) -> Policy:
     cfg = LearnerConfig(model=str(tiny_model), lora_rank=4, temperature=0.8, max_tokens=6, **overrides)
     policy = Policy(cfg)
     torch.manual_seed(1)
@@ -137,7 +137,7 @@ def _grads(policy: Policy) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
-def test_micro_batches_give_the_full_batch_gradient(tiny_model, mode) -> None:  # type: ignore[no-untyped-def]
+def test_micro_batches_give_the_full_batch_gradient(tiny_model, mode) -> None:
     policy = _policy(tiny_model, loss_agg=mode)
     batch, _, _ = _on_policy_batch(policy)
     accumulate(policy, batch, policy.cfg.model_copy(update={"micro_batch_size": 4}), None, _Sums())
@@ -152,7 +152,7 @@ def test_micro_batches_give_the_full_batch_gradient(tiny_model, mode) -> None:  
 # TRL and transformers emit deprecation warnings about their own internals
 @pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning", "ignore::DeprecationWarning")
 @pytest.mark.parametrize(("mode", "trl_loss"), [("token_mean", "bnpo"), ("seq_mean", "grpo"), ("constant", "dr_grpo")])
-def test_on_policy_gradient_equals_trl_grpo_trainer(tiny_model, tmp_path, mode, trl_loss) -> None:  # type: ignore[no-untyped-def]
+def test_on_policy_gradient_equals_trl_grpo_trainer(tiny_model, tmp_path, mode, trl_loss) -> None:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 

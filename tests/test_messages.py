@@ -212,7 +212,7 @@ def test_bad_messages_cannot_be_built_or_sent() -> None:
     with pytest.raises(ProtocolError, match="learner_version"):
         encode(bad)
     with pytest.raises(ProtocolError):
-        encode({"type": "prompt_batch"})  # type: ignore[arg-type]
+        encode({"type": "prompt_batch"})
 
 
 def test_decode_is_the_only_door_for_types() -> None:

@@ -45,14 +45,14 @@ pytestmark = pytest.mark.redis
 PATH_VALUES = {"version": "1", "name": "adapter_model.safetensors"}
 
 
-def _client(proxy, role: str | None = None, secret: str | None = None) -> httpx.Client:  # type: ignore[no-untyped-def]
+def _client(proxy, role: str | None = None, secret: str | None = None) -> httpx.Client:
     headers = {}
     if role is not None or secret is not None:
-        headers["Authorization"] = f"Bearer {secret or TOKENS[role]}"  # type: ignore[index]
+        headers["Authorization"] = f"Bearer {secret or TOKENS[role]}"
     return httpx.Client(base_url=proxy.url, verify=proxy.ssl(), headers=headers, timeout=15)
 
 
-def _state(queue) -> tuple:  # type: ignore[no-untyped-def]
+def _state(queue) -> tuple:
     s = queue.stats()
     return (s.prompts.length, s.prompts.pending, s.rollouts.length, s.dead_letters, s.latest_adapter_version)
 
@@ -62,7 +62,7 @@ def _state(queue) -> tuple:  # type: ignore[no-untyped-def]
 
 def test_tokens_file_validation() -> None:
     good = 'name = "a"\nrole = "actor"\nsecret = "%s"\n' % ("x" * 32)
-    assert Tokens.from_toml("[[tokens]]\n" + good).check("x" * 32).role == "actor"  # type: ignore[union-attr]
+    assert Tokens.from_toml("[[tokens]]\n" + good).check("x" * 32).role == "actor"
     assert Tokens.from_toml("[[tokens]]\n" + good).check("y" * 32) is None
     for text, msg in [
         ('[[tokens]]\nname = "a"\nrole = "actor"\nsecret = "short"\n', "at least 32"),
@@ -77,7 +77,7 @@ def test_tokens_file_validation() -> None:
     assert "x" * 32 not in repr(Tokens.from_toml("[[tokens]]\n" + good).tokens)
 
 
-def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:
     """Generated from /openapi.json: a route added without roles would fail here."""
     proxy = make_proxy()
     with _client(proxy) as anonymous:
@@ -123,7 +123,7 @@ def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:  # type: ignor
         (msgspec.msgpack.encode({"type": "submit", "schema": 1, "worker": "w"}), CONTENT_TYPE, 400, "Invalid value 'submit'"),
     ],
 )
-def test_malformed_bodies_get_4xx_and_change_nothing(make_proxy, body: bytes, content_type: str, status: int, message: str) -> None:  # type: ignore[no-untyped-def]
+def test_malformed_bodies_get_4xx_and_change_nothing(make_proxy, body: bytes, content_type: str, status: int, message: str) -> None:
     proxy = make_proxy()
     learner = proxy.queue("learner")
     learner.add_prompts([batch(1)])
@@ -137,7 +137,7 @@ def test_malformed_bodies_get_4xx_and_change_nothing(make_proxy, body: bytes, co
     learner.close()
 
 
-def test_protocol_violations_inside_valid_msgpack(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_protocol_violations_inside_valid_msgpack(make_proxy) -> None:
     proxy = make_proxy()
     learner, actor = proxy.queue("learner"), proxy.queue("actor")
     b = batch(2)
@@ -160,7 +160,7 @@ def test_protocol_violations_inside_valid_msgpack(make_proxy) -> None:  # type: 
     actor.close()
 
 
-def test_finished_batches_through_the_proxy(make_proxy, redis_server, run_name) -> None:  # type: ignore[no-untyped-def]
+def test_finished_batches_through_the_proxy(make_proxy, redis_server, run_name) -> None:
     """The learner's report of finished batches travels with its acknowledgement; a bad
     one is a 400 that acknowledges nothing and forgets nothing."""
     proxy = make_proxy()
@@ -187,14 +187,14 @@ def test_finished_batches_through_the_proxy(make_proxy, redis_server, run_name) 
         q.close()
 
 
-def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:
     proxy = make_proxy(extra=("--max-body-bytes", "4096", "--max-messages", "3"))
     learner = proxy.queue("learner")
     with _client(proxy, "learner") as client:
         r = client.post("/v1/prompts", content=b"\x00" * 5000, headers={"Content-Type": CONTENT_TYPE})
         assert r.status_code == 413
 
-        def chunks():  # type: ignore[no-untyped-def]
+        def chunks():
             for _ in range(10):
                 yield b"\x00" * 1000
 
@@ -209,7 +209,7 @@ def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:  # type: ig
 @pytest.mark.parametrize("path", ["/v1/adapters/1/files/..", "/v1/adapters/1/files/..%2F..%2Fetc%2Fpasswd",
                                   "/v1/adapters/..%2F1/files/x", "/v1/adapters/0", "/v1/adapters/-1",
                                   "/v1/adapters/1/files/.hidden", "/v1/adapters/99999999999"])
-def test_adapter_paths_cannot_leave_the_adapter_prefix(make_proxy, path: str) -> None:  # type: ignore[no-untyped-def]
+def test_adapter_paths_cannot_leave_the_adapter_prefix(make_proxy, path: str) -> None:
     proxy = make_proxy()
     with _client(proxy, "actor") as client:
         r = client.get(path)
@@ -217,7 +217,7 @@ def test_adapter_paths_cannot_leave_the_adapter_prefix(make_proxy, path: str) ->
 
 
 @pytest.mark.slow
-def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:
     proxy = make_proxy()
     learner = proxy.queue("learner")
     learner.add_prompts([batch(1)])
@@ -240,7 +240,7 @@ def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:  # type: ignore[no
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(st.sampled_from(routes), bodies)
-    def fuzz(route, body) -> None:  # type: ignore[no-untyped-def]
+    def fuzz(route, body) -> None:
         role, path = route
         r = clients[role].post(path, content=body, headers={"Content-Type": CONTENT_TYPE})
         assert 400 <= r.status_code < 500, (path, body, r.status_code, r.content[:200])
@@ -257,7 +257,7 @@ def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:  # type: ignore[no
 # ------------------------------------------------------------------------- limits
 
 
-def test_rate_limit_429_with_retry_after(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_rate_limit_429_with_retry_after(make_proxy) -> None:
     proxy = make_proxy(extra=("--rate-per-s", "2"))
     with _client(proxy, "admin") as client:
         statuses = [client.get("/v1/stats") for _ in range(8)]
@@ -268,7 +268,7 @@ def test_rate_limit_429_with_retry_after(make_proxy) -> None:  # type: ignore[no
         assert other.get("/v1/stats").status_code == 200
 
 
-def test_backpressure_503_and_the_client_keeps_its_groups(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_backpressure_503_and_the_client_keeps_its_groups(make_proxy) -> None:
     proxy = make_proxy(extra=("--backlog-limit", "0"))
     learner = proxy.queue("learner")
     actor = proxy.queue("actor")
@@ -286,7 +286,7 @@ def test_backpressure_503_and_the_client_keeps_its_groups(make_proxy) -> None:  
     actor.close()
 
 
-def test_wrong_role_through_the_client_is_not_retried(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_wrong_role_through_the_client_is_not_retried(make_proxy) -> None:
     proxy = make_proxy()
     actor = proxy.queue("actor")
     started = time.monotonic()
@@ -299,7 +299,7 @@ def test_wrong_role_through_the_client_is_not_retried(make_proxy) -> None:  # ty
 # ----------------------------------------------------------------- adapters
 
 
-def _manifest(store, version: int) -> AdapterManifest:  # type: ignore[no-untyped-def]
+def _manifest(store, version: int) -> AdapterManifest:
     files = {"adapter_model.safetensors": f"weights-{version}".encode(), "adapter_config.json": b"{}"}
     for name, data in files.items():
         store.put(adapter_key(version, name), data)
@@ -309,7 +309,7 @@ def _manifest(store, version: int) -> AdapterManifest:  # type: ignore[no-untype
     return manifest
 
 
-def test_adapter_downloads_from_a_file_store_are_streamed_by_the_proxy(make_proxy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_adapter_downloads_from_a_file_store_are_streamed_by_the_proxy(make_proxy, tmp_path) -> None:
     proxy = make_proxy(store=(tmp_path / "s").as_uri())
     store = open_store((tmp_path / "s").as_uri())
     _manifest(store, 1)
@@ -323,7 +323,7 @@ def test_adapter_downloads_from_a_file_store_are_streamed_by_the_proxy(make_prox
 
 
 @pytest.mark.s3
-def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_server) -> None:  # type: ignore[no-untyped-def]
+def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_server) -> None:
     proxy = make_proxy(store=f"s3://{s3_bucket}/run", env=moto_server.env())
     store = open_store(f"s3://{s3_bucket}/run")
     _manifest(store, 2)
@@ -377,7 +377,7 @@ class Forwarder:
         self.server.server_close()
 
 
-def test_presigned_urls_name_the_public_endpoint(make_proxy, s3_bucket, moto_server) -> None:  # type: ignore[no-untyped-def]
+def test_presigned_urls_name_the_public_endpoint(make_proxy, s3_bucket, moto_server) -> None:
     """The proxy reaches the bucket at AWS_ENDPOINT_URL (compose's http://minio:9000);
     outside workers only at the public address, which `--presign-endpoint` names."""
     public = Forwarder(moto_server.port)
@@ -395,7 +395,7 @@ def test_presigned_urls_name_the_public_endpoint(make_proxy, s3_bucket, moto_ser
         public.close()
 
 
-def test_a_presign_endpoint_needs_an_s3_store(tmp_path, tls_pair, tokens_file) -> None:  # type: ignore[no-untyped-def]
+def test_a_presign_endpoint_needs_an_s3_store(tmp_path, tls_pair, tokens_file) -> None:
     import subprocess
     import sys
 
@@ -407,14 +407,14 @@ def test_a_presign_endpoint_needs_an_s3_store(tmp_path, tls_pair, tokens_file) -
 
 
 @pytest.mark.slow
-def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(make_proxy, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(make_proxy, tmp_path) -> None:
     proxy = make_proxy()
     store = open_store((tmp_path / "store").as_uri())
     learner, actor = proxy.queue("learner"), proxy.queue("actor")
     sub = actor.subscribe_adapters()
     time.sleep(0.5)
     learner.announce(_manifest(store, 1))
-    assert sub.get(10).version == 1  # type: ignore[union-attr]
+    assert sub.get(10).version == 1
     proxy.kill()  # the event stream drops
     direct = __import__("protocol").RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1],
                                                          __import__("protocol").QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1]))
@@ -424,7 +424,7 @@ def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(mak
     got = [sub.get(20), sub.get(20)]
     assert [m.version for m in got if m is not None] == [2, 3]
     learner.announce(_manifest(store, 4))
-    assert sub.get(10).version == 4  # type: ignore[union-attr]
+    assert sub.get(10).version == 4
     assert sub.get(0.5) is None  # nothing twice
     sub.close()
     direct.close()
@@ -432,7 +432,7 @@ def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(mak
     actor.close()
 
 
-def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> None:
     """Event streams never end by themselves: on SIGTERM the proxy ends each with a
     complete response (the client sees a clean end, not a broken transfer), instead of
     waiting out the graceful-shutdown timeout and cancelling them with a traceback."""
@@ -474,7 +474,7 @@ def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> Non
 
 
 @pytest.mark.slow
-def test_proxy_killed_mid_traffic_loses_no_submitted_group(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_proxy_killed_mid_traffic_loses_no_submitted_group(make_proxy) -> None:
     proxy = make_proxy()
     learner = proxy.queue("learner")
     batches = [batch(i, prompts=4) for i in range(40)]
@@ -526,7 +526,7 @@ def test_encode_is_what_the_proxy_serves() -> None:
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucket, moto_server, tiny_model, tmp_path, run_name) -> None:  # type: ignore[no-untyped-def]
+def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucket, moto_server, tiny_model, tmp_path, run_name) -> None:
     """`learner run --queue https://…` and `actors run --queue https://…`: the learner
     publishes to S3, the actor downloads through presigned URLs holding no AWS
     credentials, and the run completes."""
@@ -579,7 +579,7 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
     assert max(r["adapter_version"] for r in rows) >= 3
 
 
-def test_workers_report_under_their_token_and_admins_list_them(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_workers_report_under_their_token_and_admins_list_them(make_proxy) -> None:
     from protocol import WorkerStatus
 
     proxy = make_proxy()
@@ -600,10 +600,10 @@ def test_workers_report_under_their_token_and_admins_list_them(make_proxy) -> No
     admin.close()
 
 
-def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:
     proxy = make_proxy(extra=("--body-timeout-s", "1"))
 
-    def trickle():  # type: ignore[no-untyped-def]
+    def trickle():
         yield b"\x83"
         time.sleep(2.5)  # a client that stalls mid-body
         yield b"\x00"
@@ -620,7 +620,7 @@ def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:  #
     assert "spotgrpo_queue_up 1.0" in text
 
 
-def test_a_read_whose_answer_was_lost_is_recovered(make_proxy) -> None:  # type: ignore[no-untyped-def]
+def test_a_read_whose_answer_was_lost_is_recovered(make_proxy) -> None:
     """The proxy serves a read but the answer never arrives (the connection drops): the
     client's next read returns those groups from the pending list instead of losing them."""
     proxy = make_proxy()

@@ -28,7 +28,7 @@ LEASE_S = 0.3
 
 
 @pytest.fixture(params=["redis", "fakeredis", "proxy"])
-def backend(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+def backend(request: pytest.FixtureRequest):
     """conftest's backend, plus "proxy": fakeredis behind the proxy app."""
     clients = redis_clients(request, "redis" if request.param == "redis" else "fakeredis")
     make = next(clients)
@@ -38,13 +38,13 @@ def backend(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def make_queue(backend, run_name, tmp_path):  # type: ignore[no-untyped-def]
+def make_queue(backend, run_name, tmp_path):
     """`make_queue(**config)` -> the queue of the test's run on the backend: a RedisQueue,
     or (backend "proxy") a `ProxiedQueue` in front of one."""
     made = []
 
-    def make(**overrides: object):  # type: ignore[no-untyped-def]
-        direct = RedisQueue(backend(), QueueConfig(run=run_name, **overrides))  # type: ignore[arg-type]
+    def make(**overrides: object):
+        direct = RedisQueue(backend(), QueueConfig(run=run_name, **overrides))
         made.append(ProxiedQueue(direct, tmp_path / "store") if backend.through_proxy else direct)
         return made[-1]
 
@@ -54,7 +54,7 @@ def make_queue(backend, run_name, tmp_path):  # type: ignore[no-untyped-def]
             q.close()
 
 
-def listed(q, worker: str) -> str:  # type: ignore[no-untyped-def]
+def listed(q, worker: str) -> str:
     """The name the queue lists worker `worker` under."""
     return ProxiedQueue.listed(worker) if isinstance(q, ProxiedQueue) else worker
 
@@ -163,7 +163,7 @@ def test_resubmitted_group_is_stored_once(make_queue) -> None:
     assert len(q.read_rollouts("learner", 100)) == 2
 
 
-def _finished(b) -> FinishedBatch:  # type: ignore[no-untyped-def]
+def _finished(b) -> FinishedBatch:
     return FinishedBatch(b.batch_id, [g.group_id for g in groups(b)])
 
 
@@ -219,7 +219,7 @@ def test_bad_finished_batches_are_refused_and_change_nothing(make_queue) -> None
     assert q.stats().rollouts.pending == 2 and q._r.scard(q.keys.groups_seen) == 2
 
 
-def _lease_taken_over(make_queue):  # type: ignore[no-untyped-def]
+def _lease_taken_over(make_queue):
     """A batch claimed by "slow", expired, and claimed again by "fast"."""
     q = make_queue(lease_timeout_s=LEASE_S)
     q.add_prompts([batch(0)])
@@ -462,7 +462,7 @@ def test_runs_do_not_see_each_other(backend) -> None:
     assert "{run-a}" in Keys("run-a").prompts  # one cluster slot per run
 
 
-def test_worker_statuses_replace_each_other_and_old_ones_are_forgotten(make_queue) -> None:  # type: ignore[no-untyped-def]
+def test_worker_statuses_replace_each_other_and_old_ones_are_forgotten(make_queue) -> None:
     import time
 
     from protocol import WorkerStatus
@@ -481,7 +481,7 @@ def test_worker_statuses_replace_each_other_and_old_ones_are_forgotten(make_queu
         q.report_status(WorkerStatus(worker="has space", reported_at=now))
 
 
-def test_a_completed_runs_keys_expire(make_queue) -> None:  # type: ignore[no-untyped-def]
+def test_a_completed_runs_keys_expire(make_queue) -> None:
     from factories import batch
 
     q = make_queue()

@@ -25,7 +25,7 @@ def test_a_stop_event_ends_a_wait_at_once() -> None:
     assert time.monotonic() - started < 5
 
 
-def _flaky(failures: int, error: type[Exception] = ConnectionError):  # type: ignore[no-untyped-def]
+def _flaky(failures: int, error: type[Exception] = ConnectionError):
     calls = []
 
     def fn() -> str:

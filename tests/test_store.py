@@ -112,7 +112,7 @@ def _publish_one(store: Store, tiny_model: Path, version: int = 1) -> AdapterMan
 
     policy = Policy(LearnerConfig(model=str(tiny_model), lora_rank=4))
     queue = AnnouncedOnly()
-    publisher = Publisher(store, queue, base_model=str(tiny_model), rank=4)  # type: ignore[arg-type]
+    publisher = Publisher(store, queue, base_model=str(tiny_model), rank=4)
     publisher.submit(PublishJob(version, 3, policy.adapter_state(), policy.adapter_config_json()))
     publisher.close()
     assert publisher.failures == 0 and publisher.published == [version]
@@ -170,7 +170,7 @@ def test_failing_store_does_not_announce(tmp_path: Path, tiny_model: Path) -> No
 
     policy = Policy(LearnerConfig(model=str(tiny_model), lora_rank=2))
     queue = Announcements()
-    publisher = Publisher(BrokenStore(tmp_path), queue, base_model="m", rank=2, attempts=2, backoff_s=0.01)  # type: ignore[arg-type]
+    publisher = Publisher(BrokenStore(tmp_path), queue, base_model="m", rank=2, attempts=2, backoff_s=0.01)
     publisher.submit(PublishJob(1, 1, policy.adapter_state(), policy.adapter_config_json()))
     publisher.flush()
     assert publisher.failures == 1 and publisher.published == [] and queue.versions == []
@@ -181,7 +181,7 @@ def test_failing_store_does_not_announce(tmp_path: Path, tiny_model: Path) -> No
 def test_publisher_reraises_a_bug_on_the_training_thread(tmp_path: Path) -> None:
     from learner.publish import Publisher, PublishJob
 
-    publisher = Publisher(FileStore(tmp_path), None, base_model="m", rank=1)  # type: ignore[arg-type]
+    publisher = Publisher(FileStore(tmp_path), None, base_model="m", rank=1)
     publisher.submit(PublishJob(1, 1, {"w": torch.zeros(2)}, b"not json config"))  # no queue: AttributeError
     with pytest.raises(RuntimeError, match="publisher died"):
         publisher.close()
@@ -199,7 +199,7 @@ def test_old_adapter_versions_are_pruned_except_the_pinned_ones(tmp_path: Path) 
     store = FileStore(tmp_path)
     pinned = {2}
     state = {"w": torch.zeros(2)}
-    publisher = Publisher(store, Announced(), base_model="m", rank=1, keep_adapters=3,  # type: ignore[arg-type]
+    publisher = Publisher(store, Announced(), base_model="m", rank=1, keep_adapters=3,
                           protected=lambda: set(pinned))
     for version in range(1, 8):
         publisher.submit(PublishJob(version, version, state, b"{}"))

@@ -23,12 +23,12 @@ from protocol import (
 LEASE_S = 0.3
 
 
-def _snapshot(q) -> tuple:  # type: ignore[no-untyped-def]
+def _snapshot(q) -> tuple:
     s = q.stats()
     return (s.prompts.length, s.prompts.pending, s.rollouts.length, s.dead_letters, s.leases_by_worker)
 
 
-def _refused(q, exc: type[Exception], match: str, worker: str, lease_id: str, gs) -> None:  # type: ignore[no-untyped-def]
+def _refused(q, exc: type[Exception], match: str, worker: str, lease_id: str, gs) -> None:
     before = _snapshot(q)
     with pytest.raises(exc, match=match):
         q.submit(worker, lease_id, gs)
@@ -154,7 +154,7 @@ def test_an_empty_completion_is_not_over_any_limit(make_queue) -> None:
 
 
 @pytest.mark.redis
-def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type: ignore[no-untyped-def]
+def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     """Claims, heartbeats, submissions (whole, partial, retried, malformed, oversized, for
     someone else's lease), releases and lease expiry from two workers, and for batches of
     the trusted scoring tier its scoring: groups whose scored copy cannot be stored, and
@@ -350,7 +350,7 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:  # type
     seen = {"checks": 0, "dead": 0, "partial": 0, "stored": 0, "oversized": 0, "tier_stored": 0,
             "tier_dead_lettered": 0}
 
-    def issued_of(d) -> set[str]:  # type: ignore[no-untyped-def]
+    def issued_of(d) -> set[str]:
         return {group_id_for(d.batch.batch_id, p.id) for p in d.batch.prompts} if d.batch else set()
 
     def re_gids(expected: str) -> list[str]:

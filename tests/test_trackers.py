@@ -34,7 +34,7 @@ def test_report_to_is_read_as_trl_writes_it() -> None:
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_every_tracker_writes_its_files(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:  # type: ignore[no-untyped-def]
+def test_every_tracker_writes_its_files(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     store = open_store((tmp_path / "store").as_uri())
     actor_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     actor = SyntheticActor(actor_queue, store, tiny_model, lambda _p, _t, text: 1.0 if text[:1].isdigit() else 0.0).start()

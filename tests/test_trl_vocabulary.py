@@ -95,7 +95,7 @@ def test_gspo_ratio_is_the_geometric_mean_of_the_sequence(tmp_path: Path) -> Non
     assert clipped.tolist() == [[False] * 3, [False] * 3]  # e^0.15 = 1.16 < 1.2
     # d/dlogp_k of -A·exp(mean log-ratio), ratio 1: -A/3 for every token, whichever token's loss
     loss[0, 0].backward()
-    assert torch.allclose(logp.grad[0], torch.full((3,), -1.0 / 3), atol=1e-6)  # type: ignore[index]
+    assert torch.allclose(logp.grad[0], torch.full((3,), -1.0 / 3), atol=1e-6)
     token_level, _ = policy_loss(logp.detach(), prox, adv, torch.ones(2, 3), epsilon_low=0.2, epsilon_high=0.2)
     assert not torch.allclose(token_level, loss.detach())
 

@@ -37,7 +37,7 @@ def _adapter(tiny_model: Path, folder: Path, seed: int) -> Policy:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model: Path):  # type: ignore[no-untyped-def]
+def engine(tiny_model: Path):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache: plenty for a tiny model
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine core in this process
     eng = VLLMEngine(str(tiny_model), dtype="float32", max_lora_rank=8, max_loras=2, max_model_len=256)
@@ -45,7 +45,7 @@ def engine(tiny_model: Path):  # type: ignore[no-untyped-def]
     eng.close()
 
 
-def _mean_delta(policy: Policy, samples, temperature: float, base: bool) -> float:  # type: ignore[no-untyped-def]
+def _mean_delta(policy: Policy, samples, temperature: float, base: bool) -> float:
     deltas = []
     for prompt, group in zip(PROMPTS, samples, strict=True):
         for s in group:
@@ -66,7 +66,7 @@ def test_two_versions_fresh_ids_and_logprob_agreement(engine: VLLMEngine, tiny_m
     v2 = _adapter(tiny_model, tmp_path / "v2", seed=2)
     engine.load_adapter(1, tmp_path / "v1")
     engine.load_adapter(2, tmp_path / "v2")
-    ids = {engine._adapters[1].lora_int_id, engine._adapters[2].lora_int_id}  # type: ignore[attr-defined]
+    ids = {engine._adapters[1].lora_int_id, engine._adapters[2].lora_int_id}
     assert len(ids) == 2
     sampling = SamplingParams(temperature=0.7, max_tokens=12)
     for version, policy in ((0, v1), (1, v1), (2, v2)):
@@ -171,7 +171,7 @@ def test_a_new_adapter_every_step_never_pulls_files_from_under_queued_requests(
 
 @pytest.mark.redis
 def test_the_worker_keeps_several_leases_in_the_vllm_engine(
-    engine: VLLMEngine, tiny_model: Path, tmp_path: Path, redis_server, run_name: str  # type: ignore[no-untyped-def]
+    engine: VLLMEngine, tiny_model: Path, tmp_path: Path, redis_server, run_name: str
 ) -> None:
     from test_inflight import PROMPTS as LEASE_PROMPTS
     from test_inflight import RecordingQueue, _batch
@@ -216,13 +216,13 @@ def test_a_version_evicted_while_in_use_can_be_taken_back(engine: VLLMEngine, ti
 
     policy = _adapter(tiny_model, tmp_path / "v900", seed=9)
     engine.load_adapter(900, tmp_path / "v900")
-    lora_id = engine._adapters[900].lora_int_id  # type: ignore[attr-defined]
+    lora_id = engine._adapters[900].lora_int_id
     sampling = SamplingParams(temperature=0.7, max_tokens=8)
     engine.add([GroupRequest(("eval", i), p, 2, sampling, 900) for i, p in enumerate(PROMPTS)])
     released: list[int] = []
     engine.evict_adapter(900, on_released=lambda: released.append(900))
     engine.load_adapter(900, tmp_path / "v900")  # wanted again before its requests ran
-    assert 900 in engine.loaded_versions() and engine._adapters[900].lora_int_id == lora_id  # type: ignore[attr-defined]
+    assert 900 in engine.loaded_versions() and engine._adapters[900].lora_int_id == lora_id
     engine.add([GroupRequest(("again", i), p, 2, sampling, 900) for i, p in enumerate(PROMPTS)])
     done: dict = {}
     while engine.in_flight:

@@ -7,7 +7,7 @@ import time
 
 
 def _text(completion: object) -> str:
-    return completion[0]["content"] if isinstance(completion, list) else str(completion)  # type: ignore[index]
+    return completion[0]["content"] if isinstance(completion, list) else str(completion)
 
 
 def digit_first(prompts: list, completions: list, **_: object) -> list[float]:
