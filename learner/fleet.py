@@ -1,16 +1,18 @@
 """The learner's view of the fleet: workers to name on its console, and why.
 
-Workers report their status on the queue (`WorkerStatus`: the adapter version loaded,
-the adapters they refused, their last error). A worker that runs a version more than
-`max_staleness` behind generates only groups that will be dropped as stale, and one that
-keeps refusing adapters will soon be there: the user hears of both here, by worker name,
-instead of seeing only starvation.
+Only what is true is said. A worker is named as lagging when its groups were in fact
+dropped as stale since the last check (with the count, and the version its status
+reports), not because a status up to ten seconds old shows an older version than the
+newest (the groups it then submits are often still within `max_staleness`). A worker
+that refuses adapters is named with its refusals. A prompt stream nobody reads is named
+only while no worker holds a lease: a worker busy with its leases (a real model's first
+batch takes minutes on a CPU) is not a worker that fails.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from protocol import QueueStats, WorkerStatus
 from protocol.text import printable
@@ -22,25 +24,37 @@ STALL_S = 45.0
 (a live worker claims within its long-poll, a live dispatcher within a second)."""
 
 
-def problems(workers: Sequence[WorkerStatus], latest_version: int, max_staleness: int) -> dict[str, str]:
-    """worker -> one line saying what is wrong with it, for the workers something is."""
-    out = {}
+def problems(workers: Sequence[WorkerStatus], stale_drops: Mapping[str, int], latest_version: int,
+             max_staleness: int) -> dict[str, tuple[str, str]]:
+    """worker -> (kind, one line saying what is wrong with it), for the workers something
+    is: `stale` (groups of it were dropped as stale since the last check: `stale_drops`,
+    by actor id) or `refused` (adapters it could not load)."""
+    out: dict[str, tuple[str, str]] = {}
+    status = {w.worker: w for w in workers}
+    for worker, dropped in stale_drops.items():
+        if dropped <= 0:
+            continue
+        w = status.get(worker)
+        where = (f"; it reports adapter v{w.adapter_version} against v{latest_version}" if w is not None
+                 else "; it has not reported its status")
+        why = f"; its last error: {printable(w.last_error, 300)}" if w is not None and w.last_error else ""
+        out[printable(worker, 256)] = ("stale", f"had {dropped} group(s) dropped as stale (more than max_staleness "
+                                                f"{max_staleness} versions old){where}{why}")
     for w in workers:
-        behind = latest_version - w.adapter_version
-        why = f"; its last error: {printable(w.last_error, 300)}" if w.last_error else ""
-        if behind > max_staleness:
-            out[printable(w.worker, 256)] = (f"runs adapter v{w.adapter_version}, {behind} versions behind v{latest_version} "
-                             f"(max_staleness {max_staleness}): its groups are dropped as stale{why}")
-        elif w.adapters_refused:
-            out[printable(w.worker, 256)] = f"refused {w.adapters_refused} adapter version(s){why}"
+        name = printable(w.worker, 256)
+        if w.adapters_refused and name not in out:
+            why = f"; its last error: {printable(w.last_error, 300)}" if w.last_error else ""
+            out[name] = ("refused", f"refused {w.adapters_refused} adapter version(s){why}")
     return out
 
 
-def stalls(stats: QueueStats, run: str, live_workers: int, stall_s: float = STALL_S) -> dict[str, str]:
-    """stream -> one line saying who is missing, for the streams nobody reads."""
+def stalls(stats: QueueStats, run: str, live_workers: int, stall_s: float = STALL_S,
+           busy_leases: int = 0) -> dict[str, str]:
+    """stream -> one line saying who is missing, for the streams nobody reads. Batches that
+    wait while workers hold `busy_leases` leases wait for busy workers, not missing ones."""
     out = {}
     oldest = stats.prompts.oldest_waiting_s
-    if oldest is not None and oldest > stall_s:
+    if oldest is not None and oldest > stall_s and busy_leases == 0:
         out["prompts"] = (
             f"no rollout worker has claimed a batch for {oldest:.0f}s ({stats.prompts.waiting} waiting, "
             f"{live_workers} worker(s) reporting on run {run!r}): start `actors run --run {run} ...` "
@@ -69,22 +83,26 @@ class FleetWatch:
     """Workers named per check at most; the rest are counted in one line (a flood of
     statuses must not become a flood of log lines)."""
 
-    def update(self, workers: Sequence[WorkerStatus], latest_version: int, max_staleness: int) -> list[str]:
-        found = problems(workers, latest_version, max_staleness)
-        self.live, self.lagging = len(workers), len(found)
-        new = [f"worker {name} {why}" for name, why in sorted(found.items()) if self.named.get(name) != why]
+    def update(self, workers: Sequence[WorkerStatus], latest_version: int, max_staleness: int,
+               stale_drops: Mapping[str, int] | None = None) -> list[str]:
+        """Name the workers with a problem: each once, and again when its kind changes.
+        `stale_drops`: groups dropped as stale since the last update, by actor id."""
+        found = problems(workers, stale_drops or {}, latest_version, max_staleness)
+        self.live, self.lagging = len(workers), sum(1 for kind, _ in found.values() if kind == "stale")
+        kinds = {name: kind for name, (kind, _) in found.items()}
+        new = [f"worker {name} {why}" for name, (kind, why) in sorted(found.items()) if self.named.get(name) != kind]
         lines = new[: self.MAX_NAMED]
         if len(new) > self.MAX_NAMED:
             lines.append(f"... and {len(new) - self.MAX_NAMED} more worker(s) with a problem (GET /v1/workers lists them)")
         for line in lines:
             log.warning("%s", line)
-        self.named = found
+        self.named = kinds
         return lines
 
-    def update_streams(self, stats: QueueStats, run: str) -> list[str]:
+    def update_streams(self, stats: QueueStats, run: str, busy_leases: int = 0) -> list[str]:
         """Name each stream nobody reads, once per stall (the figures in the line change
         as it goes on; the stall is named again only after it has ended)."""
-        found = stalls(stats, run, self.live)
+        found = stalls(stats, run, self.live, busy_leases=busy_leases)
         lines = [why for stream, why in sorted(found.items()) if stream not in self.stalled]
         for line in lines:
             log.warning("%s", line)

@@ -105,6 +105,7 @@ class Learner:
         self.metrics: MetricsLog | None = None
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
+        self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
         self._reward_names = RewardNames(cfg.reward)
 
     # ------------------------------------------------------------------ the loop
@@ -242,10 +243,8 @@ class Learner:
         no-op where the queue kept them (ids are deduplicated), and their recovery where
         it did not (a Redis without persistence, the embedded default's in-process one)."""
         batches = [self._batch(batch_id, entry.start, entry.n) for batch_id, entry in self.ledger.outstanding.items()]
-        if batches:
-            added = self._retry(lambda: self.queue.add_prompts(batches))
-            if added:
-                log.warning("the queue had lost %d of %d outstanding batches; issued them again", added, len(batches))
+        if batches and (added := self._retry(lambda: self.queue.add_prompts(batches))):
+            log.warning("the queue had lost %d of %d outstanding batches; issued them again", added, len(batches))
 
     def poll_dead_letters(self) -> None:
         """A dead-lettered batch's prompts will never come back: free their slots."""
@@ -306,6 +305,7 @@ class Learner:
                 step.add(d.group, reason)
                 if reason is not None:
                     self.state.count(reason)
+                    self._stale_drops[d.group.actor_id] += reason == "dropped_stale"
         return list(step.kept)
 
     def check_fleet(self, every_s: float = 15.0) -> None:
@@ -314,14 +314,14 @@ class Learner:
         if time.monotonic() - self._fleet_checked_at < every_s:
             return
         self._fleet_checked_at = time.monotonic()
-        try:
-            workers = self.queue.workers()
-            stats = self.queue.stats()
-        except (QueueError, ProtocolError) as err:  # the fleet view is advice; training goes on without it
+        try:  # the fleet view is advice: training goes on without it
+            workers, stats = self.queue.workers(), self.queue.stats()
+        except (QueueError, ProtocolError) as err:
             log.debug("no worker statuses: %s", printable(str(err)))
             return
-        self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness)
-        self.fleet.update_streams(stats, self.cfg.run)
+        self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness, self._stale_drops)
+        self._stale_drops.clear()
+        self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
 
     def issue_evals(self) -> None:
         if self.evaluator is not None:

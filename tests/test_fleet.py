@@ -16,24 +16,37 @@ def _w(name: str, version: int, refused: int = 0, error: str | None = None) -> W
                         reported_at=time.time())
 
 
-def test_lagging_and_refusing_workers_are_named_with_the_reason() -> None:
+def test_workers_whose_groups_were_dropped_and_refusing_workers_are_named_with_the_reason() -> None:
     found = problems([_w("ok", 9), _w("lag", 4, refused=2, error="adapter v6 refused: rank 128 above --max-lora-rank 64"),
                       _w("refuses", 9, refused=1, error="adapter v8 refused: sha256 mismatch"), _w("edge", 6)],
-                     latest_version=10, max_staleness=4)
-    assert set(found) == {"lag", "refuses"}
-    assert "v4, 6 versions behind v10" in found["lag"] and "--max-lora-rank 64" in found["lag"]
-    assert "sha256 mismatch" in found["refuses"]
+                     {"lag": 3, "gone": 2}, latest_version=10, max_staleness=4)
+    assert set(found) == {"lag", "refuses", "gone"}
+    kind, why = found["lag"]
+    assert kind == "stale" and "had 3 group(s) dropped as stale" in why and "v4 against v10" in why
+    assert "--max-lora-rank 64" in why
+    assert found["refuses"] == ("refused", "refused 1 adapter version(s); its last error: adapter v8 refused: sha256 mismatch")
+    assert "has not reported its status" in found["gone"][1]
+
+
+def test_a_status_behind_the_newest_version_is_no_alarm_without_drops(caplog: pytest.LogCaptureFixture) -> None:
+    """The false alarm of the default run: a status up to 10 s old names an older version
+    than the newest while every group the worker submits is still within max_staleness."""
+    watch = FleetWatch()
+    with caplog.at_level(logging.WARNING, logger="learner.fleet"):
+        assert watch.update([_w("w", 11)], 17, 4) == [] and watch.update([_w("w", 11)], 17, 4, {"w": 0}) == []
+    assert (watch.live, watch.lagging) == (1, 0) and not caplog.records
 
 
 def test_each_problem_is_named_once(caplog: pytest.LogCaptureFixture) -> None:
     watch = FleetWatch()
     with caplog.at_level(logging.WARNING, logger="learner.fleet"):
-        assert len(watch.update([_w("lag", 1)], 10, 4)) == 1
-        assert watch.update([_w("lag", 1)], 10, 4) == []  # the same: not again
-        assert len(watch.update([_w("lag", 1)], 12, 4)) == 1  # worse: again
-        assert watch.update([_w("lag", 12)], 12, 4) == []  # caught up
-    assert (watch.live, watch.lagging) == (1, 0)
-    assert sum("worker lag runs adapter v1" in r.message for r in caplog.records) == 2
+        assert len(watch.update([_w("lag", 1)], 10, 4, {"lag": 2})) == 1
+        assert watch.update([_w("lag", 1)], 10, 4, {"lag": 5}) == []  # still lagging: not again
+        assert watch.lagging == 1
+        assert watch.update([_w("lag", 9)], 10, 4, {}) == []  # caught up
+        assert len(watch.update([_w("lag", 1)], 12, 4, {"lag": 1})) == 1  # lagging again: named again
+    assert (watch.live, watch.lagging) == (1, 1)
+    assert sum("worker lag had" in r.message for r in caplog.records) == 2
 
 
 @pytest.mark.redis
@@ -54,6 +67,7 @@ def test_streams_nobody_reads_are_named_from_the_real_queue(redis_server, run_na
     found = stalls(q.stats(), run_name, 0, stall_s=0.5)
     assert set(found) == {"prompts"} and f"actors run --run {run_name}" in found["prompts"]
     assert "2 waiting, 0 worker(s)" in found["prompts"]
+    assert stalls(q.stats(), run_name, 1, stall_s=0.5, busy_leases=3) == {}  # waiting for busy workers
     leases = q.claim("w", 2)
     assert stalls(q.stats(), run_name, 1, stall_s=0.5) == {}  # claimed: read
     trusted = next(lease for lease in leases if lease.batch.scoring == "trusted")

@@ -400,9 +400,10 @@ def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(pr
     from learner.fleet import FleetWatch
 
     watch = FleetWatch()
+    drops = {w.worker: 1 for w in learner.workers()}  # every one of them had a group dropped as stale
     with caplog.at_level("WARNING", logger="learner.fleet"):
-        lines = watch.update(learner.workers(), latest_version=10, max_staleness=2)
-        assert watch.update(learner.workers(), latest_version=10, max_staleness=2) == []
+        lines = watch.update(learner.workers(), latest_version=10, max_staleness=2, stale_drops=drops)
+        assert watch.update(learner.workers(), latest_version=10, max_staleness=2, stale_drops=drops) == []
     assert len(lines) == 6 and "16 more worker(s)" in lines[-1] and len(caplog.records) == 6
 
 
