@@ -117,10 +117,12 @@ def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_b
     return msgspec.structs.replace(group, completions=completions, error=error, scored_by=scored_by, timings=timings)
 
 
-def rejected_group(item: UnscoredGroup, error: str, scored_by: str) -> RolloutGroup:
+def rejected_group(item: UnscoredGroup, error: str, scored_by: str, decode: Decode) -> RolloutGroup:
+    """The group with no rewards and the reason; its text decoded from its tokens too (the
+    actor's text never reaches the learner from the tier)."""
     n = len(item.group.completions)
     return scored_group(item, Scores([None] * n, [{} for _ in range(n)], error),
-                        [c.text for c in item.group.completions], scored_by, 0.0)
+                        [decode(c.tokens.tolist()) for c in item.group.completions], scored_by, 0.0)
 
 
 def entry_time(entry_id: str) -> float | None:
@@ -151,7 +153,7 @@ def _score_one(tier: Tier, entry_id: str) -> dict[str, Any]:
     if item is None or tier.queue.is_scored(item.group.group_id):
         return {"entry": entry_id, "stored": False}
     if item.prompt is None:
-        group = rejected_group(item, "scoring: the private prompt record is missing", tier.name)
+        group = rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode)
     else:
         started = time.monotonic()
         ids = [c.tokens.tolist() for c in item.group.completions]
@@ -200,11 +202,11 @@ class Dispatcher(threading.Thread):
     """Unscored stream -> RQ jobs; RQ's failed jobs -> rejected groups. See the module
     docstring."""
 
-    def __init__(self, queue: ScoringQueue, rq: RQQueue, name: str, *, job_timeout_s: float, retries: int,
+    def __init__(self, queue: ScoringQueue, rq: RQQueue, name: str, decode: Decode, *, job_timeout_s: float, retries: int,
                  retry_backoff_s: float, groups_per_job: int = 8, redispatch_s: float = 30.0,
                  sweep_s: float = 1.0) -> None:
         super().__init__(name=f"dispatcher-{name}", daemon=True)
-        self.queue, self.rq, self.consumer = queue, rq, name
+        self.queue, self.rq, self.consumer, self.decode = queue, rq, name, decode
         self.job_timeout_s = job_timeout_s
         self.retries, self.retry_backoff_s = retries, retry_backoff_s
         self.groups_per_job = groups_per_job
@@ -294,7 +296,7 @@ class Dispatcher(threading.Thread):
         if item is None:
             return  # stored meanwhile (an earlier attempt got through)
         error = f"scoring failed after {self.retries + 1} attempt(s): {reason}"
-        if store_or_dead_letter(self.queue, entry_id, rejected_group(item, error, self.consumer)):
+        if store_or_dead_letter(self.queue, entry_id, rejected_group(item, error, self.consumer, self.decode)):
             log.error("group %s rejected: %s", item.group.group_id, printable(error))
 
 
@@ -341,7 +343,7 @@ def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job
     global _TIER
     _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s)
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
-    dispatcher = Dispatcher(queue, rq, name, job_timeout_s=job_timeout_s, retries=retries,
+    dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)
     dispatcher.start()
     try:

@@ -132,6 +132,8 @@ def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueu
     for g in groups:
         assert g.rewards == [None] * 4
         assert g.error.startswith("scoring failed after 3 attempt(s)") and "ZeroDivisionError: the judge is down" in g.error
+        # rejected, the group still carries its tokens' text, never the actor's ("xxxx")
+        assert {c.text for c in g.completions} == {"6789"}
     # the lease's job: 3 attempts, each stopping at the first group; then 3 per group
     assert len(attempts.read_text().splitlines()) == 3 + 2 * 3
     assert queue.stats().unscored.length == 0
