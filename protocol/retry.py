@@ -50,6 +50,7 @@ def retry(
     fn: Callable[[], T],
     *,
     on: tuple[type[BaseException], ...],
+    never: tuple[type[BaseException], ...] = (),
     deadline_s: float | None = None,
     attempts: int | None = None,
     first: float = 0.5,
@@ -58,7 +59,8 @@ def retry(
     delay_of: Callable[[BaseException, float], float] | None = None,
     before_wait: Callable[[BaseException, float], None] | None = None,
 ) -> T:
-    """`fn()` until it returns. An error in `on` is retried after the backoff's delay (or
+    """`fn()` until it returns. An error in `on` (and not in `never`: a subclass that is
+    final, such as a missing key among store errors) is retried after the backoff's delay (or
     `delay_of(error, delay)`: a server's Retry-After) while the wait ends before
     `deadline_s` from now and fewer than `attempts` calls were made; then, or when `stop`
     is set, the last error is raised as it was. Any other error propagates at once.
@@ -71,6 +73,8 @@ def retry(
         try:
             return fn()
         except on as err:
+            if isinstance(err, never):
+                raise
             delay = backoff.failed()
             if delay_of is not None:
                 delay = delay_of(err, delay)

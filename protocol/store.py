@@ -21,6 +21,7 @@ import builtins
 import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import re
 import tempfile
@@ -308,29 +309,16 @@ def retrying(
     """Call `fn`, retrying the `retry_on` errors (`protocol.retry`). A missing key is never
     retried. A store that still fails raises StoreError("gave up ..."); any other error is
     re-raised as it was after the last attempt."""
-    made = [0]
-
-    def call() -> T:
-        made[0] += 1
-        try:
-            return fn()
-        except StoreMissing as err:
-            raise _Final(err) from None
+    failures = itertools.count(1)
 
     def before_wait(err: BaseException, _delay: float) -> None:
-        if on_retry is not None:
-            on_retry(made[0], err)  # type: ignore[arg-type]
+        if on_retry is not None and isinstance(err, Exception):
+            on_retry(next(failures), err)
 
     try:
-        return retry(call, on=retry_on, attempts=attempts, first=base_s, cap=max_s, before_wait=before_wait)
-    except _Final as final:
-        raise final.error from None
+        return retry(fn, on=retry_on, never=(StoreMissing,), attempts=attempts, first=base_s, cap=max_s,
+                     before_wait=before_wait)
+    except StoreMissing:
+        raise
     except StoreError as err:
         raise StoreError(f"{what}: gave up after {attempts} attempts: {err}") from err
-
-
-class _Final(Exception):
-    """An error `retrying` must not retry, whatever `retry_on` says (a missing key)."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error

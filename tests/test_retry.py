@@ -74,3 +74,15 @@ def test_retry_stops_when_asked() -> None:
     with pytest.raises(ConnectionError):
         retry(fn, on=(ConnectionError,), first=30.0, stop=stop)
     assert time.monotonic() - started < 5 and len(calls) == 1
+
+
+def test_retry_never_retries_the_final_subclasses() -> None:
+    """A missing key is a store error, and final: `never` lets it through at once."""
+
+    class Missing(ConnectionError):
+        pass
+
+    fn, calls = _flaky(5, Missing)
+    with pytest.raises(Missing):
+        retry(fn, on=(ConnectionError,), never=(Missing,), first=0.001)
+    assert len(calls) == 1
