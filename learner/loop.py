@@ -305,7 +305,8 @@ class Learner:
                 step.add(d.group, reason)
                 if reason is not None:
                     self.state.count(reason)
-                    self._stale_drops[d.group.actor_id] += reason == "dropped_stale"
+                    if reason == "dropped_stale":
+                        self._stale_drops[d.group.actor_id] += 1
         return list(step.kept)
 
     def check_fleet(self, every_s: float = 15.0) -> None:
@@ -462,10 +463,8 @@ class Learner:
             raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
 
     # ----------------------------------------------------------------- metrics
-    def report(
-        self, groups: list[RolloutGroup], rewards_N: torch.Tensor, stats: dict[str, float],
-        trained_with: int, *, wait_s: float, step_s: float, publish_s: float,
-    ) -> None:
+    def report(self, groups: list[RolloutGroup], rewards_N: torch.Tensor, stats: dict[str, float], trained_with: int,
+               *, wait_s: float, step_s: float, publish_s: float) -> None:
         step_groups, self._step_groups = self._step_groups, StepGroups()
         row = clean({
             "step": self.state.step,
@@ -490,7 +489,8 @@ class Learner:
         if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
             decode = self.policy.tokenizer.decode
             self.metrics.samples([
-                (str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)), c.text, float(c.reward or 0.0))
+                (str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)),  # what is trained, not a sent text
+                 str(decode(c.tokens.tolist(), skip_special_tokens=True)), float(c.reward or 0.0))
                 for g in groups[:4] for c in g.completions[:2]
             ], self.state.step)
         if self.on_step is not None:

@@ -128,12 +128,9 @@ class HttpQueue(Queue):
         retry_s: float = 30.0,
         timeout_s: float = 30.0,
         stop: threading.Event | None = None,
-        client: httpx.Client | None = None,
     ) -> None:
         """`stop`: an event that, once set, has every call fail fast (see `stop_retrying`);
-        a process passes its shutdown event so that SIGTERM also ends a retrying call.
-        `client`: the HTTP client to use (the tests' in-process proxy: Starlette's
-        `TestClient`); its base URL must be `url`; the token goes in its headers."""
+        a process passes its shutdown event so that SIGTERM also ends a retrying call."""
         if not token:
             raise ValueError("an https:// queue needs a token (--token or SPOTGRPO_TOKEN)")
         self.config = config or QueueConfig()
@@ -144,16 +141,13 @@ class HttpQueue(Queue):
         if isinstance(verify, str):
             verify = _ca_context(verify)
         self._verify = verify
-        headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
-        if client is None:
-            client = httpx.Client(
-                base_url=self.url, headers=headers, verify=verify,
-                timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
-                limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
-            )
-        else:
-            client.headers.update(headers)
-        self.client = client
+        self.client = httpx.Client(
+            base_url=self.url,
+            headers={"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE},
+            verify=verify,
+            timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
+            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+        )
         self.retried = False
         """Whether the last call needed more than one attempt."""
         self._received: dict[str, set[str]] = {}

@@ -12,7 +12,10 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from protocol import QueueConfig, RedisQueue
 
 log = logging.getLogger("proxy")
 
@@ -152,14 +155,17 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def wait_for_redis(url: str, config: object, max_connections: int, timeout_s: float):
+def wait_for_redis(url: str, config: QueueConfig, max_connections: int, timeout_s: float) -> RedisQueue:
     """The run's Redis, waited for up to `timeout_s` (it may start after the proxy, as in
     compose): the learner and the actors wait the same way. Raises QueueUnavailable."""
-    from protocol import QueueUnavailable, RedisQueue
+    from protocol import (  # the proxy's own Redis: imported where it is used
+        QueueUnavailable,
+        RedisQueue,
+    )
     from protocol.retry import retry
 
     def connect() -> RedisQueue:
-        queue = RedisQueue.from_url(url, config, max_connections=max_connections)  # type: ignore[arg-type]
+        queue = RedisQueue.from_url(url, config, max_connections=max_connections)
         queue.latest_adapter()
         return queue
 

@@ -17,7 +17,7 @@ import fakeredis
 import pytest
 import redis
 
-from protocol import QueueConfig, RedisQueue
+from protocol import Queue, QueueConfig, RedisQueue, RolloutGroup
 
 
 def free_port() -> int:
@@ -217,6 +217,16 @@ def s3_bucket(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 # ------------------------------------------------------------------ scoring tier
+
+
+def read_all(q: Queue, n: int, timeout_s: float = 60) -> list[RolloutGroup]:
+    """Up to `n` rollout groups, as the learner reads them, waiting up to `timeout_s`."""
+    out: list[RolloutGroup] = []
+    deadline = time.monotonic() + timeout_s
+    while len(out) < n and time.monotonic() < deadline:
+        out += [d.group for d in q.read_rollouts("learner-0", n, block_s=1.0)]
+    return out
+
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,15 +1,18 @@
-"""The proxy app in this process, in front of a real `RedisQueue`, reached through the real
-HTTPS client (`HttpQueue`) over Starlette's `TestClient`: the queue contract through the
-proxy without a server process (`tests/test_queue.py` runs every contract test this way
-too). Server processes, TLS and event streams are tested in `test_proxy.py`."""
+"""The proxy app in this process, served by uvicorn on a loopback port in a thread, in front
+of a real `RedisQueue`, reached through the real HTTPS client (`HttpQueue`, plain HTTP
+here): the queue contract through the proxy without a server process (`tests/test_queue.py`
+runs every contract test this way too). Server processes and TLS are tested in
+`test_proxy.py`."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from conftest import TOKENS
-from starlette.testclient import TestClient
+import uvicorn
+from conftest import TOKENS, free_port
 
 from protocol import (
     AdapterManifest,
@@ -33,8 +36,8 @@ from proxy.app import build_app
 from proxy.auth import Tokens
 from proxy.handlers import Context, ProxyLimits
 from proxy.metrics import ProxyMetrics
+from proxy.server import ProxyServer
 
-URL = "http://proxy.test"
 ACTOR_TOKEN = "fleet"
 """The actor token's name: the proxy lists a worker `w` as `fleet/w`."""
 
@@ -51,10 +54,19 @@ class ProxiedQueue(Queue):
             f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n', "test")
         ctx = Context(queue=direct, store=FileStore(str(store_dir)), tokens=tokens,
                       limits=ProxyLimits(rate_per_s=1e6, burst=1e6), metrics=ProxyMetrics())
-        app = build_app(ctx)
-        self.clients = [TestClient(app, base_url=URL), TestClient(app, base_url=URL)]
-        self.actor = HttpQueue(URL, TOKENS["actor"], direct.config, retry_s=2, client=self.clients[0])
-        self.learner = HttpQueue(URL, TOKENS["learner"], direct.config, retry_s=2, client=self.clients[1])
+        self.server = ProxyServer(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=free_port(),
+                                                 log_level="warning", timeout_graceful_shutdown=1),
+                                  on_exit=ctx.hub.close_soon)
+        self.thread = threading.Thread(target=self.server.run, name="proxy", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the in-process proxy did not start")
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{self.server.config.port}"
+        self.actor = HttpQueue(url, TOKENS["actor"], direct.config, retry_s=2)
+        self.learner = HttpQueue(url, TOKENS["learner"], direct.config, retry_s=2)
 
     @staticmethod
     def listed(worker: str) -> str:
@@ -116,4 +128,7 @@ class ProxiedQueue(Queue):
     def close(self) -> None:
         self.actor.close()
         self.learner.close()
+        self.server.on_exit()  # the event streams end first, as on SIGTERM
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
         self.direct.close()

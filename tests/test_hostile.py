@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from conftest import TOKENS, ProxyProcess
+from conftest import TOKENS, ProxyProcess, read_all
 from factories import batch, group, groups, trusted
 
 from protocol import (
@@ -300,14 +300,6 @@ def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:
 # ------------------------------------------------------------- round three (issue 22)
 
 
-def _read_all(q: HttpQueue, n: int, timeout_s: float = 60) -> list:
-    out: list = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n and time.monotonic() < deadline:
-        out += [d.group for d in q.read_rollouts("learner-0", n, block_s=1.0)]
-    return out
-
-
 def _saying(b, i: int, ids: list[int], text: str):
     """Prompt i's group whose every completion has these token ids and claims this text."""
     g = group(b, i)
@@ -327,7 +319,7 @@ def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorer
     # the right answer as text on wrong tokens, and the right tokens with a wrong text
     assert actor.submit("w", lease.lease_id, [_saying(lease.batch, 0, zz, "1"), _saying(lease.batch, 1, one, "q")]).finished
     scorers(reward="toy_rewards:digit_first")
-    got = {g.prompt_id: g for g in _read_all(learner, 2)}
+    got = {g.prompt_id: g for g in read_all(learner, 2)}
     assert got["p0"].rewards == [0.0] * 4 and {c.text for c in got["p0"].completions} == {"zz"}
     assert got["p1"].rewards == [1.0] * 4 and {c.text for c in got["p1"].completions} == {"1"}
 
@@ -363,7 +355,7 @@ def test_a_hanging_reward_costs_only_its_own_group(proxy, scorers, tmp_path: Pat
     assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished
     started = time.monotonic()
     scorers("--reward-timeout-s", "3", "--retries", "2", reward="toy_rewards:hangs_when_asked")
-    got = {g.prompt_id: g for g in _read_all(learner, 8, timeout_s=40)}
+    got = {g.prompt_id: g for g in read_all(learner, 8, timeout_s=40)}
     elapsed = time.monotonic() - started
     assert len(got) == 8 and elapsed < 20, (len(got), elapsed)  # the old way: 3 attempts of 8 x 3 s, then a split
     assert "time limit of 3s" in got["p0"].error and "not retried" in got["p0"].error

@@ -1,6 +1,6 @@
 """The queue's guarantees, each tried against a real redis-server, against fakeredis, and
-through the proxy app (in process, over the real HTTPS client: `inprocess_proxy`) in front
-of fakeredis. Through the proxy a worker `w` is listed as `<token name>/w` (`listed`)."""
+through the proxy app (served in this process, over the real HTTPS client: `inprocess_proxy`)
+in front of fakeredis. Through the proxy a worker `w` is listed as `<token name>/w` (`listed`)."""
 
 from __future__ import annotations
 
@@ -423,9 +423,6 @@ def test_late_subscriber_learns_the_latest_adapter(make_queue) -> None:
 
 def test_adapter_events_and_pubsub_wake_followers(make_queue) -> None:
     q, follower = make_queue(), make_queue()
-    if isinstance(q, ProxiedQueue):
-        pytest.skip("Starlette's TestClient reads a response whole: the event stream is tested over a real "
-                    "server in test_proxy.py")
     with follower.subscribe_adapters() as sub:
         assert sub.get(0.05) is None
         timer = threading.Timer(0.2, lambda: q.announce(manifest(1)))

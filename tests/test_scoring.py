@@ -16,9 +16,9 @@ import factories
 import msgspec
 import pytest
 import redis
-from conftest import RedisServer, kill_process, stop_process
+from conftest import RedisServer, kill_process, read_all, stop_process
 
-from protocol import FinishedBatch, PromptBatch, QueueConfig, RedisQueue, RolloutGroup
+from protocol import FinishedBatch, PromptBatch, QueueConfig, RedisQueue
 from protocol.scoring import ScoringQueue
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
@@ -54,14 +54,6 @@ def submit_unscored(q: RedisQueue, batches: list[PromptBatch], reward: float = 1
         assert q.submit("actor-1", lease.lease_id, forged).finished
         gids += [g.group_id for g in groups]
     return gids
-
-
-def read_all(q: RedisQueue, n: int, timeout_s: float = 60) -> list[RolloutGroup]:
-    out: list[RolloutGroup] = []
-    deadline = time.monotonic() + timeout_s
-    while len(out) < n and time.monotonic() < deadline:
-        out += [d.group for d in q.read_rollouts("learner-0", n, block_s=1.0)]
-    return out
 
 
 def test_private_columns_never_reach_an_actor_on_the_wire(make_proxy, run_name: str) -> None:
