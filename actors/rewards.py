@@ -37,7 +37,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -45,6 +45,9 @@ from protocol import Prompt
 from protocol.text import printable
 
 _SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*):(?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
+
+
+T = TypeVar("T")
 
 
 class RewardError(ValueError):
@@ -147,50 +150,27 @@ class Scorer:
         """`score` under one time limit for the whole group, on a thread: past it the
         group fails with that reason, and its thread is abandoned (in an RQ work horse it
         ends with the job's process). An exception `reraise` lets through is raised here."""
-        box: dict[str, Any] = {}
-
-        def target() -> None:
-            try:
-                box["scores"] = self.score(prompt, prompt_text, texts, completion_ids)
-            except BaseException as err:  # handed to the caller's thread as it is
-                box["error"] = err
-
-        thread = threading.Thread(target=target, name="score-group", daemon=True)
-        thread.start()
-        thread.join(timeout_s)
-        if thread.is_alive():
+        try:
+            return within(timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids), "score-group")
+        except PastLimit:
             return Scores.failed(len(texts), f"the rewards exceeded the group's time limit of {timeout_s:g}s "
                                              "(the group is rejected, not retried)")
-        if "error" in box:
-            raise box["error"]
-        return box["scores"]
 
     def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):
-        result: dict[str, Any] = {}
+        def call() -> Any:
+            value = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if inspect.isawaitable(value):  # an `async def` reward (an HTTP judge, a sandbox)
+                value = asyncio.run(_awaited(value))
+            return value
 
-        def target() -> None:
-            try:
-                value = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
-                if inspect.isawaitable(value):  # an `async def` reward (an HTTP judge, a sandbox)
-                    value = asyncio.run(_awaited(value))
-                result["value"] = value
-            except Exception as err:  # a user's function: any failure is reported, not fatal
-                if self.reraise:
-                    raise
-                result["error"] = f"reward {rf.name} raised {type(err).__name__}: {err}"
-
-        if self.timeout_s is None:
-            target()
-        else:
-            # a thread we can stop waiting for; a function past its limit is left to finish alone
-            thread = threading.Thread(target=target, name=f"reward-{rf.name}", daemon=True)
-            thread.start()
-            thread.join(self.timeout_s)
-            if thread.is_alive():
-                return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
-        if "error" in result:
-            return None, result["error"]
-        values = result.get("value")
+        try:
+            values = call() if self.timeout_s is None else within(self.timeout_s, call, f"reward-{rf.name}")
+        except PastLimit:
+            return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
+        except Exception as err:  # a user's function: any failure is reported, not fatal
+            if self.reraise:
+                raise
+            return None, f"reward {rf.name} raised {type(err).__name__}: {err}"
         if not isinstance(values, list | tuple) or len(values) != n:
             return None, f"reward {rf.name} returned {type(values).__name__} of the wrong length (expected {n} values)"
         clean: list[float | None] = []
@@ -202,6 +182,32 @@ class Scorer:
             else:
                 clean.append(float(v))
         return clean, None
+
+
+class PastLimit(Exception):
+    """`within`'s function ran past its time limit (and was left to finish alone)."""
+
+
+def within(timeout_s: float, fn: Callable[[], T], name: str) -> T:
+    """`fn()` on a daemon thread we can stop waiting for: its value, or its exception raised
+    here, or `PastLimit` after `timeout_s` (the thread is abandoned: a process of its own
+    ends it, a `ScoringPool` process or an RQ work horse)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # handed to the caller's thread as it is
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PastLimit(name)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class ScoringPool:

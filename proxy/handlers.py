@@ -16,7 +16,6 @@ from starlette.responses import Response
 
 from protocol import (
     RedisQueue,
-    WorkerStatus,
     api,
     is_entry_id,
 )
@@ -58,7 +57,7 @@ from protocol.store import FileStore, Store, StoreMissing, adapter_key
 from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub
 from proxy.fairness import Holds, SharedRateLimit
-from proxy.metrics import ProxyMetrics
+from proxy.metrics import ProxyMetrics, behind_first
 
 log = logging.getLogger(__name__)
 
@@ -184,11 +183,6 @@ def report_status(ctx: Context, token: Token, body: ReportStatusRequest, params:
     status = msgspec.structs.replace(body.status, worker=name, reported_at=time.time())  # the proxy's clock
     ctx.queue.report_status(status, owner=token.name, max_per_owner=ctx.limits.max_workers_per_token)
     return ReportStatusResponse(worker=name)
-
-
-def behind_first(workers: list[WorkerStatus]) -> list[WorkerStatus]:
-    """The workers a reader most needs to see first: furthest behind, then refusing."""
-    return sorted(workers, key=lambda w: (w.adapter_version, -w.adapters_refused, w.worker))
 
 
 def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WorkersResponse:

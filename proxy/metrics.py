@@ -18,7 +18,7 @@ from prometheus_client import (
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from protocol import Queue, QueueUnavailable
+from protocol import Queue, QueueUnavailable, WorkerStatus
 
 
 class ProxyMetrics:
@@ -67,11 +67,15 @@ class ProxyMetrics:
         self.workers_live.set(len(workers))
         for gauge in (self.worker_version, self.worker_tokens, self.worker_refused):
             gauge.clear()
-        shown = sorted(workers, key=lambda w: (w.adapter_version, -w.adapters_refused, w.worker))
-        for w in shown[: self.max_worker_series]:
+        for w in behind_first(workers)[: self.max_worker_series]:
             self.worker_version.labels(w.worker).set(w.adapter_version)
             self.worker_tokens.labels(w.worker).set(w.tokens_per_s)
             self.worker_refused.labels(w.worker).set(w.adapters_refused)
+
+
+def behind_first(workers: list[WorkerStatus]) -> list[WorkerStatus]:
+    """The workers a reader most needs to see first: furthest behind, then refusing."""
+    return sorted(workers, key=lambda w: (w.adapter_version, -w.adapters_refused, w.worker))
 
 
 class MetricsMiddleware:
