@@ -230,7 +230,7 @@ class Worker:
             self._refusal_seen = max(refused)
             self._error(f"adapter v{self._refusal_seen} refused: {refused[self._refusal_seen]}")
         return WorkerStatus(
-            worker=self.worker_id, engine=printable(type(self.engine).__name__, 64),
+            worker=self.worker_id, engine=type(self.engine).__name__[:64],
             adapter_version=max(0, self.watcher.current), leases=len(self.flights),
             groups_done=self.groups_submitted, tokens_per_s=(tokens - before) / max(now - then, 1e-3),
             adapters_refused=len(self.watcher.refused), last_error=self.last_error, reported_at=time.time(),
