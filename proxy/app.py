@@ -43,7 +43,7 @@ import anyio
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -132,6 +132,9 @@ def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Calla
         except StoreError as err:
             log.warning("%s %s: store error: %s", spec.method, spec.path, err)
             return error_response(503, "the adapter store is unavailable; retry", {"Retry-After": "2"})
+        except ClientDisconnect:  # the client went away mid-body (it died, or its owner did): nobody to answer
+            log.info("%s %s: the client disconnected before its body arrived", spec.method, spec.path)
+            return error_response(400, "the client disconnected")
         except QueueError as err:
             log.error("%s %s: %s", spec.method, spec.path, err)
             return error_response(500, f"the queue failed: {str(err)[:200]}")

@@ -620,6 +620,29 @@ def test_slow_bodies_time_out_and_metrics_count_requests(make_proxy) -> None:
     assert "spotgrpo_queue_up 1.0" in text
 
 
+def test_a_client_that_dies_mid_body_is_logged_in_one_line(make_proxy) -> None:
+    """A worker killed while it sends (its machine reclaimed, its learner SIGKILLed) is
+    routine: the proxy notes it and serves the next request; no traceback in its log."""
+    import socket
+    import ssl
+
+    proxy = make_proxy()
+    host, port = proxy.url.removeprefix("https://").split(":")
+    with socket.create_connection((host, int(port))) as raw:
+        with proxy.ssl().wrap_socket(raw, server_hostname=host) as conn:
+            conn.sendall(b"POST /v1/leases/claim HTTP/1.1\r\nHost: x\r\n"
+                         b"Authorization: Bearer " + TOKENS["actor"].encode() + b"\r\n"
+                         b"Content-Type: " + CONTENT_TYPE.encode() + b"\r\nContent-Length: 100\r\n\r\n\x83")
+            time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "disconnected before its body" not in proxy.log.read_text():
+        assert time.monotonic() < deadline, proxy.log.read_text()[-2000:]
+        time.sleep(0.1)
+    with _client(proxy, "actor") as client:
+        assert client.get("/v1/adapters/latest").status_code in (200, 404)
+    assert "Traceback" not in proxy.log.read_text()
+
+
 def test_a_read_whose_answer_was_lost_is_recovered(make_proxy) -> None:
     """The proxy serves a read but the answer never arrives (the connection drops): the
     client's next read returns those groups from the pending list instead of losing them."""
