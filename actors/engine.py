@@ -26,9 +26,11 @@ from __future__ import annotations
 import abc
 import threading
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
+
+import msgspec
 
 from protocol import Prompt, SamplingParams, unpack_i32
 
@@ -71,6 +73,22 @@ class Engine(abc.ABC):
     """Sequences the engine runs at once: what the work loop keeps it filled to."""
     tokenizer: Any
     """The model's Hugging Face tokenizer."""
+    context: int | None = None
+    """Tokens the model takes, prompt and completion together (None: no known limit)."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end a completion (`stop_token_ids`); the token is kept in it."""
+
+    def fit(self, group: GroupRequest) -> GroupRequest:
+        """The group with its completions' maximum cut to what the context leaves after its
+        prompt: such completions end `length` (truncated), where asking for more would have
+        had them rejected, or failed the engine outright."""
+        if self.context is None or len(group.prompt) + group.sampling.max_tokens <= self.context:
+            return group
+        room = self.context - len(group.prompt)
+        if room < 1:
+            raise EngineError(f"a prompt of {len(group.prompt)} tokens leaves no room in the model's context "
+                              f"of {self.context}")
+        return replace(group, sampling=msgspec.structs.replace(group.sampling, max_tokens=room))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
         """The prompt's token ids: the learner's when it sent them (it always does), else
@@ -147,6 +165,39 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - most engines hold nothing to release
         """Release the model (and the GPU)."""
+
+
+END_OF_TURN_PROBE = "\x1fspotgrpo-end-of-turn-probe\x1f"
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+    """What ends a completion: the tokenizer's EOS, the generation config's EOS ids
+    (`generation_config.json`: Llama 3 lists several), and the chat template's end-of-turn
+    token (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...), found by rendering an
+    assistant turn and taking the special token that closes it."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(v, int) and v >= 0 and v not in ids:
+                ids.append(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(generation_config, "eos_token_id", None))
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": END_OF_TURN_PROBE}],
+                tokenize=False)
+        except Exception:  # a template that wants other turns: EOS is what we have
+            text = ""
+        after = text.split(END_OF_TURN_PROBE, 1)[1] if END_OF_TURN_PROBE in text else ""
+        following = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(
+            getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        if following and following[0] in special:
+            add(following[0])
+    return tuple(ids)
 
 
 def open_engine(kind: str, model: str, **options: object) -> Engine:

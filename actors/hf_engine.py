@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 import torch
 
-from actors.engine import Engine, EngineError, GroupRequest, Sample
+from actors.engine import Engine, EngineError, GroupRequest, Sample, stop_token_ids
 from protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,8 @@ class TransformersEngine(Engine):
         self._evicting: dict[int, Callable[[], None] | None] = {}
         self._lock = threading.RLock()
         self._vocab = int(self.base.config.vocab_size)
+        self.context = getattr(self.base.config, "max_position_embeddings", None)
+        self.stop_ids = stop_token_ids(self.tokenizer, getattr(self.base, "generation_config", None))
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +143,8 @@ class TransformersEngine(Engine):
             missing = sorted({g.version for g in groups if g.version and g.version not in self._versions})
             if missing:
                 raise EngineError(f"adapter v{missing[0]} is not loaded (loaded: {self._versions})")
-            self._queue.extend(groups)
+            fitted = [self.fit(g) for g in groups]  # all or none
+            self._queue.extend(fitted)
             self._queued_seqs += sum(g.n for g in groups)
 
     @torch.no_grad()
@@ -210,7 +213,7 @@ class TransformersEngine(Engine):
         result = model.generate(
             input_ids=ids.to(self.device), attention_mask=mask.to(self.device), num_return_sequences=n,
             max_new_tokens=s.max_tokens, output_scores=True, return_dict_in_generate=True,
-            pad_token_id=pad, eos_token_id=self.tokenizer.eos_token_id,
+            pad_token_id=pad, eos_token_id=list(self.stop_ids),
             stopping_criteria=StoppingCriteriaList([Aborted()]), **kwargs,
         )
         if abort is not None and abort.is_set():
@@ -225,10 +228,9 @@ class TransformersEngine(Engine):
         return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _trim(self, tokens: list[int], logps: list[float], s: SamplingParams) -> Sample:
-        """Cut padding after the end: at the first EOS (kept), or where a stop string ends."""
-        eos = self.tokenizer.eos_token_id
-        if eos in tokens:
-            end = tokens.index(eos) + 1
+        """Cut padding after the end: at the first stop token (kept), or where a stop string ends."""
+        end = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_ids), 0)
+        if end:
             return Sample(tokens[:end], logps[:end], "stop")
         if s.stop:
             for end in range(1, len(tokens) + 1):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample
+from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample, stop_token_ids
 from protocol import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,16 @@ class _Group:
 class _Eviction:
     lora_int_id: int
     on_released: Callable[[], None] | None = None
+
+
+def _generation_config(model: str) -> object:
+    """The model's `generation_config.json` (its stop tokens), if it has one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return None
 
 
 def _is_engine_dead(err: BaseException) -> bool:
@@ -98,6 +108,8 @@ class VLLMEngine(Engine):
         self.max_num_seqs = int(self.engine.vllm_config.scheduler_config.max_num_seqs)
         self.tokenizer = self.llm.get_tokenizer()
         self._vocab = int(self.engine.model_config.get_vocab_size())
+        self.context = int(self.engine.model_config.max_model_len)
+        self.stop_ids = stop_token_ids(self.tokenizer, _generation_config(model))
         self._ids = itertools.count(1)
         self._request_ids = itertools.count(1)
         self._lock = threading.Lock()
@@ -160,7 +172,8 @@ class VLLMEngine(Engine):
         return VSamplingParams(
             n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
             min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-            max_tokens=s.max_tokens, stop=list(s.stop) or None, seed=seed, logprobs=0,
+            max_tokens=s.max_tokens, stop=list(s.stop) or None, stop_token_ids=list(self.stop_ids), seed=seed,
+            logprobs=0,
         )
 
     @property
@@ -173,6 +186,7 @@ class VLLMEngine(Engine):
             if missing:
                 raise EngineError(f"adapter v{missing[0]} is not loaded (loaded: {sorted(self._adapters)})")
             loras = {g.version: self._adapters.get(g.version) for g in groups}
+        groups = [self.fit(g) for g in groups]  # all or none
         try:
             for g in groups:
                 self._groups[g.key] = _Group(g.key, g.version, [None] * g.n, g.n)

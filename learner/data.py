@@ -27,6 +27,14 @@ class DataError(ValueError):
     """The data set cannot be used as configured."""
 
 
+class DoesNotFit(DataError):
+    """A prompt and the longest completion do not fit in the model's context."""
+
+    def __init__(self, reason: str, fix: str) -> None:
+        super().__init__(f"{reason}; {fix}")
+        self.reason, self.fix = reason, fix
+
+
 def load_rows(spec: str, split: str = "train", config: str | None = None) -> list[dict[str, Any]]:
     """Rows of a local file, a local data set folder (a README with `configs:`, as on the
     hub) or a hub data set (hub ids need network access); `config` names its
@@ -58,6 +66,27 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
     from datasets import load_dataset
 
     return list(load_dataset(spec, config, split=split))
+
+
+def context_of(max_seq_len: int | None, model_config: Any) -> int:
+    """Tokens a sequence may hold, prompt and completion: `--max-seq-len`, else the model's."""
+    return int(max_seq_len or getattr(model_config, "max_position_embeddings", None) or 4096)
+
+
+def open_sources(cfg: Any, tokenizer: Any, context: int) -> tuple[PromptSource, PromptSource | None]:
+    """The training prompts and the held-out ones (None without evaluation), each checked
+    to fit the context with `max_tokens`."""
+
+    def source(spec: str, split: str, what: str) -> PromptSource:
+        made = PromptSource(load_rows(spec, split, cfg.dataset_config), tokenizer, cfg.prompt_column, cfg.seed,
+                            max_prompt_tokens=max(1, context - cfg.max_tokens),
+                            chat_template_kwargs=cfg.chat_template_kwargs)
+        made.check_fits(what, cfg.max_tokens, context)
+        return made
+
+    train = source(cfg.dataset, cfg.dataset_split, f"--dataset {cfg.dataset}")
+    held_out = source(cfg.eval_dataset, cfg.eval_split, f"--eval-dataset {cfg.eval_dataset}") if cfg.eval_every else None
+    return train, held_out
 
 
 def _json_like(value: Any) -> Any:
@@ -106,27 +135,46 @@ class PromptSource:
             self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))}
         return int(self._orders[epoch][offset])
 
-    def prompt(self, position: int) -> Prompt:
-        row = self.rows[self.row_index(position)]
-        value = row[self.prompt_column]
-        columns = {k: _json_like(v) for k, v in row.items() if k != self.prompt_column}
+    def _render(self, index: int) -> tuple[list[int], dict[str, Any]]:
+        """Row `index`'s prompt token ids (uncut) and its text or messages."""
+        value = self.rows[index][self.prompt_column]
         if isinstance(value, str):
-            ids = self.tokenizer(value, add_special_tokens=True)["input_ids"]
-            fields: dict[str, Any] = {"text": value}
-        elif isinstance(value, list) and all(isinstance(m, dict) for m in value):
+            return self.tokenizer(value, add_special_tokens=True)["input_ids"], {"text": value}
+        if isinstance(value, list) and all(isinstance(m, dict) for m in value):
             text = self.tokenizer.apply_chat_template(
                 value, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
             )
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            fields = {"messages": [ChatTurn(role=str(m["role"]), content=str(m["content"])) for m in value]}
-        else:
-            raise DataError(
-                f"row {self.row_index(position)}: column {self.prompt_column!r} must be a string "
-                f"or a list of {{role, content}} messages, got {type(value).__name__}"
-            )
+            return (self.tokenizer(text, add_special_tokens=False)["input_ids"],
+                    {"messages": [ChatTurn(role=str(m["role"]), content=str(m["content"])) for m in value]})
+        raise DataError(
+            f"row {index}: column {self.prompt_column!r} must be a string "
+            f"or a list of {{role, content}} messages, got {type(value).__name__}"
+        )
+
+    def prompt(self, position: int) -> Prompt:
+        index = self.row_index(position)
+        ids, fields = self._render(index)
+        columns = {k: _json_like(v) for k, v in self.rows[index].items() if k != self.prompt_column}
         if len(ids) > self.max_prompt_tokens:
             ids = ids[-self.max_prompt_tokens :]  # keep the end: that is where the question is
         return Prompt(id=f"p{position}", token_ids=pack_i32(ids), columns=columns, **fields)
+
+    def longest_prompt(self) -> tuple[int, int]:
+        """(tokens, row) of the longest prompt of the data set."""
+        return max((len(self._render(i)[0]), i) for i in range(len(self.rows)))
+
+    def check_fits(self, what: str, max_tokens: int, context: int) -> None:
+        """Refuse, before any work, a data set whose longest prompt and `max_tokens` do not
+        fit in the model's context: every such group would be cut or thrown away."""
+        longest, row = self.longest_prompt()
+        if longest + max_tokens > context:
+            room = context - longest
+            fix = (f"lower --max-tokens (max_completion_length) to {room} or less" if room > 0
+                   else "shorten that prompt or leave it out")
+            raise DoesNotFit(
+                f"{what}: its longest prompt (row {row}) is {longest} tokens and --max-tokens is {max_tokens}: "
+                f"{longest + max_tokens} tokens do not fit in the model's context of {context}",
+                f"{fix}, or shorten the prompts (--max-seq-len raises the context only if the model takes more)")
 
     def epochs(self, positions: int) -> float:
         return positions / len(self.rows) if self.rows else math.inf

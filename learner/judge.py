@@ -9,7 +9,11 @@ several rules is counted once under the first. `StepGroups` collects one step's 
 
 from __future__ import annotations
 
+import collections
+import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from protocol import RolloutGroup
@@ -90,3 +94,25 @@ class StepGroups:
     def reasons(self) -> list[tuple[str, str]]:
         """(group id, reason) of the dropped groups."""
         return [(g.group_id, reason) for g, reason in self.dropped]
+
+
+class RepeatedWarnings:
+    """A warning that repeats (the same rejection, group after group) is logged at its
+    first occurrence, then at most once per `every_s` with how many happened since."""
+
+    def __init__(self, logger: logging.Logger, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.every_s, self.clock = logger, every_s, clock
+        self._last: dict[str, float] = {}
+        self._since: collections.Counter[str] = collections.Counter()
+
+    def warn(self, key: str, message: str) -> None:
+        now = self.clock()
+        last = self._last.get(key)
+        if last is not None and now - last < self.every_s:
+            self._since[key] += 1
+            return
+        more = self._since.pop(key, 0)
+        self._last[key] = now
+        if more and last is not None:
+            message += f" (and {more} more like it in the last {now - last:.0f}s)"
+        self.logger.warning("%s", message)

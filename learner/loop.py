@@ -19,11 +19,11 @@ import torch
 
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
-from learner.data import PromptSource, load_rows
+from learner.data import open_sources
 from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import Evaluator
 from learner.fleet import FleetWatch
-from learner.judge import Bounds, StepGroups, judge
+from learner.judge import Bounds, RepeatedWarnings, StepGroups, judge
 from learner.ledger import PromptLedger
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures
 from learner.publish import Publisher, PublishJob, nonfinite
@@ -68,19 +68,8 @@ class Learner:
         self.dist = dist or Dist(device=resolve_device(cfg.device))
         self.trainer = Trainer(cfg, self.dist)
         self.policy, self.optimizer, self.scheduler = self.trainer.policy, self.trainer.optimizer, self.trainer.scheduler
-        self.source = PromptSource(
-            load_rows(cfg.dataset, cfg.dataset_split, cfg.dataset_config), self.policy.tokenizer, cfg.prompt_column,
-            cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
-            chat_template_kwargs=cfg.chat_template_kwargs,
-        )
-        self.evaluator = (
-            Evaluator(cfg, PromptSource(
-                load_rows(cfg.eval_dataset, cfg.eval_split, cfg.dataset_config), self.policy.tokenizer,
-                cfg.prompt_column, cfg.seed, max_prompt_tokens=max(1, self.policy.context - cfg.max_tokens),
-                chat_template_kwargs=cfg.chat_template_kwargs,
-            ))
-            if cfg.eval_every else None
-        )
+        self.source, held_out = open_sources(cfg, self.policy.tokenizer, self.policy.context)
+        self.evaluator = Evaluator(cfg, held_out) if held_out is not None else None
         self._eval_figures: dict[str, float] = {}
         """eval/* figures of evaluations completed since the last metrics row."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
@@ -107,6 +96,7 @@ class Learner:
         self._fleet_checked_at = 0.0
         self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
         self._reward_names = RewardNames(cfg.reward)
+        self._rejections = RepeatedWarnings(log)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -370,8 +360,8 @@ class Learner:
         issued = self._issued_tokens.get(group.batch_id, {}) if group.batch_id in self.ledger.outstanding else None
         reason = judge(group, self.bounds, self.state.policy_version, issued)
         if reason is not None and reason.startswith("rejected_"):
-            log.warning("rejected group %s from %s: %s%s", group.group_id, printable(group.actor_id),
-                        reason.removeprefix("rejected_"), f" ({printable(group.error)})" if group.error else "")
+            self._rejections.warn(reason, f"rejected group {group.group_id} from {printable(group.actor_id)}: "
+                                  f"{reason.removeprefix('rejected_')}{f' ({printable(group.error)})' if group.error else ''}")
         return reason
 
     # ------------------------------------------------------- publish/checkpoint

@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
+from learner.data import context_of
 from learner.dist import Dist, fill_from_rank0, full_tensor, resolve_device, shard_model
 from learner.loss import entropy, token_logps
 from protocol.store import ADAPTER_CONFIG, ADAPTER_WEIGHTS
@@ -127,9 +128,7 @@ class Policy:
         # (name, parameter) of the adapter, in one order on every rank (gathers pair up)
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.vocab_size = int(base.config.vocab_size)
-        self.context = int(
-            cfg.max_seq_len or getattr(base.config, "max_position_embeddings", None) or 4096
-        )
+        self.context = context_of(cfg.max_seq_len, base.config)
         self.base_model_name = cfg.model
 
     @property

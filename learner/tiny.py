@@ -52,7 +52,7 @@ def build_model(
     num_layers: int = 2,
     num_heads: int = 2,
     num_kv_heads: int | None = None,
-    max_positions: int = 256,
+    max_positions: int = 1024,
     head_gain: float = 0.75,
     seed: int = 0,
 ):  # -> PreTrainedModel

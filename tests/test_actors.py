@@ -110,6 +110,55 @@ def test_engine_refuses_unknown_versions_and_reloads(tmp_path: Path, tiny_model:
     assert engine.loaded_versions() == []
 
 
+def test_a_completion_is_capped_at_what_the_context_leaves(tmp_path: Path) -> None:
+    """A model whose context is 24 tokens, a prompt of 15 and max_tokens 256: the engine asks
+    for 9 and tags them truncated (`length`), where the learner would have rejected them."""
+    from learner.tiny import save_tiny
+
+    model = save_tiny(tmp_path / "short", max_positions=24)
+    engine = TransformersEngine(str(model))
+    assert engine.context == 24
+    prompt = engine.tokenizer("0123456789012345", add_special_tokens=False)["input_ids"][:15]
+    long_ask = SamplingParams(max_tokens=256, temperature=1.0, seed=3)
+    engine.stop_ids = (-1,)  # never stop early: the cap is what ends these
+    (group,) = engine.generate([prompt], 3, long_ask, 0)
+    assert [len(s.token_ids) for s in group] == [9, 9, 9]
+    assert {s.finish_reason for s in group} == {"length"}
+    with pytest.raises(EngineError, match="leaves no room"):
+        engine.generate([prompt * 2], 1, long_ask, 0)
+
+
+def test_completions_end_on_the_chat_templates_end_of_turn(tmp_path: Path) -> None:
+    """EOS is `</s>`, but the template closes a turn with `<|eot|>` and generation_config
+    lists one more id: each of them ends a completion, and the engine stops on them."""
+    from transformers import GenerationConfig
+
+    from actors.engine import stop_token_ids
+    from learner.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eot|>{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    eot = tokenizer.convert_tokens_to_ids("<|eot|>")
+    assert stop_token_ids(tokenizer, GenerationConfig(eos_token_id=[2, 7])) == (2, 7, eot)
+    tokenizer.chat_template = None
+    assert stop_token_ids(tokenizer, None) == (2,)
+    tokenizer.chat_template = "{{ raise_exception('needs a system turn') }}"
+    assert stop_token_ids(tokenizer, None) == (2,)
+
+
+def test_the_engine_stops_at_any_stop_token(tmp_path: Path, tiny_model: Path) -> None:
+    engine = TransformersEngine(str(tiny_model))
+    prompt = engine.tokenizer("123", add_special_tokens=True)["input_ids"]
+    free = engine.generate([prompt], 8, SamplingParams(max_tokens=12, temperature=1.0, seed=5), 0)[0]
+    common = max({t for s in free for t in s.token_ids}, key=lambda t: sum(t in s.token_ids for s in free))
+    engine.stop_ids = (2, common)
+    stopped = engine.generate([prompt], 8, SamplingParams(max_tokens=12, temperature=1.0, seed=5), 0)[0]
+    ended = [s for s in stopped if s.finish_reason == "stop"]
+    assert ended and all(s.token_ids[-1] in (2, common) and common not in s.token_ids[:-1] for s in ended)
+
+
 # ---------------------------------------------------------------------- watcher
 
 

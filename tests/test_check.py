@@ -99,6 +99,9 @@ def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str
     assert not list((tmp_path / "store" / "checks").glob("*"))  # the probe is gone
     proc = learner_check(*good[:-1], "no_such_module:f")
     assert proc.returncode == 1 and "FAIL  rewards" in proc.stdout and "install the reward's package" in proc.stdout
+    proc = learner_check(*good, "--max-tokens", "1020")  # the tiny model's context is 1024
+    assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout, proc.stdout
+    assert "do not fit in the model's context of 1024" in proc.stdout and "lower --max-tokens" in proc.stdout
     proc = learner_check(*good[:7], str(tmp_path / "missing.jsonl"), *good[8:])
     assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout
     proc = learner_check("--queue", "redis://127.0.0.1:1/0", *good[2:])

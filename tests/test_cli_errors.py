@@ -116,6 +116,20 @@ def test_missing_local_models_and_bad_run_dirs_are_named(tiny_model: Path, tmp_p
     _one_line(err, "learner run:", "--run-dir", "not a writable directory")
 
 
+@pytest.mark.redis
+def test_a_configuration_that_cannot_fit_the_context_is_refused_before_any_work(
+        redis_server, tiny_model: Path, tmp_path: Path) -> None:
+    """The tiny model takes 1024 tokens; prompts of 6 and 1020 new tokens cannot fit: the
+    learner says so with both numbers and the fix, and issues nothing."""
+    rc, err, _ = _run(_learner(tmp_path, redis_server.url, tiny_model, "--run", "fits", "--max-tokens", "1020"))
+    assert rc == 2
+    line = _one_line(err, "learner run:", "longest prompt", "--max-tokens is 1020", "context of 1024")
+    assert "lower --max-tokens (max_completion_length) to" in line
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run="fits"))
+    assert queue.stats().prompts.length == 0
+    queue.close()
+
+
 def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, tokens_file: Path) -> None:
     base = ["-m", "proxy.cli", "serve", "--redis", "memory://", "--store", tmp_path.as_uri(), "--tokens", str(tokens_file)]
     rc, err, _ = _run([*base, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tls_pair[1])])

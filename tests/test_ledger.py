@@ -135,3 +135,20 @@ def test_step_groups_keep_the_verdicts_in_order() -> None:
     assert step.reasons() == [(stale.group_id, "dropped_stale"), (flat.group_id, "dropped_flat"),
                               (GOOD.group_id, "rejected_bad_vocab")]
     assert step.dropped_rewards() == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # the stale and flat ones only
+
+
+def test_a_repeated_rejection_is_logged_once_a_minute_with_its_count(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from learner.judge import RepeatedWarnings
+
+    now = [0.0]
+    warnings = RepeatedWarnings(logging.getLogger("test-repeats"), every_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test-repeats"):
+        for t in range(0, 130, 2):  # one too_long group every 2 s for 130 s, and one other rejection
+            now[0] = float(t)
+            warnings.warn("rejected_too_long", f"group g{t}: too_long")
+        warnings.warn("rejected_bad_shape", "group x: bad_shape")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["group g0: too_long", "group g60: too_long (and 29 more like it in the last 60s)",
+                     "group g120: too_long (and 29 more like it in the last 60s)", "group x: bad_shape"], lines

@@ -624,7 +624,6 @@ def test_a_client_that_dies_mid_body_is_logged_in_one_line(make_proxy) -> None:
     """A worker killed while it sends (its machine reclaimed, its learner SIGKILLed) is
     routine: the proxy notes it and serves the next request; no traceback in its log."""
     import socket
-    import ssl
 
     proxy = make_proxy()
     host, port = proxy.url.removeprefix("https://").split(":")
