@@ -123,6 +123,7 @@ class LearnerConfig(BaseModel):
     eval_temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature of evaluations (0: greedy).")
     eval_max_prompts: int = Field(64, ge=1, description="Eval prompts per evaluation (the first ones of the eval data set).")
     eval_pass_reward: float = Field(1.0, description="A completion passes (pass@k) when its reward is at least this.")
+    eval_final_timeout_s: float = Field(600.0, ge=0, description="At the end of the run, how long to wait for the evaluations still due, the final adapter's included (what is cut short is recorded as such).")
 
     # -- the embedded default
     actors: int = Field(2, ge=0, le=64, description="Actor processes the embedded default starts (no --queue given).")

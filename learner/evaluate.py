@@ -21,13 +21,24 @@ across a learner restart: one in progress is not resumed (its late groups are ig
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from learner.config import LearnerConfig
 from learner.data import PromptSource
-from protocol import PromptBatch, Queue, RolloutGroup, SamplingParams
+from protocol import PromptBatch, Queue, QueueUnavailable, RolloutGroup, SamplingParams
+
+if TYPE_CHECKING:
+    from learner.checkpoint import LearnerState
+    from learner.ledger import PromptLedger
+    from learner.metrics import MetricsLog
+    from learner.publish import Publisher
+
+log = logging.getLogger("learner.loop")
 
 
 def _mean(values: list[float]) -> float:
@@ -56,6 +67,7 @@ class Evaluator:
         self.runs: dict[int, _Run] = {}
         self.due: list[int] = []
         """Versions to evaluate once they are published."""
+        self.completed: set[int] = set()
 
     def prompts(self) -> int:
         return min(len(self.source), self.cfg.eval_max_prompts)
@@ -131,7 +143,22 @@ class Evaluator:
         if len(run.groups) < run.expected:
             return None
         del self.runs[run.version]
+        self.completed.add(run.version)
         return self.figures(run)
+
+    def want(self, version: int) -> None:
+        """Evaluate `version` too (the final adapter), unless it is done or under way."""
+        if version not in self.completed and version not in self.runs and version not in self.due:
+            self.due.append(version)
+
+    def cut_short(self) -> list[dict[str, float]]:
+        """The evaluations left unfinished (the run ended first): what their groups so far
+        show, marked `eval/cut_short`; a version never issued has only its number."""
+        cut = [{**self.figures(run), "eval/cut_short": 1} for run in self.runs.values()]
+        cut += [{"eval/version": v, "eval/prompts": 0, "eval/cut_short": 1} for v in self.due]
+        self.runs.clear()
+        self.due.clear()
+        return cut
 
     def figures(self, run: _Run) -> dict[str, float]:
         k, threshold = self.cfg.eval_generations, self.cfg.eval_pass_reward
@@ -158,3 +185,85 @@ class Evaluator:
             "eval/completion_len_mean": _mean([float(n) for n in lengths]),
             "eval/completion_len_max": max(lengths) if lengths else math.nan,
         }
+
+
+class Evaluations:
+    """The learner's side of evaluation (a part of `learner.loop.Learner`): issue what is
+    due, take the groups, write the figures, and finish the run with the evaluations
+    still owed."""
+
+    cfg: LearnerConfig
+    queue: Queue
+    evaluator: Evaluator | None
+    publisher: Publisher
+    metrics: MetricsLog | None
+    state: LearnerState
+    stop_requested: threading.Event
+    consumer: str
+
+    @property
+    def ledger(self) -> PromptLedger:
+        raise NotImplementedError
+
+    def publish(self) -> float:
+        raise NotImplementedError
+
+    def poll_dead_letters(self) -> None:
+        raise NotImplementedError
+
+    def issue_evals(self) -> None:
+        if self.evaluator is not None:
+            self.evaluator.issue_due(self.queue, self.publisher.published, self.publisher.last_published)
+
+    def _eval_done(self, figures: dict[str, float] | None) -> None:
+        """An evaluation is complete: its figures are written, and its batches are finished
+        (the queue may forget them)."""
+        if figures is None:
+            return
+        assert self.evaluator is not None and self.metrics is not None
+        self.metrics.evaluation(figures, self.state.step)
+        for batch_id, start, n in self.evaluator.ranges(int(figures["eval/version"])):
+            self.ledger.finish(batch_id, start, n)
+
+    def evaluate_last(self) -> None:
+        """The run is over: every evaluation that fell due, and the final adapter's, run
+        before it ends, for at most `eval_final_timeout_s`; what is cut short is logged and
+        written with the groups it has (`eval/cut_short`). Training groups that arrive
+        meanwhile stay pending in the queue, unconsumed: a resumed run trains on them."""
+        ev = self.evaluator
+        if ev is None:
+            return
+        if self.state.step % self.cfg.sync_every:
+            self.publish()  # the last trained adapter: the last step did not publish it
+        ev.want(self.state.policy_version)
+        deadline = time.monotonic() + self.cfg.eval_final_timeout_s
+        if ev.due or ev.runs:
+            log.info("the run is over; evaluating v%s before it ends (at most %.0fs)",
+                     ", v".join(str(v) for v in sorted({*ev.due, *ev.runs})), self.cfg.eval_final_timeout_s)
+        while (ev.due or ev.runs) and time.monotonic() < deadline and not self.stop_requested.is_set():
+            try:
+                self.poll_dead_letters()
+                self.issue_evals()
+                deliveries = self.queue.read_rollouts(self.consumer, 64, block_s=1.0)
+            except QueueUnavailable as err:
+                log.warning("queue unavailable during the final evaluations: %s", err)
+                self.stop_requested.wait(1.0)
+                continue
+            for d in deliveries:
+                if ev.is_eval(d.group.batch_id):
+                    self.state.unacked[d.group.group_id] = d.delivery_id
+                    self._evaluated(d.group)
+        for figures in ev.cut_short():
+            assert self.metrics is not None
+            self.metrics.evaluation(figures, self.state.step)
+            self.state.count("evaluations_cut_short")
+            log.warning("the evaluation of v%d was cut short at the end of the run (%d prompts in): "
+                        "raise --eval-final-timeout-s to wait longer", figures["eval/version"], figures["eval/prompts"])
+
+    def _evaluated(self, group: RolloutGroup) -> None:
+        assert self.evaluator is not None
+        figures = self.evaluator.record(group)
+        self._eval_done(figures)
+        if figures is not None:
+            log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward_mean"],
+                     figures["eval/pass@1"])

@@ -21,7 +21,7 @@ from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_
 from learner.config import LearnerConfig
 from learner.data import open_sources
 from learner.dist import Dist, peak_memory_mb, resolve_device
-from learner.evaluate import Evaluator
+from learner.evaluate import Evaluations, Evaluator
 from learner.fleet import FleetWatch
 from learner.judge import Bounds, RepeatedWarnings, StepGroups, judge
 from learner.ledger import PromptLedger
@@ -56,7 +56,8 @@ class LearnerError(RuntimeError):
     """The learner cannot start or continue as configured."""
 
 
-class Learner:
+class Learner(Evaluations):
+    consumer = CONSUMER
     def __init__(
         self, cfg: LearnerConfig, queue: Queue, store: Store, stop_requested: threading.Event | None = None,
         dist: Dist | None = None,
@@ -70,8 +71,6 @@ class Learner:
         self.policy, self.optimizer, self.scheduler = self.trainer.policy, self.trainer.optimizer, self.trainer.scheduler
         self.source, held_out = open_sources(cfg, self.policy.tokenizer, self.policy.context)
         self.evaluator = Evaluator(cfg, held_out) if held_out is not None else None
-        self._eval_figures: dict[str, float] = {}
-        """eval/* figures of evaluations completed since the last metrics row."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
         self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
@@ -125,6 +124,8 @@ class Learner:
             # groups dropped since the last checkpoint (flat or stale, while collecting for a
             # step that never ran) are consumed too: without a checkpoint they would stay
             # pending in the queue and be counted twice
+            if self.state.step >= cfg.steps:
+                self.evaluate_last()
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
             if self.state.step >= cfg.steps and not cfg.keep_queue:
@@ -314,28 +315,6 @@ class Learner:
         self._stale_drops.clear()
         self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
 
-    def issue_evals(self) -> None:
-        if self.evaluator is not None:
-            self.evaluator.issue_due(self.queue, self.publisher.published, self.publisher.last_published)
-
-    def _eval_done(self, figures: dict[str, float] | None) -> None:
-        """An evaluation is complete: its figures go out with the next step, and its
-        batches are finished (the queue may forget them)."""
-        if figures is None:
-            return
-        self._eval_figures.update(figures)
-        assert self.evaluator is not None
-        for batch_id, start, n in self.evaluator.ranges(int(figures["eval/version"])):
-            self.ledger.finish(batch_id, start, n)
-
-    def _evaluated(self, group: RolloutGroup) -> None:
-        assert self.evaluator is not None
-        figures = self.evaluator.record(group)
-        self._eval_done(figures)
-        if figures is not None:
-            log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward_mean"],
-                     figures["eval/pass@1"])
-
     def _purge_completed(self) -> None:
         for batch_id in self.ledger.purge_completed():
             self._issued_tokens.pop(batch_id, None)
@@ -471,9 +450,7 @@ class Learner:
             "workers_lagging": self.fleet.lagging,
             "memory_peak_mb": peak_memory_mb(self.dist.device),
             "time": time.time(),
-            **self._eval_figures,
         })
-        self._eval_figures = {}
         assert self.metrics is not None
         self.metrics.write(row, [g.group_id for g in groups], step_groups.reasons())
         if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:

@@ -1,5 +1,6 @@
-"""Where the learner's figures go: `metrics.jsonl` (one object per step), a console
-line, and TensorBoard event files when `tensorboard` is installed.
+"""Where the learner's figures go: `metrics.jsonl` (one object per step), `evals.jsonl`
+(one object per evaluation of a version, `eval/*`, with the step it completed at), a
+console line, and the trackers.
 
 Also `consumed.jsonl`: per step, the ids of the rollout groups trained on and of those
 dropped (with the reason), the audit trail of exactly-once training. On resume both
@@ -23,6 +24,7 @@ log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 CONSUMED = "consumed.jsonl"
+EVALS = "evals.jsonl"
 
 STEP_KEYS = (
     "step", "adapter_version", "reward_mean", "reward_std", "groups", "tokens",
@@ -51,14 +53,15 @@ class MetricsLog:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.metrics_path = run_dir / METRICS
         self.consumed_path = run_dir / CONSUMED
-        if resume_step is None:
-            for path in (self.metrics_path, self.consumed_path):
+        self.evals_path = run_dir / EVALS
+        for path in (self.metrics_path, self.consumed_path, self.evals_path):
+            if resume_step is None:
                 path.unlink(missing_ok=True)
-        else:
-            truncate_after(self.metrics_path, resume_step)
-            truncate_after(self.consumed_path, resume_step)
+            else:
+                truncate_after(path, resume_step)
         self._metrics = self.metrics_path.open("a")
         self._consumed = self.consumed_path.open("a")
+        self._evals = self.evals_path.open("a")
         self.trackers = trackers
 
     def write(self, row: dict[str, Any], trained: list[str], dropped: list[tuple[str, str]]) -> None:
@@ -70,6 +73,14 @@ class MetricsLog:
         for tracker in self.trackers:
             tracker.log(numbers, row["step"])
 
+    def evaluation(self, figures: dict[str, float], step: int) -> None:
+        """One version's evaluation (`eval/*`), completed while training stood at `step`."""
+        self._evals.write(json.dumps(clean({"step": step, **figures}), allow_nan=False) + "\n")
+        self._evals.flush()
+        numbers = {k: float(v) for k, v in figures.items() if isinstance(v, int | float) and math.isfinite(v)}
+        for tracker in self.trackers:
+            tracker.log(numbers, step)
+
     def samples(self, rows: list[Sample], step: int) -> None:
         for tracker in self.trackers:
             tracker.samples(rows, step)
@@ -77,6 +88,7 @@ class MetricsLog:
     def close(self) -> None:
         self._metrics.close()
         self._consumed.close()
+        self._evals.close()
         for tracker in self.trackers:
             tracker.close()
 

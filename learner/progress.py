@@ -63,9 +63,15 @@ class LiveProgress:
         return table
 
 
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
+def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict[str, Any]]:
+    """The rows of `metrics.jsonl` (or `evals.jsonl`) in the run directory."""
+    path = run_dir / name
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def read_evals(run_dir: Path) -> list[dict[str, Any]]:
+    """One row per evaluation, `eval/*` figures and the step it completed at."""
+    return read_metrics(run_dir, "evals.jsonl")
 
 
 def plot(run_dir: Path) -> Path | None:
@@ -82,7 +88,7 @@ def plot(run_dir: Path) -> Path | None:
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     top.plot(steps, [r["reward_mean"] for r in rows], label="reward (all completions)")
     top.plot(steps, [r.get("reward_trained_mean", r["reward_mean"]) for r in rows], alpha=0.5, label="reward (trained groups)")
-    evals = [r for r in rows if r.get("eval/reward_mean") is not None]
+    evals = [r for r in read_evals(run_dir) if r.get("eval/reward_mean") is not None]
     if evals:
         top.plot([r["step"] for r in evals], [r["eval/reward_mean"] for r in evals], marker="o",
                  label="eval reward (held-out, per version)")
@@ -117,7 +123,7 @@ def summarise(run_dir: Path, wall_s: float, extra: dict[str, Any]) -> dict[str, 
         "adapter_version": rows[-1]["adapter_version"] if rows else 0,
         "evaluations": {
             str(r["eval/version"]): {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/") and k != "eval/version"}
-            for r in rows if "eval/version" in r
+            for r in read_evals(run_dir)
         },
         **extra,
     }

@@ -18,6 +18,7 @@ import yaml
 from conftest import kill_process
 
 from learner.embedded import LEASE_TIMEOUT_S
+from learner.progress import read_evals
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,8 +61,8 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
     assert all(r["reward/next_digit"] == pytest.approx(r["reward_trained_mean"]) for r in rows)
     assert (run_dir / "curve.png").stat().st_size > 10_000
     # held-out evaluation: the base model first, then every 10th version; it learns there too
-    evals = [r for r in rows if "eval/version" in r]
-    assert evals[0]["eval/version"] == 0 and {10, 20} <= {r["eval/version"] for r in evals}, evals
+    evals = read_evals(run_dir)
+    assert sorted(r["eval/version"] for r in evals) == [0, 10, 20, 30, 40], evals  # the last before the run ended
     assert evals[-1]["eval/pass@1"] > evals[0]["eval/pass@1"] + 0.2, evals
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["evaluations"]["0"]["prompts"] == 16
