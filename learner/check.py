@@ -78,14 +78,10 @@ def check(cfg: LearnerConfig) -> int:
     def dataset() -> str:
         if not cfg.dataset:
             raise CheckFailed("no --dataset", "give --dataset <hub id or .jsonl/.json/.parquet file>")
-        from transformers import AutoConfig, AutoTokenizer
-
-        from learner.data import DoesNotFit, context_of, open_sources
+        from learner.data import DoesNotFit, open_sources_for
 
         try:
-            context = context_of(cfg.max_seq_len, AutoConfig.from_pretrained(cfg.model))
-            source, _ = open_sources(cfg, AutoTokenizer.from_pretrained(cfg.model), context)
-            rows = source.rows
+            rows = open_sources_for(cfg)[0].rows
         except DoesNotFit as err:
             raise CheckFailed(err.reason, err.fix) from None
         except (ValueError, OSError, KeyError) as err:

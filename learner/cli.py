@@ -107,6 +107,23 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--gguf", type=Path, default=None, help="another GGUF model file to convert")
     make.add_argument("--force", action="store_true", help="make it again even if the folder is there")
     make.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    export = sub.add_parser(
+        "export", help="Write a trained adapter as a PEFT folder (or, --merge, a full model); optionally push it.",
+        description="Write an adapter version from the run's store as a folder PeftModel.from_pretrained and vLLM's "
+                    "--lora-modules load as it is, with a model card; --merge writes the merged model instead.",
+    )
+    export.add_argument("--run-dir", type=Path, default=None,
+                        help="the run's directory: its evals.jsonl (for --version best) and, unless --store, its store")
+    export.add_argument("--store", default=None, help="the run's store URL (default: RUN_DIR/store, the embedded default's)")
+    export.add_argument("--version", default="last", help="last (default), best (highest eval pass@1), or a number")
+    export.add_argument("--out", type=Path, required=True, help="the folder to write")
+    export.add_argument("--merge", action="store_true", help="merge the adapter into the base model and write that")
+    export.add_argument("--model", default=None, help="the base model for --merge (default: the one the run trained)")
+    export.add_argument("--force", action="store_true", help="replace --out if it holds files")
+    export.add_argument("--push-to-hub", metavar="REPO", default=None,
+                        help="upload the folder to this hub model repository (HF_TOKEN, HF_ENDPOINT apply)")
+    export.add_argument("--private", action="store_true", help="with --push-to-hub: make the repository private")
+    export.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     return parser
 
 
@@ -124,6 +141,12 @@ def resolve_config(config_file: Path | None, overrides: dict[str, object]) -> tu
     neither a model nor a data set: a user's own work gets the normal defaults (a tiny
     task's learning rate and 2-token completions would silently ruin it), with a notice."""
     cfg = load_config(config_file, overrides)
+    if cfg.example:
+        if cfg.queue:
+            raise ConfigError("--example runs embedded, on this machine: leave out --queue")
+        from learner.embedded import EXAMPLES
+
+        return load_config(config_file, overrides, defaults=EXAMPLES[cfg.example]), None
     if cfg.queue:
         return cfg, None
     if not cfg.model and not cfg.dataset:
@@ -290,7 +313,32 @@ def main(argv: list[str] | None = None) -> int:
         return check(args)
     if args.command == "make-model":
         return make_model(args)
+    if args.command == "export":
+        return export(args)
     return run(args)
+
+
+def export(args: argparse.Namespace) -> int:
+    from learner.export import ExportError, export, push_to_hub
+
+    if args.store is None and args.run_dir is None:
+        print("learner export: give --run-dir (an embedded run's) or --store", file=sys.stderr)
+        return 2
+    store = args.store or (args.run_dir / "store").resolve().as_uri()
+    if args.store is None and not (args.run_dir / "store").is_dir():
+        print(f"learner export: {args.run_dir / 'store'}: no such store; give --store", file=sys.stderr)
+        return 2
+    try:
+        done = export(store, args.out, args.version, args.run_dir, merge=args.merge, base_model=args.model,
+                      force=args.force)
+        print(f"{'merged model' if args.merge else 'adapter'} v{done.version} (step {done.step}, base {done.base_model}) "
+              f"-> {done.path}")
+        if args.push_to_hub:
+            print(f"pushed: {push_to_hub(done.path, args.push_to_hub, private=args.private)}")
+    except (ExportError, OSError) as err:
+        print(f"learner export: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def make_model(args: argparse.Namespace) -> int:

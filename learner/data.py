@@ -89,6 +89,15 @@ def open_sources(cfg: Any, tokenizer: Any, context: int) -> tuple[PromptSource, 
     return train, held_out
 
 
+def open_sources_for(cfg: Any) -> tuple[PromptSource, PromptSource | None]:
+    """`open_sources` with the model's tokenizer and context, without loading its weights:
+    the data checks a run can make before it starts anything."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    return open_sources(cfg, AutoTokenizer.from_pretrained(cfg.model),
+                        context_of(cfg.max_seq_len, AutoConfig.from_pretrained(cfg.model)))
+
+
 def _json_like(value: Any) -> Any:
     """Columns must travel as MessagePack: numpy scalars and the like become plain values."""
     if isinstance(value, dict):

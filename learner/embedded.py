@@ -54,6 +54,30 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
 """What `learner run` with no arguments trains: the next-digit task on a small model.
 Any flag the user gives overrides these."""
 
+EXAMPLES: dict[str, dict[str, Any]] = {
+    "arithmetic": {
+        "run": "arithmetic",
+        "steps": 30,
+        "lora_rank": 16,
+        "lora_alpha": 32.0,
+        "learning_rate": 3e-4,
+        "num_generations": 8,
+        "prompts_per_batch": 2,
+        "groups_per_step": 2,
+        "max_inflight": 6,
+        "max_staleness": 4,
+        "max_tokens": 32,
+        "temperature": 0.8,
+        "checkpoint_every": 8,
+        "eval_max_prompts": 48,
+        "eval_generations": 1,
+        "eval_temperature": 0.0,
+        "samples_every": 4,
+    },
+}
+"""`learner run --example NAME`: a real model on a real task, sized for 2 CPU cores
+(about 15 minutes); flags override any of it."""
+
 LEASE_TIMEOUT_S = 10.0
 ROLES = ("actor", "learner", "admin")
 
@@ -67,6 +91,9 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     updates: dict[str, Any] = {}
+    if cfg.example == "arithmetic":
+        updates |= _arithmetic(cfg, run_dir)
+        cfg = cfg.model_copy(update=updates)
     if not cfg.model:
         model = run_dir / "model"
         if not (model / "config.json").exists():
@@ -106,6 +133,30 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
             for role in ROLES
         ))
     return cfg.model_copy(update=updates), tokens
+
+
+def _arithmetic(cfg: LearnerConfig, run_dir: Path) -> dict[str, Any]:
+    """The arithmetic example's model (made once, `learner make-model`), data, held-out
+    set and reward, where the user did not give their own."""
+    from learner.models import default_model_dir, is_model_dir, make_model
+    from learner.tasks import ARITHMETIC_REWARD, write_arithmetic_dataset
+
+    updates: dict[str, Any] = {}
+    if not cfg.model:
+        if not is_model_dir(default_model_dir()):
+            log.warning("making %s once (learner make-model; about a minute)", default_model_dir())
+        updates["model"] = str(make_model())
+    if not cfg.dataset:
+        data, held_out = run_dir / "arithmetic.jsonl", run_dir / "arithmetic_eval.jsonl"
+        if not data.exists():
+            write_arithmetic_dataset(data)
+            write_arithmetic_dataset(held_out, n=200, seed=1)
+        updates["dataset"] = str(data.resolve())
+        if not cfg.eval_dataset and (cfg.eval_every or "eval_every" not in cfg.model_fields_set):
+            updates |= {"eval_dataset": str(held_out.resolve()), "eval_every": cfg.eval_every or 10}
+        if not cfg.reward:
+            updates["reward"] = [ARITHMETIC_REWARD]
+    return updates
 
 
 def read_secrets(tokens: Path) -> dict[str, str]:
@@ -159,7 +210,7 @@ class LocalSystem:
                      "OMP_NUM_THREADS": "1"}  # several processes share the cores
         for i in range(self.n_actors):
             cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
-                   "--engine", "transformers", "--model", self.cfg.model, "--worker-id", f"local-{i}",
+                   "--engine", self.cfg.actor_engine, "--model", self.cfg.model, "--worker-id", f"local-{i}",
                    "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
             for spec in ([] if self.trusted else self.cfg.reward_specs):
                 cmd += ["--reward", spec]
@@ -254,6 +305,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     everything, plot and summarise. `on_learner(learner)` installs the signal handlers."""
     from rich.console import Console
 
+    from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
     from learner.progress import LiveProgress, plot, summarise
     from protocol import QueueConfig, open_store
@@ -263,12 +315,13 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     started = time.monotonic()
     try:
         cfg, tokens = prepare(cfg)
+        open_sources_for(cfg)  # a data set that cannot be used is said before anything starts
     except (ValueError, OSError, subprocess.CalledProcessError) as err:
-        console.print(f"learner run: {err}")
+        print(f"learner run: {err}", file=sys.stderr)
         return 2
     console.print(
         f"[bold]spotgrpo embedded run[/bold] '{cfg.run}' in {cfg.resolved_run_dir}: proxy (TLS, in-process Redis), "
-        f"{cfg.actors} transformers actor(s), learner; model {cfg.model}, reward {', '.join(cfg.reward)}; "
+        f"{cfg.actors} {cfg.actor_engine} actor(s), learner; model {cfg.model}, reward {', '.join(cfg.reward)}; "
         f"{cfg.steps} steps. Ctrl-C stops with a checkpoint; `learner run --resume` continues."
     )
     system = LocalSystem(cfg, tokens, cfg.actors)
@@ -293,8 +346,8 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
             stats = queue.stats()
         except Exception as err:  # the summary can do without it
             log.warning("no final queue statistics: %s", err)
-    except (LearnerError, RuntimeError, OSError) as err:
-        console.print(f"learner run: {err}")
+    except (LearnerError, RuntimeError, OSError, ValueError) as err:
+        print(f"learner run: {err}", file=sys.stderr)
         return 2
     finally:
         system.stop()
@@ -306,9 +359,17 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         "curve": str(curve) if curve else None,
         "metrics": str(cfg.resolved_run_dir / "metrics.jsonl"),
     })
+    evals = summary["evaluations"]
+    held_out = ""
+    if evals:
+        first, last = min(evals, key=int), max(evals, key=int)
+        p1 = {v: evals[v].get("pass@1") for v in (first, last)}
+        shown = {v: "-" if p is None else f"{p:.3f}" for v, p in p1.items()}
+        held_out = (f"; held-out pass@1 {shown[first]} (v{first}) -> {shown[last]} (v{last})"
+                    + (" (cut short)" if evals[last].get("cut_short") else ""))
     console.print(
-        f"[bold]done[/bold]: {summary['steps']} steps in {summary['wall_s']}s; reward {summary['reward_first_5']} "
-        f"(first 5 steps) -> {summary['reward_last_5']} (last 5); max staleness {summary['staleness_max']}; "
+        f"\n[bold]done[/bold]: {summary['steps']} steps in {summary['wall_s']}s; reward {summary['reward_first_5']} "
+        f"(first 5 steps) -> {summary['reward_last_5']} (last 5){held_out}; max staleness {summary['staleness_max']}; "
         f"adapter v{summary['adapter_version']}.\n  plot {summary['curve']}\n  metrics {summary['metrics']}\n"
         f"  summary {cfg.resolved_run_dir / 'summary.json'}"
     )

@@ -68,6 +68,8 @@ class Evaluator:
         self.due: list[int] = []
         """Versions to evaluate once they are published."""
         self.completed: set[int] = set()
+        self.best: tuple[float, int] | None = None
+        """(pass@1, version) of the best adapter evaluated: kept in the store (`learner export --version best`)."""
 
     def prompts(self) -> int:
         return min(len(self.source), self.cfg.eval_max_prompts)
@@ -144,7 +146,14 @@ class Evaluator:
             return None
         del self.runs[run.version]
         self.completed.add(run.version)
-        return self.figures(run)
+        figures = self.figures(run)
+        if run.version and not math.isnan(figures["eval/pass@1"]):
+            self.best = max(self.best or (-1.0, 0), (figures["eval/pass@1"], run.version))
+        return figures
+
+    def pinned(self) -> set[int]:
+        """Versions the store must keep: those due or under way, and the best so far."""
+        return set(self.due) | set(self.runs) | ({self.best[1]} if self.best else set())
 
     def want(self, version: int) -> None:
         """Evaluate `version` too (the final adapter), unless it is done or under way."""

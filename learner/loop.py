@@ -365,7 +365,7 @@ class Learner(Evaluations):
         (actors load them by number) and the versions of kept checkpoints."""
         pinned = set(self._checkpoint_versions)
         if self.evaluator is not None:
-            pinned |= set(self.evaluator.due) | set(self.evaluator.runs)
+            pinned |= self.evaluator.pinned()
         return pinned
 
     def finite_adapter(self, adapter: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

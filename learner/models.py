@@ -22,7 +22,7 @@ SMOLLM2 = "SmolLM2-135M-Instruct"
 SMOLLM2_GGUF = f"{SMOLLM2}.Q4_1.gguf"
 
 
-class ModelError(RuntimeError):
+class ModelError(OSError):
     """The model cannot be made (its package is missing, its file is unreadable)."""
 
 

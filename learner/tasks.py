@@ -1,4 +1,7 @@
-"""The built-in task of the embedded default: continue a run of digits.
+"""The built-in tasks: the embedded default's (continue a run of digits) and the
+arithmetic example's (`learner run --example arithmetic`: one-step word problems).
+
+Next digit.
 
 A prompt is a run of 3 to 6 consecutive digits counting up, wrapping after 9 ("7890");
 the answer is the digit that comes next ("1"). An untrained model almost never says it
@@ -6,6 +9,11 @@ the answer is the digit that comes next ("1"). An untrained model almost never s
 on two CPU cores. The reward (`actors.tasks:next_digit`, run by the actors) gives 1 for
 the right digit first and 0.2 for any other digit first, so the early groups already
 differ in reward and carry a learning signal.
+
+Arithmetic. GSM8K-shaped rows (a question, and an answer ending in `#### <number>`) of
+one-digit addition, subtraction and multiplication stories, asked as a chat turn; the
+built-in math reward (math-verify) scores them on the trusted tier. SmolLM2-135M-Instruct
+names the right number about a quarter of the time before training.
 """
 
 from __future__ import annotations
@@ -30,4 +38,48 @@ def next_digit_rows(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
 def write_next_digit_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in next_digit_rows(n, seed)))
+    return path
+
+
+# ------------------------------------------------------------------ arithmetic
+
+ARITHMETIC_REWARD = "actors.math_reward:accuracy"
+"""Scored on the trusted tier: the `answer` column never leaves the trusted side."""
+
+_NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivo", "Jia", "Kofi", "Lena")
+_THINGS = ("apples", "books", "coins", "marbles", "pencils", "stickers", "shells", "cards")
+ARITHMETIC_SYSTEM = "You solve math word problems. Reply with the calculation and the answer, in one line."
+"""Asked this way, SmolLM2-135M-Instruct ends about half its answers within 32 tokens and is
+right about a quarter of the time at temperature 0.8 (without it: 6 % and 13 %)."""
+
+
+def _problem(rng: random.Random) -> tuple[str, str, int]:
+    """(question, worked answer, result): one step, one-digit numbers, a whole result."""
+    name, other, thing = rng.choice(_NAMES), rng.choice(_NAMES), rng.choice(_THINGS)
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    kind = rng.choice(("add", "add", "sub", "mul"))
+    if kind == "add":
+        return f"{name} has {a} {thing}. {other} gives {name} {b} more. How many {thing} does {name} have now?", f"{a} + {b} = {a + b}", a + b
+    if kind == "sub":
+        a, b = max(a, b), min(a, b)
+        return f"{name} has {a} {thing} and gives {b} of them to {other}. How many {thing} does {name} have left?", f"{a} - {b} = {a - b}", a - b
+    return f"{name} has {a} bags with {b} {thing} in each bag. How many {thing} does {name} have in all?", f"{a} * {b} = {a * b}", a * b
+
+
+def arithmetic_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
+    """GSM8K-shaped rows: `question`, `answer` (the working, then `#### <number>`) and
+    `prompt`, the question as a chat (a system turn, then the question) for the model's
+    chat template."""
+    rng = random.Random(seed)
+    rows: list[dict[str, object]] = []
+    for _ in range(n):
+        question, working, result = _problem(rng)
+        rows.append({"prompt": [{"role": "system", "content": ARITHMETIC_SYSTEM}, {"role": "user", "content": question}],
+                     "question": question, "answer": f"{working}\n#### {result}"})
+    return rows
+
+
+def write_arithmetic_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_rows(n, seed)))
     return path
