@@ -38,15 +38,13 @@ import time
 import torch
 
 from learner.config import LearnerConfig
-from learner.loss import advantages
 from learner.policy import (
     Policy,
     adapter_files,
-    pack_sequences,
 )
 from learner.publish import Publisher, PublishJob
-from learner.tiny import QWEN25_05B_SHAPE, build_tokenizer, save_tiny
-from learner.train import StepBatch, train_on
+from learner.tiny import QWEN25_05B_SHAPE, build_tokenizer, save_tiny, synthetic_batch
+from learner.train import train_on
 from protocol.store import open_store
 
 
@@ -55,21 +53,6 @@ class NullAnnounce:
 
     def announce(self, manifest: object) -> str:
         return "0-1"
-
-
-def synthetic_batch(policy: Policy, groups: int, group_size: int, prompt_len: int, completion_len: int) -> StepBatch:
-    g = torch.Generator().manual_seed(0)
-    vocab = policy.vocab_size
-    prompts, completions = [], []
-    for _ in range(groups):
-        prompt = torch.randint(4, vocab, (prompt_len,), generator=g).tolist()
-        for _ in range(group_size):
-            prompts.append(prompt)
-            completions.append(torch.randint(4, vocab, (completion_len,), generator=g).tolist())
-    seqs = pack_sequences(prompts, completions, policy.pad_id)
-    rewards = torch.rand(len(prompts), generator=g)
-    behaviour = torch.full(seqs.mask_BT.shape, -3.0) * seqs.mask_BT
-    return StepBatch(seqs, behaviour, advantages(rewards, [group_size] * groups, "group"), rewards)
 
 
 def inline_publish(store, version: int, state, config_json: bytes) -> None:

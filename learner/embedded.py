@@ -311,7 +311,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     from protocol import QueueConfig, open_store
     from protocol.http_queue import HttpQueue
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)  # a long line stays one line in a log file
     started = time.monotonic()
     try:
         cfg, tokens = prepare(cfg)
@@ -335,10 +335,14 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         cfg = cfg.model_copy(update={"queue": system.url, "token": system.secrets["learner"]})
         learner = Learner(cfg, queue, open_store(cfg.store))
         on_learner(learner)
-        for chatty in ("learner.loop", "learner.publish", "matplotlib"):  # the live table shows each step
-            logging.getLogger(chatty).setLevel(logging.WARNING)
-        with LiveProgress(cfg.steps, system.alive, queue.stats, console) as progress:
-            learner.on_step = progress.update
+        logging.getLogger("matplotlib").setLevel(logging.WARNING)
+        if console.is_terminal:  # a live table; without a terminal (nohup, CI, docker logs) a line per step
+            for chatty in ("learner.loop", "learner.publish"):
+                logging.getLogger(chatty).setLevel(logging.WARNING)
+            with LiveProgress(cfg.steps, system.alive, queue.stats, console) as progress:
+                learner.on_step = progress.update
+                state = learner.run()
+        else:
             state = learner.run()
         system.stop_workers()  # what they hold goes back to the queue, which then holds still
         eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0

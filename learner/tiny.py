@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import string
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -100,3 +100,24 @@ QWEN25_05B_SHAPE = {
     "max_positions": 2048,
 }
 """Qwen2.5-0.5B's layer shapes (the vocabulary stays the tiny tokenizer's)."""
+
+
+def synthetic_batch(policy: Any, groups: int, group_size: int, prompt_len: int, completion_len: int) -> Any:
+    """A learner step's batch of random tokens (benchmarks): `groups` prompts, `group_size`
+    completions each, random rewards, behaviour log-probabilities of -3."""
+    from learner.loss import advantages
+    from learner.policy import pack_sequences
+    from learner.train import StepBatch
+
+    g = torch.Generator().manual_seed(0)
+    vocab = policy.vocab_size
+    prompts, completions = [], []
+    for _ in range(groups):
+        prompt = torch.randint(4, vocab, (prompt_len,), generator=g).tolist()
+        for _ in range(group_size):
+            prompts.append(prompt)
+            completions.append(torch.randint(4, vocab, (completion_len,), generator=g).tolist())
+    seqs = pack_sequences(prompts, completions, policy.pad_id)
+    rewards = torch.rand(len(prompts), generator=g)
+    behaviour = torch.full(seqs.mask_BT.shape, -3.0) * seqs.mask_BT
+    return StepBatch(seqs, behaviour, advantages(rewards, [group_size] * groups, "group"), rewards)

@@ -53,6 +53,9 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
+    # no terminal (a pipe here; nohup, CI, docker logs): a plain line per step, not a live table
+    assert len(re.findall(r"step +\d+/40 ", proc.stderr)) == 40, proc.stderr[-3000:]
+    assert "\ndone: 40 steps" in proc.stderr and "held-out pass@1" in proc.stderr
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert last > first + 0.2, (first, last)
