@@ -250,11 +250,26 @@ both (num_generations, epsilon_high, beta, learning_rate, warmup_ratio, reward_w
 seed, temperature, top_p, top_k, min_p, repetition_penalty, chat_template_kwargs,
 importance_sampling_level, mask_truncated_completions) need no entry."""
 
+def _each(keys: str, answer: str) -> dict[str, str]:
+    return dict.fromkeys(keys.split(), answer)
+
+
 TRL_ONLY: dict[str, str] = {
     "use_vllm": "generation is always on the actors (vLLM or transformers engines); see `actors run --engine`",
     "vllm_mode": "generation is always on the actors; start them with `actors run --engine vllm`",
     "vllm_gpu_memory_utilization": "set it on the actors: `actors run --gpu-memory-utilization`",
     "vllm_tensor_parallel_size": "set it on the actors: `actors run --tensor-parallel-size`",
+    "vllm_max_model_length": "set it on the actors: `actors run --max-model-len`",
+    **_each("vllm_model_impl vllm_enable_sleep_mode vllm_server_base_url vllm_server_host vllm_server_port "
+            "vllm_server_timeout vllm_group_port use_transformers_continuous_batching "
+            "transformers_continuous_batching_config use_transformers_paged cache_implementation "
+            "ds3_gather_for_generation", "generation runs on the actors, which load adapters from the store: "
+            "no server to reach and no weights to sync; configure the engine on `actors run`"),
+    "vllm_structured_outputs_regex": "structured outputs are not built; use a stop string or a reward on the format",
+    **_each("vllm_importance_sampling_correction vllm_importance_sampling_mode vllm_importance_sampling_cap "
+            "vllm_importance_sampling_clip_min vllm_importance_sampling_clip_max off_policy_mask_threshold",
+            "the off-policy correction is --correction (tis, mis, none) with --tis-cap, --mis-level, --mis-low, "
+            "--mis-high: every group is off-policy by its measured staleness here"),
     "per_device_train_batch_size": "the step size is counted in groups: set groups_per_step (x num_generations sequences)",
     "gradient_accumulation_steps": "micro-batching is by max_tokens_per_microbatch (and micro_batch_size); groups_per_step sets the step",
     "generation_batch_size": "the actors batch across leases on their own; prompts_per_batch sets a lease",
@@ -265,21 +280,129 @@ TRL_ONLY: dict[str, str] = {
     "delta": "two-sided clipping is not built; use epsilon / epsilon_high",
     "top_entropy_quantile": "entropy-based token masking is not built",
     "use_liger_loss": "the loss is spotgrpo's own (learner/loss.py)",
+    **_each("use_liger_kernel liger_kernel_config torch_compile torch_compile_backend torch_compile_mode "
+            "neftune_noise_alpha label_smoothing_factor average_tokens_across_devices",
+            "not built: the loss is spotgrpo's own (learner/loss.py); leave it out"),
+    **_each("optim optim_args optim_target_modules adam_epsilon lr_scheduler_kwargs",
+            "the optimizer is AdamW on the LoRA weights (--adam-beta1, --adam-beta2, --weight-decay, --lr-scheduler); "
+            "leave it out"),
+    **_each("tf32 bf16_full_eval fp16_full_eval cast_lm_head_to_fp32",
+            "precision is --dtype (the frozen base weights'); LoRA weights, optimizer state and log-probabilities "
+            "stay float32"),
+    **_each("activation_checkpointing activation_checkpointing_kwargs gradient_checkpointing_kwargs",
+            "use --gradient-checkpointing (on or off; the non-reentrant kind)"),
+    **_each("use_cache torch_empty_cache_steps auto_find_batch_size include_num_input_tokens_seen "
+            "router_aux_loss_coef pad_to_multiple_of",
+            "the learner manages this itself (micro-batches by --max-tokens-per-microbatch); leave it out"),
+    **_each("logging_strategy logging_first_step log_on_each_node logging_nan_inf_filter log_level "
+            "log_level_replica disable_tqdm debug skip_memory_metrics",
+            "the learner logs a line every --log-every steps (logging_steps), rank 0 only, to every tracker in "
+            "report_to; `-v` for debug; leave it out"),
+    **_each("project trackio_space_id trackio_bucket_id trackio_static_space_id",
+            "the trackers read their own environment (WANDB_PROJECT, TRACKIO_PROJECT, TRACKIO_SPACE_ID, "
+            "MLFLOW_EXPERIMENT_NAME); --run names the run"),
+    **_each("eval_delay per_device_eval_batch_size prediction_loss_only eval_on_start eval_do_concat_batches "
+            "eval_use_gather_object eval_accumulation_steps include_for_metrics batch_eval_metrics "
+            "num_generations_eval load_best_model_at_end metric_for_best_model greater_is_better",
+            "evaluation runs on the actors: --eval-dataset, --eval-every (eval_steps) versions, the base model "
+            "first and the final adapter last, --eval-generations per prompt (pass@k); `learner export --version "
+            "best` picks the best by pass@1"),
+    **_each("save_only_model save_on_each_node enable_jit_checkpoint resume_from_checkpoint "
+            "restore_callback_states_from_checkpoint ignore_data_skip",
+            "checkpoints hold the adapter, optimizer, data cursor and ledger every --checkpoint-every steps "
+            "(save_steps); --resume continues the run exactly where its last checkpoint was; leave it out"),
+    **_each("push_to_hub hub_token hub_private_repo hub_model_id hub_strategy hub_always_push hub_revision "
+            "log_completions_hub_repo",
+            "publish the trained adapter after the run: `learner export --version last|best --push-to-hub "
+            "REPO [--private]` (HF_TOKEN)"),
+    **_each("full_determinism data_seed", "--seed sets the data order, the adapter's initialisation and sampling"),
+    **_each("accelerator_config parallelism_config ddp_find_unused_parameters ddp_bucket_cap_mb "
+            "ddp_broadcast_buffers ddp_static_graph ddp_backend ddp_timeout fsdp fsdp_config deepspeed local_rank",
+            "more GPUs: `torchrun --nproc-per-node N -m learner run ...` shards the model with FSDP2 by itself; "
+            "leave it out"),
+    **_each("dataloader_drop_last dataloader_num_workers dataloader_pin_memory dataloader_persistent_workers "
+            "dataloader_prefetch_factor dataloader_multiprocessing_context dataloader_in_order "
+            "remove_unused_columns label_names train_sampling_strategy length_column_name",
+            "prompts are issued in a seeded order by the learner, every column travelling to the rewards; "
+            "leave it out"),
+    **_each("do_train do_eval do_predict", "`learner run` trains; leave it out"),
+    "model_init_kwargs": "--dtype sets the base weights' dtype; other loading options are not taken (the actors load "
+                         "the same --model path with their own settings)",
+    "trust_remote_code": "not taken: models are loaded with their transformers classes only",
+    "disable_dropout": "dropout is --lora-dropout (0 by default); the base model runs as its config says",
+    "generation_kwargs": "sampling is temperature, top_p, top_k, min_p, repetition_penalty (all taken); others are not",
+    **_each("sapo_temperature_neg sapo_temperature_pos vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg "
+            "multi_objective_aggregation use_bias_correction_kl",
+            "this loss variant is not built: loss_type grpo, dapo, bnpo or dr_grpo (learner/loss.py)"),
+    **_each("sync_ref_model ref_model_mixup_alpha ref_model_sync_steps",
+            "the reference model is the base model with the adapter off (beta > 0); it is never synced"),
+    **_each("entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target",
+            "an entropy bonus is not built; the entropy is logged each step"),
+    "max_tool_calling_iterations": "tool-calling episodes are not built yet",
+    **_each("log_multimodal num_completions_to_print log_unique_prompts",
+            "a table of prompts, completions and rewards goes to the trackers every --samples-every steps"),
 }
-"""GRPOConfig keys with no counterpart here, and what to do instead."""
+"""GRPOConfig keys with no counterpart here, and what to do instead (every key of TRL
+1.16's GRPOConfig is answered: ours by the same name, `TRL_NAMES`, `TRL_VALUES`, or this;
+`tests/test_trl_vocabulary.py` checks)."""
+
+TRL_VALUES: dict[str, Callable[[Any], dict[str, Any]]] = {
+    "bf16": lambda v: {"dtype": "bfloat16"} if v else {},
+    "fp16": lambda v: {"dtype": "float16"} if v else {},
+    "use_cpu": lambda v: {"device": "cpu"} if v else {},
+    "log_completions": lambda v: {} if v else {"samples_every": 0},
+    "eval_steps": lambda v: {"eval_every": v},
+    "eval_strategy": lambda v: {"eval_every": 0} if v == "no" else {} if v == "steps" else _refuse(
+        "eval_strategy", f"{v!r}: evaluation is counted in adapter versions: eval_strategy \"steps\" with eval_steps"),
+    "save_strategy": lambda v: {} if v == "steps" else _refuse(
+        "save_strategy", f"{v!r}: checkpoints are every --checkpoint-every steps (save_strategy \"steps\", save_steps)"),
+    "shuffle_dataset": lambda v: {} if v else _refuse(
+        "shuffle_dataset", "false: prompts are always issued in a seeded random order (--seed)"),
+}
+"""GRPOConfig keys whose value maps onto our settings (bf16 = true is dtype = bfloat16);
+an empty mapping means the value is what spotgrpo does anyway."""
+
+
+def _refuse(key: str, answer: str) -> dict[str, Any]:
+    raise _Refused(f"{key} = {answer}")
+
+
+class _Refused(ValueError):
+    pass
 
 
 def translate_trl(values: dict[str, Any]) -> dict[str, Any]:
-    """Settings given by their GRPOConfig names, under ours. Raises ConfigError for a name
-    given both ways or a GRPOConfig key with no counterpart."""
+    """Settings given by their GRPOConfig names, under ours. Raises ConfigError naming
+    every GRPOConfig key with no counterpart (with what to do instead) and every name
+    given both ways, all at once."""
     out: dict[str, Any] = {}
+    refused: list[str] = []
     for key, value in values.items():
         if key in TRL_ONLY:
-            raise ConfigError(f"{key}: a GRPOConfig setting with no counterpart here: {TRL_ONLY[key]}")
+            refused.append(f"{key}: {TRL_ONLY[key]}")
+            continue
+        if key in TRL_VALUES:
+            try:
+                mapped = TRL_VALUES[key](value)
+            except _Refused as err:
+                refused.append(str(err))
+                continue
+            for field, converted in mapped.items():
+                if field in values:
+                    refused.append(f"{key} and {field} are the same setting: give one of them")
+                out[field] = converted
+            continue
         field, convert = TRL_NAMES.get(key, (key, lambda v: v))
         if field != key and field in values:
-            raise ConfigError(f"{key} and {field} are the same setting: give one of them")
+            refused.append(f"{key} and {field} are the same setting: give one of them")
+            continue
+        if key == "loss_type" and value not in _LOSS_TYPES and value not in _LOSS_TYPES.values():
+            refused.append(f"loss_type = {value!r}: not built here; loss_type is one of {', '.join(_LOSS_TYPES)} "
+                           "(or loss_agg token_mean, seq_mean, constant)")
+            continue
         out[field] = convert(value)
+    if refused:
+        raise ConfigError("GRPOConfig settings with no counterpart here (what to do instead):\n  " + "\n  ".join(refused))
     steps = out.get("warmup_steps")
     if isinstance(steps, float) and 0 < steps < 1:  # transformers 5: a warmup_steps below 1 is a ratio
         if "warmup_ratio" in out:
@@ -289,7 +412,7 @@ def translate_trl(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unknown(keys: list[str]) -> str:
-    known = [*LearnerConfig.model_fields, *TRL_NAMES]
+    known = [*LearnerConfig.model_fields, *TRL_NAMES, *TRL_VALUES]
     parts = []
     for key in keys:
         near = difflib.get_close_matches(key, known, n=1)

@@ -69,7 +69,7 @@ def test_unknown_and_trl_only_keys_are_refused_with_a_way_forward(tmp_path: Path
         load_config(None, {"max_complection_length": 3})
     with pytest.raises(ConfigError, match=r"lerning_rate: unknown setting \(did you mean learning_rate\?\)"):
         load_config(None, {"lerning_rate": 3})
-    with pytest.raises(ConfigError, match="use_vllm: a GRPOConfig setting with no counterpart here: generation"):
+    with pytest.raises(ConfigError, match="no counterpart here.*\n  use_vllm: generation is always on the actors"):
         load_config(None, {"use_vllm": True})
     assert all(reason for reason in TRL_ONLY.values())
     with pytest.raises(ConfigError, match="max_completion_length and max_tokens are the same setting"):
@@ -78,6 +78,46 @@ def test_unknown_and_trl_only_keys_are_refused_with_a_way_forward(tmp_path: Path
         load_config(None, {"warmup_ratio": 0.1, "warmup_steps": 4})
     with pytest.raises(ConfigError, match="one weight per reward function"):
         load_config(None, {"reward": ["a:b"], "reward_weights": [1.0, 2.0]})
+
+
+def test_every_grpoconfig_key_is_answered() -> None:
+    """TRL 1.16's GRPOConfig, every field: ours by the same name, translated, mapped by its
+    value, or refused with what to do instead."""
+    import dataclasses
+
+    from trl import GRPOConfig
+
+    from learner.config import TRL_VALUES, LearnerConfig
+
+    keys = [f.name for f in dataclasses.fields(GRPOConfig) if not f.name.startswith("_")]
+    answered = set(LearnerConfig.model_fields) | set(TRL_NAMES) | set(TRL_VALUES) | set(TRL_ONLY)
+    assert [k for k in keys if k not in answered] == []
+
+
+def test_a_migrating_config_gets_every_answer_at_once(tmp_path: Path) -> None:
+    carried = {"bf16": True, "log_completions": False, "use_cpu": True, "eval_strategy": "steps", "eval_steps": 5,
+               "eval_dataset": "held.jsonl", "save_strategy": "steps", "shuffle_dataset": True}
+    cfg = load_config(None, carried)
+    assert (cfg.dtype, cfg.samples_every, cfg.device, cfg.eval_every) == ("bfloat16", 0, "cpu", 5)
+    assert load_config(None, {"fp16": True}).dtype == "float16"
+    assert load_config(None, {"eval_strategy": "no"}).eval_every == 0
+    (tmp_path / "trl.toml").write_text('model_init_kwargs = { torch_dtype = "bfloat16" }\n' + _toml({
+        "push_to_hub": True, "disable_dropout": True,
+        "vllm_importance_sampling_correction": True, "loss_type": "cispo", "eval_strategy": "epoch",
+        "dataloader_num_workers": 4, "gradient_accumulation_steps": 4, "learning_rate": 1e-6}))
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "trl.toml", {})
+    message = str(caught.value)
+    for answer in ("push_to_hub: publish the trained adapter after the run: `learner export",
+                   "model_init_kwargs: --dtype", "disable_dropout: dropout is --lora-dropout",
+                   "vllm_importance_sampling_correction: the off-policy correction is --correction",
+                   "loss_type = 'cispo': not built here; loss_type is one of grpo, dapo, bnpo, dr_grpo",
+                   "eval_strategy = 'epoch': evaluation is counted in adapter versions",
+                   "dataloader_num_workers: prompts are issued", "gradient_accumulation_steps: micro-batching"):
+        assert answer in message, message
+    assert "token_mean" not in message.split("loss_agg")[0]  # our internal names come second, as an alternative
+    with pytest.raises(ConfigError, match="bf16 and dtype are the same setting"):
+        load_config(None, {"bf16": True, "dtype": "float32"})
 
 
 def test_gspo_ratio_is_the_geometric_mean_of_the_sequence(tmp_path: Path) -> None:
