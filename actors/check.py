@@ -39,7 +39,7 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         open_store,
     )
     from protocol.errors import ProtocolError
-    from protocol.store import verify
+    from protocol.store import StoreMissing, verify
 
     checks = Checks()
     worker = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -123,27 +123,41 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         return f"{', '.join(args.reward)} import and score a sample{note}"
 
     def download() -> str:
-        latest = state.get("latest")
-        if latest is None:
-            return "nothing published yet"
+        """The newest version now (a fast learner prunes old ones while the checks before
+        this ran), again if it is pruned mid-download."""
         q = state["queue"]
         source = StoreSource(open_store(args.store)) if args.store else ProxySource(q) if https else None
         if source is None:
             raise CheckFailed("--store is needed with a redis:// queue", "give --store file:///dir or s3://bucket/prefix")
         folder = Path(tempfile.mkdtemp(prefix="spotgrpo-check-"))
-        state["adapter"] = (latest.version, folder)
-        try:
-            size = 0
-            for entry in latest.files:
-                data = source.fetch(latest, entry.name)
-                verify(entry, data)
-                (folder / entry.name).write_bytes(data)
-                size += len(data)
-        except (StoreError, ProtocolError, OSError) as err:
-            raise CheckFailed(f"adapter v{latest.version}: {err}",
-                              "the download URLs must be reachable from here: the proxy's --presign-endpoint names "
-                              "the bucket's public address (compose: PRESIGN_ENDPOINT)") from None
-        return f"adapter v{latest.version} downloaded and verified ({size / 1e6:.1f} MB)"
+        latest: AdapterManifest | None = None
+        for _ in range(3):
+            newest = q.latest_adapter()
+            if newest is None:
+                return "nothing published yet"
+            if latest is not None and newest.version == latest.version:
+                raise CheckFailed(f"adapter v{latest.version} is announced but not in the store",
+                                  "the learner's store lost it: check the learner's log and --store") from None
+            latest = newest
+            try:
+                size = 0
+                for entry in latest.files:
+                    data = source.fetch(latest, entry.name)
+                    verify(entry, data)
+                    (folder / entry.name).write_bytes(data)
+                    size += len(data)
+                state["adapter"] = (latest.version, folder)
+                return f"adapter v{latest.version} downloaded and verified ({size / 1e6:.1f} MB)"
+            except StoreMissing:  # pruned while it was read: a newer one is announced
+                continue
+            except (StoreError, ProtocolError, OSError) as err:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise CheckFailed(f"adapter v{latest.version}: {err}",
+                                  "the download URLs must be reachable from here: the proxy's --presign-endpoint "
+                                  "names the bucket's public address (compose: PRESIGN_ENDPOINT)") from None
+        shutil.rmtree(folder, ignore_errors=True)
+        raise CheckFailed("each newest adapter was pruned before it could be downloaded",
+                          "the learner publishes faster than this machine downloads: raise its --keep-adapters")
 
     def engine() -> str:
         if args.skip_engine:

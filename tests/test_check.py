@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TOKENS
+from conftest import TOKENS, kill_process
 from rollouts import perturbed_policy
 
 from learner.publish import Publisher, PublishJob
@@ -51,6 +51,40 @@ def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path
     assert "matches the learner's base model" in proc.stdout and "adapter v1 downloaded and verified" in proc.stdout
     assert "engine loaded" in proc.stdout and "and adapter v1" in proc.stdout
     assert lines[-1].startswith("all 7 checks passed")
+
+
+def test_the_download_check_takes_the_newest_version_when_it_runs(published, tiny_model: Path, tmp_path: Path) -> None:
+    """A fast learner publishes v2 and prunes v1 while the checks before the download run
+    (a 7B model's check takes minutes): the check downloads v2, not the v1 it named."""
+    import shutil
+
+    run = published.cmd[published.cmd.index("--run") + 1]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "SPOTGRPO_TOKEN": TOKENS["actor"],
+           "SPOTGRPO_CA_CERT": published.ca, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "check", "--queue", published.url, "--run", run,
+                             "--model", str(tiny_model), "--reward", "toy_rewards:slow_check"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        seen = ""
+        while "ok    rank" not in seen:  # the rewards check (4 s) runs next
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        assert "adapter v1 announced" in seen
+        store_dir = Path(published.cmd[published.cmd.index("--store") + 1].removeprefix("file://"))
+        learner = published.queue("learner")
+        policy = perturbed_policy(tiny_model, 2)
+        publisher = Publisher(open_store(store_dir.as_uri()), learner, base_model=str(tiny_model),
+                              rank=policy.cfg.lora_rank, fingerprint=fingerprint_of_model(str(tiny_model)))
+        publisher.submit(PublishJob(2, 2, policy.adapter_state(), policy.adapter_config_json()))
+        publisher.close()
+        learner.close()
+        shutil.rmtree(store_dir / "adapters" / "v1")  # pruned
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        kill_process(proc)
+    assert proc.returncode == 0, seen + out
+    assert "adapter v2 downloaded and verified" in out and "and adapter v2" in out
 
 
 def test_another_base_model_is_named_with_the_fix(published, tmp_path: Path, tiny_model: Path) -> None:

@@ -69,7 +69,7 @@ def test_unknown_and_trl_only_keys_are_refused_with_a_way_forward(tmp_path: Path
         load_config(None, {"max_complection_length": 3})
     with pytest.raises(ConfigError, match=r"lerning_rate: unknown setting \(did you mean learning_rate\?\)"):
         load_config(None, {"lerning_rate": 3})
-    with pytest.raises(ConfigError, match="no counterpart here.*\n  use_vllm: generation is always on the actors"):
+    with pytest.raises(ConfigError, match=r"no counterpart here.*\n  use_vllm: generation is always on the actors"):
         load_config(None, {"use_vllm": True})
     assert all(reason for reason in TRL_ONLY.values())
     with pytest.raises(ConfigError, match="max_completion_length and max_tokens are the same setting"):

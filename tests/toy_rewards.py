@@ -25,6 +25,12 @@ def slow_digit_first(prompts: list, completions: list, **kw: object) -> list[flo
     return digit_first(prompts, completions, **kw)
 
 
+def slow_check(prompts: list, completions: list, **kw: object) -> list[float]:
+    """digit_first, taking 4 s: time for a test to publish while `actors check` runs."""
+    time.sleep(4.0)
+    return digit_first(prompts, completions, **kw)
+
+
 def broken(prompts: list, completions: list, **_: object) -> list[float]:
     raise ZeroDivisionError("the reward model is down")
 
