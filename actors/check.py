@@ -23,7 +23,6 @@ from protocol.checks import CheckFailed, Checks
 
 
 def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
-    from actors.rewards import RewardError, Scorer, load_reward
     from actors.watcher import ProxySource, StoreSource
     from protocol import (
         AdapterManifest,
@@ -39,6 +38,7 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         open_store,
     )
     from protocol.errors import ProtocolError
+    from protocol.rewards import RewardError, Scorer, load_reward
     from protocol.store import StoreMissing, verify
 
     checks = Checks()

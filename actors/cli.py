@@ -7,7 +7,7 @@ that runs `--scoring actors`.
 
 `actors score --redis redis://… --run … --reward mod:fn`: one scoring worker of the
 trusted tier (`actors.scoring`), for a learner that runs `--scoring trusted`. It lives
-here because it is a worker that runs the reward functions (`actors.rewards`), like a
+here because it is a worker that runs the reward functions (`protocol.rewards`), like a
 rollout worker in `--scoring actors`; it needs no model and no GPU.
 """
 
@@ -128,9 +128,9 @@ which never leave the trusted side. Start as many as you like; SIGTERM stops one
 
 
 def score(args: argparse.Namespace) -> int:
-    from actors.rewards import RewardError, Scorer, load_reward
     from actors.scoring import NameTaken, free_name, serve
     from protocol import QueueConfig, QueueUnavailable, check_model_path
+    from protocol.rewards import RewardError, Scorer, load_reward
     from protocol.scoring import ScoringQueue
 
     if not args.redis.startswith(("redis://", "rediss://", "unix://")):
@@ -219,7 +219,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     from actors.engine import EngineError, open_engine
     from actors.metrics import WorkerMetrics
-    from actors.rewards import RewardError, Scorer, ScoringPool, load_reward
+    from actors.rewards import ScoringPool
     from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
     from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
     from protocol import (
@@ -232,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
         connect_queue,
         open_store,
     )
+    from protocol.rewards import RewardError, Scorer, load_reward
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     stopping = threading.Event()

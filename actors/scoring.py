@@ -60,9 +60,9 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from actors.rewards import Scorer, Scores
 from protocol import ProtocolError, QueueUnavailable, RolloutGroup
 from protocol.retry import Backoff, retry
+from protocol.rewards import Scorer, Scores
 from protocol.scoring import ScoringQueue, UnscoredEntry, UnscoredGroup
 from protocol.text import printable
 

@@ -39,7 +39,6 @@ from typing import Protocol, cast
 
 from actors.engine import Engine, EngineDead, GroupRequest, Sample
 from actors.metrics import WorkerMetrics
-from actors.rewards import Scores, unscored
 from actors.watcher import AdapterWatcher
 from protocol import (
     Completion,
@@ -57,6 +56,7 @@ from protocol import (
     pack_i32,
 )
 from protocol.retry import Backoff
+from protocol.rewards import Scores, unscored
 from protocol.text import printable
 
 log = logging.getLogger(__name__)

@@ -45,7 +45,6 @@ def main() -> None:
     from vllm import SamplingParams as VSamplingParams
     from vllm.lora.request import LoRARequest
 
-    from actors.rewards import Scorer, load_reward
     from actors.vllm_engine import VLLMEngine
     from actors.watcher import AdapterWatcher, StoreSource
     from actors.worker import Worker
@@ -60,6 +59,7 @@ def main() -> None:
         open_store,
         pack_i32,
     )
+    from protocol.rewards import Scorer, load_reward
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from rollouts import perturbed_policy

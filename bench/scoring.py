@@ -38,7 +38,6 @@ sys.path.insert(0, str(REPO))
 
 import msgspec
 
-from actors.rewards import Scorer, load_reward
 from bench.queue import start_redis
 from protocol import (
     Completion,
@@ -51,6 +50,7 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
+from protocol.rewards import Scorer, load_reward
 
 
 def batch(run: str, i: int, scoring: str = "trusted") -> PromptBatch:

@@ -6,7 +6,6 @@ functions (importable here, where the scorers or the embedded actors run them)."
 
 from __future__ import annotations
 
-import importlib
 import threading
 import time
 import uuid
@@ -81,7 +80,8 @@ def check(cfg: LearnerConfig) -> int:
         from learner.data import DoesNotFit, open_sources_for
 
         try:
-            rows = open_sources_for(cfg)[0].rows
+            source = open_sources_for(cfg)[0]
+            state["source"], rows = source, source.rows
         except DoesNotFit as err:
             raise CheckFailed(err.reason, err.fix) from None
         except (ValueError, OSError, KeyError) as err:
@@ -91,18 +91,30 @@ def check(cfg: LearnerConfig) -> int:
         return f"{cfg.dataset}: {len(rows)} rows; prompt column {cfg.prompt_column!r}, other columns {columns}"
 
     def rewards() -> str:
+        """Each reward imports here and scores a real row of the data set (two made-up
+        completions): a function that wants a column the data set lacks, or an argument
+        nobody passes, fails now, not on every group of the run."""
         if not cfg.reward:
             return "none given: the actors score with their own (--scoring actors)"
-        for spec in cfg.reward:
-            module, _, attr = spec.split("=")[0].partition(":")
-            try:
-                fn = getattr(importlib.import_module(module), attr, None)
-            except ImportError as err:
-                raise CheckFailed(f"--reward {spec}: cannot import {module}: {err}",
-                                  "install the reward's package on the trusted side (where `actors score` runs)") from None
-            if not callable(fn):
-                raise CheckFailed(f"--reward {spec}: {module} has no function {attr}", "check the module:function name")
-        return f"{', '.join(cfg.reward)} import; scored by {cfg.scoring_mode} ({'actors score' if cfg.scoring_mode == 'trusted' else 'the workers'})"
+        from protocol.rewards import RewardError, Scorer, load_reward
+
+        try:
+            scorer = Scorer([load_reward(spec) for spec in cfg.reward_specs], timeout_s=60.0)
+        except RewardError as err:
+            fix = ("install the reward's package on the trusted side (where `actors score` runs)"
+                   if "cannot import" in str(err) else "give module:function (or module.function), as in TRL")
+            raise CheckFailed(str(err), fix) from None
+        source = state.get("source")
+        if source is None:
+            return f"{', '.join(cfg.reward)} import (no data set row to score them on)"
+        prompt = source.prompt(0)
+        scores = scorer.score(prompt, "", ["0", "The answer is 42."], [[0], [1]])
+        if scores.error is not None and "abstained" not in scores.error:
+            raise CheckFailed(f"on the data set's first row: {scores.error}",
+                              "the reward is called as in TRL: fn(prompts, completions, completion_ids, "
+                              f"**columns); the data set's columns are {sorted(prompt.columns)}")
+        return (f"{', '.join(cfg.reward)} import and score the data set's first row; scored by {cfg.scoring_mode} "
+                f"({'actors score' if cfg.scoring_mode == 'trusted' else 'the workers'})")
 
     checks = Checks()
     started = time.monotonic()

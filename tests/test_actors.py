@@ -21,7 +21,6 @@ from rollouts import perturbed_policy
 
 from actors.engine import Engine, EngineError
 from actors.hf_engine import TransformersEngine
-from actors.rewards import RewardError, RewardFn, Scorer, load_reward
 from actors.watcher import AdapterWatcher, StoreSource
 from actors.worker import Worker
 from learner.policy import Policy, pack_sequences
@@ -37,6 +36,7 @@ from protocol import (
     open_store,
     pack_i32,
 )
+from protocol.rewards import RewardError, RewardFn, Scorer, load_reward
 from protocol.store import Store, adapter_key
 
 REPO = Path(__file__).resolve().parents[1]

@@ -133,6 +133,12 @@ def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str
     assert not list((tmp_path / "store" / "checks").glob("*"))  # the probe is gone
     proc = learner_check(*good[:-1], "no_such_module:f")
     assert proc.returncode == 1 and "FAIL  rewards" in proc.stdout and "install the reward's package" in proc.stdout
+    # each reward is called on the data set's first row: a column it wants and the data lacks fails now
+    proc = learner_check(*good[:-1], "toy_rewards.uses_columns")  # TRL's dotted spelling
+    assert proc.returncode == 1 and "FAIL  rewards" in proc.stdout, proc.stdout
+    assert "on the data set's first row" in proc.stdout and "columns are ['idx']" in proc.stdout
+    proc = learner_check(*good[:-1], "toy_rewards.digit_first")
+    assert proc.returncode == 0 and "score the data set's first row" in proc.stdout, proc.stdout
     proc = learner_check(*good, "--max-tokens", "1020")  # the tiny model's context is 1024
     assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout, proc.stdout
     assert "do not fit in the model's context of 1024" in proc.stdout and "lower --max-tokens" in proc.stdout

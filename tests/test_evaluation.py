@@ -12,7 +12,6 @@ import pytest
 from factories import write_dataset
 
 from actors.hf_engine import TransformersEngine
-from actors.rewards import Scorer, load_reward
 from actors.watcher import AdapterWatcher, StoreSource
 from actors.worker import Worker
 from learner.config import LearnerConfig
@@ -20,6 +19,7 @@ from learner.evaluate import Evaluator, pass_at_k
 from learner.loop import Learner
 from learner.progress import read_evals
 from protocol import QueueConfig, RedisQueue, open_store
+from protocol.rewards import Scorer, load_reward
 
 
 def _config(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, **overrides: object) -> LearnerConfig:

@@ -69,7 +69,7 @@ def test_many_leases_in_flight_and_groups_streamed_as_they_finish(tmp_path: Path
     queue.add_prompts([_batch(f"b{i}") for i in range(6)])
     engine = TransformersEngine(str(tiny_model), max_batch_sequences=4)  # one group per generate call
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
-    from actors.rewards import Scorer, load_reward
+    from protocol.rewards import Scorer, load_reward
 
     worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
                     claim_block_s=0.2, max_num_seqs=3 * len(PROMPTS) * 4)  # room for three leases
@@ -211,8 +211,8 @@ class DyingEngine(TransformersEngine):
 
 @pytest.mark.redis
 def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
-    from actors.rewards import Scorer, load_reward
     from actors.worker import WorkerEngineDead
+    from protocol.rewards import Scorer, load_reward
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([_batch(f"b{i}") for i in range(3)])
@@ -259,7 +259,7 @@ def test_prompts_sent_as_text_are_tokenized_by_the_actor(tmp_path: Path, tiny_mo
                                                          run_name: str) -> None:
     from factories import batch
 
-    from actors.rewards import Scorer, load_reward
+    from protocol.rewards import Scorer, load_reward
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     queue.add_prompts([batch(0)])  # text only, no token ids

@@ -527,7 +527,7 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
     from transformers import AutoTokenizer
 
     from actors import scoring
-    from actors.rewards import Scorer, load_reward
+    from protocol.rewards import Scorer, load_reward
     from protocol.scoring import ScoringQueue
 
     cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2, reward=["toy_rewards:digit_first"])

@@ -6,7 +6,7 @@ import factories
 import pytest
 
 from actors.math_reward import accuracy
-from actors.rewards import Scorer, load_reward
+from protocol.rewards import Scorer, load_reward
 
 
 def test_math_accuracy_on_gsm8k_style_answers() -> None:

@@ -264,7 +264,7 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     actor sent) leaves the unscored stream for the dead letters with its reason and its
     group, at once and never again; the job's other group is stored."""
     from actors import scoring
-    from actors.rewards import Scorer, load_reward
+    from protocol.rewards import Scorer, load_reward
 
     gids = submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))

@@ -177,9 +177,9 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     from toy_rewards import digit_first
 
     from actors import scoring
-    from actors.rewards import RewardFn, Scorer
     from protocol import Limits, ProtocolError, QueueConfig, QueueRefused, RedisQueue, group_id_for
     from protocol.keys import ACTORS_GROUP
+    from protocol.rewards import RewardFn, Scorer
     from protocol.scoring import ScoringQueue
 
     # small messages, so an oversized group is cheap to make: 56,320 bytes for 4 completions

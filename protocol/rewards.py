@@ -1,0 +1,209 @@
+"""Reward functions with TRL's signature, loaded from `module:function[=weight]`.
+
+`fn(prompts, completions, **columns) -> list[float | None]` (or an `async def`, awaited
+in an event loop of its own: a reward that calls an HTTP service), called once per group:
+`prompts` has the prompt once per completion (a string, or the list of chat messages
+for conversational data), `completions` the completion texts (for conversational data,
+`[{"role": "assistant", "content": text}]` each, as TRL passes them), plus
+`completion_ids` and the data set's other columns, each as a list aligned with the
+completions. So TRL's own reward helpers (`trl.rewards:accuracy_reward`, ...) and a TRL
+user's functions work unchanged.
+
+`None` from a function means it abstains for that completion (TRL's convention); the
+total is the weighted sum of the others. A function that raises, returns the wrong
+shape or a non-finite value, or runs past its time limit fails the whole group with
+the error text: such a group is never recorded as reward 0.
+
+Where rewards run: the trusted scoring tier (`actors score`, an RQ job per group), an
+actor's `actors.rewards.ScoringPool` (worker processes beside the engine), or
+`Scorer.submit` inline (a thread per call; a hung reward's thread is abandoned, not
+killed). `learner check` calls them here on a row of the data set. This module needs
+nothing beyond the standard library and the protocol, so all three can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import numbers
+import re
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from protocol import Prompt
+from protocol.text import printable
+
+_SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*?)[:.](?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
+"""`module:function[=weight]`, or TRL's dotted `module.function`."""
+
+
+T = TypeVar("T")
+
+
+class RewardError(ValueError):
+    """A reward specification cannot be loaded."""
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+
+
+def load_reward(spec: str) -> RewardFn:
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise RewardError(f"--reward {spec!r}: expected module:function (or module.function), with =weight if wanted")
+    try:
+        module = importlib.import_module(match["module"])
+    except ImportError as err:
+        raise RewardError(f"--reward {spec!r}: cannot import {match['module']}: {err}") from err
+    fn = getattr(module, match["attr"], None)
+    if not callable(fn):
+        raise RewardError(f"--reward {spec!r}: {match['module']} has no function {match['attr']}")
+    weight = float(match["weight"]) if match["weight"] else 1.0
+    if not math.isfinite(weight):
+        raise RewardError(f"--reward {spec!r}: weight must be finite")
+    return RewardFn(name=match["attr"], fn=fn, weight=weight)
+
+
+@dataclass(frozen=True)
+class Scores:
+    rewards: list[float | None]
+    components: list[dict[str, float | None]]
+    error: str | None
+    """Set when the group failed; then every reward is None. One printable line (it comes
+    from a user's exception and is logged and sent on the wire)."""
+
+    @classmethod
+    def failed(cls, n: int, error: str, components: list[dict[str, float | None]] | None = None) -> Scores:
+        return cls([None] * n, components or [{} for _ in range(n)], printable(error, 2000))
+
+
+def unscored(n: int) -> Future[Scores]:
+    """No rewards, no error: a group for the trusted scoring tier to score."""
+    future: Future[Scores] = Future()
+    future.set_result(Scores([None] * n, [{} for _ in range(n)], None))
+    return future
+
+
+class Scorer:
+    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False) -> None:
+        """`timeout_s`: per reward call, enforced by a thread; None calls rewards directly
+        (inside a `ScoringPool` process or an RQ job, whose own timeout kills the process).
+        `reraise`: an exception from a reward function propagates (an RQ job, which RQ
+        retries) instead of failing the group."""
+        if not functions:
+            raise RewardError("at least one --reward is needed")
+        self.functions = functions
+        self.timeout_s = timeout_s
+        self.reraise = reraise
+
+    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
+        """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
+        future: Future[Scores] = Future()
+        future.set_result(self.score(prompt, prompt_text, texts, completion_ids))
+        return future
+
+    def close(self) -> None:
+        return None
+
+    def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Scores:
+        n = len(texts)
+        if prompt.messages is not None:
+            messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
+            prompts: list[Any] = [messages] * n
+            completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            prompts, completions = [prompt.text if prompt.text is not None else prompt_text] * n, list(texts)
+        columns = {k: [v] * n for k, v in prompt.columns.items()}
+        per_fn: dict[str, list[float | None]] = {}
+        for rf in self.functions:
+            values, error = self._call(rf, prompts, completions, completion_ids, columns, n)
+            if error is not None:
+                return Scores.failed(n, error)
+            per_fn[rf.name] = values
+        rewards: list[float | None] = []
+        components = []
+        for i in range(n):
+            parts = {name: values[i] for name, values in per_fn.items()}
+            scored = [(rf.weight, parts[rf.name]) for rf in self.functions if parts[rf.name] is not None]
+            rewards.append(sum(w * float(v) for w, v in scored if v is not None) if scored else None)
+            components.append(parts)
+        if any(r is None for r in rewards):
+            return Scores.failed(n, "every reward function abstained for some completion", components)
+        return Scores(rewards, components, None)
+
+    def score_within(self, timeout_s: float, prompt: Prompt, prompt_text: str, texts: list[str],
+                     completion_ids: list[list[int]]) -> Scores:
+        """`score` under one time limit for the whole group, on a thread: past it the
+        group fails with that reason, and its thread is abandoned (in an RQ work horse it
+        ends with the job's process). An exception `reraise` lets through is raised here."""
+        try:
+            return within(timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids), "score-group")
+        except PastLimit:
+            return Scores.failed(len(texts), f"the rewards exceeded the group's time limit of {timeout_s:g}s "
+                                             "(the group is rejected, not retried)")
+
+    def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):
+        def call() -> Any:
+            value = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if inspect.isawaitable(value):  # an `async def` reward (an HTTP judge, a sandbox)
+                value = asyncio.run(_awaited(value))
+            return value
+
+        try:
+            values = call() if self.timeout_s is None else within(self.timeout_s, call, f"reward-{rf.name}")
+        except PastLimit:
+            return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
+        except Exception as err:  # a user's function: any failure is reported, not fatal
+            if self.reraise:
+                raise
+            return None, f"reward {rf.name} raised {type(err).__name__}: {err}"
+        if not isinstance(values, list | tuple) or len(values) != n:
+            return None, f"reward {rf.name} returned {type(values).__name__} of the wrong length (expected {n} values)"
+        clean: list[float | None] = []
+        for v in values:
+            if v is None:
+                clean.append(None)
+            elif not isinstance(v, numbers.Real) or not math.isfinite(v):
+                return None, f"reward {rf.name} returned {v!r}: not a finite number or None"
+            else:
+                clean.append(float(v))
+        return clean, None
+
+
+class PastLimit(Exception):
+    """`within`'s function ran past its time limit (and was left to finish alone)."""
+
+
+def within(timeout_s: float, fn: Callable[[], T], name: str) -> T:
+    """`fn()` on a daemon thread we can stop waiting for: its value, or its exception raised
+    here, or `PastLimit` after `timeout_s` (the thread is abandoned: a process of its own
+    ends it, a `ScoringPool` process or an RQ work horse)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # handed to the caller's thread as it is
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PastLimit(name)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
