@@ -203,7 +203,7 @@ class ScriptedActor(SyntheticActor):
                     version = 50  # a version the learner never made
             elif self.batches == 2:
                 if i == 0:
-                    tokens = list(range(10, 60)) * 6  # longer than the context (256)
+                    tokens = list(range(10, 60)) * 21  # longer than the context (1024)
                 else:
                     error = "reward timed out"
             elif self.batches == 3:
