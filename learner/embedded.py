@@ -76,7 +76,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     },
 }
 """`learner run --example NAME`: a real model on a real task, sized for 2 CPU cores
-(about 15 minutes); flags override any of it."""
+(8 to 12 minutes); flags override any of it."""
 
 LEASE_TIMEOUT_S = 10.0
 ROLES = ("actor", "learner", "admin")
