@@ -317,3 +317,30 @@ def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: Re
     assert proc.stderr.strip().splitlines()[-1].startswith("actors score: --name scorer-h-1: a scoring worker")
     sq.close()
     other.close()
+
+
+def _ignores_sigterm() -> None:
+    import signal as signals
+
+    signals.signal(signals.SIGTERM, signals.SIG_IGN)
+    time.sleep(120)
+
+
+def test_a_scheduler_that_ignores_sigterm_does_not_hold_the_warm_shutdown_forever() -> None:
+    """RQ joins its scheduler process without a limit; ours kills it after a few seconds."""
+    import multiprocessing
+    import types
+
+    import fakeredis
+
+    from actors.scoring import ScoringWorker
+
+    worker = ScoringWorker(["q"], connection=fakeredis.FakeRedis())
+    worker.SCHEDULER_STOP_S = 1.0
+    process = multiprocessing.get_context("fork").Process(target=_ignores_sigterm, daemon=True)
+    process.start()
+    time.sleep(0.5)  # its SIG_IGN is in place
+    worker.scheduler = types.SimpleNamespace(_process=process)
+    started = time.monotonic()
+    worker.stop_scheduler()
+    assert not process.is_alive() and time.monotonic() - started < 10
