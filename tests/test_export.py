@@ -55,9 +55,11 @@ def _export(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def _greedy(model, prompt: list[int], n: int = 8) -> list[int]:
+    """Greedy tokens up to and including the first EOS, as the engine returns them."""
     out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+                         do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=0)
+    tokens = out[0, len(prompt):].tolist()
+    return tokens[: tokens.index(2) + 1] if 2 in tokens else tokens
 
 
 def test_an_exported_adapter_loads_in_peft_and_generates_what_the_actor_did(published: Path, tiny_model: Path,
@@ -76,7 +78,7 @@ def test_an_exported_adapter_loads_in_peft_and_generates_what_the_actor_did(publ
     engine = TransformersEngine(str(tiny_model))
     engine.load_adapter(2, published / "store" / "adapters" / "v2")
     prompt = engine.tokenizer("abcde:", add_special_tokens=True)["input_ids"]
-    engine.stop_ids = (-1,)
+    assert engine.stop_ids == (2,)
     (actor,) = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_tokens=8), 2)
 
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model), str(out)).eval()

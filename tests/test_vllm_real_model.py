@@ -84,5 +84,6 @@ def test_the_real_model_on_vllm_caps_stops_and_serves_an_exported_adapter(tmp_pa
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(tmp_path / "adapter")).eval()
     out = peft.generate(input_ids=torch.tensor([question]), do_sample=False, max_new_tokens=8, pad_token_id=2)
     expected = out[0, len(question):].tolist()
+    expected = expected[: expected.index(2) + 1] if 2 in expected else expected  # generate pads after the end
     assert served[0].token_ids[:4] == expected[:4], (served[0].token_ids, expected)
     assert served[0].token_ids != base[0].token_ids  # the adapter is in use
