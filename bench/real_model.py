@@ -138,20 +138,15 @@ def bench_trl(model: Path, steps: int) -> None:
     def reward(completions: list, answer: list, **_: object) -> list[float]:
         return [float(s or 0.0) for s in accuracy(completions, answer=answer)]
 
-    class WallClock:  # stop TRL after spotgrpo's wall time
+    from transformers import TrainerCallback
+
+    class StopAtWallTime(TrainerCallback):  # TRL gets spotgrpo's wall time
         def __init__(self, budget_s: float) -> None:
             self.deadline, self.steps = time.monotonic() + budget_s, 0
 
-    from transformers import TrainerCallback
-
-    class Stop(TrainerCallback):
-        def __init__(self, clock: WallClock) -> None:
-            self.clock = clock
-
         def on_step_end(self, args, state, control, **kw):  # type: ignore[no-untyped-def]
-            self.clock.steps = state.global_step
-            if time.monotonic() > self.clock.deadline:
-                control.should_training_stop = True
+            self.steps = state.global_step
+            control.should_training_stop = time.monotonic() > self.deadline
             return control
 
     config = GRPOConfig(
@@ -161,12 +156,12 @@ def bench_trl(model: Path, steps: int) -> None:
         gradient_checkpointing=False, seed=0, shuffle_dataset=True,
     )
     started = time.monotonic()
-    clock = WallClock(ours_wall)
+    clock = StopAtWallTime(ours_wall)
     trainer = GRPOTrainer(
         model=str(model), reward_funcs=reward, args=config,
         train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]),
         peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
-        callbacks=[Stop(clock)],
+        callbacks=[clock],
     )
     trainer.train()
     trl_wall = time.monotonic() - started

@@ -223,6 +223,7 @@ def follow_rank(cfg: LearnerConfig, dist: Dist) -> int:
 
 def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
     """The learner itself: queue, store, model, and the loop."""
+    from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
     from learner.trackers import check_trackers
     from protocol import (
@@ -250,7 +251,8 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
     try:
-        learner = Learner(cfg, queue, store, stop_requested=stop, dist=dist)  # type: ignore[arg-type]
+        sources = open_sources_for(cfg)  # the data set, and that its prompts fit the context, before the model loads
+        learner = Learner(cfg, queue, store, stop_requested=stop, dist=dist, sources=sources)  # type: ignore[arg-type]
         state = learner.run()
     except (QueueUnavailable, StoreError) as err:
         print(f"learner run: {err}", file=sys.stderr)

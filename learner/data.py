@@ -68,12 +68,16 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
     return list(load_dataset(spec, config, split=split))
 
 
+Sources = tuple["PromptSource", "PromptSource | None"]
+"""The training prompts, and the held-out ones (None without evaluation)."""
+
+
 def context_of(max_seq_len: int | None, model_config: Any) -> int:
     """Tokens a sequence may hold, prompt and completion: `--max-seq-len`, else the model's."""
     return int(max_seq_len or getattr(model_config, "max_position_embeddings", None) or 4096)
 
 
-def open_sources(cfg: Any, tokenizer: Any, context: int) -> tuple[PromptSource, PromptSource | None]:
+def open_sources(cfg: Any, tokenizer: Any, context: int) -> Sources:
     """The training prompts and the held-out ones (None without evaluation), each checked
     to fit the context with `max_tokens`."""
 
@@ -89,7 +93,7 @@ def open_sources(cfg: Any, tokenizer: Any, context: int) -> tuple[PromptSource, 
     return train, held_out
 
 
-def open_sources_for(cfg: Any) -> tuple[PromptSource, PromptSource | None]:
+def open_sources_for(cfg: Any) -> Sources:
     """`open_sources` with the model's tokenizer and context, without loading its weights:
     the data checks a run can make before it starts anything."""
     from transformers import AutoConfig, AutoTokenizer

@@ -92,8 +92,7 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     updates: dict[str, Any] = {}
     if cfg.example == "arithmetic":
-        updates |= _arithmetic(cfg, run_dir)
-        cfg = cfg.model_copy(update=updates)
+        cfg = cfg.model_copy(update=_arithmetic(cfg, run_dir))
     if not cfg.model:
         model = run_dir / "model"
         if not (model / "config.json").exists():
@@ -315,7 +314,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     started = time.monotonic()
     try:
         cfg, tokens = prepare(cfg)
-        open_sources_for(cfg)  # a data set that cannot be used is said before anything starts
+        sources = open_sources_for(cfg)  # a data set that cannot be used is said before anything starts
     except (ValueError, OSError, subprocess.CalledProcessError) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 2
@@ -333,7 +332,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         system.start()
         queue = HttpQueue(system.url, system.secrets["learner"], QueueConfig(run=cfg.run), verify=str(system.cert))
         cfg = cfg.model_copy(update={"queue": system.url, "token": system.secrets["learner"]})
-        learner = Learner(cfg, queue, open_store(cfg.store))
+        learner = Learner(cfg, queue, open_store(cfg.store), sources=sources)
         on_learner(learner)
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         if console.is_terminal:  # a live table; without a terminal (nohup, CI, docker logs) a line per step

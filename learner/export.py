@@ -26,6 +26,7 @@ from protocol import ProtocolError, open_store
 from protocol.store import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
+    MANIFEST,
     Store,
     StoreError,
     StoreMissing,
@@ -49,12 +50,7 @@ class Exported:
 
 def published_versions(store: Store) -> list[int]:
     """Versions whose manifest is in the store (a manifest is written last), oldest first."""
-    versions = set()
-    for key in store.list("adapters/"):
-        parts = key.split("/")
-        if len(parts) == 3 and parts[2] == "manifest.json" and parts[1][1:].isdigit():
-            versions.add(int(parts[1][1:]))
-    return sorted(versions)
+    return sorted(v for v, keys in store.adapter_files().items() if adapter_key(v, MANIFEST) in keys)
 
 
 def evaluations(run_dir: Path | None) -> dict[int, dict[str, Any]]:

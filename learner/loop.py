@@ -19,7 +19,7 @@ import torch
 
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
-from learner.data import open_sources
+from learner.data import Sources, open_sources
 from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import Evaluations, Evaluator
 from learner.fleet import FleetWatch
@@ -58,10 +58,13 @@ class LearnerError(RuntimeError):
 
 class Learner(Evaluations):
     consumer = CONSUMER
+
     def __init__(
         self, cfg: LearnerConfig, queue: Queue, store: Store, stop_requested: threading.Event | None = None,
-        dist: Dist | None = None,
+        dist: Dist | None = None, sources: Sources | None = None,
     ) -> None:
+        """`sources`: the training and held-out prompts, if the caller checked them before
+        loading the model (`learner.data.open_sources_for`); else they are opened here."""
         self.cfg = cfg
         self.queue = queue
         self.store = store
@@ -69,7 +72,7 @@ class Learner(Evaluations):
         self.dist = dist or Dist(device=resolve_device(cfg.device))
         self.trainer = Trainer(cfg, self.dist)
         self.policy, self.optimizer, self.scheduler = self.trainer.policy, self.trainer.optimizer, self.trainer.scheduler
-        self.source, held_out = open_sources(cfg, self.policy.tokenizer, self.policy.context)
+        self.source, held_out = sources or open_sources(cfg, self.policy.tokenizer, self.policy.context)
         self.evaluator = Evaluator(cfg, held_out) if held_out is not None else None
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import queue as stdqueue
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -38,9 +37,6 @@ from protocol.store import (
 )
 
 log = logging.getLogger(__name__)
-
-
-_VERSION_DIR = re.compile(r"^adapters/v(\d+)/")
 
 
 @dataclass(frozen=True)
@@ -167,10 +163,10 @@ class Publisher:
         if not self.keep_adapters:
             return
         try:
-            keys = self.store.list("adapters/")
+            files = self.store.adapter_files()
             keep = set(range(newest - self.keep_adapters + 1, newest + 1)) | self.protected()
-            old = {int(m[1]) for k in keys if (m := _VERSION_DIR.match(k)) and int(m[1]) not in keep}
-            doomed = [k for k in keys if (m := _VERSION_DIR.match(k)) and int(m[1]) in old]
+            old = set(files) - keep
+            doomed = [k for v in old for k in files[v]]
             if doomed:
                 self.store.delete(doomed)
                 log.info("pruned adapter versions %s", ", ".join(f"v{v}" for v in sorted(old)))

@@ -41,6 +41,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 CHECKPOINT_POINTER = "checkpoints/latest.json"
 
+_VERSION_DIR = re.compile(r"^adapters/v(\d+)/")
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 
 
@@ -114,6 +115,14 @@ class Store(abc.ABC):
         return None
 
     # -- adapter helpers, shared by the learner (writer) and the proxy (reader)
+    def adapter_files(self) -> dict[int, builtins.list[str]]:
+        """The keys under `adapters/`, by version (pruning and `learner export` read this)."""
+        found: dict[int, builtins.list[str]] = {}
+        for key in self.list("adapters/"):
+            if (m := _VERSION_DIR.match(key)) is not None:
+                found.setdefault(int(m[1]), []).append(key)
+        return found
+
     def read_manifest(self, version: int) -> AdapterManifest:
         manifest = from_json(self.get(adapter_key(version, MANIFEST)))
         if not isinstance(manifest, AdapterManifest):
