@@ -122,6 +122,24 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         note = " (it needs data set columns, so the sample could not be scored)" if sample.error else ""
         return f"{', '.join(args.reward)} import and score a sample{note}"
 
+    def tools() -> str:
+        if not args.tools:
+            return "none given: fine unless the learner runs --tools"
+        from transformers import AutoTokenizer
+
+        from protocol.chat import ToolError, ToolTemplateError, load_tools, tool_template
+
+        try:
+            names = [fn.__name__ for fn in load_tools(args.tools)]
+            template = tool_template(AutoTokenizer.from_pretrained(args.model))
+        except ToolError as err:
+            raise CheckFailed(str(err), "install the tool's package here (or put its module on PYTHONPATH); a tool "
+                                        "is a typed function whose docstring documents every argument") from None
+        except ToolTemplateError as err:
+            raise CheckFailed(str(err), "use the learner's --model") from None
+        offered = "the model's chat template" if template is None else "the ChatML tool template"
+        return f"{', '.join(names)} import and describe themselves; calls are read with {offered}'s format"
+
     def download() -> str:
         """The newest version now (a fast learner prunes old ones while the checks before
         this ran), again if it is pruned mid-download."""
@@ -183,7 +201,7 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
 
     try:
         return checks.run_all([("queue", queue), ("run", run_live), ("model", model), ("rank", rank),
-                               ("rewards", rewards), ("download", download), ("engine", engine)],
+                               ("rewards", rewards), ("tools", tools), ("download", download), ("engine", engine)],
                               "`actors run` with these flags is ready")
     finally:
         if "queue" in state:

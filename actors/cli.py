@@ -65,6 +65,14 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
       help="time limit per reward call (default 60); past it the scoring process is killed and replaced")
     a("--reward-workers", type=int, default=1,
       help="processes scoring beside the engine (default 1; 0: score in the worker, where a hung reward cannot be killed)")
+    a("--tools", action="append", default=None, metavar="MODULE:FUNCTION",
+      help="a tool episodes may call (TRL's tools=[...]: a typed, documented function, sync or async); repeat for "
+           "several. Needed when the learner runs --tools: the same functions")
+    a("--tool-timeout-s", type=float, default=10.0,
+      help="time limit per tool call (default 10); past it the call's process is killed and the model told so")
+    a("--tool-memory-mb", type=int, default=2048,
+      help="address-space limit of each tool process (default 2048); a call past it fails and the model is told so")
+    a("--tool-workers", type=int, default=2, help="processes running tool calls beside the engine (default 2)")
     a("--worker-id", default=None, help="consumer name (default host-pid-random)")
     a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
@@ -218,8 +226,10 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> int:
     from actors.engine import EngineError, open_engine
+    from actors.episodes import EpisodeEngine
     from actors.metrics import WorkerMetrics
     from actors.rewards import ScoringPool
+    from actors.tools import Toolbox
     from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
     from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
     from protocol import (
@@ -232,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         connect_queue,
         open_store,
     )
+    from protocol.chat import ToolTemplateError, say_template, tool_template
     from protocol.rewards import RewardError, Scorer, load_reward
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -253,6 +264,8 @@ def run(args: argparse.Namespace) -> int:
             else ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
             else Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
         )
+        toolbox = (Toolbox(args.tools, timeout_s=args.tool_timeout_s, memory_mb=args.tool_memory_mb,
+                           workers=args.tool_workers) if args.tools else None)
         config = QueueConfig(run=args.run or "default", lease_timeout_s=args.lease_timeout_s)
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
@@ -276,6 +289,16 @@ def run(args: argparse.Namespace) -> int:
     except (EngineError, OSError, ValueError) as err:
         print(f"actors run: cannot load {args.model}: {err}", file=sys.stderr)
         return 2
+    if toolbox is not None:
+        try:
+            template = tool_template(engine.tokenizer)
+        except ToolTemplateError as err:
+            print(f"actors run: --tools: {err}", file=sys.stderr)
+            engine.close()
+            toolbox.close()
+            return 2
+        say_template(template)
+        engine = EpisodeEngine(engine, toolbox, template)
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="spotgrpo-adapters-"))
     def loaded(manifest: AdapterManifest, seconds: float) -> None:
         metrics.adapter_version.set(manifest.version)

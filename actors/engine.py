@@ -49,6 +49,13 @@ class Sample:
     logprobs: list[float]
     """One per token: log-probability of the sampled token under the sampling distribution."""
     finish_reason: Literal["stop", "length", "abort"]
+    mask: list[int] | None = None
+    """Episodes: 1 per model token, 0 per environment token (`actors.episodes`); None: all the model's."""
+    turns: int = 1
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    """Seconds its tool calls took."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,9 @@ class GroupRequest:
     """Adapter version (0: the base model); must be loaded when the group is added."""
     seed: int | None = None
     """Seed of the group's first sample (the j-th uses seed + j); None: unseeded."""
+    tool_turns: int | None = None
+    """Episodes: each sample may call tools for up to this many turns (`actors.episodes`);
+    None: one completion per sample."""
 
 
 class Engine(abc.ABC):

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, cast
 
 from actors.engine import Engine, EngineDead, GroupRequest, Sample
+from actors.episodes import EpisodeEngine, episode_request
 from actors.metrics import WorkerMetrics
 from actors.watcher import AdapterWatcher
 from protocol import (
@@ -321,6 +322,14 @@ class Worker:
             raise WorkerRefused(
                 f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
                 "start this worker with --reward")
+        if batch.tools:
+            have = self.engine.toolbox.names if isinstance(self.engine, EpisodeEngine) else []
+            missing = [t for t in batch.tools if t not in have]
+            if missing:
+                self.queue.release(self.worker_id, lease.lease_id)
+                raise WorkerRefused(
+                    f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}; this worker "
+                    f"lacks {', '.join(missing)}: start it with the learner's --tools")
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         # from choosing the version until the engine's queue names it, the watcher neither
         # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)
@@ -334,11 +343,11 @@ class Worker:
                 self.batches_claimed += 1
                 return
             seed = batch.sampling.seed
-            self.engine.add([
-                GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
-                             None if seed is None else seed + i * batch.num_generations)
-                for i, prompt in enumerate(prompts)
-            ])
+            groups = [GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
+                                   None if seed is None else seed + i * batch.num_generations)
+                      for i, prompt in enumerate(prompts)]
+            self.engine.add([episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools
+                            else groups)
         flight = Flight(lease, prompts, version, time.monotonic(), waiting=set(range(len(prompts))))
         self.flights[lease.lease_id] = flight
         self.heartbeat.hold(lease.lease_id)
@@ -384,8 +393,12 @@ class Worker:
             self.metrics.reward_errors.inc()
             log.warning("batch %s prompt %s: %s", batch.batch_id, prompt.id, scores.error)
             self._error(f"reward: {scores.error}")
-        self.metrics.tokens.inc(sum(len(s.token_ids) for s in samples))
-        self.tokens_generated += sum(len(s.token_ids) for s in samples)
+        model_tokens = sum(len(s.token_ids) if s.mask is None else sum(s.mask) for s in samples)
+        self.metrics.tokens.inc(model_tokens)
+        self.tokens_generated += model_tokens
+        timings = {"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()}
+        if batch.tools:
+            timings["tool_s"] = sum(s.tool_s for s in samples)
         return RolloutGroup(
             group_id=group_id_for(batch.batch_id, prompt.id),
             batch_id=batch.batch_id,
@@ -394,12 +407,13 @@ class Worker:
             actor_id=self.worker_id,
             prompt_token_ids=pack_i32(flight.prompt_ids[i]),
             completions=[
-                Completion.of(s.token_ids, s.logprobs, finish_reason=s.finish_reason, text=t, reward=r,
-                              reward_components=c, error=scores.error)
+                Completion.of(s.token_ids, s.logprobs, s.mask, finish_reason=s.finish_reason, text=t, reward=r,
+                              reward_components=c, error=scores.error, turns=s.turns, tool_calls=s.tool_calls,
+                              tool_errors=s.tool_errors)
                 for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
             ],
             error=scores.error,
-            timings={"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()},
+            timings=timings,
         )
 
     def _ready_to_send(self) -> bool:

@@ -74,6 +74,24 @@ def check(cfg: LearnerConfig) -> int:
             raise CheckFailed(f"--model {cfg.model}: {err}", "give a hub id this machine can download, or a path") from None
         return f"{cfg.model}: config and tokenizer load (fingerprint {state['fingerprint']})"
 
+    def tools() -> str:
+        if not cfg.tools:
+            return "none given: one completion per sample"
+        from transformers import AutoTokenizer
+
+        from learner.data import DataError, episode_tools
+
+        try:
+            made = episode_tools(cfg, AutoTokenizer.from_pretrained(cfg.model))
+        except DataError as err:
+            raise CheckFailed(str(err), "a tool is a typed function whose docstring documents every argument (as "
+                                        "TRL's tools), importable here and on the actors") from None
+        assert made is not None
+        offered = ("the model's own chat template" if made.template is None
+                   else "Qwen2.5's ChatML tool template (the model's has no tools section)")
+        return (f"{', '.join(made.names)}: schemas built, offered with {offered}; start the actors with the same "
+                "--tools")
+
     def dataset() -> str:
         if not cfg.dataset:
             raise CheckFailed("no --dataset", "give --dataset <hub id or .jsonl/.json/.parquet file>")
@@ -119,7 +137,8 @@ def check(cfg: LearnerConfig) -> int:
     checks = Checks()
     started = time.monotonic()
     try:
-        return checks.run_all([("queue", queue), ("store", store), ("model", model), ("dataset", dataset),
+        return checks.run_all([("queue", queue), ("store", store), ("model", model), ("tools", tools),
+                               ("dataset", dataset),
                                ("rewards", rewards)], f"`learner run` with these flags is ready ({time.monotonic() - started:.0f}s)")
     finally:
         if "queue" in state:

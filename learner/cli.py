@@ -60,7 +60,7 @@ def _flag_type(annotation: Any) -> dict[str, Any]:
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     for name, field in LearnerConfig.model_fields.items():
         kwargs = _flag_type(field.annotation)
-        if name == "reward":  # repeatable, one function per flag, as users write it
+        if name in ("reward", "tools"):  # repeatable, one function per flag, as users write it
             kwargs = {"action": "append"}
         default = field.default
         shown = f" (default: {default})" if default not in (None, "", []) else ""

@@ -61,6 +61,8 @@ class LearnerConfig(BaseModel):
     reward: list[str] = Field([], description="Reward functions module:function[=weight]: what the run's scorers run (`actors score --reward`, or the actors' own with --scoring actors); the embedded default starts them with these.")
     scoring: Literal["trusted", "actors"] | None = Field(None, description="Who scores: trusted (RQ workers on the trusted side, `actors score`; dataset columns never leave it; the default when --reward is given) or actors (each worker scores its own groups; the default without --reward).")
     reward_weights: list[float] | None = Field(None, description="One weight per --reward (TRL's way of weighting; or module:function=weight).")
+    tools: list[str] = Field([], description="Tools episodes may call, module:function (TRL's tools=[...]: typed, documented functions, sync or async): offered to the model in its prompts, run by the actors (`actors run --tools`, the same functions).")
+    max_tool_calling_iterations: int | None = Field(None, ge=0, description="Most tool-calling turns per episode (default: until max_tokens, which bounds the whole episode).")
 
     # -- sampling (sent with every prompt batch)
     num_generations: int = Field(8, ge=2, le=1024, description="Completions per prompt (the GRPO group size).")
@@ -338,7 +340,6 @@ TRL_ONLY: dict[str, str] = {
             "the reference model is the base model with the adapter off (beta > 0); it is never synced"),
     **_each("entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target",
             "an entropy bonus is not built; the entropy is logged each step"),
-    "max_tool_calling_iterations": "tool-calling episodes are not built yet",
     **_each("log_multimodal num_completions_to_print log_unique_prompts",
             "a table of prompts, completions and rewards goes to the trackers every --samples-every steps"),
 }

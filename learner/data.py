@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -81,16 +83,34 @@ def open_sources(cfg: Any, tokenizer: Any, context: int) -> Sources:
     """The training prompts and the held-out ones (None without evaluation), each checked
     to fit the context with `max_tokens`."""
 
+    tools = episode_tools(cfg, tokenizer)
+
     def source(spec: str, split: str, what: str) -> PromptSource:
         made = PromptSource(load_rows(spec, split, cfg.dataset_config), tokenizer, cfg.prompt_column, cfg.seed,
                             max_prompt_tokens=max(1, context - cfg.max_tokens),
-                            chat_template_kwargs=cfg.chat_template_kwargs)
+                            chat_template_kwargs=cfg.chat_template_kwargs, tools=tools,
+                            max_tool_calling_iterations=cfg.max_tool_calling_iterations)
         made.check_fits(what, cfg.max_tokens, context)
         return made
 
     train = source(cfg.dataset, cfg.dataset_split, f"--dataset {cfg.dataset}")
     held_out = source(cfg.eval_dataset, cfg.eval_split, f"--eval-dataset {cfg.eval_dataset}") if cfg.eval_every else None
     return train, held_out
+
+
+def episode_tools(cfg: Any, tokenizer: Any) -> Tools | None:
+    """`--tools` loaded and described, with the chat template that offers them (None:
+    single completions). Raises `DataError` with what to do."""
+    if not cfg.tools:
+        return None
+    from protocol.chat import ToolError, ToolTemplateError, load_tools, say_template, tool_template
+
+    try:
+        tools = Tools(load_tools(cfg.tools), tool_template(tokenizer))
+    except (ToolError, ToolTemplateError) as err:
+        raise DataError(str(err)) from None
+    say_template(tools.template)
+    return tools
 
 
 def open_sources_for(cfg: Any) -> Sources:
@@ -115,12 +135,27 @@ def _json_like(value: Any) -> Any:
     return str(value)
 
 
+@dataclass(frozen=True)
+class Tools:
+    """The tools of a run's episodes and the chat template that offers them to the model."""
+
+    functions: list[Callable[..., Any]]
+    template: str | None
+    """`protocol.chat.tool_template`: None for the tokenizer's own."""
+
+    @property
+    def names(self) -> list[str]:
+        return [fn.__name__ for fn in self.functions]
+
+
 class PromptSource:
-    """Turns row indices into protocol `Prompt`s with their token ids."""
+    """Turns row indices into protocol `Prompt`s with their token ids. With `tools`, chat
+    prompts are rendered offering them (episodes); plain-text prompts are refused."""
 
     def __init__(
         self, rows: list[dict[str, Any]], tokenizer: Any, prompt_column: str, seed: int, max_prompt_tokens: int,
-        chat_template_kwargs: dict[str, Any] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None, tools: Tools | None = None,
+        max_tool_calling_iterations: int | None = None,
     ) -> None:
         if not rows:
             raise DataError("the data set has no rows")
@@ -136,10 +171,18 @@ class PromptSource:
         self.max_prompt_tokens = max_prompt_tokens
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         """Passed to the tokenizer's chat template (Qwen3's enable_thinking, ...)."""
+        self.tools = tools
+        self.max_tool_calling_iterations = max_tool_calling_iterations
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def episodes(self) -> dict[str, Any]:
+        """A prompt batch's episode fields (`PromptBatch.tools`, ...): none without tools."""
+        if self.tools is None:
+            return {}
+        return {"tools": self.tools.names, "max_tool_calling_iterations": self.max_tool_calling_iterations}
 
     def row_index(self, position: int) -> int:
         """Row at run position `position` (0, 1, 2, ... across epochs)."""
@@ -151,11 +194,16 @@ class PromptSource:
     def _render(self, index: int) -> tuple[list[int], dict[str, Any]]:
         """Row `index`'s prompt token ids (uncut) and its text or messages."""
         value = self.rows[index][self.prompt_column]
+        if isinstance(value, str) and self.tools is not None:
+            raise DataError(f"row {index}: with --tools, column {self.prompt_column!r} must hold chat messages "
+                            "(a list of {role, content}), as TRL's tool-calling data sets do")
         if isinstance(value, str):
             return self.tokenizer(value, add_special_tokens=True)["input_ids"], {"text": value}
         if isinstance(value, list) and all(isinstance(m, dict) for m in value):
+            offered: dict[str, Any] = {} if self.tools is None else {
+                "tools": self.tools.functions, "chat_template": self.tools.template}
             text = self.tokenizer.apply_chat_template(
-                value, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+                value, add_generation_prompt=True, tokenize=False, **offered, **self.chat_template_kwargs
             )
             return (self.tokenizer(text, add_special_tokens=False)["input_ids"],
                     {"messages": [ChatTurn(role=str(m["role"]), content=str(m["content"])) for m in value]})

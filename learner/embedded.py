@@ -213,6 +213,8 @@ class LocalSystem:
                    "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
             for spec in ([] if self.trusted else self.cfg.reward_specs):
                 cmd += ["--reward", spec]
+            for spec in self.cfg.tools:
+                cmd += ["--tools", spec]
             self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log", self.lifeline))
 
     def _wait_healthy(self) -> None:

@@ -93,6 +93,7 @@ class Evaluator:
                 issued_at=time.time(),
                 pinned_version=version,
                 scoring=cfg.scoring_mode,  # type: ignore[arg-type]
+                **self.source.episodes(),
             )
             for batch_id, start, n in self.ranges(version)
         ]

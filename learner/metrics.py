@@ -168,6 +168,25 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
         "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
         **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
         **scoring_figures(groups),
+        **episode_figures(groups),
+    }
+
+
+def episode_figures(groups: list[RolloutGroup]) -> dict[str, float]:
+    """Episodes' shape, per episode: model turns, tool calls, failed calls, seconds in tools
+    (the actor's own figure), and the model's share of the episode's tokens. None for a
+    step without episodes."""
+    completions = [c for g in groups for c in g.completions]
+    if not any(c.mask is not None or c.tool_calls or c.turns > 1 for c in completions):
+        return {}
+    n = len(completions)
+    tokens = sum(c.tokens.size for c in completions)
+    return {
+        "turns_mean": sum(c.turns for c in completions) / n,
+        "tool_calls_mean": sum(c.tool_calls for c in completions) / n,
+        "tool_errors_mean": sum(c.tool_errors for c in completions) / n,
+        "tool_s_mean": sum(g.timings.get("tool_s", 0.0) for g in groups) / n,
+        "model_token_frac": sum(c.model_tokens for c in completions) / max(tokens, 1),
     }
 
 

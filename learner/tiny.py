@@ -26,20 +26,33 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}[assistant]{% endif %}"
 )
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+CHATML_CHARS = string.ascii_uppercase + "{}_#"
+"""What tool schemas, calls and errors need besides `CHARS`."""
+CHATML_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""Plain ChatML with no tools section, as SmolLM2-Instruct's (episodes fall back to
+`protocol.chat.HERMES_CHATML` for it)."""
 
 
-def build_tokenizer():  # -> PreTrainedTokenizerFast
+def build_tokenizer(chatml: bool = False):  # -> PreTrainedTokenizerFast
+    """Characters, one token each. `chatml`: also `CHATML_CHARS` (tool calls) and ChatML's
+    turn tokens, `<|im_end|>` ending a turn as SmolLM2's does, and a ChatML template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK, *CHARS])}
+    specials = [PAD, BOS, EOS, UNK, *([IM_START, IM_END] if chatml else [])]
+    vocab = {tok: i for i, tok in enumerate([*specials, *CHARS, *(CHATML_CHARS if chatml else "")])}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=IM_END if chatml else EOS, unk_token=UNK,
+        additional_special_tokens=[IM_START, IM_END] if chatml else None,
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = CHATML_TEMPLATE if chatml else CHAT_TEMPLATE
     return tok
 
 
@@ -79,11 +92,13 @@ def build_model(
     return model
 
 
-def save_tiny(path: str | Path, **model_kwargs: object) -> Path:
+def save_tiny(path: str | Path, chatml: bool = False, **model_kwargs: object) -> Path:
     """Build a tokenizer and a model and save both to `path` (a `--model` directory)."""
     path = Path(path)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chatml)
     model = build_model(len(tokenizer), **model_kwargs)  # type: ignore[arg-type]
+    if chatml:
+        model.config.eos_token_id = model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

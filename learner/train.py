@@ -96,8 +96,10 @@ def empty_batch(device: torch.device) -> StepBatch:
 def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int) -> StepBatch:
     """The step's sequences, on the CPU (micro-batches go to the device one at a time).
     With `mask_truncated_completions`, a completion that hit max_tokens keeps its place
-    in its group's advantages but has no token in the loss."""
-    prompts, completions, behav, rewards, sizes, truncated = [], [], [], [], [], []
+    in its group's advantages but has no token in the loss. An episode's environment
+    tokens (tool results, the template's glue: `Completion.mask`) are context only: out of
+    the loss, the importance weights and every token count."""
+    prompts, completions, behav, rewards, sizes, truncated, model = [], [], [], [], [], [], []
     for group in groups:
         prompt = group.prompt_tokens.tolist()
         sizes.append(len(group.completions))
@@ -105,12 +107,17 @@ def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int
             prompts.append(prompt)
             completions.append(c.tokens.tolist())
             behav.append(c.logps)
+            model.append(c.model_mask if c.mask is not None else None)
             rewards.append(float(c.reward))  # type: ignore[arg-type]  # checked by the collector
             truncated.append(c.finish_reason == "length")
     seqs = pack_sequences(prompts, completions, pad_id)
     if cfg.mask_truncated_completions:
         seqs.mask_BT[torch.tensor(truncated, dtype=torch.bool, device="cpu")] = 0.0
-    behav_BT = scatter_completion_values(behav, [len(p) for p in prompts], seqs.input_ids_BL.shape[1])
+    width = seqs.input_ids_BL.shape[1]
+    if any(m is not None for m in model):
+        ones = [m if m is not None else [1.0] * len(c) for m, c in zip(model, completions, strict=True)]
+        seqs.mask_BT.mul_(scatter_completion_values(ones, [len(p) for p in prompts], width))
+    behav_BT = scatter_completion_values(behav, [len(p) for p in prompts], width)
     rewards_N = torch.tensor(rewards, dtype=torch.float32, device="cpu")
     return StepBatch(seqs, behav_BT, advantages(rewards_N, sizes, cfg.advantage_scale), rewards_N)
 

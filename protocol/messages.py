@@ -36,8 +36,9 @@ from protocol.packing import (
 )
 from protocol.text import SAFE_LINE, SAFE_NAME
 
-SCHEMA_VERSION = 1
-"""Bumped on any incompatible change; decoders refuse versions they do not know."""
+SCHEMA_VERSION = 2
+"""Bumped on any incompatible change; decoders refuse versions they do not know.
+2: episodes (a completion's `mask`, `turns`, `tool_calls`, `tool_errors`; a batch's `tools`)."""
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -138,6 +139,13 @@ class PromptBatch(_Struct, frozen=True, tag="prompt_batch", tag_field="type", kw
     pinned_version: NonNegInt | None = None
     """Generate with exactly this adapter version (an evaluation; 0 is the base model);
     None: with the newest the actor has, as for training."""
+    tools: Annotated[list[Label], msgspec.Meta(max_length=64)] = []
+    """Episodes: the tools (`--tools`, `--environment`) each completion may call, by name,
+    which the actor must have; the prompt tokens already offer them to the model. Empty:
+    one completion per sample, no tool calls."""
+    max_tool_calling_iterations: NonNegInt | None = None
+    """Most tool-calling turns per episode (None: until `sampling.max_tokens`, which
+    bounds the whole episode)."""
     scoring: Literal["actors", "trusted"] = "actors"
     """Who scores the groups. `actors`: the worker, with its reward functions. `trusted`:
     the scoring tier on the trusted side; the worker only generates, its prompts carry
@@ -171,9 +179,25 @@ class Completion(_Struct, frozen=True):
     """Each reward function's score by name, before weighting; None where it abstained."""
     error: OneLine | None = None
     """Why this completion has no reward; None when it has one."""
+    mask: bytes | None = None
+    """Episodes: one byte per token, 1 for the model's tokens (trained, with their
+    log-probabilities) and 0 for the environment's (tool results and the chat template's
+    glue between turns: never trained, log-probability 0). None: every token is the model's."""
+    turns: PosInt = 1
+    """Model turns in the episode (1: a single completion)."""
+    tool_calls: NonNegInt = 0
+    tool_errors: NonNegInt = 0
+    """Tool calls that failed (malformed, unknown tool, raised, timed out, killed)."""
 
     def __post_init__(self) -> None:
         n = check_token_ids("token_ids", self.token_ids)
+        if self.mask is not None:
+            if len(self.mask) != n:
+                raise ProtocolError(f"mask: {len(self.mask)} bytes for {n} token ids")
+            if n and (self.mask[0] != 1 or self.mask.strip(b"\x00\x01")):
+                raise ProtocolError("mask: one byte per token, 0 or 1, starting with a model token (1)")
+        if self.tool_errors > self.tool_calls:
+            raise ProtocolError(f"tool_errors: {self.tool_errors} errors for {self.tool_calls} tool calls")
         if len(self.logprobs) % 4:
             raise ProtocolError(
                 f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values"
@@ -198,10 +222,23 @@ class Completion(_Struct, frozen=True):
     def logps(self) -> np.ndarray:
         return unpack_f32(self.logprobs)
 
+    @property
+    def model_mask(self) -> np.ndarray:
+        """1.0 where the token is the model's (trained), 0.0 where the environment's."""
+        if self.mask is None:
+            return np.ones(len(self.token_ids) // 4, dtype=np.float32)
+        return np.frombuffer(self.mask, dtype=np.uint8).astype(np.float32)
+
+    @property
+    def model_tokens(self) -> int:
+        return len(self.token_ids) // 4 if self.mask is None else self.mask.count(1)
+
     @classmethod
-    def of(cls, token_ids: Any, logprobs: Any, **fields: Any) -> Completion:
-        """Build from sequences or arrays of token ids and log-probabilities."""
-        return cls(token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), **fields)
+    def of(cls, token_ids: Any, logprobs: Any, mask: Any = None, **fields: Any) -> Completion:
+        """Build from sequences or arrays of token ids, log-probabilities and (episodes) the
+        model-token mask; a mask of all ones is sent as none."""
+        packed = None if mask is None or all(mask) else bytes(int(bool(m)) for m in mask)
+        return cls(token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), mask=packed, **fields)
 
 
 def group_id_for(batch_id: str, prompt_id: str) -> str:
@@ -323,7 +360,8 @@ _TAGS = {
 def _check_schema(schema: int) -> None:
     if schema != SCHEMA_VERSION:
         raise ProtocolError(
-            f"schema: unknown schema version {schema}; this build speaks {SCHEMA_VERSION}"
+            f"schema: unknown schema version {schema}; this build speaks {SCHEMA_VERSION} "
+            "(every part of a run, learner, proxy, actors and scorers, must run the same spotgrpo release)"
         )
 
 

@@ -173,6 +173,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("tiny-model"))
 
 
+@pytest.fixture(scope="session")
+def tiny_chatml_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama with a ChatML tokenizer (`<|im_end|>` ends a turn; no tools section
+    in its template, as SmolLM2's): the model of episode tests."""
+    from learner.tiny import save_tiny
+
+    # tool schemas take ~800 tokens of a character tokenizer: a longer context than the other's
+    return save_tiny(tmp_path_factory.mktemp("tiny-chatml-model"), chatml=True, max_positions=4096)
+
+
 class MotoServer:
     """moto's S3 API over HTTP on loopback, in a thread of the test process."""
 
@@ -237,11 +247,11 @@ def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model
     (named scorer-<n>-<run>: RQ worker names are global to the Redis)."""
     started: list[subprocess.Popen] = []
 
-    def start(*flags: str, reward: str = "toy_rewards:digit_first") -> subprocess.Popen:
+    def start(*flags: str, reward: str = "toy_rewards:digit_first", model: Path = tiny_model) -> subprocess.Popen:
         with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
-                 "--reward", reward, "--model", str(tiny_model), "--name", f"scorer-{len(started)}-{run_name}",
+                 "--reward", reward, "--model", str(model), "--name", f"scorer-{len(started)}-{run_name}",
                  "--maintenance-interval-s", "1",
                  "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],
                 env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)

@@ -47,10 +47,12 @@ def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("ok")] == [
-        "queue", "run", "model", "rank", "rewards", "download", "engine"]
+        "queue", "run", "model", "rank", "rewards", "tools", "download", "engine"]
     assert "matches the learner's base model" in proc.stdout and "adapter v1 downloaded and verified" in proc.stdout
     assert "engine loaded" in proc.stdout and "and adapter v1" in proc.stdout
-    assert lines[-1].startswith("all 7 checks passed")
+    assert lines[-1].startswith("all 8 checks passed")
+    proc = actors_check(published, "--model", str(tiny_model), "--tools", "toy_tools:add", "--skip-engine")
+    assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "cannot render tool calls" in proc.stdout
 
 
 def test_the_download_check_takes_the_newest_version_when_it_runs(published, tiny_model: Path, tmp_path: Path) -> None:
@@ -129,7 +131,7 @@ def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str
     proc = learner_check(*good)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")] == [
-        "queue", "store", "model", "dataset", "rewards"]
+        "queue", "store", "model", "tools", "dataset", "rewards"]
     assert not list((tmp_path / "store" / "checks").glob("*"))  # the probe is gone
     proc = learner_check(*good[:-1], "no_such_module:f")
     assert proc.returncode == 1 and "FAIL  rewards" in proc.stdout and "install the reward's package" in proc.stdout
@@ -146,3 +148,31 @@ def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str
     assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout
     proc = learner_check("--queue", "redis://127.0.0.1:1/0", *good[2:])
     assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "reachable" in proc.stdout
+
+
+def test_learner_check_of_a_run_with_tools(redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path,
+                                           tmp_path: Path) -> None:
+    from factories import write_dataset
+    from test_episodes import write_chat_dataset
+
+    def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "learner.cli", "check", "--run", run_name, "--queue",
+                               redis_server.url, "--store", (tmp_path / "store").as_uri(), *flags],
+                              capture_output=True, text=True, timeout=180,
+                              env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, cwd=tmp_path)
+
+    chat = ["--dataset", str(write_chat_dataset(tmp_path / "chat.jsonl")), "--reward", "toy_rewards:last_line_is_answer",
+            "--max-tokens", "160"]
+    proc = learner_check("--model", str(tiny_chatml_model), *chat, "--tools", "toy_tools:add", "--tools",
+                         "toy_tools:slow_add", "--max-tool-calling-iterations", "3")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ok    tools" in proc.stdout and "add, slow_add: schemas built" in proc.stdout, proc.stdout
+    assert "ChatML tool template" in proc.stdout
+    proc = learner_check("--model", str(tiny_chatml_model), *chat, "--tools", "toy_tools:undocumented")
+    assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "undocumented" in proc.stdout, proc.stdout
+    proc = learner_check("--model", str(tiny_model), *chat, "--tools", "toy_tools:add")  # its template is no ChatML
+    assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "cannot render tool calls" in proc.stdout
+    plain = ["--dataset", str(write_dataset(tmp_path / "plain.jsonl")), "--reward", "toy_rewards:digit_first",
+             "--max-tokens", "160"]
+    proc = learner_check("--model", str(tiny_chatml_model), *plain, "--tools", "toy_tools:add")
+    assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout and "must hold chat messages" in proc.stdout

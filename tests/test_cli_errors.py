@@ -181,3 +181,15 @@ def test_an_actor_exits_in_seconds_on_sigterm_when_the_proxy_is_gone(make_proxy,
         queue.close()
     assert proc.returncode == 0, out[-3000:]
     assert took < 5, (took, out[-3000:])
+
+
+@pytest.mark.redis
+def test_actors_name_a_tool_they_cannot_load_or_a_model_that_cannot_offer_tools(make_proxy, tiny_model: Path) -> None:
+    rc, err, took = _run(_actor("https://127.0.0.1:1", tiny_model, "--tools", "toy_tools:nope"))
+    assert rc == 2 and took < 30
+    _one_line(err, "actors run:", "--tools", "no function nope")
+    proxy = make_proxy()
+    rc, err, _ = _run(_actor(proxy.url, tiny_model, "--tools", "toy_tools:add", "--token", TOKENS["actor"]),
+                      SPOTGRPO_CA_CERT=proxy.ca)
+    assert rc == 2
+    _one_line(err, "actors run:", "--tools", "cannot render tool calls")

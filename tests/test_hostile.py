@@ -21,6 +21,7 @@ from conftest import TOKENS, ProxyProcess, read_all
 from factories import batch, group, groups, trusted
 
 from protocol import (
+    SCHEMA_VERSION,
     Completion,
     LeaseLost,
     LeaseMismatch,
@@ -417,14 +418,14 @@ def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(p
     """Worker names, the engine, the last error, reward-function names, timing keys and
     errors: a 400 naming the field, and nothing stored."""
     p, learner = proxy_once
-    good = {"type": "worker_status", "schema": 1, "worker": "w", "reported_at": time.time()}
+    good = {"type": "worker_status", "schema": SCHEMA_VERSION, "worker": "w", "reported_at": time.time()}
     statuses = [{**good, "worker": f"w{bad}"}, {**good, "engine": f"vllm{bad}"}, {**good, "last_error": f"boom{bad}"}]
     with _raw(p, MALLORY) as client:
         for s in statuses:
             r = client.post("/v1/workers/status", content=msgspec.msgpack.encode({"type": "report_status", "status": s}))
             assert r.status_code == 400, (s, r.status_code, r.text)
         r = client.post("/v1/leases/claim", content=msgspec.msgpack.encode(
-            {"type": "claim", "schema": 1, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}))
+            {"type": "claim", "schema": SCHEMA_VERSION, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}))
         assert r.status_code == 400 and "worker" in _error(r).error, r.text
     learner.add_prompts([batch(f"ctl-{ord(bad[0])}")])
     actor = _queue(p, MALLORY)

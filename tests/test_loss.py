@@ -189,3 +189,45 @@ def test_on_policy_gradient_equals_trl_grpo_trainer(tiny_model, tmp_path, mode, 
         scale = theirs[name].abs().max().item()
         assert scale > 0, f"{name}: TRL computed no gradient"
         assert (grad - theirs[name]).abs().max().item() <= 1e-4 * scale, name
+
+
+def test_an_episodes_environment_tokens_take_no_part_in_the_loss(tiny_model) -> None:
+    """Tool results and the template's glue (mask 0) are context only: what they say, and
+    any log-probability sent for them, changes no gradient except through the model
+    tokens after them (none here: they end the episode), and the step counts the model's
+    tokens only. Trained as the model's, the same tokens would change the gradient."""
+    import msgspec
+    from factories import batch, group
+
+    from learner.train import build_step_batch
+    from protocol import Completion
+
+    policy = _policy(tiny_model)
+    cfg = policy.cfg
+    mask = [1, 1, 0, 0, 0, 1, 1, 0, 0]  # model, tool result, model, glue at the end
+
+    def step_grads(tail: list[int], env_logp: float, episode_mask: list[int] | None,
+                   cfg: LearnerConfig = cfg) -> tuple[dict, float]:
+        completions = [
+            Completion.of([10 + k, 11, 20, 21, 22, 12 + k, 13, *tail],
+                          [-1.0 if m else env_logp for m in mask], episode_mask, finish_reason="stop",
+                          reward=float(k), turns=2, tool_calls=1)
+            for k in range(2)
+        ]
+        episode_group = msgspec.structs.replace(group(batch(), completions=2), completions=completions)
+        sums = _Sums()
+        accumulate(policy, build_step_batch([episode_group], cfg, policy.pad_id), cfg, None, sums)
+        return _grads(policy), sums.v["tokens"]
+
+    masked, tokens = step_grads([30, 31], 0.0, mask)
+    assert tokens == 2 * sum(mask)
+    other_tail, _ = step_grads([40, 41], -7.0, mask)  # other glue, and a lie about its log-probability
+    for name, grad in masked.items():
+        assert torch.equal(grad, other_tail[name]), name
+    # without the mask and its correction (MIS would mask tokens whose ratio to a 0.0
+    # log-probability is far off), the same tokens are trained
+    no_correction = cfg.model_copy(update={"correction": "none"})
+    masked, _ = step_grads([30, 31], 0.0, mask, no_correction)
+    trained, all_tokens = step_grads([30, 31], 0.0, None, no_correction)
+    assert all_tokens == 2 * len(mask)
+    assert any(not torch.allclose(grad, trained[name]) for name, grad in masked.items())

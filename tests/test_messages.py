@@ -169,7 +169,7 @@ def test_limits(limits: Limits, make: Callable[[], protocol.Message], field: str
 
 def test_hostile_length_prefix_allocates_nothing() -> None:
     # a valid start, then a bin32 header announcing ~4 GB that the input does not hold
-    head = raw({"type": "rollout_group", "schema": 1})
+    head = raw({"type": "rollout_group", "schema": protocol.SCHEMA_VERSION})
     hostile = bytes([head[0] + 1]) + head[1:] + raw("prompt_token_ids") + b"\xc6\xff\xff\xff\xf0" + b"\x00" * 64
     for data in (hostile, b"\xdd\xff\xff\xff\xf0", b"\xdf\xff\xff\xff\xf0", b"\xdb\xff\xff\xff\xf0abc"):
         already_tracing = tracemalloc.is_tracing()

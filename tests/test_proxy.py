@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import (
+    SCHEMA_VERSION,
     AdapterManifest,
     FinishedBatch,
     LeaseLost,
@@ -118,9 +119,9 @@ def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:
         (b"\xc1garbage", CONTENT_TYPE, 400, ""),
         (encode_body(ClaimRequest(worker="w")), "application/json", 415, "content type"),
         (encode_body(ClaimRequest(worker="w")), "", 415, "content type"),
-        (msgspec.msgpack.encode({"type": "claim", "schema": 1, "worker": "w", "sneaky": 1}), CONTENT_TYPE, 400, "sneaky"),
+        (msgspec.msgpack.encode({"type": "claim", "schema": SCHEMA_VERSION, "worker": "w", "sneaky": 1}), CONTENT_TYPE, 400, "sneaky"),
         (msgspec.msgpack.encode({"type": "claim", "schema": 99, "worker": "w"}), CONTENT_TYPE, 400, "schema"),
-        (msgspec.msgpack.encode({"type": "submit", "schema": 1, "worker": "w"}), CONTENT_TYPE, 400, "Invalid value 'submit'"),
+        (msgspec.msgpack.encode({"type": "submit", "schema": SCHEMA_VERSION, "worker": "w"}), CONTENT_TYPE, 400, "Invalid value 'submit'"),
     ],
 )
 def test_malformed_bodies_get_4xx_and_change_nothing(make_proxy, body: bytes, content_type: str, status: int, message: str) -> None:
@@ -232,7 +233,7 @@ def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:
         max_leaves=12,
     )
     type_tags = st.sampled_from(["claim", "heartbeat", "submit", "release", "add_prompts", "read_rollouts", "ack", "announce", "x"])
-    structured = st.builds(lambda tag, rest: msgspec.msgpack.encode({"type": tag, "schema": 1, **rest}),
+    structured = st.builds(lambda tag, rest: msgspec.msgpack.encode({"type": tag, "schema": SCHEMA_VERSION, **rest}),
                            type_tags, st.dictionaries(st.sampled_from(["worker", "lease_id", "groups", "batches", "count",
                                                                        "consumer", "delivery_ids", "manifest", "block_s"]),
                                                       json_like, max_size=4))

@@ -105,3 +105,8 @@ async def async_digit_first(prompts: list, completions: list, **kw: object) -> l
 
     await asyncio.sleep(0.01)
     return digit_first(prompts, completions, **kw)
+
+
+def last_line_is_answer(prompts: list, completions: list, answer: list, **_: object) -> list[float]:
+    """1 when the completion's last line (an episode's final answer) is the private answer."""
+    return [1.0 if _text(c).strip().splitlines()[-1:] == [str(a)] else 0.0 for c, a in zip(completions, answer, strict=True)]

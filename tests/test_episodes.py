@@ -1,0 +1,396 @@
+"""Episodes: tool calls turn after turn, the environment's tokens masked, tools sandboxed."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from scripted import LOGP, ScriptedEngine, tool_call
+
+from actors.engine import GroupRequest, Sample
+from actors.episodes import EpisodeEngine, episode_request
+from actors.tools import Toolbox
+from learner.tiny import build_tokenizer
+from protocol import ProtocolError, SamplingParams, decode, encode
+from protocol.chat import HERMES_CHATML, ToolError, load_tools, tool_template
+
+TOOLS = ["toy_tools:add", "toy_tools:slow_add", "toy_tools:hang", "toy_tools:hog", "toy_tools:divide"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tokenizer(chatml=True)
+
+
+@pytest.fixture(scope="module")
+def toolbox() -> Iterator[Toolbox]:
+    box = Toolbox(TOOLS, timeout_s=1.0, memory_mb=512, workers=2)
+    yield box
+    box.close()
+
+
+def episodes(tokenizer, toolbox: Toolbox, script, context: int | None = None) -> tuple[EpisodeEngine, ScriptedEngine]:
+    inner = ScriptedEngine(tokenizer, script, context)
+    return EpisodeEngine(inner, toolbox, tool_template(tokenizer)), inner
+
+
+def prompt(tokenizer, question: str = "what is 2+3") -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False, chat_template=HERMES_CHATML, tools=load_tools(TOOLS))
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def run(engine: EpisodeEngine, groups: list[GroupRequest], timeout_s: float = 30) -> dict:
+    engine.add(groups)
+    done: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(done) < len(groups):
+        assert time.monotonic() < deadline, f"episodes not done: {set(g.key for g in groups) - set(done)}"
+        done.update(engine.step(0.02))
+    return done
+
+
+def episode(key: object, ids: list[int], n: int = 1, max_tokens: int = 400, turns: int | None = 4,
+            version: int = 0) -> GroupRequest:
+    return episode_request(GroupRequest(key, ids, n, SamplingParams(max_tokens=max_tokens), version), turns)
+
+
+def until_result(call: str, answer: str = "the answer is 5"):
+    """A model that makes `call` until it sees a tool's result, then answers."""
+    return lambda text, j: answer if "<tool_response>" in text else call
+
+
+def parts(tokenizer, s: Sample) -> tuple[str, str]:
+    """(the model's text, the environment's text) of an episode."""
+    assert s.mask is not None
+    model = [t for t, m in zip(s.token_ids, s.mask, strict=True) if m]
+    env = [t for t, m in zip(s.token_ids, s.mask, strict=True) if not m]
+    return tokenizer.decode(model, skip_special_tokens=False), tokenizer.decode(env, skip_special_tokens=False)
+
+
+# ---------------------------------------------------------------- one episode
+
+
+def test_a_tool_call_is_run_and_its_result_masked_out_of_the_models_tokens(tokenizer, toolbox) -> None:
+    engine, inner = episodes(tokenizer, toolbox, until_result(tool_call("add", a=2, b=3)))
+    [(_, [s])] = run(engine, [episode("g", prompt(tokenizer))]).items()
+    model, env = parts(tokenizer, s)
+    assert (s.turns, s.tool_calls, s.tool_errors, s.finish_reason) == (2, 1, 0, "stop")
+    assert model == tool_call("add", a=2, b=3) + "<|im_end|>" + "the answer is 5<|im_end|>"
+    assert env == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert [lp for lp, m in zip(s.logprobs, s.mask, strict=True) if not m] == [0.0] * env_len(tokenizer, env)
+    assert all(lp == LOGP for lp, m in zip(s.logprobs, s.mask, strict=True) if m)
+    # the second turn continued the whole episode: prompt, first turn, the result's tokens
+    second = inner.requests[-1]
+    assert list(second.prompt) == prompt(tokenizer) + s.token_ids[: len(second.prompt) - len(prompt(tokenizer))]
+    assert second.n == 1 and second.sampling.max_tokens == 400 - (len(second.prompt) - len(prompt(tokenizer)))
+
+
+def env_len(tokenizer, env: str) -> int:
+    return len(tokenizer(env, add_special_tokens=False)["input_ids"])
+
+
+def test_an_async_tool_and_several_calls_in_one_turn(tokenizer, toolbox) -> None:
+    calls = tool_call("slow_add", a=1, b=1) + "\n" + tool_call("add", a=40, b=2)
+    engine, _ = episodes(tokenizer, toolbox, until_result(calls))
+    [(_, [s])] = run(engine, [episode("g", prompt(tokenizer))]).items()
+    _, env = parts(tokenizer, s)
+    assert s.tool_calls == 2 and s.tool_errors == 0
+    assert "<tool_response>\n2\n</tool_response>\n<tool_response>\n42\n</tool_response>" in env
+    assert s.tool_s >= 0.2
+
+
+@pytest.mark.parametrize(
+    ("call", "told"),
+    [
+        (tool_call("hang", seconds=60), "time limit of 1s"),
+        (tool_call("hog", megabytes=4096), "out of memory"),
+        (tool_call("divide", a=1, b=0), "raised ZeroDivisionError"),
+        (tool_call("add", a=1), "bad arguments for add"),
+        (tool_call("rm_rf", path="/"), "unknown tool 'rm_rf'"),
+        ('<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>', "could not be read"),
+        ('<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>', "needs a name"),
+    ],
+)
+def test_a_tool_that_fails_hangs_or_eats_memory_is_an_error_the_model_sees(tokenizer, toolbox, call: str,
+                                                                          told: str) -> None:
+    """The episode goes on: the model's next turn sees the error where the result would be."""
+    engine, _ = episodes(tokenizer, toolbox, until_result(call, "sorry"))
+    started = time.monotonic()
+    [(_, [s])] = run(engine, [episode("g", prompt(tokenizer))]).items()
+    _, env = parts(tokenizer, s)
+    assert told in env and "error" in env
+    assert (s.turns, s.tool_calls, s.tool_errors, s.finish_reason) == (2, 1, 1, "stop")
+    assert time.monotonic() - started < 15
+    # the pool is whole again: the next call works
+    engine2, _ = episodes(tokenizer, toolbox, until_result(tool_call("add", a=2, b=3)))
+    [(_, [again])] = run(engine2, [episode("g2", prompt(tokenizer))]).items()
+    assert "<tool_response>\n5\n</tool_response>" in parts(tokenizer, again)[1]
+
+
+def test_episodes_end_at_the_turn_limit_and_at_the_token_limit(tokenizer, toolbox) -> None:
+    always = lambda text, j: tool_call("add", a=1, b=2)  # noqa: E731 - a model that never stops calling
+    engine, _ = episodes(tokenizer, toolbox, always)
+    [(_, [s])] = run(engine, [episode("g", prompt(tokenizer), turns=2)]).items()
+    assert (s.turns, s.tool_calls, s.finish_reason) == (3, 2, "stop")  # two rounds of tools, then its last turn
+    # max_tokens bounds the whole episode: a result that does not fit ends it, cut
+    one_turn = len(tokenizer(tool_call("add", a=1, b=2), add_special_tokens=False)["input_ids"]) + 1
+    [(_, [cut])] = run(engine, [episode("h", prompt(tokenizer), max_tokens=one_turn + 10, turns=None)]).items()
+    assert (cut.turns, cut.finish_reason, len(cut.token_ids)) == (1, "length", one_turn)
+    assert cut.mask is None  # nothing but the model's tokens
+    # and the model's context bounds prompt and episode
+    engine, _ = episodes(tokenizer, toolbox, always, context=len(prompt(tokenizer)) + one_turn + 10)
+    [(_, [cut])] = run(engine, [episode("i", prompt(tokenizer), turns=None)]).items()
+    assert (cut.turns, cut.finish_reason) == (1, "length")
+
+
+def test_the_engine_generates_other_groups_while_a_tool_runs(tokenizer, toolbox) -> None:
+    def script(text: str, j: int) -> str:
+        if "slow" in text and "<tool_response>" not in text:
+            return tool_call("hang", seconds=0.5)
+        return "7"
+
+    engine, _ = episodes(tokenizer, toolbox, script)
+    engine.add([episode("slow", prompt(tokenizer, "slow one"))])
+    finished: list[tuple[object, float]] = []
+    started = time.monotonic()
+    while not any(k == "slow" for k, _ in finished):
+        assert time.monotonic() - started < 30
+        if engine.in_flight < 3:  # keep feeding plain groups while the episode waits on its tool
+            engine.add([GroupRequest(f"plain-{len(finished)}-{time.monotonic()}", prompt(tokenizer), 2,
+                                     SamplingParams(max_tokens=8), 0)])
+        finished += [(k, time.monotonic() - started) for k, _ in engine.step(0.02)]
+    plain_done_meanwhile = [k for k, _ in finished if k != "slow"]
+    assert len(plain_done_meanwhile) >= 5  # the tool's 0.5 s did not stop the engine
+
+
+def test_an_episode_keeps_its_adapter_version_through_an_eviction(tokenizer, toolbox, tmp_path: Path) -> None:
+    engine, inner = episodes(tokenizer, toolbox, until_result(tool_call("slow_add", a=2, b=3)))
+    engine.load_adapter(1, tmp_path)
+    engine.add([episode("g", prompt(tokenizer), version=1)])
+    released = threading.Event()
+    while not inner.requests or engine.inner.in_flight:  # its first turn is generated
+        engine.step(0.01)
+    engine.evict_adapter(1, released.set)  # while its tool runs
+    assert engine.loaded_versions() == [] and not released.is_set()
+    done: dict = {}
+    while not done:
+        done.update(engine.step(0.02))
+    assert [r.version for r in inner.requests] == [1, 1]  # both turns on v1
+    assert released.is_set() and inner.evicted == [1]
+
+
+def test_groups_without_tools_pass_straight_through(tokenizer, toolbox) -> None:
+    engine, inner = episodes(tokenizer, toolbox, lambda text, j: tool_call("add", a=1, b=1))
+    plain = GroupRequest("plain", prompt(tokenizer), 3, SamplingParams(max_tokens=200), 0)
+    [(_, samples)] = run(engine, [plain]).items()
+    assert [s.turns for s in samples] == [1, 1, 1] and all(s.mask is None for s in samples)
+    assert len(inner.requests) == 1
+
+
+def test_a_group_of_episodes_ends_when_its_last_episode_ends(tokenizer, toolbox) -> None:
+    """Each sample of a group goes its own way: one answers at once, one calls a tool."""
+    def script(text: str, j: int) -> str:
+        return "5" if j == 0 or "<tool_response>" in text else tool_call("add", a=2, b=3)
+
+    engine, inner = episodes(tokenizer, toolbox, script)
+    [(_, samples)] = run(engine, [episode("g", prompt(tokenizer), n=2)]).items()
+    assert [(s.turns, s.tool_calls) for s in samples] == [(1, 0), (2, 1)]
+    assert [r.n for r in inner.requests] == [2, 1]
+
+
+# ---------------------------------------------------------------- tools and templates
+
+
+def test_tools_must_be_typed_and_documented_and_uniquely_named() -> None:
+    with pytest.raises(ToolError, match="no function"):
+        load_tools(["toy_tools:nope"])
+    with pytest.raises(ToolError, match="docstring|description"):
+        load_tools(["toy_tools:undocumented"])
+    with pytest.raises(ToolError, match="type hint"):
+        load_tools(["toy_rewards:digit_first"])  # untyped
+    with pytest.raises(ToolError, match="share a name"):
+        load_tools(["toy_tools:add", "toy_tools.add"])
+    with pytest.raises(ToolError, match="no weight"):
+        load_tools(["toy_tools:add=2"])
+
+
+def test_a_template_without_tools_falls_back_to_chatml_or_is_refused(tokenizer) -> None:
+    from protocol.chat import ToolTemplateError
+
+    assert tool_template(tokenizer) is HERMES_CHATML  # plain ChatML, as SmolLM2's
+    tokenizer_with_tools = build_tokenizer(chatml=True)
+    tokenizer_with_tools.chat_template = HERMES_CHATML
+    assert tool_template(tokenizer_with_tools) is None  # its own template offers tools
+    with pytest.raises(ToolTemplateError, match="not ChatML"):
+        tool_template(build_tokenizer())
+
+
+# ---------------------------------------------------------------- the wire
+
+
+def test_the_mask_travels_and_is_checked() -> None:
+    import msgspec
+    from factories import batch, group
+
+    from protocol import Completion
+
+    c = Completion.of([5, 6, 7, 8], [-0.1, 0.0, 0.0, -0.2], [1, 0, 0, 1], finish_reason="stop", reward=1.0,
+                      turns=2, tool_calls=1)
+    episode_group = msgspec.structs.replace(group(batch()), completions=[c])
+    assert decode(encode(episode_group)).completions[0] == c  # type: ignore[union-attr]
+    assert c.model_tokens == 2 and c.model_mask.tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert Completion.of([5, 6], [-0.1, -0.2], [1, 1], finish_reason="stop").mask is None  # all the model's
+    for mask, match in [(b"\x01\x00", "2 bytes for 4"), (b"\x00\x01\x01\x01", "starting with a model token"),
+                        (b"\x01\x02\x01\x01", "0 or 1")]:
+        with pytest.raises(ProtocolError, match=match):
+            Completion(token_ids=c.token_ids, logprobs=c.logprobs, mask=mask, finish_reason="stop")
+    with pytest.raises(ProtocolError, match="tool_errors"):
+        Completion.of([5], [-0.1], finish_reason="stop", tool_calls=1, tool_errors=2)
+
+
+def test_a_message_of_the_old_schema_is_refused_with_what_to_do() -> None:
+    import msgspec
+
+    from protocol import SCHEMA_VERSION
+
+    assert SCHEMA_VERSION == 2
+    old = msgspec.msgpack.encode({"type": "prompt_batch", "schema": 1, "batch_id": "b"})
+    with pytest.raises(ProtocolError, match="unknown schema version 1; this build speaks 2 .*same spotgrpo release"):
+        decode(old)
+
+
+# ---------------------------------------------------------------- through the machine
+
+
+def arithmetic_script(text: str, j: int) -> str:
+    """Even samples use the add tool and answer with its result; odd ones guess 0."""
+    import re
+
+    if j % 2:
+        return "0"
+    if "<tool_response>" in text:
+        return re.findall(r"<tool_response>\n(-?\d+)\n</tool_response>", text)[-1]
+    a, b = re.findall(r"what is (\d+)\+(\d+)", text)[-1]
+    return tool_call("add", a=int(a), b=int(b))
+
+
+def write_chat_dataset(path: Path, n: int = 16) -> Path:
+    import json
+
+    rows = [{"prompt": [{"role": "user", "content": f"what is {i}+{2 * i + 1}"}], "answer": str(3 * i + 1)}
+            for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Path, tiny_chatml_model: Path,
+                                                                  make_proxy, scorers, redis_server,
+                                                                  run_name: str) -> None:
+    """The learner offers the tool in its prompts; a worker behind the proxy runs the
+    episodes (its model scripted, its tools real); the trusted tier scores the transcript
+    decoded from the token ids against the private answer; the learner trains on the
+    model's tokens only and reports the episodes' shape."""
+    import json
+
+    from actors.watcher import AdapterWatcher, ProxySource
+    from actors.worker import Worker
+    from learner.config import LearnerConfig
+    from learner.loop import Learner
+    from protocol import QueueConfig, RedisQueue, open_store
+
+    store = (tmp_path / "store").as_uri()
+    proxy = make_proxy(store=store)
+    scorers(reward="toy_rewards:last_line_is_answer", model=tiny_chatml_model)
+    cfg = LearnerConfig(
+        run=run_name, queue=redis_server.url, store=store, model=str(tiny_chatml_model),
+        dataset=str(write_chat_dataset(tmp_path / "train.jsonl")), run_dir=tmp_path / "run",
+        reward=["toy_rewards:last_line_is_answer"], tools=["toy_tools:add"], max_tool_calling_iterations=2,
+        steps=3, groups_per_step=2, num_generations=4, prompts_per_batch=2, max_tokens=160, lora_rank=4,
+        checkpoint_every=3, tensorboard=False, max_staleness=8,
+    )
+    tokenizer = build_tokenizer(chatml=True)
+    engine = EpisodeEngine(ScriptedEngine(tokenizer, arithmetic_script), Toolbox(["toy_tools:add"]),
+                           tool_template(tokenizer))
+    actor_queue = proxy.queue("actor", lease_timeout_s=30)
+    watcher = AdapterWatcher(actor_queue, ProxySource(actor_queue), engine, tmp_path / "cache", poll_s=0.2)
+    watcher.start()
+    worker = Worker(actor_queue, engine, watcher, None, "w", claim_block_s=0.2)
+    loop = threading.Thread(target=worker.work)
+    loop.start()
+    learner_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    try:
+        state = Learner(cfg, learner_queue, open_store(store)).run()
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+        watcher.close()
+        engine.close()
+        learner_queue.close()
+        actor_queue.close()
+    assert state.step == 3
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "turns_mean" in r]
+    assert len(steps) == 3
+    for r in steps:
+        assert r["turns_mean"] == 1.5 and r["tool_calls_mean"] == 0.5 and r["tool_errors_mean"] == 0.0
+        assert 0.0 < r["model_token_frac"] < 1.0
+        assert r["reward_mean"] == 0.5  # the tool users answer right, the guessers do not: scored by the tier
+        assert r["tokens"] < r["completion_len_mean"] * 8  # the environment's tokens are not trained
+
+
+@pytest.mark.redis
+def test_a_worker_without_the_batchs_tools_hands_it_back_and_stops(tokenizer, redis_server, run_name: str,
+                                                                  tmp_path: Path) -> None:
+    import time as clock
+
+    import msgspec
+    from factories import batch
+
+    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.worker import Worker, WorkerRefused
+    from protocol import QueueConfig, RedisQueue, open_store
+
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=60))
+    queue.add_prompts([msgspec.structs.replace(batch(), tools=["add"], scoring="trusted")])
+    engine = ScriptedEngine(tokenizer, lambda text, j: "5")  # no toolbox
+    watcher = AdapterWatcher(queue, StoreSource(open_store((tmp_path / "store").as_uri())), engine, tmp_path / "c")
+    worker = Worker(queue, engine, watcher, None, "w", claim_block_s=0.2)
+    with pytest.raises(WorkerRefused, match="tools add; this worker lacks add: start it with the learner's --tools"):
+        worker.work()
+    started = clock.monotonic()
+    assert len(queue.claim("other", 1, block_s=1.0)) == 1  # handed back, not left to expire
+    assert clock.monotonic() - started < 2
+    queue.close()
+
+
+def test_episodes_on_the_transformers_engine(tiny_chatml_model: Path, toolbox: Toolbox) -> None:
+    """The model's later turns are the real engine's: greedy, each continues exactly the
+    episode's tokens (prompt, the call, the result's tokens), as one more request."""
+    from scripted import FirstTurnCalls
+
+    from actors.hf_engine import TransformersEngine
+
+    class Engine(FirstTurnCalls, TransformersEngine):
+        pass
+
+    inner = Engine(str(tiny_chatml_model))
+    engine = EpisodeEngine(inner, toolbox, tool_template(inner.tokenizer))
+    ids = prompt(inner.tokenizer)
+    request = episode_request(GroupRequest("g", ids, 2, SamplingParams(temperature=0.0, max_tokens=300), 0), 1)
+    [(_, samples)] = run(engine, [request], timeout_s=120).items()
+    for s in samples:
+        assert s.mask is not None and s.turns == 2 and s.tool_calls == 1
+        model, env = parts(inner.tokenizer, s)
+        assert model.startswith(FirstTurnCalls.FIRST_CALL) and "<tool_response>\n5\n</tool_response>" in env
+        second = s.mask.index(1, s.mask.index(0))  # where the model's second turn starts
+        assert len(s.token_ids) <= 300 and all(lp <= 0.0 for lp in s.logprobs)
+        alone = TransformersEngine.generate(inner, [ids + s.token_ids[:second]], 1,
+                                            SamplingParams(temperature=0.0, max_tokens=300 - second), 0)[0][0]
+        assert s.token_ids[second:] == alone.token_ids
+        assert s.logprobs[second:] == pytest.approx(alone.logprobs, abs=1e-4)

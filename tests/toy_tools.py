@@ -1,0 +1,62 @@
+"""Tools with TRL's requirements (typed, documented), importable by actor processes in
+tests (`--tools toy_tools:add` with the tests folder on PYTHONPATH)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+async def slow_add(a: int, b: int) -> int:
+    """Add two integers, taking 0.2 s (an async tool, as a call to a service would be).
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    await asyncio.sleep(0.2)
+    return a + b
+
+
+def hang(seconds: float) -> str:
+    """Sleep far past any time limit.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+def hog(megabytes: int) -> int:
+    """Allocate memory and keep it.
+
+    Args:
+        megabytes: How much.
+    """
+    block = bytearray(megabytes * 1024 * 1024)
+    return len(block)
+
+
+def divide(a: int, b: int) -> float:
+    """Divide a by b.
+
+    Args:
+        a: The dividend.
+        b: The divisor.
+    """
+    return a / b
+
+
+def undocumented(a: int) -> int:
+    return a
