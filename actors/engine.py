@@ -56,6 +56,8 @@ class Sample:
     tool_errors: int = 0
     tool_s: float = 0.0
     """Seconds its tool calls took."""
+    turn_limit: bool = False
+    """Its last turn called tools past the turn limit (unanswered)."""
 
 
 @dataclass(frozen=True)

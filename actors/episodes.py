@@ -51,11 +51,12 @@ class _Episode:
     pending: list[Future[ToolResult]] | None = None
     """The tool calls of its last turn, while they run."""
     finish: Literal["stop", "length", "abort"] | None = None
+    turn_limit: bool = False
 
     def sample(self) -> Sample:
         assert self.finish is not None
         return Sample(self.tokens, self.logprobs, self.finish, self.mask if 0 in self.mask else None,
-                      max(self.turns, 1), self.tool_calls, self.tool_errors, self.tool_s)
+                      max(self.turns, 1), self.tool_calls, self.tool_errors, self.tool_s, self.turn_limit)
 
 
 @dataclass
@@ -171,13 +172,13 @@ class EpisodeEngine(Engine):
             episode.finish = sample.finish_reason
             return
         assert group.request.tool_turns is not None
-        if episode.turns > group.request.tool_turns:
-            episode.finish = "stop"
-            return
         parsed = parse_turn(self.tokenizer, episode.tokens[start:], episode.prompt + episode.tokens[:start],
                             self.template)
         if not parsed.calls and parsed.error is None:
             episode.finish = "stop"
+            return
+        if episode.turns > group.request.tool_turns:  # it calls tools past the limit: ended, unanswered
+            episode.finish, episode.turn_limit = "stop", True
             return
         if parsed.error is not None:
             failed: Future[ToolResult] = Future()

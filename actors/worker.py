@@ -409,7 +409,7 @@ class Worker:
             completions=[
                 Completion.of(s.token_ids, s.logprobs, s.mask, finish_reason=s.finish_reason, text=t, reward=r,
                               reward_components=c, error=scores.error, turns=s.turns, tool_calls=s.tool_calls,
-                              tool_errors=s.tool_errors)
+                              tool_errors=s.tool_errors, turn_limit=s.turn_limit)
                 for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
             ],
             error=scores.error,

@@ -174,8 +174,9 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
 
 def episode_figures(groups: list[RolloutGroup]) -> dict[str, float]:
     """Episodes' shape, per episode: model turns, tool calls, failed calls, seconds in tools
-    (the actor's own figure), and the model's share of the episode's tokens. None for a
-    step without episodes."""
+    (the actor's own figure), the share cut at the turn limit (those cut at the token
+    limit are in `truncated_frac`), and the model's share of the episode's tokens. None
+    for a step without episodes."""
     completions = [c for g in groups for c in g.completions]
     if not any(c.mask is not None or c.tool_calls or c.turns > 1 for c in completions):
         return {}
@@ -186,6 +187,7 @@ def episode_figures(groups: list[RolloutGroup]) -> dict[str, float]:
         "tool_calls_mean": sum(c.tool_calls for c in completions) / n,
         "tool_errors_mean": sum(c.tool_errors for c in completions) / n,
         "tool_s_mean": sum(g.timings.get("tool_s", 0.0) for g in groups) / n,
+        "turn_limit_frac": sum(c.turn_limit for c in completions) / n,
         "model_token_frac": sum(c.model_tokens for c in completions) / max(tokens, 1),
     }
 

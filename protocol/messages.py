@@ -188,6 +188,9 @@ class Completion(_Struct, frozen=True):
     tool_calls: NonNegInt = 0
     tool_errors: NonNegInt = 0
     """Tool calls that failed (malformed, unknown tool, raised, timed out, killed)."""
+    turn_limit: bool = False
+    """The episode's last turn called tools past `max_tool_calling_iterations`: it was
+    ended there, its calls unanswered."""
 
     def __post_init__(self) -> None:
         n = check_token_ids("token_ids", self.token_ids)

@@ -78,7 +78,7 @@ def test_a_tool_call_is_run_and_its_result_masked_out_of_the_models_tokens(token
     engine, inner = episodes(tokenizer, toolbox, until_result(tool_call("add", a=2, b=3)))
     [(_, [s])] = run(engine, [episode("g", prompt(tokenizer))]).items()
     model, env = parts(tokenizer, s)
-    assert (s.turns, s.tool_calls, s.tool_errors, s.finish_reason) == (2, 1, 0, "stop")
+    assert (s.turns, s.tool_calls, s.tool_errors, s.finish_reason, s.turn_limit) == (2, 1, 0, "stop", False)
     assert model == tool_call("add", a=2, b=3) + "<|im_end|>" + "the answer is 5<|im_end|>"
     assert env == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     assert [lp for lp, m in zip(s.logprobs, s.mask, strict=True) if not m] == [0.0] * env_len(tokenizer, env)
@@ -136,6 +136,7 @@ def test_episodes_end_at_the_turn_limit_and_at_the_token_limit(tokenizer, toolbo
     engine, _ = episodes(tokenizer, toolbox, always)
     [(_, [s])] = run(engine, [episode("g", prompt(tokenizer), turns=2)]).items()
     assert (s.turns, s.tool_calls, s.finish_reason) == (3, 2, "stop")  # two rounds of tools, then its last turn
+    assert s.turn_limit  # which called a tool too, unanswered
     # max_tokens bounds the whole episode: a result that does not fit ends it, cut
     one_turn = len(tokenizer(tool_call("add", a=1, b=2), add_special_tokens=False)["input_ids"]) + 1
     [(_, [cut])] = run(engine, [episode("h", prompt(tokenizer), max_tokens=one_turn + 10, turns=None)]).items()
@@ -208,7 +209,7 @@ def test_a_group_of_episodes_ends_when_its_last_episode_ends(tokenizer, toolbox)
 def test_tools_must_be_typed_and_documented_and_uniquely_named() -> None:
     with pytest.raises(ToolError, match="no function"):
         load_tools(["toy_tools:nope"])
-    with pytest.raises(ToolError, match="docstring|description"):
+    with pytest.raises(ToolError, match=r"docstring|description"):
         load_tools(["toy_tools:undocumented"])
     with pytest.raises(ToolError, match="type hint"):
         load_tools(["toy_rewards:digit_first"])  # untyped
@@ -259,7 +260,7 @@ def test_a_message_of_the_old_schema_is_refused_with_what_to_do() -> None:
 
     assert SCHEMA_VERSION == 2
     old = msgspec.msgpack.encode({"type": "prompt_batch", "schema": 1, "batch_id": "b"})
-    with pytest.raises(ProtocolError, match="unknown schema version 1; this build speaks 2 .*same spotgrpo release"):
+    with pytest.raises(ProtocolError, match=r"unknown schema version 1; this build speaks 2 .*same spotgrpo release"):
         decode(old)
 
 
@@ -339,7 +340,7 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Pat
     assert len(steps) == 3
     for r in steps:
         assert r["turns_mean"] == 1.5 and r["tool_calls_mean"] == 0.5 and r["tool_errors_mean"] == 0.0
-        assert 0.0 < r["model_token_frac"] < 1.0
+        assert 0.0 < r["model_token_frac"] < 1.0 and r["turn_limit_frac"] == 0.0
         assert r["reward_mean"] == 0.5  # the tool users answer right, the guessers do not: scored by the tier
         assert r["tokens"] < r["completion_len_mean"] * 8  # the environment's tokens are not trained
 
