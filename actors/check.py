@@ -123,14 +123,14 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         return f"{', '.join(args.reward)} import and score a sample{note}"
 
     def tools() -> str:
-        if not args.tools:
+        if not args.tools and not args.environment:
             return "none given: fine unless the learner runs --tools"
         from transformers import AutoTokenizer
 
-        from protocol.chat import ToolError, ToolTemplateError, load_tools, tool_template
+        from protocol.chat import ToolError, ToolTemplateError, load_episode_tools, tool_template
 
         try:
-            names = [fn.__name__ for fn in load_tools(args.tools)]
+            names = [fn.__name__ for fn in load_episode_tools(args.tools or [], args.environment)[0]]
             template = tool_template(AutoTokenizer.from_pretrained(args.model))
         except ToolError as err:
             raise CheckFailed(str(err), "install the tool's package here (or put its module on PYTHONPATH); a tool "

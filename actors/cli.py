@@ -68,6 +68,9 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a("--tools", action="append", default=None, metavar="MODULE:FUNCTION",
       help="a tool episodes may call (TRL's tools=[...]: a typed, documented function, sync or async); repeat for "
            "several. Needed when the learner runs --tools: the same functions")
+    a("--environment", default=None, metavar="MODULE:CLASS",
+      help="stateful episodes (TRL's environment_factory): one instance per episode, its public methods are tools. "
+           "Needed when the learner runs --environment: the same class")
     a("--tool-timeout-s", type=float, default=10.0,
       help="time limit per tool call (default 10); past it the call's process is killed and the model told so")
     a("--tool-memory-mb", type=int, default=2048,
@@ -264,8 +267,9 @@ def run(args: argparse.Namespace) -> int:
             else ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
             else Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
         )
-        toolbox = (Toolbox(args.tools, timeout_s=args.tool_timeout_s, memory_mb=args.tool_memory_mb,
-                           workers=args.tool_workers) if args.tools else None)
+        toolbox = (Toolbox(args.tools or [], environment=args.environment, timeout_s=args.tool_timeout_s,
+                           memory_mb=args.tool_memory_mb, workers=args.tool_workers)
+                   if args.tools or args.environment else None)
         config = QueueConfig(run=args.run or "default", lease_timeout_s=args.lease_timeout_s)
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing

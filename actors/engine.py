@@ -76,6 +76,8 @@ class GroupRequest:
     tool_turns: int | None = None
     """Episodes: each sample may call tools for up to this many turns (`actors.episodes`);
     None: one completion per sample."""
+    columns: dict[str, Any] | None = None
+    """Episodes: the prompt's public columns, for its environment's `reset`."""
 
 
 class Engine(abc.ABC):

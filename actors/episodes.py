@@ -23,6 +23,7 @@ without `tool_turns` passes straight through to the engine.
 from __future__ import annotations
 
 import threading
+import uuid
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,8 @@ _TURN = "episode-turn"
 @dataclass
 class _Episode:
     prompt: list[int]
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    """Its environment instance's name in the sandbox."""
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
@@ -128,13 +131,18 @@ class EpisodeEngine(Engine):
         with self._lock:
             for g in groups:
                 if g.tool_turns is not None:
-                    self._groups[g.key] = _Group(g, [_Episode(list(g.prompt)) for _ in range(g.n)])
+                    self._groups[g.key] = group = _Group(g, [_Episode(list(g.prompt)) for _ in range(g.n)])
+                    for episode in group.episodes:  # made while its first turn generates
+                        self.toolbox.start(episode.id, dict(g.columns or {}))
 
     def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
         finished = self.inner.step(timeout_s, abort)
         if abort is not None and abort.is_set():
             with self._lock:
-                self._groups.clear()
+                dropped, self._groups = list(self._groups.values()), {}
+            for lost in dropped:
+                for episode in lost.episodes:
+                    self.toolbox.end(episode.id)
             self._release_held()
             return []
         out: list[tuple[Hashable, list[Sample]]] = []
@@ -169,23 +177,24 @@ class EpisodeEngine(Engine):
         episode.mask += [1] * len(sample.token_ids)
         episode.turns += 1
         if sample.finish_reason != "stop":
-            episode.finish = sample.finish_reason
+            self._end(episode, sample.finish_reason)
             return
         assert group.request.tool_turns is not None
         parsed = parse_turn(self.tokenizer, episode.tokens[start:], episode.prompt + episode.tokens[:start],
                             self.template)
         if not parsed.calls and parsed.error is None:
-            episode.finish = "stop"
+            self._end(episode, "stop")
             return
         if episode.turns > group.request.tool_turns:  # it calls tools past the limit: ended, unanswered
-            episode.finish, episode.turn_limit = "stop", True
+            episode.turn_limit = True
+            self._end(episode, "stop")
             return
         if parsed.error is not None:
             failed: Future[ToolResult] = Future()
             failed.set_result(ToolResult("tool", str({"error": parsed.error}), True, 0.0))
             episode.pending = [failed]
         else:
-            episode.pending = [self.toolbox.call(c.name, c.arguments) for c in parsed.calls]
+            episode.pending = [self.toolbox.call(c.name, c.arguments, episode.id) for c in parsed.calls]
 
     def _results(self, group: _Group, episode: _Episode, j: int) -> None:
         """Its tools are done: append their results and queue its next turn, if it fits."""
@@ -200,15 +209,22 @@ class EpisodeEngine(Engine):
         if self.context is not None:
             room = min(room, self.context - len(episode.prompt) - len(episode.tokens) - len(glue))
         if room < 1:
-            episode.finish = "length"  # the results do not fit: the episode ends on its last turn
+            self._end(episode, "length")  # the results do not fit: the episode ends on its last turn
             return
         episode.tokens += glue
         episode.logprobs += [0.0] * len(glue)
         episode.mask += [0] * len(glue)
+        if any(r.done for r in results):  # its environment ended it: the results are the last word
+            self._end(episode, "stop")
+            return
         seed = None if request.seed is None else request.seed + j + 7919 * episode.turns
         self.inner.add([GroupRequest((_TURN, request.key, j), episode.prompt + episode.tokens, 1,
                                      msgspec.structs.replace(request.sampling, max_tokens=room), request.version,
                                      seed)])
+
+    def _end(self, episode: _Episode, reason: Literal["stop", "length", "abort"]) -> None:
+        episode.finish = reason
+        self.toolbox.end(episode.id)
 
     def close(self) -> None:
         self.toolbox.close()

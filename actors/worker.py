@@ -323,13 +323,15 @@ class Worker:
                 f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
                 "start this worker with --reward")
         if batch.tools:
-            have = self.engine.toolbox.names if isinstance(self.engine, EpisodeEngine) else []
-            missing = [t for t in batch.tools if t not in have]
-            if missing:
+            box = self.engine.toolbox if isinstance(self.engine, EpisodeEngine) else None
+            missing = [t for t in batch.tools if box is None or t not in box.names]
+            if missing or (box is not None and batch.environment != box.environment_name):
                 self.queue.release(self.worker_id, lease.lease_id)
                 raise WorkerRefused(
-                    f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}; this worker "
-                    f"lacks {', '.join(missing)}: start it with the learner's --tools")
+                    f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}"
+                    + (f" of the environment {batch.environment}" if batch.environment else "") + "; this worker "
+                    + (f"lacks {', '.join(missing)}" if missing else f"has the environment {box and box.environment_name}")
+                    + ": start it with the learner's --tools and --environment")
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         # from choosing the version until the engine's queue names it, the watcher neither
         # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)
@@ -344,7 +346,8 @@ class Worker:
                 return
             seed = batch.sampling.seed
             groups = [GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
-                                   None if seed is None else seed + i * batch.num_generations)
+                                   None if seed is None else seed + i * batch.num_generations,
+                                   columns=batch.prompts[i].columns if batch.tools else None)
                       for i, prompt in enumerate(prompts)]
             self.engine.add([episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools
                             else groups)

@@ -75,7 +75,7 @@ def check(cfg: LearnerConfig) -> int:
         return f"{cfg.model}: config and tokenizer load (fingerprint {state['fingerprint']})"
 
     def tools() -> str:
-        if not cfg.tools:
+        if not cfg.tools and not cfg.environment:
             return "none given: one completion per sample"
         from transformers import AutoTokenizer
 
@@ -89,8 +89,9 @@ def check(cfg: LearnerConfig) -> int:
         assert made is not None
         offered = ("the model's own chat template" if made.template is None
                    else "Qwen2.5's ChatML tool template (the model's has no tools section)")
-        return (f"{', '.join(made.names)}: schemas built, offered with {offered}; start the actors with the same "
-                "--tools")
+        environment = f" (the environment {made.environment}'s methods among them)" if made.environment else ""
+        return (f"{', '.join(made.names)}{environment}: schemas built, offered with {offered}; start the actors with "
+                "the same --tools and --environment")
 
     def dataset() -> str:
         if not cfg.dataset:

@@ -62,6 +62,7 @@ class LearnerConfig(BaseModel):
     scoring: Literal["trusted", "actors"] | None = Field(None, description="Who scores: trusted (RQ workers on the trusted side, `actors score`; dataset columns never leave it; the default when --reward is given) or actors (each worker scores its own groups; the default without --reward).")
     reward_weights: list[float] | None = Field(None, description="One weight per --reward (TRL's way of weighting; or module:function=weight).")
     tools: list[str] = Field([], description="Tools episodes may call, module:function (TRL's tools=[...]: typed, documented functions, sync or async): offered to the model in its prompts, run by the actors (`actors run --tools`, the same functions).")
+    environment: str = Field("", description="Stateful episodes, module:Class (TRL's environment_factory): one instance per episode on the actor, built with no arguments and reset(**the prompt's public columns); its public methods are more tools; its `done` attribute ends the episode (`actors run --environment`, the same class).")
     max_tool_calling_iterations: int | None = Field(None, ge=0, description="Most tool-calling turns per episode (default: until max_tokens, which bounds the whole episode).")
 
     # -- sampling (sent with every prompt batch)

@@ -99,14 +99,21 @@ def open_sources(cfg: Any, tokenizer: Any, context: int) -> Sources:
 
 
 def episode_tools(cfg: Any, tokenizer: Any) -> Tools | None:
-    """`--tools` loaded and described, with the chat template that offers them (None:
-    single completions). Raises `DataError` with what to do."""
-    if not cfg.tools:
+    """`--tools` and the `--environment`'s methods loaded and described, with the chat
+    template that offers them (None: single completions). Raises `DataError` with what to do."""
+    if not cfg.tools and not cfg.environment:
         return None
-    from protocol.chat import ToolError, ToolTemplateError, load_tools, say_template, tool_template
+    from protocol.chat import (
+        ToolError,
+        ToolTemplateError,
+        load_episode_tools,
+        say_template,
+        tool_template,
+    )
 
     try:
-        tools = Tools(load_tools(cfg.tools), tool_template(tokenizer))
+        functions, environment = load_episode_tools(cfg.tools, cfg.environment or None)
+        tools = Tools(functions, tool_template(tokenizer), environment.__name__ if environment else None)
     except (ToolError, ToolTemplateError) as err:
         raise DataError(str(err)) from None
     say_template(tools.template)
@@ -142,6 +149,8 @@ class Tools:
     functions: list[Callable[..., Any]]
     template: str | None
     """`protocol.chat.tool_template`: None for the tokenizer's own."""
+    environment: str | None = None
+    """The environment's class name (its methods are among `functions`)."""
 
     @property
     def names(self) -> list[str]:
@@ -182,7 +191,8 @@ class PromptSource:
         """A prompt batch's episode fields (`PromptBatch.tools`, ...): none without tools."""
         if self.tools is None:
             return {}
-        return {"tools": self.tools.names, "max_tool_calling_iterations": self.max_tool_calling_iterations}
+        return {"tools": self.tools.names, "environment": self.tools.environment,
+                "max_tool_calling_iterations": self.max_tool_calling_iterations}
 
     def row_index(self, position: int) -> int:
         """Row at run position `position` (0, 1, 2, ... across epochs)."""

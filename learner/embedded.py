@@ -215,6 +215,8 @@ class LocalSystem:
                 cmd += ["--reward", spec]
             for spec in self.cfg.tools:
                 cmd += ["--tools", spec]
+            if self.cfg.environment:
+                cmd += ["--environment", self.cfg.environment]
             self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log", self.lifeline))
 
     def _wait_healthy(self) -> None:

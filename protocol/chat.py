@@ -169,7 +169,45 @@ def load_tool(spec: str) -> Callable[..., Any]:
 
 def load_tools(specs: list[str]) -> list[Callable[..., Any]]:
     """The tools, each described (a missing docstring or type hint is refused here)."""
-    tools = [load_tool(spec) for spec in specs]
+    return load_episode_tools(specs, None)[0]
+
+
+ENVIRONMENT_HOOKS = frozenset({"reset", "get_reward", "close"})
+"""An environment's methods that are not tools."""
+
+
+def load_environment(spec: str) -> type:
+    """`module:Class` (TRL's `environment_factory`): one instance per episode, built with no
+    arguments; `reset(**columns)` (if defined) prepares it from the prompt's public columns;
+    its public methods are the episode's tools; setting its `done` attribute to true ends
+    the episode after the call."""
+    if "=" in spec:
+        raise ToolError(f"--environment {spec!r}: expected module:Class")
+    try:
+        cls = load_reward(spec).fn
+    except RewardError as err:
+        raise ToolError(str(err).replace("--reward", "--environment", 1).replace("function", "class")) from None
+    if not isinstance(cls, type):
+        raise ToolError(f"--environment {spec!r}: {cls!r} is not a class")
+    return cls
+
+
+def environment_methods(instance: Any) -> list[Callable[..., Any]]:
+    """An environment's tools: its public methods, bar `ENVIRONMENT_HOOKS`."""
+    return [getattr(instance, name) for name in sorted(dir(type(instance)))
+            if not name.startswith("_") and name not in ENVIRONMENT_HOOKS and callable(getattr(instance, name))]
+
+
+def load_episode_tools(specs: list[str], environment: str | None) -> tuple[list[Callable[..., Any]], type | None]:
+    """`--tools` and an `--environment`'s methods, all described: (the tools, the class)."""
+    cls = load_environment(environment) if environment else None
+    try:
+        methods = environment_methods(cls()) if cls is not None else []
+    except Exception as err:  # the user's constructor
+        raise ToolError(f"--environment {environment!r}: {getattr(cls, '__name__', cls)}() raised {type(err).__name__}: {err}") from None
+    if cls is not None and not methods:
+        raise ToolError(f"--environment {environment!r}: {cls.__name__} has no public method to offer as a tool")
+    tools = [load_tool(spec) for spec in specs] + methods
     names = [fn.__name__ for fn in tools]
     if len(set(names)) != len(names):
         raise ToolError(f"--tools: two tools share a name ({sorted(n for n in names if names.count(n) > 1)[0]})")
@@ -177,7 +215,7 @@ def load_tools(specs: list[str]) -> list[Callable[..., Any]]:
         tool_schemas(tools)
     except ToolTemplateError as err:
         raise ToolError(f"--tools: {err}") from None
-    return tools
+    return tools, cls
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,9 @@ class PromptBatch(_Struct, frozen=True, tag="prompt_batch", tag_field="type", kw
     """Episodes: the tools (`--tools`, `--environment`) each completion may call, by name,
     which the actor must have; the prompt tokens already offer them to the model. Empty:
     one completion per sample, no tool calls."""
+    environment: Label | None = None
+    """Episodes: the class name of the environment (`--environment`) whose methods are among
+    `tools`, one instance per episode, which the actor must have; None: none."""
     max_tool_calling_iterations: NonNegInt | None = None
     """Most tool-calling turns per episode (None: until `sampling.max_tokens`, which
     bounds the whole episode)."""

@@ -168,6 +168,10 @@ def test_learner_check_of_a_run_with_tools(redis_server, run_name: str, tiny_mod
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok    tools" in proc.stdout and "add, slow_add: schemas built" in proc.stdout, proc.stdout
     assert "ChatML tool template" in proc.stdout
+    proc = learner_check("--model", str(tiny_chatml_model), *chat, "--environment", "toy_tools:GuessNumber")
+    assert proc.returncode == 0 and "guess, stall (the environment GuessNumber's methods among them)" in proc.stdout
+    proc = learner_check("--model", str(tiny_chatml_model), *chat, "--environment", "toy_tools:add")
+    assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "is not a class" in proc.stdout
     proc = learner_check("--model", str(tiny_chatml_model), *chat, "--tools", "toy_tools:undocumented")
     assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "undocumented" in proc.stdout, proc.stdout
     proc = learner_check("--model", str(tiny_model), *chat, "--tools", "toy_tools:add")  # its template is no ChatML

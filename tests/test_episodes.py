@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 import pytest
@@ -395,3 +396,126 @@ def test_episodes_on_the_transformers_engine(tiny_chatml_model: Path, toolbox: T
                                             SamplingParams(temperature=0.0, max_tokens=300 - second), 0)[0][0]
         assert s.token_ids[second:] == alone.token_ids
         assert s.logprobs[second:] == pytest.approx(alone.logprobs, abs=1e-4)
+
+
+# ---------------------------------------------------------------- environments
+
+
+def guesser(start: int):
+    """A model that guesses `start`, then moves by one towards what the environment says."""
+    import re
+
+    def script(text: str, j: int) -> str:
+        guesses = [int(g) for g in re.findall(r'"number": (\d+)', text)]
+        answers = re.findall(r"<tool_response>\n(\w+)\n</tool_response>", text)
+        if not guesses:
+            return tool_call("guess", number=start + j)
+        step = {"higher": 1, "lower": -1}.get(answers[-1], 0) if answers else 0
+        return tool_call("guess", number=guesses[-1] + step)
+
+    return script
+
+
+@pytest.fixture(scope="module")
+def environment() -> Iterator[Toolbox]:
+    box = Toolbox([], environment="toy_tools:GuessNumber", timeout_s=1.0, memory_mb=512, workers=2)
+    yield box
+    box.close()
+
+
+def test_each_episode_has_its_own_environment_which_ends_it(tokenizer, environment: Toolbox) -> None:
+    engine, _ = episodes(tokenizer, environment, guesser(3))
+    request = episode("g", prompt(tokenizer, "guess"), n=3, max_tokens=3000, turns=20)
+    [(_, samples)] = run(engine, [dataclass_replace(request, columns={"secret": 6})]).items()
+    # guesses 3, 4, 5 (the j-th starts at 3 + j) climb to 6, one instance each
+    assert [(s.turns, s.tool_calls, s.finish_reason) for s in samples] == [(4, 4, "stop"), (3, 3, "stop"),
+                                                                           (2, 2, "stop")]
+    for s in samples:
+        model, env = parts(tokenizer, s)
+        assert model.endswith(tool_call("guess", number=6) + "<|im_end|>")
+        assert env.count("higher") == s.turns - 1 and env.count("correct") == 1  # and the environment ended it
+    assert environment._host_of == {}  # every instance was let go
+
+
+@pytest.mark.parametrize(
+    ("environment_spec", "told"),
+    [("toy_tools:BrokenReset", "could not be made: RuntimeError: no board today"),
+     ("toy_tools:Observing", "reset() returned an observation")],
+)
+def test_an_environment_that_cannot_be_made_ends_its_episode_with_the_reason(tokenizer, environment_spec: str,
+                                                                             told: str) -> None:
+    box = Toolbox([], environment=environment_spec, timeout_s=2.0, workers=1)
+    try:
+        engine, _ = episodes(tokenizer, box, guesser(3))
+        [(_, [s])] = run(engine, [episode("g", prompt(tokenizer, "guess"), max_tokens=3000, turns=20)]).items()
+        assert (s.turns, s.tool_calls, s.tool_errors, s.finish_reason) == (1, 1, 1, "stop")
+        assert told in parts(tokenizer, s)[1]  # the last word, the model's first call answered with the reason
+    finally:
+        box.close()
+
+
+def test_an_environment_call_past_its_limit_loses_that_hosts_instances_and_says_so(tokenizer) -> None:
+    box = Toolbox([], environment="toy_tools:GuessNumber", timeout_s=1.0, workers=1)
+
+    def script(text: str, j: int) -> str:
+        return tool_call("stall", seconds=30) if "<tool_response>" not in text else tool_call("guess", number=1)
+
+    try:
+        engine, _ = episodes(tokenizer, box, script)
+        [(_, [s])] = run(engine, [episode("g", prompt(tokenizer, "stall"), max_tokens=3000, turns=20)]).items()
+        _, env = parts(tokenizer, s)
+        assert "time limit of 1s" in env  # the stalled call, answered
+        assert (s.turns, s.tool_calls, s.tool_errors, s.finish_reason) == (2, 2, 2, "stop")  # then: instance lost
+    finally:
+        box.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_chatml_model: Path, redis_server,
+                                                          run_name: str) -> None:
+    """`--environment` end to end: the learner offers its methods, a worker runs one
+    instance per episode (reset with the prompt's columns: actors' scoring sends them),
+    the episodes end when the environment says so or at the turn limit."""
+    import json
+
+    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.worker import Worker
+    from learner.config import LearnerConfig
+    from learner.loop import Learner
+    from protocol import QueueConfig, RedisQueue, open_store
+    from protocol.rewards import Scorer, load_reward
+
+    rows = [{"prompt": [{"role": "user", "content": "guess my number"}], "secret": 4 + i % 4} for i in range(8)]
+    (tmp_path / "guess.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    store = (tmp_path / "store").as_uri()
+    cfg = LearnerConfig(
+        run=run_name, queue=redis_server.url, store=store, model=str(tiny_chatml_model),
+        dataset=str(tmp_path / "guess.jsonl"), run_dir=tmp_path / "run", environment="toy_tools:GuessNumber",
+        max_tool_calling_iterations=3, steps=2, groups_per_step=2, num_generations=4, prompts_per_batch=2,
+        max_tokens=800, lora_rank=4, checkpoint_every=2, tensorboard=False, max_staleness=8,
+    )
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    tokenizer = build_tokenizer(chatml=True)
+    box = Toolbox([], environment="toy_tools:GuessNumber", workers=2)
+    engine = EpisodeEngine(ScriptedEngine(tokenizer, guesser(3)), box, tool_template(tokenizer))
+    watcher = AdapterWatcher(queue, StoreSource(open_store(store)), engine, tmp_path / "cache", poll_s=0.2)
+    watcher.start()
+    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:found_it")]), "w", claim_block_s=0.2)
+    loop = threading.Thread(target=worker.work)
+    loop.start()
+    learner_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    try:
+        state = Learner(cfg, learner_queue, open_store(store)).run()
+    finally:
+        worker.stop()
+        loop.join(timeout=60)
+        watcher.close()
+        engine.close()
+        learner_queue.close()
+        queue.close()
+    assert state.step == 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        assert r["tool_calls_mean"] > 1.0 and 0.0 < r["reward_mean"] < 1.0, r
+        assert r["turns_mean"] <= 4.0 and r["turn_limit_frac"] > 0.0  # the far guessers ran out of turns

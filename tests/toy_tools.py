@@ -60,3 +60,44 @@ def divide(a: int, b: int) -> float:
 
 def undocumented(a: int) -> int:
     return a
+
+
+class GuessNumber:
+    """Guess a secret number from "higher" / "lower" (the environment of episode tests)."""
+
+    def __init__(self) -> None:
+        self.secret = 0
+        self.done = False
+
+    def reset(self, secret: int = 7, **_: object) -> None:
+        self.secret = int(secret)
+
+    def guess(self, number: int) -> str:
+        """Guess the secret number.
+
+        Args:
+            number: Your guess.
+        """
+        if number == self.secret:
+            self.done = True
+            return "correct"
+        return "higher" if number < self.secret else "lower"
+
+    def stall(self, seconds: float) -> str:
+        """Think for a while.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "done thinking"
+
+
+class BrokenReset(GuessNumber):
+    def reset(self, secret: int = 7, **_: object) -> None:
+        raise RuntimeError("no board today")
+
+
+class Observing(GuessNumber):
+    def reset(self, secret: int = 7, **_: object) -> str:  # type: ignore[override]
+        return "a board to show"
