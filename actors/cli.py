@@ -109,8 +109,11 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a("--model", required=True,
       help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
            "completion's token ids with it and scores that text, the text the learner trains on")
-    a("--reward", action="append", required=True, metavar="MODULE:FUNCTION[=WEIGHT]",
+    a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
       help="reward function with TRL's signature (may be async def); repeat for several (weighted sum)")
+    a("--environment", default=None, metavar="MODULE:CLASS",
+      help="the learner's --environment, when it owns a reward (get_reward): each episode is replayed in a fresh "
+           "instance with every column and its get_reward() added, weight 1 (it may stand without --reward)")
     a("--reward-timeout-s", type=float, default=60.0,
       help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
            "not retried, and the job goes on with the lease's other groups")
@@ -141,6 +144,7 @@ which never leave the trusted side. Start as many as you like; SIGTERM stops one
 def score(args: argparse.Namespace) -> int:
     from actors.scoring import NameTaken, free_name, serve
     from protocol import QueueConfig, QueueUnavailable, check_model_path
+    from protocol.chat import environment_reward
     from protocol.rewards import RewardError, Scorer, load_reward
     from protocol.scoring import ScoringQueue
 
@@ -150,9 +154,11 @@ def score(args: argparse.Namespace) -> int:
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
     try:
-        scorer = Scorer([load_reward(spec) for spec in args.reward], timeout_s=None, reraise=True)
         check_model_path(args.model)
         tokenizer = _load_tokenizer(args.model)
+        environment = environment_reward(args.environment, tokenizer) if args.environment else None
+        scorer = Scorer([load_reward(spec) for spec in args.reward or []], timeout_s=None, reraise=True,
+                        extra=environment.name if environment else None)
         queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run))
     except (RewardError, ValueError, OSError) as err:
         print(f"actors score: {err}", file=sys.stderr)
@@ -170,7 +176,8 @@ def score(args: argparse.Namespace) -> int:
         print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
         queue.close()
         return 1
-    log.info("scoring worker %s for run %s: %s", name, args.run, ", ".join(args.reward))
+    log.info("scoring worker %s for run %s: %s", name, args.run,
+             ", ".join([*(args.reward or []), *([args.environment] if args.environment else [])]))
 
     def decode(ids: object) -> str:
         return tokenizer.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
@@ -180,7 +187,7 @@ def score(args: argparse.Namespace) -> int:
               retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
               abandon_after_s=args.abandon_after_s,
               monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
-              redispatch_s=args.redispatch_s, burst=args.burst)
+              redispatch_s=args.redispatch_s, burst=args.burst, environment=environment)
     except QueueUnavailable as err:
         print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
         return 1

@@ -63,6 +63,7 @@ from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
 from protocol import ProtocolError, QueueUnavailable, RolloutGroup
+from protocol.chat import EnvironmentReward
 from protocol.retry import Backoff, retry
 from protocol.rewards import Scorer, Scores
 from protocol.scoring import ScoringQueue, UnscoredEntry, UnscoredGroup
@@ -95,6 +96,8 @@ class Tier:
     the actors' engines decode)."""
     timeout_s: float
     """Per group."""
+    environment: EnvironmentReward | None = None
+    """Episodes' environment, when it owns a reward: replayed per completion."""
 
 
 _TIER: Tier | None = None
@@ -160,7 +163,9 @@ def _score_one(tier: Tier, entry_id: str) -> dict[str, Any]:
         started = time.monotonic()
         ids = [c.tokens.tolist() for c in item.group.completions]
         texts = [tier.decode(i) for i in ids]
-        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids)
+        extra = (None if tier.environment is None else
+                 tier.environment.of(item.prompt.columns, item.group.prompt_tokens.tolist(), item.group.completions))
+        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
         group = scored_group(item, scores, texts, tier.name, time.monotonic() - started)
     stored = store_or_dead_letter(tier.queue, entry_id, group)
     return {"entry": entry_id, "group": group.group_id, "stored": stored, "error": group.error}
@@ -357,13 +362,13 @@ def free_name(queue: ScoringQueue, name: str, chosen: bool) -> str:
 def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job_timeout_s: float, retries: int = 2,
           retry_backoff_s: float = 1.0, groups_per_job: int = 8, abandon_after_s: int = 60,
           monitoring_interval_s: int = 30, maintenance_interval_s: int = 30, redispatch_s: float = 30.0,
-          burst: bool = False, outage_s: float = 300.0) -> bool:
+          burst: bool = False, outage_s: float = 300.0, environment: EnvironmentReward | None = None) -> bool:
     """Run one scoring worker (and its dispatcher) until SIGTERM (RQ's warm shutdown).
     RQ's worker quits when Redis goes away; this one waits for Redis (up to `outage_s`,
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     global _TIER
-    _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s)
+    _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s, environment=environment)
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
     dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)

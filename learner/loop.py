@@ -97,7 +97,7 @@ class Learner(Evaluations):
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
         self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
-        self._reward_names = RewardNames(cfg.reward)
+        self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
         self._rejections = RepeatedWarnings(log)
 
     # ------------------------------------------------------------------ the loop

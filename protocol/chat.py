@@ -17,8 +17,11 @@ so. Any other template without tools is refused with what to do.
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import json
 import logging
+import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -286,3 +289,81 @@ def tool_result_ids(tokenizer: Any, template: str | None, results: Sequence[tupl
         raise ToolTemplateError("the chat template does not render a tool exchange as a prefix of the next turn")
     return after[len(before):]
 
+
+
+def model_turns(mask: Sequence[int] | None, n: int) -> list[tuple[int, int]]:
+    """The (start, end) of each run of the model's tokens in an episode of `n` tokens."""
+    if mask is None:
+        return [(0, n)] if n else []
+    runs, start = [], None
+    for i, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    return runs
+
+
+def replay_reward(environment: type, columns: dict[str, Any], prompt: Sequence[int], tokens: Sequence[int],
+                  mask: Sequence[int] | None, tokenizer: Any, template: str | None) -> float:
+    """An environment's own reward (TRL's `get_reward`) for an episode, on the trusted side:
+    a fresh instance, `reset` with every column of the prompt (the private ones too), the
+    calls of the model's turns (its tokens alone, as the learner trains them: what the
+    actor says the tools returned plays no part) made again in order, until one sets
+    `done`; then `get_reward()`. The environment must be deterministic given its columns
+    and the calls (seed any randomness from a column). A call that raises is skipped, as
+    the model was told of it; `reset` or `get_reward` raising is the caller's error."""
+    instance = environment()
+    if callable(getattr(instance, "reset", None)):
+        instance.reset(**columns)
+    methods = {fn.__name__ for fn in environment_methods(instance)}
+    for start, end in model_turns(mask, len(tokens)):
+        parsed = parse_turn(tokenizer, list(tokens[start:end]), [*prompt, *tokens[:start]], template)
+        for call in parsed.calls:
+            if call.name in methods and not getattr(instance, "done", False):
+                try:
+                    value = getattr(instance, call.name)(**call.arguments)
+                    if inspect.isawaitable(value):
+                        asyncio.run(_awaited(value))
+                except Exception:  # the episode's model was answered with the error
+                    pass
+        if getattr(instance, "done", False):
+            break
+    value = instance.get_reward()
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{environment.__name__}.get_reward() returned {value!r}: not a finite number")
+    return float(value)
+
+
+async def _awaited(value: Any) -> Any:
+    return await value
+
+
+@dataclass(frozen=True)
+class EnvironmentReward:
+    """An environment's own reward (`get_reward`), replayed on the trusted side for each
+    completion of a group (`replay_reward`); a reward named after its class, weight 1."""
+
+    environment: type
+    tokenizer: Any
+    template: str | None
+
+    @property
+    def name(self) -> str:
+        return self.environment.__name__
+
+    def of(self, columns: dict[str, Any], prompt: Sequence[int], completions: Sequence[Any]) -> Callable[[], list[float]]:
+        """The group's rewards, computed when called (`completions`: protocol `Completion`s)."""
+        return lambda: [replay_reward(self.environment, columns, prompt, c.tokens.tolist(),
+                                      None if c.mask is None else list(c.mask), self.tokenizer, self.template)
+                        for c in completions]
+
+
+def environment_reward(spec: str, tokenizer: Any) -> EnvironmentReward:
+    """`--environment` on the scoring tier: a class with `get_reward`, and the run's template."""
+    cls = load_environment(spec)
+    if not callable(getattr(cls, "get_reward", None)):
+        raise ToolError(f"--environment {spec!r}: {cls.__name__} has no get_reward(); the tier scores with "
+                        "--reward functions alone")
+    return EnvironmentReward(cls, tokenizer, tool_template(tokenizer))

@@ -94,13 +94,16 @@ def unscored(n: int) -> Future[Scores]:
 
 
 class Scorer:
-    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False) -> None:
+    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False,
+                 extra: str | None = None) -> None:
         """`timeout_s`: per reward call, enforced by a thread; None calls rewards directly
         (inside a `ScoringPool` process or an RQ job, whose own timeout kills the process).
         `reraise`: an exception from a reward function propagates (an RQ job, which RQ
-        retries) instead of failing the group."""
-        if not functions:
+        retries) instead of failing the group. `extra`: the name of a reward `score` is
+        handed per call (an environment's own, weight 1), which may stand alone."""
+        if not functions and extra is None:
             raise RewardError("at least one --reward is needed")
+        self.extra = extra
         self.functions = functions
         self.timeout_s = timeout_s
         self.reraise = reraise
@@ -114,7 +117,9 @@ class Scorer:
     def close(self) -> None:
         return None
 
-    def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Scores:
+    def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]],
+              extra: Callable[[], list[float]] | None = None) -> Scores:
+        """`extra`: the `extra` reward's values, computed when called (an environment's)."""
         n = len(texts)
         if prompt.messages is not None:
             messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
@@ -129,11 +134,20 @@ class Scorer:
             if error is not None:
                 return Scores.failed(n, error)
             per_fn[rf.name] = values
+        weights = {rf.name: rf.weight for rf in self.functions}
+        if extra is not None and self.extra is not None:
+            try:
+                per_fn[self.extra] = [float(v) for v in extra()]
+            except Exception as err:  # the user's environment
+                if self.reraise:
+                    raise
+                return Scores.failed(n, f"reward {self.extra} raised {type(err).__name__}: {err}")
+            weights[self.extra] = 1.0
         rewards: list[float | None] = []
         components = []
         for i in range(n):
             parts = {name: values[i] for name, values in per_fn.items()}
-            scored = [(rf.weight, parts[rf.name]) for rf in self.functions if parts[rf.name] is not None]
+            scored = [(w, parts[name]) for name, w in weights.items() if parts[name] is not None]
             rewards.append(sum(w * float(v) for w, v in scored if v is not None) if scored else None)
             components.append(parts)
         if any(r is None for r in rewards):
@@ -141,12 +155,13 @@ class Scorer:
         return Scores(rewards, components, None)
 
     def score_within(self, timeout_s: float, prompt: Prompt, prompt_text: str, texts: list[str],
-                     completion_ids: list[list[int]]) -> Scores:
+                     completion_ids: list[list[int]], extra: Callable[[], list[float]] | None = None) -> Scores:
         """`score` under one time limit for the whole group, on a thread: past it the
         group fails with that reason, and its thread is abandoned (in an RQ work horse it
         ends with the job's process). An exception `reraise` lets through is raised here."""
         try:
-            return within(timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids), "score-group")
+            return within(timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids, extra),
+                          "score-group")
         except PastLimit:
             return Scores.failed(len(texts), f"the rewards exceeded the group's time limit of {timeout_s:g}s "
                                              "(the group is rejected, not retried)")

@@ -519,3 +519,41 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
     for r in rows:
         assert r["tool_calls_mean"] > 1.0 and 0.0 < r["reward_mean"] < 1.0, r
         assert r["turns_mean"] <= 4.0 and r["turn_limit_frac"] > 0.0  # the far guessers ran out of turns
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_the_tier_replays_the_environment_with_the_private_columns_for_its_reward(
+        tokenizer, tiny_chatml_model: Path, redis_server, scorers, run_name: str, tmp_path: Path) -> None:
+    """Trusted scoring of episodes whose environment owns its reward: the actor's instance
+    never sees the secret (a private column; it plays with the default, 7, and says
+    "correct" there), the tier replays the model's calls in an instance reset with the
+    secret. The transcript's "correct" is the actor's word; the replay's reward is not."""
+    import msgspec
+    from conftest import read_all
+    from factories import batch, trusted
+
+    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.worker import Worker
+    from protocol import QueueConfig, RedisQueue, open_store
+
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=60))
+    episodes_batch = msgspec.structs.replace(trusted(batch(), secret=4), tools=["guess", "stall"],
+                                             environment="ScoredGuess", sampling=SamplingParams(max_tokens=3000))
+    queue.add_prompts([episodes_batch])
+    box = Toolbox([], environment="toy_tools:ScoredGuess", workers=2)
+    engine = EpisodeEngine(ScriptedEngine(tokenizer, guesser(3)), box, tool_template(tokenizer))
+    watcher = AdapterWatcher(queue, StoreSource(open_store((tmp_path / "store").as_uri())), engine, tmp_path / "c")
+    worker = Worker(queue, engine, watcher, None, "w", claim_block_s=0.2)
+    try:
+        worker.work(max_batches=1)
+    finally:
+        engine.close()
+    scorers("--environment", "toy_tools:ScoredGuess", reward="toy_rewards:found_it", model=tiny_chatml_model)
+    for group in read_all(queue, len(episodes_batch.prompts)):
+        assert group.error is None and group.scored_by is not None
+        # guesses climb from 3 + j to the actor's 7: only the first two pass the secret, 4
+        assert [c.reward_components for c in group.completions] == [
+            {"found_it": 1.0, "ScoredGuess": r} for r in (1.0, 1.0, 0.0, 0.0)]
+        assert group.rewards == [2.0, 2.0, 1.0, 1.0]
+    queue.close()

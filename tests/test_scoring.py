@@ -229,6 +229,12 @@ def test_actors_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServe
     assert proc.returncode == 2 and "never through the proxy" in proc.stderr
     proc = score("--redis", redis_server.url, "--reward", "no_such_module:f")
     assert proc.returncode == 2 and "cannot import no_such_module" in proc.stderr
+    proc = score("--redis", redis_server.url)
+    assert proc.returncode == 2 and "at least one --reward is needed" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "actors.cli", "score", "--model", str(tiny_model), "--redis",
+                           redis_server.url, "--environment", "toy_tools:GuessNumber"], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 2 and "has no get_reward()" in proc.stderr, proc.stderr
 
 
 def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, tmp_path: Path, tiny_model: Path) -> None:

@@ -101,3 +101,10 @@ class BrokenReset(GuessNumber):
 class Observing(GuessNumber):
     def reset(self, secret: int = 7, **_: object) -> str:  # type: ignore[override]
         return "a board to show"
+
+
+class ScoredGuess(GuessNumber):
+    """GuessNumber that owns its reward: 1 when the secret was found."""
+
+    def get_reward(self) -> float:
+        return 1.0 if self.done else 0.0
