@@ -494,6 +494,7 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
         dataset=str(tmp_path / "guess.jsonl"), run_dir=tmp_path / "run", environment="toy_tools:GuessNumber",
         max_tool_calling_iterations=3, steps=2, groups_per_step=2, num_generations=4, prompts_per_batch=2,
         max_tokens=800, lora_rank=4, checkpoint_every=2, tensorboard=False, max_staleness=8,
+        eval_dataset=str(tmp_path / "guess.jsonl"), eval_every=1, eval_generations=4, eval_max_prompts=4,
     )
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     tokenizer = build_tokenizer(chatml=True)
@@ -516,9 +517,15 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
         queue.close()
     assert state.step == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    for r in rows:
+    for r in [r for r in rows if "tool_calls_mean" in r]:
         assert r["tool_calls_mean"] > 1.0 and 0.0 < r["reward_mean"] < 1.0, r
         assert r["turns_mean"] <= 4.0 and r["turn_limit_frac"] > 0.0  # the far guessers ran out of turns
+    from learner.progress import read_evals
+
+    evals = read_evals(tmp_path / "run")
+    assert {e["eval/version"] for e in evals} >= {0, 2}  # the base model and the final adapter, as episodes
+    for e in evals:  # secrets 4-7 from guesses 3-6, 4 turns each: pass@4 always, pass@1 not
+        assert e["eval/pass@4"] == 1.0 and 0.0 < e["eval/pass@1"] < 1.0, e
 
 
 @pytest.mark.redis
@@ -556,4 +563,70 @@ def test_the_tier_replays_the_environment_with_the_private_columns_for_its_rewar
         assert [c.reward_components for c in group.completions] == [
             {"found_it": 1.0, "ScoredGuess": r} for r in (1.0, 1.0, 0.0, 0.0)]
         assert group.rewards == [2.0, 2.0, 1.0, 1.0]
+    queue.close()
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_a_worker_killed_mid_episode_loses_nothing(tmp_path: Path, tiny_chatml_model: Path, redis_server,
+                                                   run_name: str) -> None:
+    """SIGKILL while its episodes wait on a tool: the lease expires, another worker
+    regenerates the episodes whole, each group is stored once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import msgspec
+    from conftest import kill_process
+    from factories import batch, trusted
+    from scripted import FirstTurnCalls
+
+    from actors.hf_engine import TransformersEngine
+    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.worker import Worker
+    from protocol import QueueConfig, RedisQueue, open_store
+
+    repo = Path(__file__).resolve().parents[1]
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=2))
+    work = msgspec.structs.replace(trusted(batch()), tools=["add", "hang"], sampling=SamplingParams(max_tokens=400))
+    queue.add_prompts([work])
+    store = (tmp_path / "store").as_uri()
+    log = tmp_path / "victim.log"
+    with log.open("wb") as out:  # a machine that dies: the worker and its tool processes, one process group
+        victim = subprocess.Popen([sys.executable, str(repo / "tests" / "episode_actor.py"), redis_server.url,
+                                   run_name, "victim", store, str(tiny_chatml_model)], stdout=out,
+                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(repo)},
+                                  start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while queue.stats().leases_by_worker.get("victim", 0) == 0:
+            assert victim.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(1.0)  # its episodes are waiting on their 60 s tool
+        os.killpg(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=30)
+    finally:
+        kill_process(victim)
+
+    class Engine(FirstTurnCalls, TransformersEngine):
+        pass
+
+    inner = Engine(str(tiny_chatml_model))
+    engine = EpisodeEngine(inner, Toolbox(["toy_tools:add", "toy_tools:hang"]), tool_template(inner.tokenizer))
+    watcher = AdapterWatcher(queue, StoreSource(open_store(store)), engine, tmp_path / "cache")
+    try:
+        Worker(queue, engine, watcher, None, "rescuer", claim_block_s=0.5).work(max_batches=1)
+    finally:
+        engine.close()
+    from protocol.scoring import ScoringQueue
+
+    tier = ScoringQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    entries = queue._r.xrange(queue.keys.unscored)  # trusted: the groups wait for the tier
+    groups = [tier.fetch_unscored(entry_id.decode()).group for entry_id, _ in entries]
+    tier.close()
+    assert sorted(g.prompt_id for g in groups) == sorted(p.id for p in work.prompts)  # each once
+    for g in groups:
+        assert g.actor_id == "rescuer"
+        assert all(c.turns == 2 and c.tool_calls == 1 and c.mask is not None for c in g.completions)
     queue.close()
