@@ -75,7 +75,9 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
       help="time limit per tool call (default 10); past it the call's process is killed and the model told so")
     a("--tool-memory-mb", type=int, default=2048,
       help="address-space limit of each tool process (default 2048); a call past it fails and the model is told so")
-    a("--tool-workers", type=int, default=2, help="processes running tool calls beside the engine (default 2)")
+    a("--tool-workers", type=int, default=8,
+      help="processes running tool calls beside the engine, and hosts of --environment instances (default 8): "
+           "calls in flight past this wait, so an I/O-bound tool wants one per call in flight")
     a("--worker-id", default=None, help="consumer name (default host-pid-random)")
     a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")

@@ -56,7 +56,7 @@ class Toolbox:
     module docstring."""
 
     def __init__(self, specs: list[str], *, environment: str | None = None, timeout_s: float = 10.0,
-                 memory_mb: int = 2048, workers: int = 2, max_result_chars: int = 8192) -> None:
+                 memory_mb: int = 2048, workers: int = 8, max_result_chars: int = 8192) -> None:
         import pebble
 
         tools, self.environment = load_episode_tools(specs, environment)  # fail here, in one line
