@@ -57,6 +57,7 @@ import msgspec
 import redis
 from rq import Queue as RQQueue
 from rq import Retry, Worker
+from rq import scheduler as rq_scheduler
 from rq.exceptions import NoSuchJobError, StopRequested
 from rq.job import Job
 from rq.registry import FailedJobRegistry
@@ -182,6 +183,34 @@ def store_or_dead_letter(queue: ScoringQueue, entry_id: str, group: RolloutGroup
         log.error("group %s dead-lettered: %s", group.group_id, reason)
         queue.dead_letter_unscored(entry_id, reason)
         return False
+
+
+class RedisGoneInOneLine(logging.Filter):
+    """RQ logs a traceback when Redis goes away under it (the embedded run's Redis ends
+    with the run): one line says the same."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        err = record.exc_info[1] if record.exc_info else None
+        if isinstance(err, redis.exceptions.ConnectionError):
+            record.msg, record.args = f"{record.getMessage()} (redis unreachable: {err})", ()
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _scheduler_run(scheduler: Any) -> None:
+    """RQ's scheduler process (`rq.scheduler.run`), ending in one line when Redis goes away
+    (RQ's logs the traceback, and the process's death prints it again)."""
+    try:
+        scheduler.work()
+    except redis.exceptions.ConnectionError as err:
+        scheduler.log.warning("RQ's scheduler stopped: redis unreachable: %s", err)
+    except Exception:
+        scheduler.log.exception("RQ's scheduler [PID %s] raised", os.getpid())
+        raise
+
+
+rq_scheduler.run = _scheduler_run  # RQ starts its scheduler process with this module's `run`
+logging.getLogger("rq.worker").addFilter(RedisGoneInOneLine())
 
 
 class ScoringWorker(Worker):

@@ -350,3 +350,30 @@ def test_a_scheduler_that_ignores_sigterm_does_not_hold_the_warm_shutdown_foreve
     started = time.monotonic()
     worker.stop_scheduler()
     assert not process.is_alive() and time.monotonic() - started < 10
+
+
+def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """The embedded run's Redis ends with the run, sometimes while its scorer stops: RQ's
+    worker and scheduler say so in one line each (they printed tracebacks)."""
+    import logging
+
+    from actors.scoring import RedisGoneInOneLine, _scheduler_run
+
+    class Scheduler:
+        log = logging.getLogger("rq.scheduler")
+
+        def work(self) -> None:
+            raise redis.exceptions.ConnectionError("Connection closed by server.")
+
+    with caplog.at_level(logging.INFO):
+        _scheduler_run(Scheduler())  # returns: the process ends quietly
+        try:
+            raise redis.exceptions.ConnectionError("Error 111 connecting")
+        except redis.exceptions.ConnectionError:
+            logger = logging.getLogger("rq.worker.test")
+            logger.addFilter(RedisGoneInOneLine())
+            logger.error("Worker %s: found an unhandled exception, quitting...", "w", exc_info=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "RQ's scheduler stopped: redis unreachable: Connection closed by server.",
+        "Worker w: found an unhandled exception, quitting... (redis unreachable: Error 111 connecting)"]
+    assert "Traceback" not in caplog.text
