@@ -89,7 +89,7 @@ class LearnerConfig(BaseModel):
     keep_adapters: int | None = Field(None, ge=0, description="Adapter versions kept in the store, newest first, besides those that evaluations or kept checkpoints pin (default: max_staleness + 2, what actors may still generate with; 0: keep all).")
     seed: int = Field(0, description="Seeds data order and torch.")
     micro_batch_size: int = Field(16, ge=1, description="Most sequences in one forward/backward pass (gradient accumulation).")
-    max_tokens_per_microbatch: int = Field(16384, ge=16, description="Token budget of one forward/backward pass: sequences sorted by length fill a micro-batch while rows x its longest stays within it (one longer sequence goes alone).")
+    max_tokens_per_microbatch: int | None = Field(None, ge=16, description="Token budget of one forward/backward pass: sequences sorted by length fill a micro-batch while rows x its longest stays within it (one longer sequence goes alone). Default: 16384, or fewer for a large vocabulary, keeping a pass's float32 logits near 1 GiB (SmolLM2: 5461 tokens).")
     updates_per_batch: int = Field(1, ge=1, description="Optimizer steps per collected batch (minibatches); >1 uses the decoupled PPO objective.")
     lag_versions: int | None = Field(None, ge=0, description="For benchmarks and tests: generate every training batch with the adapter exactly this many versions behind (pinned); needs max_inflight = groups_per_step.")
     max_abs_reward: float = Field(1e6, gt=0, le=1e30, description="Groups with a reward outside [-this, this] are rejected (a worker's garbage must not reach float32 as inf).")

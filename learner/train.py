@@ -9,7 +9,7 @@ The algorithm, in the order it runs (each a plain function of `learner.loss`):
                          -> `policy_loss` (clipped, PPO/GSPO level) -> + beta x `kl_k3`
                          -> `aggregate` (grpo / dapo / dr_grpo / bnpo)
 
-Micro-batches are formed by a token budget (`max_tokens_per_microbatch`, sequences
+Micro-batches are formed by a token budget (`token_budget`, sequences
 sorted by length, each micro-batch cut to its own longest), so long completions do not
 run the device out of memory and short ones are not padded to the longest of the step.
 The step is built on the CPU and each micro-batch moves to the policy's device; every
@@ -185,11 +185,27 @@ class _Sums:
         self.w_max = dist.all_reduce([self.w_max], op="max")[0]
 
 
-def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist) -> list[list[int] | None]:
+LOGITS_BYTES = 1 << 30
+"""What one micro-batch's float32 logits may take when `max_tokens_per_microbatch` is not
+set. A pass keeps several copies of them (the temperature-scaled logits, their softmax in
+backward, the entropy's): at 16,384 tokens SmolLM2's 49,152-token vocabulary ran the
+learner out of a 24 GiB machine (prompts of 700 tokens with tool schemas; measured)."""
+
+
+def token_budget(cfg: LearnerConfig, vocab_size: int) -> int:
+    """Tokens per micro-batch: `max_tokens_per_microbatch`, or 16,384 cut so that the
+    logits stay near `LOGITS_BYTES` (SmolLM2: 5,461; Qwen2.5's 151,936: 1,766)."""
+    if cfg.max_tokens_per_microbatch is not None:
+        return cfg.max_tokens_per_microbatch
+    return max(256, min(16384, LOGITS_BYTES // (4 * vocab_size)))
+
+
+def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist, vocab_size: int
+          ) -> list[list[int] | None]:
     """This rank's micro-batches of `rows`, padded with None (an empty pass) to as many
     as the rank with the most has: under FSDP every rank runs the same passes."""
     plan: list[list[int] | None] = list(
-        plan_micro_batches(batch.lengths(), rows, cfg.max_tokens_per_microbatch, cfg.micro_batch_size))
+        plan_micro_batches(batch.lengths(), rows, token_budget(cfg, vocab_size), cfg.micro_batch_size))
     most = int(dist.all_reduce([float(len(plan))], op="max")[0])
     return plan + [None] * (most - len(plan))
 
@@ -206,7 +222,7 @@ def accumulate(
     device = policy.device
     dist = dist or Dist(device=device)
     if plan is None:  # the whole batch, in one process
-        plan = _plan(batch, list(range(len(batch))), cfg, dist)
+        plan = _plan(batch, list(range(len(batch))), cfg, dist, policy.vocab_size)
         num_seqs, num_tokens = len(batch), int(batch.seqs.mask_BT.sum().item())
     assert num_seqs is not None and num_tokens is not None
     for rows in plan:
@@ -258,7 +274,7 @@ def proximal_logps(policy: Policy, batch: StepBatch, cfg: LearnerConfig, rows: l
     CPU, in the batch's layout): the proximal policy of decoupled PPO."""
     out = torch.zeros_like(batch.behav_logp_BT)
     with torch.no_grad():
-        for mb_rows in _plan(batch, rows, cfg, dist):
+        for mb_rows in _plan(batch, rows, cfg, dist, policy.vocab_size):
             mb = empty_batch(policy.device) if mb_rows is None else batch.take(mb_rows, policy.device)
             logp, _ = policy.forward_logps(mb.seqs, cfg.temperature)
             if mb_rows is not None:
@@ -287,7 +303,7 @@ def train_on(
         loss_before = sums.v["loss"]
         rows = [i for i in mine if i in part]
         num_tokens = int(batch.seqs.mask_BT[part.start : part.stop].sum().item())
-        accumulate(policy, batch, cfg, prox_BT, sums, plan=_plan(batch, rows, cfg, dist), num_seqs=len(part),
+        accumulate(policy, batch, cfg, prox_BT, sums, plan=_plan(batch, rows, cfg, dist, policy.vocab_size), num_seqs=len(part),
                    num_tokens=num_tokens, dist=dist)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm)))
         loss = dist.all_reduce([sums.v["loss"] - loss_before])[0]

@@ -231,3 +231,15 @@ def test_an_episodes_environment_tokens_take_no_part_in_the_loss(tiny_model) -> 
     trained, all_tokens = step_grads([30, 31], 0.0, None, no_correction)
     assert all_tokens == 2 * len(mask)
     assert any(not torch.allclose(grad, trained[name]) for name, grad in masked.items())
+
+
+def test_the_token_budget_shrinks_with_the_vocabulary() -> None:
+    """A real vocabulary's logits, several float32 copies per pass, ran 16,384 tokens out of
+    a 24 GiB machine: unless told, the budget keeps one copy near 1 GiB."""
+    from learner.train import token_budget
+
+    cfg = LearnerConfig()
+    assert token_budget(cfg, 67) == 16384  # the tiny model: the old default
+    assert token_budget(cfg, 49152) == 5461  # SmolLM2
+    assert token_budget(cfg, 151936) == 1766  # Qwen2.5
+    assert token_budget(cfg.model_copy(update={"max_tokens_per_microbatch": 20000}), 151936) == 20000
