@@ -131,7 +131,7 @@ class LearnerConfig(BaseModel):
     # -- the embedded default
     actors: int = Field(2, ge=0, le=64, description="Actor processes the embedded default starts (no --queue given).")
     actor_engine: Literal["transformers", "vllm"] = Field("transformers", description="The embedded default's actors' engine (vllm needs the vllm package: vLLM's CPU build runs here).")
-    example: Literal["", "arithmetic"] = Field("", description="A built-in example, run embedded: arithmetic = SmolLM2-135M-Instruct (made by `learner make-model` if missing) learns one-step word problems, scored by the math reward on the trusted tier, with held-out pass@1 before and after.")
+    example: Literal["", "arithmetic", "calculator"] = Field("", description="A built-in example, run embedded, on SmolLM2-135M-Instruct (made by `learner make-model` if missing), with held-out pass@1 before and after: arithmetic = one-step word problems, scored by the math reward on the trusted tier; calculator = sums of five-digit numbers with an add tool (episodes), scored on the trusted tier.")
 
     # -- reporting
     tensorboard: bool = Field(True, description="Write TensorBoard event files when tensorboard is installed (--no-tensorboard drops it from report_to).")

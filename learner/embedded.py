@@ -75,9 +75,29 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "eval_temperature": 0.0,
         "samples_every": 4,
     },
+    "calculator": {
+        "run": "calculator",
+        "steps": 12,
+        "lora_rank": 16,
+        "lora_alpha": 32.0,
+        "learning_rate": 3e-4,
+        "num_generations": 8,
+        "prompts_per_batch": 2,
+        "groups_per_step": 2,
+        "max_inflight": 6,
+        "max_staleness": 4,
+        "max_tokens": 96,
+        "max_tool_calling_iterations": 1,
+        "temperature": 1.0,
+        "checkpoint_every": 8,
+        "eval_max_prompts": 32,
+        "eval_generations": 1,
+        "eval_temperature": 0.0,
+        "samples_every": 4,
+    },
 }
 """`learner run --example NAME`: a real model on a real task, sized for 2 CPU cores
-(8 to 12 minutes); flags override any of it."""
+(arithmetic 8 to 12 minutes, calculator about 26); flags override any of it."""
 
 LEASE_TIMEOUT_S = 10.0
 ROLES = ("actor", "learner", "admin")
@@ -92,8 +112,8 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     updates: dict[str, Any] = {}
-    if cfg.example == "arithmetic":
-        cfg = cfg.model_copy(update=_arithmetic(cfg, run_dir))
+    if cfg.example:
+        cfg = cfg.model_copy(update=_example(cfg, run_dir))
     if not cfg.model:
         model = run_dir / "model"
         if not (model / "config.json").exists():
@@ -135,27 +155,39 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
     return cfg.model_copy(update=updates), tokens
 
 
-def _arithmetic(cfg: LearnerConfig, run_dir: Path) -> dict[str, Any]:
-    """The arithmetic example's model (made once, `learner make-model`), data, held-out
-    set and reward, where the user did not give their own."""
+def _example(cfg: LearnerConfig, run_dir: Path) -> dict[str, Any]:
+    """An example's model (made once, `learner make-model`), data, held-out set, reward
+    and tools, where the user did not give their own."""
     from learner.models import default_model_dir, is_model_dir, make_model
-    from learner.tasks import ARITHMETIC_REWARD, write_arithmetic_dataset
+    from learner.tasks import (
+        ARITHMETIC_REWARD,
+        CALCULATOR_REWARD,
+        CALCULATOR_TOOL,
+        write_arithmetic_dataset,
+        write_calculator_dataset,
+    )
 
+    write, reward, tools = {
+        "arithmetic": (write_arithmetic_dataset, ARITHMETIC_REWARD, []),
+        "calculator": (write_calculator_dataset, CALCULATOR_REWARD, [CALCULATOR_TOOL]),
+    }[cfg.example]
     updates: dict[str, Any] = {}
     if not cfg.model:
         if not is_model_dir(default_model_dir()):
             log.warning("making %s once (learner make-model; about a minute)", default_model_dir())
         updates["model"] = str(make_model())
     if not cfg.dataset:
-        data, held_out = run_dir / "arithmetic.jsonl", run_dir / "arithmetic_eval.jsonl"
+        data, held_out = run_dir / f"{cfg.example}.jsonl", run_dir / f"{cfg.example}_eval.jsonl"
         if not data.exists():
-            write_arithmetic_dataset(data)
-            write_arithmetic_dataset(held_out, n=200, seed=1)
+            write(data)
+            write(held_out, n=200, seed=1)
         updates["dataset"] = str(data.resolve())
         if not cfg.eval_dataset and (cfg.eval_every or "eval_every" not in cfg.model_fields_set):
             updates |= {"eval_dataset": str(held_out.resolve()), "eval_every": cfg.eval_every or 10}
         if not cfg.reward:
-            updates["reward"] = [ARITHMETIC_REWARD]
+            updates["reward"] = [reward]
+        if not cfg.tools and not cfg.environment:
+            updates["tools"] = tools
     return updates
 
 

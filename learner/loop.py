@@ -442,7 +442,8 @@ class Learner(Evaluations):
         row = clean({
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
-            **group_figures(groups, step_groups, rewards_N.tolist(), trained_with, self._reward_names),
+            **group_figures(groups, step_groups, rewards_N.tolist(), trained_with, self._reward_names,
+                            episodes=bool(self.cfg.tools or self.cfg.environment)),
             **stats,
             "wait_s": wait_s,
             "step_s": step_s,

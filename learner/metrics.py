@@ -135,7 +135,7 @@ class RewardNames:
 
 
 def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[float], trained_with: int,
-                  names: RewardNames) -> dict[str, float]:
+                  names: RewardNames, episodes: bool = False) -> dict[str, float]:
     """A step's figures from its groups: the policy's reward, staleness, what was dropped
     and why, completion lengths, each reward function's mean, the scoring tier's cost.
     `rewards_N`: the trained completions' rewards; `trained_with`: the policy's version."""
@@ -168,17 +168,17 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
         "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
         **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
         **scoring_figures(groups),
-        **episode_figures(groups),
+        **episode_figures(groups, episodes),
     }
 
 
-def episode_figures(groups: list[RolloutGroup]) -> dict[str, float]:
+def episode_figures(groups: list[RolloutGroup], episodes: bool = False) -> dict[str, float]:
     """Episodes' shape, per episode: model turns, tool calls, failed calls, seconds in tools
     (the actor's own figure), the share cut at the turn limit (those cut at the token
-    limit are in `truncated_frac`), and the model's share of the episode's tokens. None
-    for a step without episodes."""
+    limit are in `truncated_frac`), and the model's share of the episode's tokens. Every
+    step of a run with tools (`episodes`) has them; others, when their groups hold episodes."""
     completions = [c for g in groups for c in g.completions]
-    if not any(c.mask is not None or c.tool_calls or c.turns > 1 for c in completions):
+    if not episodes and not any(c.mask is not None or c.tool_calls or c.turns > 1 for c in completions):
         return {}
     n = len(completions)
     tokens = sum(c.tokens.size for c in completions)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 REWARD = "actors.tasks:next_digit"
 
@@ -82,4 +83,58 @@ def arithmetic_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
 def write_arithmetic_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_rows(n, seed)))
+    return path
+
+
+# ------------------------------------------------------------------ calculator (episodes)
+
+CALCULATOR_TOOL = "learner.tasks:add"
+CALCULATOR_REWARD = "learner.tasks:final_answer"
+"""Scored on the trusted tier: the `answer` column never leaves the trusted side."""
+CALCULATOR_SYSTEM = ("You cannot add large numbers in your head. For every sum, call the add tool, "
+                     "then answer with its result.")
+"""With this and two worked exchanges in the prompt, SmolLM2-135M-Instruct calls the tool in
+about 3 of 32 samples at temperature 1.0 (with the tool offered alone: 0 of 32); GRPO takes
+it from there (README: the calculator example)."""
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers exactly.
+
+    Args:
+        a: the first integer
+        b: the second integer
+    """
+    return a + b
+
+
+def final_answer(prompts: list[Any], completions: list[Any], answer: list[str], **_: Any) -> list[float]:
+    """1.0 when the episode's last line is the answer exactly (its last assistant turn)."""
+    texts = [c[-1]["content"] if isinstance(c, list) else str(c) for c in completions]
+    return [1.0 if t.strip().splitlines()[-1:] == [str(a)] else 0.0 for t, a in zip(texts, answer, strict=True)]
+
+
+def _worked(a: int, b: int) -> list[dict[str, Any]]:
+    """A question, the tool call, its result and the answer, as chat turns."""
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
+    return [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+
+
+def calculator_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
+    """Sums of two five-digit numbers, too long to add by eye for a small model: `prompt`
+    (a system turn, two worked exchanges with the tool, the question) and `answer`."""
+    rng = random.Random(seed)
+    shots = [*_worked(4821, 9734), *_worked(51234, 77001)]
+    rows: list[dict[str, object]] = []
+    for _ in range(n):
+        a, b = rng.randint(10000, 99999), rng.randint(10000, 99999)
+        rows.append({"prompt": [{"role": "system", "content": CALCULATOR_SYSTEM}, *shots,
+                                {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+    return rows
+
+
+def write_calculator_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in calculator_rows(n, seed)))
     return path

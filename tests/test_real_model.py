@@ -55,6 +55,19 @@ def test_the_arithmetic_example_trains_the_real_model(example_run: Path) -> None
     assert all(row["answer"].split("#### ")[1].isdigit() and row["prompt"][0]["role"] == "system" for row in data)
 
 
+def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path, tmp_path: Path) -> None:
+    """Its first step: SmolLM2 offered the add tool through the ChatML fallback template,
+    episodes on the actor, the answer scored on the trusted tier, the shape reported."""
+    run_dir = tmp_path / "run"
+    proc = _learner("run", "--example", "calculator", "--run-dir", str(run_dir), "--steps", "1", "--actors", "1",
+                    "--eval-every", "0", "--model", str(real_model), "--no-tensorboard")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "episodes use Qwen2.5's ChatML tool template" in proc.stderr
+    [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert row["rejected"] == 0 and row["turns_mean"] >= 1.0 and 0.0 < row["model_token_frac"] <= 1.0, row
+    assert row["completion_len_max"] <= 96
+
+
 def test_the_exported_adapter_generates_what_the_actor_generated(example_run: Path, real_model: Path,
                                                                   tmp_path: Path) -> None:
     import torch
