@@ -55,46 +55,28 @@ EMBEDDED_DEFAULTS: dict[str, Any] = {
 """What `learner run` with no arguments trains: the next-digit task on a small model.
 Any flag the user gives overrides these."""
 
+_REAL_MODEL: dict[str, Any] = {
+    "lora_rank": 16,
+    "lora_alpha": 32.0,
+    "learning_rate": 3e-4,
+    "num_generations": 8,
+    "prompts_per_batch": 2,
+    "groups_per_step": 2,
+    "max_inflight": 6,
+    "max_staleness": 4,
+    "checkpoint_every": 8,
+    "eval_generations": 1,
+    "eval_temperature": 0.0,
+    "samples_every": 4,
+}
+"""What the examples share: SmolLM2-135M on 2 CPU cores, LoRA r16, two prompts of 8 a step,
+held-out pass@1 by greedy answers."""
+
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "arithmetic": {
-        "run": "arithmetic",
-        "steps": 30,
-        "lora_rank": 16,
-        "lora_alpha": 32.0,
-        "learning_rate": 3e-4,
-        "num_generations": 8,
-        "prompts_per_batch": 2,
-        "groups_per_step": 2,
-        "max_inflight": 6,
-        "max_staleness": 4,
-        "max_tokens": 32,
-        "temperature": 0.8,
-        "checkpoint_every": 8,
-        "eval_max_prompts": 48,
-        "eval_generations": 1,
-        "eval_temperature": 0.0,
-        "samples_every": 4,
-    },
-    "calculator": {
-        "run": "calculator",
-        "steps": 12,
-        "lora_rank": 16,
-        "lora_alpha": 32.0,
-        "learning_rate": 3e-4,
-        "num_generations": 8,
-        "prompts_per_batch": 2,
-        "groups_per_step": 2,
-        "max_inflight": 6,
-        "max_staleness": 4,
-        "max_tokens": 96,
-        "max_tool_calling_iterations": 1,
-        "temperature": 1.0,
-        "checkpoint_every": 8,
-        "eval_max_prompts": 32,
-        "eval_generations": 1,
-        "eval_temperature": 0.0,
-        "samples_every": 4,
-    },
+    "arithmetic": {**_REAL_MODEL, "run": "arithmetic", "steps": 30, "max_tokens": 32, "temperature": 0.8,
+                   "eval_max_prompts": 48},
+    "calculator": {**_REAL_MODEL, "run": "calculator", "steps": 12, "max_tokens": 96, "temperature": 1.0,
+                   "max_tool_calling_iterations": 1, "eval_max_prompts": 32},
 }
 """`learner run --example NAME`: a real model on a real task, sized for 2 CPU cores
 (arithmetic 8 to 12 minutes, calculator about 26); flags override any of it."""
