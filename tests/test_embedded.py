@@ -29,6 +29,17 @@ def _learner_exe() -> str:
     return exe
 
 
+def _cmdline(proc) -> list[str]:
+    """Its command line; none for a process that is gone or a zombie (RQ's work horses and
+    other short-lived children come and go while a test looks)."""
+    import psutil
+
+    try:
+        return proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
+
+
 def _running(proc) -> bool:
     """Alive and not a zombie (an orphan's exit status waits for whoever reaps it here)."""
     import psutil
@@ -98,7 +109,7 @@ def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp
             assert proc.poll() is None and time.monotonic() < deadline, "the run stalled"
             time.sleep(0.1)
         children = psutil.Process(proc.pid).children(recursive=True)
-        names = " ".join(" ".join(c.cmdline()) for c in children)
+        names = " ".join(" ".join(_cmdline(c)) for c in children)
         assert "proxy.cli" in names and "actors.cli run" in names and "actors.cli score" in names, names
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
@@ -113,7 +124,7 @@ def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp
         for child in children:
             if _running(child):
                 child.kill()
-    assert not alive, [" ".join(c.cmdline()) for c in alive]
+    assert not alive, [" ".join(_cmdline(c)) for c in alive]
     assert took < 60
     for log in ("proxy.log", "actor-0.log", "scorer-0.log"):  # each was told, and stopped its own way
         assert "Traceback" not in (run_dir / "logs" / log).read_text(), log
@@ -141,7 +152,7 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
             steps = len(path.read_text().splitlines()) if path.exists() else 0
             if victim is None and steps >= 3:
                 for child in psutil.Process(proc.pid).children(recursive=True):
-                    if "actors.cli" in " ".join(child.cmdline()) and "local-0" in child.cmdline():
+                    if "actors.cli" in " ".join(_cmdline(child)) and "local-0" in _cmdline(child):
                         victim = child
                         victim.send_signal(signal.SIGKILL)
                         killed_at = time.monotonic()
