@@ -10,6 +10,7 @@ which reaches its queue through the proxy, never imports a Redis client.
 
 from typing import TYPE_CHECKING, Any
 
+from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode, from_json, to_json
 from protocol.errors import (
     LeaseLost,
     LeaseMismatch,
@@ -25,26 +26,20 @@ from protocol.errors import (
 from protocol.fingerprint import fingerprint_of_model, model_fingerprint
 from protocol.keys import Keys
 from protocol.messages import (
-    DEFAULT_LIMITS,
     SCHEMA_VERSION,
     AdapterFile,
     AdapterManifest,
     ChatTurn,
     Completion,
-    Limits,
     Message,
     Prompt,
     PromptBatch,
     RolloutGroup,
     SamplingParams,
     WorkerStatus,
-    decode,
-    encode,
-    from_json,
     group_id_for,
     pack_f32,
     pack_i32,
-    to_json,
     unpack_f32,
     unpack_i32,
 )

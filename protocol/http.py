@@ -14,21 +14,18 @@ from typing import Annotated, Any
 
 import msgspec
 
+from protocol.codec import DEFAULT_LIMITS, Limits, _check_limits, _field_path
 from protocol.errors import ProtocolError
 from protocol.messages import (
-    DEFAULT_LIMITS,
     SCHEMA_VERSION,
     AdapterManifest,
     Ident,
-    Limits,
     NonNegInt,
     PosInt,
     PromptBatch,
     RolloutGroup,
     WorkerStatus,
-    _check_limits,
-    _check_schema,
-    _field_path,
+    check_schema,
 )
 from protocol.queue import (
     AdapterEvent,
@@ -56,7 +53,7 @@ class _Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     schema: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        _check_schema(self.schema)
+        check_schema(self.schema)
 
 
 # ----------------------------------------------------------------- actor routes

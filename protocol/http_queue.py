@@ -38,6 +38,7 @@ import httpx
 
 from protocol import api
 from protocol.api import Endpoint
+from protocol.codec import decode
 from protocol.errors import (
     ProtocolError,
     QueueError,
@@ -65,7 +66,7 @@ from protocol.http import (
     decode_body,
     encode_body,
 )
-from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus, decode
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
 from protocol.queue import (
     AdapterEvent,
     AdapterSubscription,

@@ -39,14 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
-from protocol.messages import (
-    DEFAULT_LIMITS,
-    AdapterManifest,
-    Limits,
-    PromptBatch,
-    RolloutGroup,
-    WorkerStatus,
-)
+from protocol.codec import DEFAULT_LIMITS, Limits
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
 
 _MAX_U64 = 2**64 - 1
 

@@ -9,9 +9,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+from protocol.codec import encode
 from protocol.errors import ProtocolError
 from protocol.keys import Keys
-from protocol.messages import AdapterManifest, encode
+from protocol.messages import AdapterManifest
 from protocol.queue import AdapterEvent, AdapterSubscription, QueueConfig
 from protocol.redis_fields import check_ids, decode_manifest, fields_of, text_of
 

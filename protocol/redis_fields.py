@@ -13,17 +13,9 @@ from typing import TypeVar
 
 import msgspec
 
+from protocol.codec import DEFAULT_LIMITS, Limits, decode
 from protocol.errors import ProtocolError
-from protocol.messages import (
-    DEFAULT_LIMITS,
-    AdapterManifest,
-    Limits,
-    PromptBatch,
-    RolloutGroup,
-    WorkerStatus,
-    decode,
-    group_id_for,
-)
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus, group_id_for
 from protocol.queue import is_entry_id
 from protocol.text import UNSAFE
 

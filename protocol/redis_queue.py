@@ -18,15 +18,10 @@ import redis
 import redis.exceptions
 
 from protocol import redis_lua
+from protocol.codec import encode
 from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable, TooManyWorkers
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
-from protocol.messages import (
-    AdapterManifest,
-    PromptBatch,
-    RolloutGroup,
-    WorkerStatus,
-    encode,
-)
+from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
 from protocol.queue import (
     DeadLetter,
     Delivery,

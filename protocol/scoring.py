@@ -21,9 +21,10 @@ from typing import Any
 
 import msgspec
 
+from protocol.codec import encode
 from protocol.errors import ProtocolError
 from protocol.keys import SCORERS_GROUP
-from protocol.messages import Prompt, RolloutGroup, encode
+from protocol.messages import Prompt, RolloutGroup
 from protocol.redis_fields import check_ids, check_worker, decode_as, fields_of, text_of
 from protocol.redis_queue import RedisQueue
 

@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
+from protocol.codec import from_json
 from protocol.errors import ProtocolError
-from protocol.messages import AdapterFile, AdapterManifest, from_json
+from protocol.messages import AdapterFile, AdapterManifest
 from protocol.retry import retry
 
 T = TypeVar("T")

@@ -20,6 +20,7 @@ from protocol import (
     is_entry_id,
 )
 from protocol.api import Endpoint
+from protocol.codec import DEFAULT_LIMITS, Limits
 from protocol.http import (
     CONTENT_TYPE,
     AckRequest,
@@ -52,7 +53,6 @@ from protocol.http import (
     WorkersResponse,
     encode_body,
 )
-from protocol.messages import DEFAULT_LIMITS, Limits
 from protocol.store import FileStore, Store, StoreMissing, adapter_key
 from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub

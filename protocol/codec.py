@@ -1,0 +1,185 @@
+"""The wire codec: messages to and from MessagePack (and JSON for files a person reads),
+validated on the way in and out, within size limits.
+
+- `decode` raises `ProtocolError` (a `ValueError`) and nothing else, whatever bytes it is
+  given; the message names the offending field.
+- Sizes are bounded twice: by `Limits.max_message_bytes` before parsing (so a hostile
+  length prefix cannot make the parser allocate more than the input) and by the per-field
+  limits after.
+- A message that would be rejected on decode is also rejected on `encode`, so a bad
+  message is caught where it was made.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from protocol.errors import ProtocolError
+from protocol.messages import (
+    TAGS,
+    AdapterManifest,
+    Message,
+    NonNegInt,
+    PosInt,
+    PromptBatch,
+    RolloutGroup,
+    WorkerStatus,
+    check_schema,
+)
+
+# ---------------------------------------------------------------------------- limits
+
+
+class Limits(msgspec.Struct, frozen=True, kw_only=True):
+    """Size limits a receiver enforces; a proxy facing the internet may lower them."""
+
+    max_message_bytes: PosInt = 16 * 1024 * 1024
+    """Largest encoded message accepted, checked before parsing."""
+    max_prompts: PosInt = 4096
+    """Most prompts in one batch."""
+    max_completions: PosInt = 1024
+    """Most completions in one rollout group."""
+    max_tokens: PosInt = 262_144
+    """Most tokens in one prompt or completion."""
+    max_text_chars: PosInt = 4 * 1024 * 1024
+    """Longest prompt or completion text."""
+    scoring_room_bytes: NonNegInt = 64 * 1024
+    """Room a submitted group leaves under `max_message_bytes` for what the trusted side
+    adds to it (the scorer's name, its timings, the group's error), plus
+    `scoring_room_per_completion` for each completion (its reward, a score per reward
+    function, a short error): a group an actor can submit is a group the tier can store."""
+    scoring_room_per_completion: NonNegInt = 1024
+
+    def submit_limit(self, completions: int) -> int:
+        """The largest encoded group of `completions` completions an actor may submit."""
+        return self.max_message_bytes - self.scoring_room_bytes - self.scoring_room_per_completion * completions
+
+
+DEFAULT_LIMITS = Limits()
+
+
+def _check_limits(msg: Message, limits: Limits) -> None:
+    def tokens(field: str, data: bytes | None) -> None:
+        if data is not None and len(data) // 4 > limits.max_tokens:
+            raise ProtocolError(
+                f"{field}: {len(data) // 4} tokens exceed the limit of {limits.max_tokens}"
+            )
+
+    def text(field: str, value: str | None) -> None:
+        if value is not None and len(value) > limits.max_text_chars:
+            raise ProtocolError(
+                f"{field}: {len(value)} characters exceed the limit of {limits.max_text_chars}"
+            )
+
+    if isinstance(msg, PromptBatch):
+        if len(msg.prompts) > limits.max_prompts:
+            raise ProtocolError(
+                f"prompts: {len(msg.prompts)} prompts exceed the limit of {limits.max_prompts}"
+            )
+        if msg.num_generations > limits.max_completions:
+            raise ProtocolError(
+                f"num_generations: {msg.num_generations} exceeds the limit of {limits.max_completions}"
+            )
+        if msg.sampling.max_tokens > limits.max_tokens:
+            raise ProtocolError(f"sampling.max_tokens: exceeds the limit of {limits.max_tokens}")
+        for i, p in enumerate(msg.prompts):
+            tokens(f"prompts[{i}].token_ids", p.token_ids)
+            text(f"prompts[{i}].text", p.text)
+            for j, turn in enumerate(p.messages or ()):
+                text(f"prompts[{i}].messages[{j}].content", turn.content)
+    elif isinstance(msg, RolloutGroup):
+        if len(msg.completions) > limits.max_completions:
+            raise ProtocolError(
+                f"completions: {len(msg.completions)} completions exceed the limit of {limits.max_completions}"
+            )
+        tokens("prompt_token_ids", msg.prompt_token_ids)
+        for i, c in enumerate(msg.completions):
+            tokens(f"completions[{i}].token_ids", c.token_ids)
+            text(f"completions[{i}].text", c.text)
+
+
+# ---------------------------------------------------------------------------- codec
+
+
+class _Envelope(msgspec.Struct):
+    """Read first, so an unknown schema version gets its own message rather than a
+    confusing complaint about fields."""
+
+    type: str
+    schema: int
+
+
+_ENVELOPE = msgspec.msgpack.Decoder(_Envelope)
+_DECODER = msgspec.msgpack.Decoder(Message)
+_ENCODER = msgspec.msgpack.Encoder()
+_JSON_ENCODER = msgspec.json.Encoder()
+_JSON_DECODER = msgspec.json.Decoder(Message)
+
+
+def _field_path(err: msgspec.MsgspecError) -> str:
+    """Rewrite msgspec's "... - at `$.a[0].b`" as "a[0].b: ..." so the field leads."""
+    text = str(err)
+    m = re.match(r"^(.*) - at `\$\.?(.*)`$", text, re.S)
+    path, detail = (m.group(2), m.group(1)) if m else ("", text)
+    if _LEADS_WITH_FIELD.match(detail):  # our own checks already name their field
+        return f"{path}.{detail}" if path else detail
+    return f"{path or 'message'}: {detail}"
+
+
+_LEADS_WITH_FIELD = re.compile(r"^[A-Za-z_][\w\[\]'.]*: ")
+
+
+def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
+    """Parse and validate one message. Raises `ProtocolError` (only) on bad input."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise ProtocolError(f"message: expected bytes, got {type(data).__name__}")
+    if len(data) > limits.max_message_bytes:
+        raise ProtocolError(
+            f"message: {len(data)} bytes exceed the limit of {limits.max_message_bytes}"
+        )
+    try:
+        envelope = _ENVELOPE.decode(data)
+        if envelope.type not in TAGS:
+            raise ProtocolError(f"type: unknown message type {envelope.type[:64]!r}")
+        check_schema(envelope.schema)
+        msg = _DECODER.decode(data)
+    except ProtocolError:
+        raise
+    except msgspec.MsgspecError as err:
+        raise ProtocolError(_field_path(err)) from None
+    except RecursionError:
+        raise ProtocolError("message: nested too deeply") from None
+    _check_limits(msg, limits)
+    return msg
+
+
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
+    """Serialize one message to MessagePack, validated exactly as `decode` would."""
+    if not isinstance(msg, PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus):
+        raise ProtocolError(f"message: cannot encode {type(msg).__name__}")
+    try:
+        data = _ENCODER.encode(msg)
+    except (TypeError, ValueError, OverflowError) as err:
+        raise ProtocolError(f"message: cannot encode: {err}") from None
+    decode(data, limits)  # field bounds are only enforced when decoding
+    return data
+
+
+def to_json(msg: Message) -> bytes:
+    """JSON for files a person may read (manifest.json); bytes fields become base64."""
+    encode(msg)
+    return _JSON_ENCODER.encode(msg)
+
+
+def from_json(data: bytes | str) -> Message:
+    """Parse a message written by `to_json`. Raises `ProtocolError` on bad input."""
+    try:
+        return _JSON_DECODER.decode(data)
+    except ProtocolError:
+        raise
+    except msgspec.MsgspecError as err:
+        raise ProtocolError(_field_path(err)) from None
+    except RecursionError:
+        raise ProtocolError("message: nested too deeply") from None
