@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from scripted import LOGP, ScriptedEngine, tool_call
+from with_worker import run_with_a_worker
 
 from actors.engine import GroupRequest, Sample
 from actors.episodes import EpisodeEngine, episode_request
@@ -298,13 +299,9 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Pat
     episodes (its model scripted, its tools real); the trusted tier scores the transcript
     decoded from the token ids against the private answer; the learner trains on the
     model's tokens only and reports the episodes' shape."""
-    import json
 
-    from actors.watcher import AdapterWatcher, ProxySource
-    from actors.worker import Worker
+    from actors.watcher import ProxySource
     from learner.config import LearnerConfig
-    from learner.loop import Learner
-    from protocol import QueueConfig, RedisQueue, open_store
 
     store = (tmp_path / "store").as_uri()
     proxy = make_proxy(store=store)
@@ -320,23 +317,8 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Pat
     engine = EpisodeEngine(ScriptedEngine(tokenizer, arithmetic_script), Toolbox(["toy_tools:add"]),
                            tool_template(tokenizer))
     actor_queue = proxy.queue("actor", lease_timeout_s=30)
-    watcher = AdapterWatcher(actor_queue, ProxySource(actor_queue), engine, tmp_path / "cache", poll_s=0.2)
-    watcher.start()
-    worker = Worker(actor_queue, engine, watcher, None, "w", claim_block_s=0.2)
-    loop = threading.Thread(target=worker.work)
-    loop.start()
-    learner_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    try:
-        state = Learner(cfg, learner_queue, open_store(store)).run()
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
-        watcher.close()
-        engine.close()
-        learner_queue.close()
-        actor_queue.close()
+    state, rows = run_with_a_worker(cfg, actor_queue, ProxySource(actor_queue), engine, None, tmp_path / "cache")
     assert state.step == 3
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "turns_mean" in r]
     assert len(steps) == 3
     for r in steps:
@@ -479,10 +461,8 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
     the episodes end when the environment says so or at the turn limit."""
     import json
 
-    from actors.watcher import AdapterWatcher, StoreSource
-    from actors.worker import Worker
+    from actors.watcher import StoreSource
     from learner.config import LearnerConfig
-    from learner.loop import Learner
     from protocol import QueueConfig, RedisQueue, open_store
     from protocol.rewards import Scorer, load_reward
 
@@ -496,27 +476,13 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
         max_tokens=800, lora_rank=4, checkpoint_every=2, tensorboard=False, max_staleness=8,
         eval_dataset=str(tmp_path / "guess.jsonl"), eval_every=1, eval_generations=4, eval_max_prompts=4,
     )
-    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     tokenizer = build_tokenizer(chatml=True)
     box = Toolbox([], environment="toy_tools:GuessNumber", workers=2)
     engine = EpisodeEngine(ScriptedEngine(tokenizer, guesser(3)), box, tool_template(tokenizer))
-    watcher = AdapterWatcher(queue, StoreSource(open_store(store)), engine, tmp_path / "cache", poll_s=0.2)
-    watcher.start()
-    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:found_it")]), "w", claim_block_s=0.2)
-    loop = threading.Thread(target=worker.work)
-    loop.start()
-    learner_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    try:
-        state = Learner(cfg, learner_queue, open_store(store)).run()
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
-        watcher.close()
-        engine.close()
-        learner_queue.close()
-        queue.close()
+    state, rows = run_with_a_worker(cfg, RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)),
+                                    StoreSource(open_store(store)), engine,
+                                    Scorer([load_reward("toy_rewards:found_it")]), tmp_path / "cache")
     assert state.step == 2
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     for r in [r for r in rows if "tool_calls_mean" in r]:
         assert r["tool_calls_mean"] > 1.0 and 0.0 < r["reward_mean"] < 1.0, r
         assert r["turns_mean"] <= 4.0 and r["turn_limit_frac"] > 0.0  # the far guessers ran out of turns

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 from factories import write_dataset
+from with_worker import run_with_a_worker
 
 from actors.hf_engine import TransformersEngine
 from actors.watcher import AdapterWatcher, StoreSource
 from actors.worker import Worker
 from learner.config import LearnerConfig
 from learner.evaluate import Evaluator, pass_at_k
-from learner.loop import Learner
 from learner.progress import read_evals
 from protocol import QueueConfig, RedisQueue, open_store
 from protocol.rewards import Scorer, load_reward
@@ -36,26 +36,9 @@ def _config(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, **overri
 def _train_with_an_actor(cfg: LearnerConfig, redis_url: str, tiny_model: Path, tmp_path: Path):
     """The learner's run, with one real actor work loop (transformers engine) in a thread;
     returns the learner's state and its metrics rows."""
-    store = open_store(cfg.store)
     actor_queue = RedisQueue.from_url(redis_url, QueueConfig(run=cfg.run))
-    learner_queue = RedisQueue.from_url(redis_url, QueueConfig(run=cfg.run))
-    engine = TransformersEngine(str(tiny_model))
-    watcher = AdapterWatcher(actor_queue, StoreSource(store), engine, tmp_path / "cache", poll_s=0.2)
-    watcher.start()
-    worker = Worker(actor_queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
-                    claim_block_s=0.2)
-    loop = threading.Thread(target=worker.work)
-    loop.start()
-    try:
-        state = Learner(cfg, learner_queue, store).run()
-    finally:
-        worker.stop()
-        loop.join(timeout=60)
-        watcher.close()
-        learner_queue.close()
-        actor_queue.close()
-    rows = [json.loads(line) for line in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
-    return state, rows
+    return run_with_a_worker(cfg, actor_queue, StoreSource(open_store(cfg.store)), TransformersEngine(str(tiny_model)),
+                             Scorer([load_reward("toy_rewards:digit_first")]), tmp_path / "cache")
 
 
 def test_evaluations_the_run_cannot_wait_for_are_recorded_as_cut_short(tiny_model: Path) -> None:
