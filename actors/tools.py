@@ -36,7 +36,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.chat import environment_methods, load_environment, load_episode_tools, load_tool
+from protocol.chat import load_environment, load_episode_tools, load_tool
 from protocol.text import printable
 
 
@@ -62,7 +62,7 @@ class Toolbox:
         tools, self.environment = load_episode_tools(specs, environment)  # fail here, in one line
         self.environment_name = self.environment.__name__ if self.environment is not None else None
         self.names = [fn.__name__ for fn in tools]
-        self.methods = {fn.__name__ for fn in environment_methods(self.environment())} if self.environment else set()
+        self.methods = set(self.names[len(specs):])  # the environment's, after the plain tools
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
         spawn = multiprocessing.get_context("spawn")
         self.pool = pebble.ProcessPool(max_workers=workers, initializer=_init_child,

@@ -325,13 +325,13 @@ class Worker:
         if batch.tools:
             box = self.engine.toolbox if isinstance(self.engine, EpisodeEngine) else None
             missing = [t for t in batch.tools if box is None or t not in box.names]
-            if missing or (box is not None and batch.environment != box.environment_name):
+            has = box.environment_name if box is not None else None
+            if missing or has != batch.environment:
                 self.queue.release(self.worker_id, lease.lease_id)
-                raise WorkerRefused(
-                    f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}"
-                    + (f" of the environment {batch.environment}" if batch.environment else "") + "; this worker "
-                    + (f"lacks {', '.join(missing)}" if missing else f"has the environment {box and box.environment_name}")
-                    + ": start it with the learner's --tools and --environment")
+                of = f" of the environment {batch.environment}" if batch.environment else ""
+                lacks = f"lacks {', '.join(missing)}" if missing else f"has the environment {has}"
+                raise WorkerRefused(f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}{of}; "
+                                    f"this worker {lacks}: start it with the learner's --tools and --environment")
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         # from choosing the version until the engine's queue names it, the watcher neither
         # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)

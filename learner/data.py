@@ -88,8 +88,7 @@ def open_sources(cfg: Any, tokenizer: Any, context: int) -> Sources:
     def source(spec: str, split: str, what: str) -> PromptSource:
         made = PromptSource(load_rows(spec, split, cfg.dataset_config), tokenizer, cfg.prompt_column, cfg.seed,
                             max_prompt_tokens=max(1, context - cfg.max_tokens),
-                            chat_template_kwargs=cfg.chat_template_kwargs, tools=tools,
-                            max_tool_calling_iterations=cfg.max_tool_calling_iterations)
+                            chat_template_kwargs=cfg.chat_template_kwargs, tools=tools)
         made.check_fits(what, cfg.max_tokens, context)
         return made
 
@@ -113,7 +112,8 @@ def episode_tools(cfg: Any, tokenizer: Any) -> Tools | None:
 
     try:
         functions, environment = load_episode_tools(cfg.tools, cfg.environment or None)
-        tools = Tools(functions, tool_template(tokenizer), environment.__name__ if environment else None)
+        tools = Tools(functions, tool_template(tokenizer), environment.__name__ if environment else None,
+                      cfg.max_tool_calling_iterations)
     except (ToolError, ToolTemplateError) as err:
         raise DataError(str(err)) from None
     say_template(tools.template)
@@ -151,6 +151,8 @@ class Tools:
     """`protocol.chat.tool_template`: None for the tokenizer's own."""
     environment: str | None = None
     """The environment's class name (its methods are among `functions`)."""
+    max_iterations: int | None = None
+    """`--max-tool-calling-iterations`."""
 
     @property
     def names(self) -> list[str]:
@@ -164,7 +166,6 @@ class PromptSource:
     def __init__(
         self, rows: list[dict[str, Any]], tokenizer: Any, prompt_column: str, seed: int, max_prompt_tokens: int,
         chat_template_kwargs: dict[str, Any] | None = None, tools: Tools | None = None,
-        max_tool_calling_iterations: int | None = None,
     ) -> None:
         if not rows:
             raise DataError("the data set has no rows")
@@ -181,7 +182,6 @@ class PromptSource:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         """Passed to the tokenizer's chat template (Qwen3's enable_thinking, ...)."""
         self.tools = tools
-        self.max_tool_calling_iterations = max_tool_calling_iterations
         self._orders: dict[int, np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -192,7 +192,7 @@ class PromptSource:
         if self.tools is None:
             return {}
         return {"tools": self.tools.names, "environment": self.tools.environment,
-                "max_tool_calling_iterations": self.max_tool_calling_iterations}
+                "max_tool_calling_iterations": self.tools.max_iterations}
 
     def row_index(self, position: int) -> int:
         """Row at run position `position` (0, 1, 2, ... across epochs)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from learner.config import LearnerConfig
 from learner.tasks import REWARD, write_next_digit_dataset
-from protocol.chat import load_environment
+from protocol.chat import load_environment, owns_reward
 from protocol.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
@@ -219,7 +219,7 @@ class LocalSystem:
                    "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
             for spec in self.cfg.reward_specs:
                 cmd += ["--reward", spec]
-            if self.cfg.environment and callable(getattr(load_environment(self.cfg.environment), "get_reward", None)):
+            if self.cfg.environment and owns_reward(load_environment(self.cfg.environment)):
                 cmd += ["--environment", self.cfg.environment]  # it owns a reward: the tier replays it
             self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log", self.lifeline))
         actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),

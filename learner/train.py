@@ -100,6 +100,7 @@ def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int
     tokens (tool results, the template's glue: `Completion.mask`) are context only: out of
     the loss, the importance weights and every token count."""
     prompts, completions, behav, rewards, sizes, truncated, model = [], [], [], [], [], [], []
+    episodes = False
     for group in groups:
         prompt = group.prompt_tokens.tolist()
         sizes.append(len(group.completions))
@@ -107,16 +108,16 @@ def build_step_batch(groups: list[RolloutGroup], cfg: LearnerConfig, pad_id: int
             prompts.append(prompt)
             completions.append(c.tokens.tolist())
             behav.append(c.logps)
-            model.append(c.model_mask if c.mask is not None else None)
+            model.append(c.model_mask)
+            episodes = episodes or c.mask is not None
             rewards.append(float(c.reward))  # type: ignore[arg-type]  # checked by the collector
             truncated.append(c.finish_reason == "length")
     seqs = pack_sequences(prompts, completions, pad_id)
     if cfg.mask_truncated_completions:
         seqs.mask_BT[torch.tensor(truncated, dtype=torch.bool, device="cpu")] = 0.0
     width = seqs.input_ids_BL.shape[1]
-    if any(m is not None for m in model):
-        ones = [m if m is not None else [1.0] * len(c) for m, c in zip(model, completions, strict=True)]
-        seqs.mask_BT.mul_(scatter_completion_values(ones, [len(p) for p in prompts], width))
+    if episodes:
+        seqs.mask_BT.mul_(scatter_completion_values(model, [len(p) for p in prompts], width))
     behav_BT = scatter_completion_values(behav, [len(p) for p in prompts], width)
     rewards_N = torch.tensor(rewards, dtype=torch.float32, device="cpu")
     return StepBatch(seqs, behav_BT, advantages(rewards_N, sizes, cfg.advantage_scale), rewards_N)

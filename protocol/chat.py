@@ -360,10 +360,15 @@ class EnvironmentReward:
                         for c in completions]
 
 
+def owns_reward(environment: type) -> bool:
+    """Whether an environment scores its episodes itself (TRL's `get_reward`)."""
+    return callable(getattr(environment, "get_reward", None))
+
+
 def environment_reward(spec: str, tokenizer: Any) -> EnvironmentReward:
     """`--environment` on the scoring tier: a class with `get_reward`, and the run's template."""
     cls = load_environment(spec)
-    if not callable(getattr(cls, "get_reward", None)):
+    if not owns_reward(cls):
         raise ToolError(f"--environment {spec!r}: {cls.__name__} has no get_reward(); the tier scores with "
                         "--reward functions alone")
     return EnvironmentReward(cls, tokenizer, tool_template(tokenizer))
