@@ -42,7 +42,7 @@ def main() -> None:
     span = rows[-1]["time"] - rows[0]["time"]
     print(f"{args.repo}: {len(rows)} steps measured, wait fraction {wait / (wait + busy):.2f}, "
           f"{len(rows) / span:.2f} steps/s, staleness {sum(r['staleness_mean'] for r in rows) / len(rows):.2f}, "
-          f"reward {rows[0]['reward_mean']:.2f} -> {rows[-1]['reward_mean']:.2f} ({took:.0f}s in all)")
+          f"reward {rows[0]['reward']:.2f} -> {rows[-1]['reward']:.2f} ({took:.0f}s in all)")
 
 
 if __name__ == "__main__":

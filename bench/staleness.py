@@ -6,7 +6,7 @@ mechanism `tests/test_evaluation.py` checks step by step), for k in `--lags`, wi
 correction in `--corrections` (`none`, `tis`, `mis`, and `ppo`: decoupled PPO with
 `--updates-per-batch 2`), over `--seeds`. Each run is the embedded default (`learner run`
 with the built-in next-digit task, its proxy and actors) for `--steps` steps. It prints the
-final reward (mean `reward_mean` of the last 10 steps) per cell as mean ± spread over the
+final reward (mean `reward` of the last 10 steps) per cell as mean ± spread over the
 seeds, and as a ratio to the on-policy run (k = 0, no correction) of the same seed. A run
 whose policy collapses (every group all-equal: nothing left to train on) is stopped after
 10 minutes and counted with the reward it had. The actors score their own groups
@@ -58,7 +58,7 @@ def final_reward(lag: int, correction: str, seed: int, steps: int, extra: list[s
         proc.wait()
         STALLED.append(f"k={lag} {correction} seed {seed}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.mean(r["reward_mean"] for r in rows[-10:]) if rows else 0.0
+    return statistics.mean(r["reward"] for r in rows[-10:]) if rows else 0.0
 
 
 def main() -> None:

@@ -119,7 +119,7 @@ def main() -> None:
     steady = rows[5:] or rows  # past the start-up
     step_s = sum(r["step_s"] for r in steady)
     wait, busy = sum(r["wait_s"] for r in steady), step_s + sum(r["publish_s"] or 0.0 for r in steady)
-    on_policy = [r["logp_abs_diff"] for r in rows if r["staleness_max"] == 0]
+    on_policy = [r["sampling/sampling_logp_difference/mean"] for r in rows if r["staleness_max"] == 0]
     figures = {
         "device": args.device, "dtype": args.dtype, "engine": args.engine, "steps": len(rows),
         "learner_tokens_per_s": sum(r["tokens"] for r in steady) / step_s,
@@ -130,9 +130,9 @@ def main() -> None:
         "publish_block_s_mean": sum(r["publish_s"] or 0.0 for r in rows) / len(rows),
         "logp_abs_diff_on_policy": sum(on_policy) / len(on_policy) if on_policy else None,
         "on_policy_steps": len(on_policy),
-        "logp_abs_diff_all": sum(r["logp_abs_diff"] for r in rows) / len(rows),
+        "logp_abs_diff_all": sum(r["sampling/sampling_logp_difference/mean"] for r in rows) / len(rows),
         "staleness_mean": sum(r["staleness_mean"] for r in rows) / len(rows),
-        "reward_first_last": [rows[0]["reward_mean"], rows[-1]["reward_mean"]],
+        "reward_first_last": [rows[0]["reward"], rows[-1]["reward"]],
         "wall_s": round(time.monotonic() - started, 1),
     }
     print(json.dumps(figures, indent=1))

@@ -136,7 +136,7 @@ class LearnerConfig(BaseModel):
     # -- reporting
     tensorboard: bool = Field(True, description="Write TensorBoard event files when tensorboard is installed (--no-tensorboard drops it from report_to).")
     report_to: list[str] = Field(["tensorboard"], description="Trackers: tensorboard, wandb, trackio, mlflow, or none (each library's own settings apply, e.g. WANDB_MODE=offline).")
-    samples_every: int = Field(10, ge=0, description="Every this many steps, send the trackers a table of a few prompts, completions and rewards (0: never).")
+    samples_every: int = Field(10, ge=0, description="Every this many steps, send the trackers TRL's completions table: a few prompts, completions, rewards (in all and by function) and advantages (0: never).")
     log_every: int = Field(1, ge=1, description="Console line every this many steps.")
 
     @field_validator("report_to", mode="before")
@@ -342,7 +342,7 @@ TRL_ONLY: dict[str, str] = {
     **_each("entropy_coef use_adaptive_entropy entropy_coef_min entropy_coef_max entropy_coef_delta entropy_target",
             "an entropy bonus is not built; the entropy is logged each step"),
     **_each("log_multimodal num_completions_to_print log_unique_prompts",
-            "a table of prompts, completions and rewards goes to the trackers every --samples-every steps"),
+            "TRL's completions table goes to the trackers every --samples-every steps"),
 }
 """GRPOConfig keys with no counterpart here, and what to do instead (every key of TRL
 1.16's GRPOConfig is answered: ours by the same name, `TRL_NAMES`, `TRL_VALUES`, or this;

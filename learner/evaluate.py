@@ -189,11 +189,11 @@ class Evaluator:
             "eval/prompts": len(run.groups) - failed,
             "eval/lost_prompts": self.prompts() - len(run.groups),
             "eval/failed_groups": failed,
-            "eval/reward_mean": _mean(rewards),
+            "eval/reward": _mean(rewards),
             "eval/pass@1": _mean(p1),
             f"eval/pass@{k}": _mean(pk),
-            "eval/completion_len_mean": _mean([float(n) for n in lengths]),
-            "eval/completion_len_max": max(lengths) if lengths else math.nan,
+            "eval/completions/mean_length": _mean([float(n) for n in lengths]),
+            "eval/completions/max_length": max(lengths) if lengths else math.nan,
         }
 
 
@@ -275,5 +275,5 @@ class Evaluations:
         figures = self.evaluator.record(group)
         self._eval_done(figures)
         if figures is not None:
-            log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward_mean"],
+            log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward"],
                      figures["eval/pass@1"])

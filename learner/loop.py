@@ -25,10 +25,10 @@ from learner.evaluate import Evaluations, Evaluator
 from learner.fleet import FleetWatch
 from learner.judge import Bounds, RepeatedWarnings, StepGroups, judge
 from learner.ledger import PromptLedger
-from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures
+from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
 from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
-from learner.train import build_step_batch
+from learner.train import StepBatch, build_step_batch
 from learner.trainer import Trainer
 from protocol import (
     Delivery,
@@ -121,7 +121,7 @@ class Learner(Evaluations):
                 self.state.count("trained_groups", len(groups))
                 step_s = time.monotonic() - started
                 publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
-                self.report(groups, batch.rewards_N, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
+                self.report(groups, batch, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
                 if self.state.step % cfg.checkpoint_every == 0:
                     self.checkpoint()
             # groups dropped since the last checkpoint (flat or stale, while collecting for a
@@ -436,15 +436,18 @@ class Learner(Evaluations):
             raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
 
     # ----------------------------------------------------------------- metrics
-    def report(self, groups: list[RolloutGroup], rewards_N: torch.Tensor, stats: dict[str, float], trained_with: int,
+    def report(self, groups: list[RolloutGroup], batch: StepBatch, stats: dict[str, float], trained_with: int,
                *, wait_s: float, step_s: float, publish_s: float) -> None:
         step_groups, self._step_groups = self._step_groups, StepGroups()
+        self.state.count("num_tokens", sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size
+                                           for g in groups for c in g.completions))
         row = clean({
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
-            **group_figures(groups, step_groups, rewards_N.tolist(), trained_with, self._reward_names,
+            **group_figures(groups, step_groups, batch.rewards_N.tolist(), trained_with, self._reward_names,
                             episodes=bool(self.cfg.tools or self.cfg.environment)),
             **stats,
+            "num_tokens": self.state.totals["num_tokens"],  # TRL's: prompt and completion tokens trained on, run-long
             "wait_s": wait_s,
             "step_s": step_s,
             "publish_s": publish_s,
@@ -459,12 +462,7 @@ class Learner(Evaluations):
         assert self.metrics is not None
         self.metrics.write(row, [g.group_id for g in groups], step_groups.reasons())
         if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
-            decode = self.policy.tokenizer.decode
-            self.metrics.samples([
-                (str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)),  # what is trained, not a sent text
-                 str(decode(c.tokens.tolist(), skip_special_tokens=True)), float(c.reward or 0.0))
-                for g in groups[:4] for c in g.completions[:2]
-            ], self.state.step)
+            self.metrics.samples(samples(groups, batch.advantages_N.tolist(), self.policy.tokenizer.decode), self.state.step)
         if self.on_step is not None:
             self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:

@@ -5,6 +5,14 @@ console line, and the trackers.
 Also `consumed.jsonl`: per step, the ids of the rollout groups trained on and of those
 dropped (with the reason), the audit trail of exactly-once training. On resume both
 files are cut back to the checkpoint's step, because the steps after it are redone.
+
+Names follow TRL's GRPOTrainer where TRL has one (`reward`, `reward_std`,
+`rewards/<fn>/mean`, `kl`, `entropy`, `clip_ratio/region_mean`, `completions/mean_length`,
+`completions/clipped_ratio`, `frac_reward_zero_std`, `num_tokens`, `tools/call_frequency`,
+`sampling/importance_sampling_ratio/mean`, ...), unprefixed in `metrics.jsonl` as in TRL's
+`log_history`; spotgrpo's own figures (staleness, drops, queue and timing figures) sit
+beside them. The trackers get every figure under `train/` (evaluations under `eval/`),
+as TRL's callbacks write them.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import json
 import logging
 import math
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +34,6 @@ log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
 CONSUMED = "consumed.jsonl"
 EVALS = "evals.jsonl"
-
-STEP_KEYS = (
-    "step", "adapter_version", "reward_mean", "reward_std", "groups", "tokens",
-    "staleness_mean", "staleness_max", "dropped_stale", "dropped_flat", "rejected",
-    "is_weight_mean", "is_weight_max", "is_truncated_frac", "ess", "kl_behaviour_k3",
-    "clip_frac", "entropy", "loss", "grad_norm", "wait_s", "step_s", "publish_s", "skipped_updates",
-)  # fmt: skip
 
 
 def truncate_after(path: Path, step: int) -> None:
@@ -69,7 +71,9 @@ class MetricsLog:
         self._metrics.flush()
         self._consumed.write(json.dumps({"step": row["step"], "trained": trained, "dropped": dropped}) + "\n")
         self._consumed.flush()
-        numbers = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, int | float)}
+        # `time` is a timestamp, not a figure to plot
+        numbers = {f"train/{k}": float(v) for k, v in row.items()
+                   if k not in ("step", "time") and isinstance(v, int | float)}
         for tracker in self.trackers:
             tracker.log(numbers, row["step"])
 
@@ -109,9 +113,9 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
     skipped = f"  SKIPPED {row['skipped_updates']} update(s)" if row.get("skipped_updates") else ""
     return (
         f"step {row['step']:>5}/{total_steps}  v{row['adapter_version']:<4} "
-        f"reward {f('reward_mean', '.3f')}±{f('reward_std', '.3f')}  "
+        f"reward {f('reward', '.3f')}±{f('reward_std', '.3f')}  "
         f"stale {f('staleness_mean', '.2f')}/{f('staleness_max', '')}  "
-        f"is_w {f('is_weight_mean', '.3f')}  loss {f('loss', '+.4f')}  gnorm {f('grad_norm', '.3f')}  "
+        f"is_w {f('sampling/importance_sampling_ratio/mean', '.3f')}  loss {f('loss', '+.4f')}  gnorm {f('grad_norm', '.3f')}  "
         f"groups {row['groups']} drop {row['dropped_stale']}s/{row['dropped_flat']}f/{row['rejected']}r  "
         f"wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s pub {publish}ms{skipped}"
     )
@@ -134,14 +138,35 @@ class RewardNames:
         return name in self.names
 
 
+def samples(groups: list[RolloutGroup], advantages_N: list[float], decode: Callable[..., Any],
+            most: int = 4, per_group: int = 2) -> list[Sample]:
+    """TRL's completions table for a few of a step's groups: prompt, completion (both decoded
+    from the token ids trained on, never an actor's text), reward, each reward function's
+    value and the advantage."""
+    rows: list[Sample] = []
+    offset = 0
+    for g in groups[:most]:
+        for i, c in enumerate(g.completions[:per_group]):
+            rows.append({"prompt": str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)),
+                         "completion": str(decode(c.tokens.tolist(), skip_special_tokens=True)),
+                         "reward": float(c.reward or 0.0),
+                         **{name: float(v) for name, v in sorted(c.reward_components.items()) if v is not None},
+                         "advantage": float(advantages_N[offset + i])})
+        offset += len(g.completions)
+    return rows
+
+
 def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[float], trained_with: int,
                   names: RewardNames, episodes: bool = False) -> dict[str, float]:
-    """A step's figures from its groups: the policy's reward, staleness, what was dropped
-    and why, completion lengths, each reward function's mean, the scoring tier's cost.
-    `rewards_N`: the trained completions' rewards; `trained_with`: the policy's version."""
+    """A step's figures from its groups, under TRL's names where TRL has one (`reward`,
+    `reward_std`, `rewards/<fn>/mean`, `completions/*`, `frac_reward_zero_std`): the
+    policy's reward, staleness, what was dropped and why, completion lengths, each reward
+    function's mean, the scoring tier's cost. `rewards_N`: the trained completions'
+    rewards; `trained_with`: the policy's version."""
     staleness = [trained_with - g.adapter_version for g in groups]
     completions = [c for g in groups for c in g.completions]
     lengths = [c.tokens.size for c in completions]
+    ended = [c.tokens.size for c in completions if c.finish_reason != "length"] or [0]
     components: dict[str, list[float]] = {}
     for c in completions:
         for name, value in c.reward_components.items():
@@ -152,9 +177,12 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
     # stale groups included (the trained groups alone overstate it early on)
     scored = rewards_N + step.dropped_rewards()
     return {
-        "reward_mean": sum(scored) / len(scored),
-        "reward_std": statistics.stdev(scored) if len(scored) > 1 else 0.0,
+        "reward": sum(scored) / len(scored),
+        "reward_std": _std(scored),
         "reward_trained_mean": sum(rewards_N) / len(rewards_N),
+        # flat groups are dropped before the step (they carry no signal), so TRL's share
+        # of zero-std groups is the flat share of what this step consumed
+        "frac_reward_zero_std": step.count("dropped_flat") / consumed,
         "groups": len(groups),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
@@ -163,29 +191,38 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
         "rejected": sum(1 for _, r in step.dropped if r.startswith("rejected_")),
         "dropped_stale_rate": step.count("dropped_stale") / consumed,
         "dropped_flat_rate": step.count("dropped_flat") / consumed,
-        "completion_len_mean": sum(lengths) / len(lengths),
-        "completion_len_max": max(lengths),
-        "truncated_frac": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
-        **{f"reward/{name}": sum(v) / len(v) for name, v in sorted(components.items())},
+        "completions/mean_length": sum(lengths) / len(lengths),
+        "completions/min_length": min(lengths),
+        "completions/max_length": max(lengths),
+        "completions/clipped_ratio": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
+        "completions/mean_terminated_length": sum(ended) / len(ended),
+        **{f"rewards/{name}/{k}": v for name, values in sorted(components.items())
+           for k, v in (("mean", sum(values) / len(values)), ("std", _std(values)))},
         **scoring_figures(groups),
         **episode_figures(groups, episodes),
     }
 
 
+def _std(values: list[float]) -> float:
+    return statistics.stdev(values) if len(values) > 1 else 0.0
+
+
 def episode_figures(groups: list[RolloutGroup], episodes: bool = False) -> dict[str, float]:
-    """Episodes' shape, per episode: model turns, tool calls, failed calls, seconds in tools
+    """Episodes' shape, per episode: model turns, tool calls (TRL's `tools/call_frequency`),
+    the share of calls that failed (`tools/failure_frequency`), seconds in tools
     (the actor's own figure), the share cut at the turn limit (those cut at the token
-    limit are in `truncated_frac`), and the model's share of the episode's tokens. Every
+    limit are in `completions/clipped_ratio`), and the model's share of the episode's tokens. Every
     step of a run with tools (`episodes`) has them; others, when their groups hold episodes."""
     completions = [c for g in groups for c in g.completions]
     if not episodes and not any(c.mask is not None or c.tool_calls or c.turns > 1 for c in completions):
         return {}
     n = len(completions)
     tokens = sum(c.tokens.size for c in completions)
+    calls = sum(c.tool_calls for c in completions)
     return {
         "turns_mean": sum(c.turns for c in completions) / n,
-        "tool_calls_mean": sum(c.tool_calls for c in completions) / n,
-        "tool_errors_mean": sum(c.tool_errors for c in completions) / n,
+        "tools/call_frequency": calls / n,
+        "tools/failure_frequency": sum(c.tool_errors for c in completions) / calls if calls else 0.0,
         "tool_s_mean": sum(g.timings.get("tool_s", 0.0) for g in groups) / n,
         "turn_limit_frac": sum(c.turn_limit for c in completions) / n,
         "model_token_frac": sum(c.model_tokens for c in completions) / max(tokens, 1),

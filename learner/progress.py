@@ -47,7 +47,7 @@ class LiveProgress:
             table.add_row("0", "-", "-", "-", "-", "-", "v0", str(self.actors_alive()), "-", "-")
             return table
         row = self.rows[-1]
-        recent = [r["reward_mean"] for r in self.rows[-5:]]
+        recent = [r["reward"] for r in self.rows[-5:]]
         elapsed = max(time.monotonic() - self.started, 1e-6)
         groups = sum(r["groups"] + r["dropped_stale"] + r["dropped_flat"] + r["rejected"] for r in self.rows)
         try:
@@ -56,7 +56,7 @@ class LiveProgress:
         except Exception:  # the display must never take the run down
             queued = ("?", "?")
         table.add_row(
-            f"{row['step']}/{self.total}", f"{row['reward_mean']:.3f}", f"{sum(recent) / len(recent):.3f}",
+            f"{row['step']}/{self.total}", f"{row['reward']:.3f}", f"{sum(recent) / len(recent):.3f}",
             f"{row['staleness_mean']:.2f}", str(row["staleness_max"]), f"{groups / elapsed:.1f}",
             f"v{row['adapter_version']}", str(self.actors_alive()), *queued,
         )
@@ -86,11 +86,11 @@ def plot(run_dir: Path) -> Path | None:
 
     steps = [r["step"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(steps, [r["reward_mean"] for r in rows], label="reward (all completions)")
-    top.plot(steps, [r.get("reward_trained_mean", r["reward_mean"]) for r in rows], alpha=0.5, label="reward (trained groups)")
-    evals = [r for r in read_evals(run_dir) if r.get("eval/reward_mean") is not None]
+    top.plot(steps, [r["reward"] for r in rows], label="reward (all completions)")
+    top.plot(steps, [r.get("reward_trained_mean", r["reward"]) for r in rows], alpha=0.5, label="reward (trained groups)")
+    evals = [r for r in read_evals(run_dir) if r.get("eval/reward") is not None]
     if evals:
-        top.plot([r["step"] for r in evals], [r["eval/reward_mean"] for r in evals], marker="o",
+        top.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], marker="o",
                  label="eval reward (held-out, per version)")
         top.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], marker="x", linestyle=":",
                  label="eval pass@1")
@@ -117,8 +117,8 @@ def summarise(run_dir: Path, wall_s: float, extra: dict[str, Any]) -> dict[str, 
     summary: dict[str, Any] = {
         "steps": rows[-1]["step"] if rows else 0,
         "wall_s": round(wall_s, 1),
-        "reward_first_5": round(sum(r["reward_mean"] for r in head) / len(head), 4) if head else None,
-        "reward_last_5": round(sum(r["reward_mean"] for r in tail) / len(tail), 4) if tail else None,
+        "reward_first_5": round(sum(r["reward"] for r in head) / len(head), 4) if head else None,
+        "reward_last_5": round(sum(r["reward"] for r in tail) / len(tail), 4) if tail else None,
         "staleness_max": max((r["staleness_max"] for r in rows), default=0),
         "adapter_version": rows[-1]["adapter_version"] if rows else 0,
         "evaluations": {

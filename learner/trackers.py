@@ -1,8 +1,9 @@
 """Experiment trackers, each through its own library's API: TensorBoard, Weights & Biases,
 trackio and MLflow (`--report-to tensorboard wandb trackio mlflow`, or `none`).
 
-Every tracker gets each step's figures (the `metrics.jsonl` row: numbers only) and, every
-`samples_every` steps, a table of a few prompts with their completions and rewards. Each
+Every tracker gets each step's figures (the `metrics.jsonl` row's numbers, under `train/`;
+evaluations under `eval/`) and, every `samples_every` steps, TRL's completions table: a few
+prompts with their completions, rewards (in all and by function) and advantages. Each
 library's own settings apply as usual: `WANDB_MODE=offline`, `WANDB_PROJECT`,
 `TRACKIO_DIR`, `MLFLOW_TRACKING_URI` (default here: `file:<run dir>/mlruns`), ... The
 libraries other than TensorBoard are optional extras (`pip install 'spotgrpo[trackers]'`);
@@ -19,8 +20,22 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-Sample = tuple[str, str, float]
-"""(prompt, completion, reward) of one completion, for the samples table."""
+Sample = dict[str, str | float]
+"""One completion's row of the completions table: prompt, completion, reward, one column
+per reward function, advantage."""
+
+TABLE = "completions"
+"""The table's name in every tracker (TRL's)."""
+
+
+def columns(rows: list[Sample]) -> list[str]:
+    """Every row's columns, in the order they first appear (a function that returned None
+    for one completion has no value in its row)."""
+    return list(dict.fromkeys(k for row in rows for k in row))
+
+
+def _value(row: Sample, column: str) -> str | float | None:
+    return row.get(column)
 
 
 class TrackerError(ValueError):
@@ -46,12 +61,13 @@ class TensorBoard(Tracker):
 
     def log(self, row: dict[str, float], step: int) -> None:
         for key, value in row.items():
-            self.writer.add_scalar(f"learner/{key}", value, step)
+            self.writer.add_scalar(key, value, step)
 
     def samples(self, rows: list[Sample], step: int) -> None:
-        table = "| prompt | completion | reward |\n|---|---|---|\n" + "".join(
-            f"| {_cell(p)} | {_cell(c)} | {r:.3f} |\n" for p, c, r in rows)
-        self.writer.add_text("learner/samples", table, step)
+        names = columns(rows)
+        table = "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n" + "".join(
+            "| " + " | ".join(_cell(row.get(n)) for n in names) + " |\n" for row in rows)
+        self.writer.add_text(TABLE, table, step)
 
     def close(self) -> None:
         self.writer.close()
@@ -69,8 +85,9 @@ class WandB(Tracker):
         self.run.log(row, step=step)
 
     def samples(self, rows: list[Sample], step: int) -> None:
-        self.run.log({"samples": self.wandb.Table(columns=["prompt", "completion", "reward"],
-                                                  data=[list(r) for r in rows])}, step=step)
+        names: list[str | int] = list(columns(rows))
+        self.run.log({TABLE: self.wandb.Table(columns=names, data=[[_value(r, str(n)) for n in names] for r in rows])},
+                     step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -90,8 +107,8 @@ class Trackio(Tracker):
     def samples(self, rows: list[Sample], step: int) -> None:
         import pandas as pd
 
-        table = self.trackio.Table(dataframe=pd.DataFrame(rows, columns=["prompt", "completion", "reward"]))
-        self.trackio.log({"samples": table}, step=step)
+        table = self.trackio.Table(dataframe=pd.DataFrame(rows, columns=columns(rows)))
+        self.trackio.log({TABLE: table}, step=step)
 
     def close(self) -> None:
         self.trackio.finish()
@@ -116,8 +133,8 @@ class MLflow(Tracker):
         self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in row.items()}, step=step)
 
     def samples(self, rows: list[Sample], step: int) -> None:
-        self.mlflow.log_table({"prompt": [r[0] for r in rows], "completion": [r[1] for r in rows],
-                               "reward": [r[2] for r in rows]}, artifact_file=f"samples/step-{step}.json")
+        self.mlflow.log_table({n: [_value(r, n) for r in rows] for n in columns(rows)},
+                              artifact_file=f"{TABLE}/step-{step}.json")
 
     def close(self) -> None:
         self.mlflow.end_run()
@@ -168,5 +185,9 @@ def open_trackers(names: list[str], run_dir: Path, run: str, config: dict[str, A
     return out
 
 
-def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")[:200]
+def _cell(value: str | float | None) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return value.replace("|", "\\|").replace("\n", " ")[:200]

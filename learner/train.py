@@ -157,11 +157,12 @@ def receive_step(dist: Dist, b: int, width: int) -> tuple[StepBatch, list[int]]:
 class _Sums:
     """Running sums of the loss-side metrics over micro-batches (this rank's)."""
 
-    KEYS = ("loss", "w_sum", "w_sq", "corrected", "k3", "clipped", "entropy", "kl_ref", "tokens", "logp_diff")
+    KEYS = ("loss", "w_sum", "w_sq", "corrected", "k3", "clipped", "clipped_low", "entropy", "kl_ref", "tokens",
+            "logp_diff")
 
     def __init__(self) -> None:
         self.v = dict.fromkeys(self.KEYS, 0.0)
-        self.w_max = 0.0
+        self.w_max, self.w_min = 0.0, math.inf
 
     def add(self, loss: float, t: Terms, mb: StepBatch) -> None:
         m = mb.seqs.mask_BT.bool()
@@ -169,10 +170,14 @@ class _Sums:
         self.v["loss"] += loss
         self.v["w_sum"] += float(r.sum())
         self.v["w_sq"] += float((r * r).sum())
-        self.w_max = max(self.w_max, float(r.max())) if r.numel() else self.w_max
+        if r.numel():
+            self.w_max, self.w_min = max(self.w_max, float(r.max())), min(self.w_min, float(r.min()))
         self.v["corrected"] += float(t.weights.corrected_BT[m].sum())
         self.v["k3"] += float((r - 1 - r.log()).sum())
         self.v["clipped"] += float(t.clipped_BT[m].sum())
+        # a clip binds below the ratio's range for a negative advantage, above it for a positive one
+        low_BT = t.clipped_BT & (mb.advantages_N < 0).unsqueeze(1)
+        self.v["clipped_low"] += float(low_BT[m].sum())
         self.v["entropy"] += float(t.entropy_BT[m].sum())
         self.v["tokens"] += float(m.sum())
         self.v["logp_diff"] += float((t.logp_BT.detach() - mb.behav_logp_BT)[m].abs().sum())
@@ -184,6 +189,7 @@ class _Sums:
         totals = dist.all_reduce([self.v[k] for k in self.KEYS])
         self.v = dict(zip(self.KEYS, totals, strict=True))
         self.w_max = dist.all_reduce([self.w_max], op="max")[0]
+        self.w_min = -dist.all_reduce([-self.w_min], op="max")[0]
 
 
 LOGITS_BYTES = 1 << 30
@@ -324,14 +330,19 @@ def train_on(
         "loss": v["loss"] / k,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else math.nan,
         "tokens": int(v["tokens"]),
-        "is_weight_mean": v["w_sum"] / n,
-        "is_weight_max": sums.w_max,
+        # TRL's names: its importance sampling ratio corrects the engine's mismatch, this one
+        # also the policy's lag (pi_theta / mu of the version that generated)
+        "sampling/importance_sampling_ratio/min": sums.w_min if math.isfinite(sums.w_min) else math.nan,
+        "sampling/importance_sampling_ratio/mean": v["w_sum"] / n,
+        "sampling/importance_sampling_ratio/max": sums.w_max,
+        "sampling/sampling_logp_difference/mean": v["logp_diff"] / n,
         "is_truncated_frac": v["corrected"] / n,
         "ess": (v["w_sum"] ** 2) / (n * v["w_sq"]) if v["w_sq"] > 0 else 1.0,
         "kl_behaviour_k3": v["k3"] / n,
-        "clip_frac": v["clipped"] / n,
+        "clip_ratio/low_mean": v["clipped_low"] / n,
+        "clip_ratio/high_mean": (v["clipped"] - v["clipped_low"]) / n,
+        "clip_ratio/region_mean": v["clipped"] / n,
         "entropy": v["entropy"] / n,
-        "kl_ref_k3": v["kl_ref"] / n,
-        "logp_abs_diff": v["logp_diff"] / n,
+        "kl": v["kl_ref"] / n,
         "learning_rate": float(scheduler.get_last_lr()[0]),
     }

@@ -67,12 +67,12 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
     # no terminal (a pipe here; nohup, CI, docker logs): a plain line per step, not a live table
     assert len(re.findall(r"step +\d+/40 ", proc.stderr)) == 40, proc.stderr[-3000:]
     assert "\ndone: 40 steps" in proc.stderr and "held-out pass@1" in proc.stderr
-    first = sum(r["reward_mean"] for r in rows[:5]) / 5
-    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
+    first = sum(r["reward"] for r in rows[:5]) / 5
+    last = sum(r["reward"] for r in rows[-5:]) / 5
     assert last > first + 0.2, (first, last)
     assert max(r["staleness_max"] for r in rows) <= 4  # the embedded max_staleness
     # each reward function's own mean is logged, beside the weighted total
-    assert all(r["reward/next_digit"] == pytest.approx(r["reward_trained_mean"]) for r in rows)
+    assert all(r["rewards/next_digit/mean"] == pytest.approx(r["reward_trained_mean"]) for r in rows)
     assert (run_dir / "curve.png").stat().st_size > 10_000
     # held-out evaluation: the base model first, then every 10th version; it learns there too
     evals = read_evals(run_dir)

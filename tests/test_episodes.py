@@ -322,10 +322,10 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Pat
     steps = [r for r in rows if "turns_mean" in r]
     assert len(steps) == 3
     for r in steps:
-        assert r["turns_mean"] == 1.5 and r["tool_calls_mean"] == 0.5 and r["tool_errors_mean"] == 0.0
+        assert r["turns_mean"] == 1.5 and r["tools/call_frequency"] == 0.5 and r["tools/failure_frequency"] == 0.0
         assert 0.0 < r["model_token_frac"] < 1.0 and r["turn_limit_frac"] == 0.0
-        assert r["reward_mean"] == 0.5  # the tool users answer right, the guessers do not: scored by the tier
-        assert r["tokens"] < r["completion_len_mean"] * 8  # the environment's tokens are not trained
+        assert r["reward"] == 0.5  # the tool users answer right, the guessers do not: scored by the tier
+        assert r["tokens"] < r["completions/mean_length"] * 8  # the environment's tokens are not trained
 
 
 @pytest.mark.redis
@@ -483,8 +483,8 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
                                     StoreSource(open_store(store)), engine,
                                     Scorer([load_reward("toy_rewards:found_it")]), tmp_path / "cache")
     assert state.step == 2
-    for r in [r for r in rows if "tool_calls_mean" in r]:
-        assert r["tool_calls_mean"] > 1.0 and 0.0 < r["reward_mean"] < 1.0, r
+    for r in [r for r in rows if "tools/call_frequency" in r]:
+        assert r["tools/call_frequency"] > 1.0 and 0.0 < r["reward"] < 1.0, r
         assert r["turns_mean"] <= 4.0 and r["turn_limit_frac"] > 0.0  # the far guessers ran out of turns
     from learner.progress import read_evals
 

@@ -283,8 +283,8 @@ def test_an_adapter_with_a_nan_is_never_published(tmp_path: Path, tiny_model: Pa
 def test_the_console_line_copes_with_missing_figures() -> None:
     from learner.metrics import console_line
 
-    row = {"step": 3, "adapter_version": 2, "reward_mean": None, "reward_std": None, "staleness_mean": 0.5,
-           "staleness_max": 1, "is_weight_mean": None, "loss": None, "grad_norm": None, "groups": 4,
+    row = {"step": 3, "adapter_version": 2, "reward": None, "reward_std": None, "staleness_mean": 0.5,
+           "staleness_max": 1, "sampling/importance_sampling_ratio/mean": None, "loss": None, "grad_norm": None, "groups": 4,
            "dropped_stale": 0, "dropped_flat": 1, "rejected": 0, "wait_s": 0.1, "step_s": None, "publish_s": None,
            "skipped_updates": 1}
     line = console_line(row, 10)
@@ -310,13 +310,19 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
         actor.close()
         actor.queue.close()
     rows = metrics(cfg.resolved_run_dir)
-    first, last = np.mean([r["reward_mean"] for r in rows[:3]]), np.mean([r["reward_mean"] for r in rows[-5:]])
+    first, last = np.mean([r["reward"] for r in rows[:3]]), np.mean([r["reward"] for r in rows[-5:]])
     assert last > first + 0.3, (first, last)
     assert max(r["staleness_max"] for r in rows) <= cfg.max_staleness
-    for key in ("is_weight_mean", "ess", "kl_behaviour_k3", "clip_frac", "entropy", "grad_norm", "wait_s", "publish_s"):
+    for key in ("sampling/importance_sampling_ratio/mean", "ess", "kl_behaviour_k3", "clip_ratio/region_mean", "entropy",
+                "grad_norm", "wait_s", "publish_s"):
         assert all(r[key] is not None for r in rows), key
-    assert all(1 <= r["completion_len_mean"] <= r["completion_len_max"] <= cfg.max_tokens for r in rows)
-    assert all(0 <= r["truncated_frac"] <= 1 and 0 <= r["dropped_flat_rate"] <= 1 for r in rows)
+    for r in rows:  # TRL's figures hold together
+        assert r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"] == pytest.approx(r["clip_ratio/region_mean"])
+        ratio = [r[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
+        assert ratio == sorted(ratio) and r["frac_reward_zero_std"] == r["dropped_flat_rate"]
+    assert [r["num_tokens"] for r in rows] == sorted(r["num_tokens"] for r in rows) and rows[0]["num_tokens"] > 0
+    assert all(1 <= r["completions/mean_length"] <= r["completions/max_length"] <= cfg.max_tokens for r in rows)
+    assert all(0 <= r["completions/clipped_ratio"] <= 1 and 0 <= r["dropped_flat_rate"] <= 1 for r in rows)
     assert list((cfg.resolved_run_dir / "tensorboard").iterdir())
     assert queue.stats().rollouts.pending == 0  # everything consumed was acknowledged at the last checkpoint
     # the dedup records hold only the batches still in flight, not the 160 groups trained

@@ -46,7 +46,7 @@ def test_the_arithmetic_example_trains_the_real_model(example_run: Path) -> None
     rows = [json.loads(line) for line in (example_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rejected"] == 0 for r in rows), rows  # nothing too long, nothing malformed
-    assert all(r["completion_len_max"] <= 32 for r in rows)
+    assert all(r["completions/max_length"] <= 32 for r in rows)
     evals = {r["eval/version"]: r for r in (json.loads(x) for x in (example_run / "evals.jsonl").read_text().splitlines())}
     assert sorted(evals) == [0, 3] and all(r["eval/prompts"] == 6 and "eval/cut_short" not in r for r in evals.values())
     summary = json.loads((example_run / "summary.json").read_text())
@@ -65,7 +65,7 @@ def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path
     assert "episodes use Qwen2.5's ChatML tool template" in proc.stderr
     [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert row["rejected"] == 0 and row["turns_mean"] >= 1.0 and 0.0 < row["model_token_frac"] <= 1.0, row
-    assert row["completion_len_max"] <= 96
+    assert row["completions/max_length"] <= 96
 
 
 def test_the_exported_adapter_generates_what_the_actor_generated(example_run: Path, real_model: Path,

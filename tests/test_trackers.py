@@ -21,6 +21,12 @@ from protocol import QueueConfig, RedisQueue, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
+TRL_NAMES = {"train/reward", "train/reward_std", "train/kl", "train/entropy", "train/clip_ratio/region_mean",
+             "train/completions/mean_length", "train/completions/clipped_ratio", "train/frac_reward_zero_std",
+             "train/num_tokens", "train/loss", "train/grad_norm", "train/learning_rate",
+             "train/sampling/importance_sampling_ratio/mean", "train/staleness_mean"}
+"""TRL's GRPOTrainer names that dashboards look for, and one of spotgrpo's beside them."""
+
 
 def test_report_to_is_read_as_trl_writes_it() -> None:
     assert load_config(None, {"report_to": "wandb,mlflow"}).report_to == ["wandb", "mlflow"]
@@ -55,8 +61,15 @@ def test_every_tracker_writes_its_files(tmp_path: Path, tiny_model: Path, redis_
     assert done.returncode == 0, done.stderr[-4000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
-    # TensorBoard
-    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    # TensorBoard: TRL's names under train/, the completions table as text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert TRL_NAMES <= scalars, TRL_NAMES - scalars
+    assert "train/time" not in scalars and not any(t.startswith("learner/") for t in scalars)
+    assert len(events.Scalars("train/reward")) == 4
+    assert "completions/text_summary" in events.Tags()["tensors"], events.Tags()
     # W&B offline: a run file with the history in it
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 1000, runs
@@ -67,8 +80,13 @@ def test_every_tracker_writes_its_files(tmp_path: Path, tiny_model: Path, redis_
         tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert "metrics" in tables, tables
         logged = [json.loads(r[0]) for r in db.execute("SELECT metrics FROM metrics")]
-    assert sum(1 for m in logged if "reward_mean" in m) == 4
-    # MLflow file store: a metric file per key, with every step, and the samples tables
-    metric_files = list((run_dir / "mlruns").rglob("metrics/reward_mean"))
+    assert sum(1 for m in logged if TRL_NAMES <= m.keys()) == 4
+    assert not any("train/time" in m for m in logged)
+    # MLflow file store: a metric file per key, with every step, and the completions tables
+    metric_files = list((run_dir / "mlruns").rglob("metrics/train/reward"))
     assert len(metric_files) == 1 and len(metric_files[0].read_text().splitlines()) == 4
-    assert len(list((run_dir / "mlruns").rglob("samples/step-*.json"))) == 2
+    assert list(metric_files[0].parent.rglob("clip_ratio/region_mean"))
+    tables = sorted((run_dir / "mlruns").rglob("completions/step-*.json"))
+    assert len(tables) == 2
+    table = json.loads(tables[0].read_text())
+    assert {"prompt", "completion", "reward", "advantage"} <= set(table["columns"]), table["columns"]
