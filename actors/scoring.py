@@ -120,7 +120,8 @@ def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_b
     submitted = entry_time(item.entry_id)
     timings = {k: v for k, v in group.timings.items() if k not in ("score_s", "scored_at", "submitted_at")}
     timings.update(score_s=score_s, scored_at=time.time(), **({"submitted_at": submitted} if submitted else {}))
-    return msgspec.structs.replace(group, completions=completions, error=error, scored_by=scored_by, timings=timings)
+    return msgspec.structs.replace(group, completions=completions, error=error, scored_by=scored_by, timings=timings,
+                                   metrics=scores.metrics)
 
 
 def rejected_group(item: UnscoredGroup, error: str, scored_by: str, decode: Decode) -> RolloutGroup:

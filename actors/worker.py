@@ -417,6 +417,7 @@ class Worker:
             ],
             error=scores.error,
             timings=timings,
+            metrics=scores.metrics,
         )
 
     def _ready_to_send(self) -> bool:

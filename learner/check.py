@@ -11,7 +11,10 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
+
 from learner.config import LearnerConfig
+from protocol import Progress
 from protocol.checks import CheckFailed, Checks
 
 
@@ -126,12 +129,14 @@ def check(cfg: LearnerConfig) -> int:
         source = state.get("source")
         if source is None:
             return f"{', '.join(cfg.reward)} import (no data set row to score them on)"
-        prompt = source.prompt(0)
+        # as the run hands it: with the trainer state of its first step
+        prompt = msgspec.structs.replace(source.prompt(0), progress=Progress(global_step=0, max_steps=cfg.steps, epoch=0.0))
         scores = scorer.score(prompt, "", ["0", "The answer is 42."], [[0], [1]])
         if scores.error is not None and "abstained" not in scores.error:
             raise CheckFailed(f"on the data set's first row: {scores.error}",
                               "the reward is called as in TRL: fn(prompts, completions, completion_ids, "
-                              f"**columns); the data set's columns are {sorted(prompt.columns)}")
+                              "trainer_state, log_metric, log_extra, **columns); the data set's columns are "
+                              f"{sorted(prompt.columns)}")
         return (f"{', '.join(cfg.reward)} import and score the data set's first row; scored by {cfg.scoring_mode} "
                 f"({'actors score' if cfg.scoring_mode == 'trusted' else 'the workers'})")
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import torch
 
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
@@ -32,6 +33,7 @@ from learner.train import StepBatch, build_step_batch
 from learner.trainer import Trainer
 from protocol import (
     Delivery,
+    Progress,
     PromptBatch,
     ProtocolError,
     Queue,
@@ -98,6 +100,7 @@ class Learner(Evaluations):
         self._fleet_checked_at = 0.0
         self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
         self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
+        self._logged_names = RewardNames([])
         self._rejections = RepeatedWarnings(log)
 
     # ------------------------------------------------------------------ the loop
@@ -216,7 +219,8 @@ class Learner(Evaluations):
 
     def _batch(self, batch_id: str, start: int, n: int) -> PromptBatch:
         cfg = self.cfg
-        prompts = [self.source.prompt(start + i) for i in range(n)]
+        progress = Progress(global_step=self.state.step, max_steps=cfg.steps, epoch=self.source.epochs(start))
+        prompts = [msgspec.structs.replace(self.source.prompt(start + i), progress=progress) for i in range(n)]
         # kept while the batch is outstanding: what its groups must answer (`judge`)
         self._issued_tokens[batch_id] = {p.id: p.token_ids for p in prompts}
         return PromptBatch(
@@ -445,7 +449,7 @@ class Learner(Evaluations):
             "step": self.state.step,
             "adapter_version": self.state.policy_version,
             **group_figures(groups, step_groups, batch.rewards_N.tolist(), trained_with, self._reward_names,
-                            episodes=bool(self.cfg.tools or self.cfg.environment)),
+                            episodes=bool(self.cfg.tools or self.cfg.environment), logged=self._logged_names),
             **stats,
             "num_tokens": self.state.totals["num_tokens"],  # TRL's: prompt and completion tokens trained on, run-long
             "wait_s": wait_s,

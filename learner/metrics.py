@@ -122,10 +122,11 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
 
 
 class RewardNames:
-    """The reward-function names a run reports (`reward/<name>`, a metric key each): the
+    """The reward-function names a run reports (`rewards/<name>/mean`, a metric key each): the
     configured functions' (`--reward module:function[=weight]`), or, for a run that does
     not know them (actors scoring with their own), the first `limit` met. Whatever the
-    groups carry, no worker can add metric keys step after step."""
+    groups carry, no worker can add metric keys step after step. (Also the names of what
+    reward functions log with `log_metric`: none fixed, the first met.)"""
 
     def __init__(self, specs: list[str], limit: int = 16) -> None:
         self.fixed = bool(specs)
@@ -157,12 +158,19 @@ def samples(groups: list[RolloutGroup], advantages_N: list[float], decode: Calla
 
 
 def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[float], trained_with: int,
-                  names: RewardNames, episodes: bool = False) -> dict[str, float]:
+                  names: RewardNames, episodes: bool = False, logged: RewardNames | None = None) -> dict[str, float]:
     """A step's figures from its groups, under TRL's names where TRL has one (`reward`,
     `reward_std`, `rewards/<fn>/mean`, `completions/*`, `frac_reward_zero_std`): the
     policy's reward, staleness, what was dropped and why, completion lengths, each reward
     function's mean, the scoring tier's cost. `rewards_N`: the trained completions'
-    rewards; `trained_with`: the policy's version."""
+    rewards; `trained_with`: the policy's version. `logged`: the names of what reward
+    functions logged with `log_metric` (the first met; each averaged over the groups that
+    carry it; a name the learner uses itself stays the learner's)."""
+    by_name: dict[str, list[float]] = {}
+    for g in groups:
+        for key, figure in g.metrics.items():
+            if logged is not None and logged.keep(key):
+                by_name.setdefault(key, []).append(figure)
     staleness = [trained_with - g.adapter_version for g in groups]
     completions = [c for g in groups for c in g.completions]
     lengths = [c.tokens.size for c in completions]
@@ -177,6 +185,7 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
     # stale groups included (the trained groups alone overstate it early on)
     scored = rewards_N + step.dropped_rewards()
     return {
+        **{name: sum(values) / len(values) for name, values in sorted(by_name.items())},
         "reward": sum(scored) / len(scored),
         "reward_std": _std(scored),
         "reward_trained_mean": sum(rewards_N) / len(rewards_N),

@@ -32,6 +32,9 @@ SCHEMA_VERSION = 2
 """Bumped on any incompatible change; decoders refuse versions they do not know.
 2: episodes (a completion's `mask`, `turns`, `tool_calls`, `tool_errors`; a batch's `tools`)."""
 
+MAX_LOGGED_METRICS = 16
+"""Most `log_metric` names one group may carry."""
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256, pattern=SAFE_NAME)]
@@ -91,6 +94,15 @@ class ChatTurn(_Struct, frozen=True):
     content: str
 
 
+class Progress(_Struct, frozen=True):
+    """Where training stood when the learner issued a prompt: what a TRL reward function
+    reads from its `trainer_state` (`global_step`, `max_steps`, `epoch`)."""
+
+    global_step: NonNegInt
+    max_steps: NonNegInt
+    epoch: Annotated[float, msgspec.Meta(ge=0.0, le=1e9)]
+
+
 class Prompt(_Struct, frozen=True):
     """One dataset row to be completed `num_generations` times."""
 
@@ -104,6 +116,9 @@ class Prompt(_Struct, frozen=True):
     """Packed <i4 prompt tokens, authoritative when present; None: the actor tokenizes."""
     columns: dict[str, Any] = {}
     """Other dataset columns, passed to reward functions as keyword arguments."""
+    progress: Progress | None = None
+    """The learner's step when it issued the prompt (reward functions' `trainer_state`);
+    None: not known (an evaluation, a hand-made batch)."""
 
     def __post_init__(self) -> None:
         if self.text is None and self.messages is None and self.token_ids is None:
@@ -268,14 +283,18 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
     scored_by: Ident | None = None
     """The scoring-tier worker that scored the group (trusted scoring); None when the
     actor scored it, or for a group not yet scored."""
+    metrics: Annotated[dict[Label, float], msgspec.Meta(max_length=MAX_LOGGED_METRICS)] = {}
+    """What the reward functions logged with TRL's `log_metric` for this group (set by
+    whoever scored it; the tier replaces an actor's)."""
 
     def __post_init__(self) -> None:
         check_schema(self.schema)
         if self.group_id != group_id_for(self.batch_id, self.prompt_id):
             raise ProtocolError("group_id: does not match group_id_for(batch_id, prompt_id)")
         check_token_ids("prompt_token_ids", self.prompt_token_ids)
-        for name, value in self.timings.items():
-            check_finite(f"timings[{name!r}]", value)
+        for field, values in (("timings", self.timings), ("metrics", self.metrics)):
+            for name, value in values.items():
+                check_finite(f"{field}[{name!r}]", value)
 
     @property
     def prompt_tokens(self) -> np.ndarray:

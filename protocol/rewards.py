@@ -7,7 +7,13 @@ for conversational data), `completions` the completion texts (for conversational
 `[{"role": "assistant", "content": text}]` each, as TRL passes them), plus
 `completion_ids` and the data set's other columns, each as a list aligned with the
 completions. So TRL's own reward helpers (`trl.rewards:accuracy_reward`, ...) and a TRL
-user's functions work unchanged.
+user's functions work unchanged. A function that takes them (by name, or `**kwargs`) also
+gets TRL's `trainer_state` (`global_step`, `max_steps`, `epoch`: where the learner stood
+when it issued the prompt, at most `max_staleness` steps before it trains on the group;
+`None` where that is unknown), `log_metric(name, value)` (the value, averaged over the
+step's groups, is a metric of the step under that name) and `log_extra(column, values)`
+(accepted, and not shown: the learner draws its completions table from the tokens it
+trains on, and these columns do not travel).
 
 `None` from a function means it abstains for that completion (TRL's convention); the
 total is the weighted sum of the others. A function that raises, returns the wrong
@@ -32,10 +38,11 @@ import re
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from protocol import Prompt
+from protocol.messages import MAX_LOGGED_METRICS
 from protocol.text import printable
 
 _SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*?)[:.](?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
@@ -49,11 +56,32 @@ class RewardError(ValueError):
     """A reward specification cannot be loaded."""
 
 
+TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric")
+"""The keyword arguments TRL adds to the data set's columns for a reward function."""
+
+
 @dataclass(frozen=True)
 class RewardFn:
     name: str
     fn: Callable[..., Any]
     weight: float = 1.0
+
+    def takes(self, keyword: str) -> bool:
+        """Whether the function accepts `keyword` (by that name or through `**kwargs`)."""
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or a C function: nothing extra
+            return False
+        return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params)
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The part of TRL's `TrainerState` a reward function reads (from `Progress`)."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
 
 
 def load_reward(spec: str) -> RewardFn:
@@ -80,6 +108,8 @@ class Scores:
     error: str | None
     """Set when the group failed; then every reward is None. One printable line (it comes
     from a user's exception and is logged and sent on the wire)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the functions logged with `log_metric`, averaged per name over this group's calls."""
 
     @classmethod
     def failed(cls, n: int, error: str, components: list[dict[str, float | None]] | None = None) -> Scores:
@@ -128,9 +158,17 @@ class Scorer:
         else:
             prompts, completions = [prompt.text if prompt.text is not None else prompt_text] * n, list(texts)
         columns = {k: [v] * n for k, v in prompt.columns.items()}
+        logged: dict[str, list[float]] = {}
+        trl = {
+            "trainer_state": None if prompt.progress is None else TrainerState(
+                prompt.progress.global_step, prompt.progress.max_steps, prompt.progress.epoch),
+            "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+            "log_extra": lambda column, values: None,
+        }
         per_fn: dict[str, list[float | None]] = {}
         for rf in self.functions:
-            values, error = self._call(rf, prompts, completions, completion_ids, columns, n)
+            extras = {k: v for k, v in trl.items() if k not in columns and rf.takes(k)}
+            values, error = self._call(rf, prompts, completions, completion_ids, {**columns, **extras}, n)
             if error is not None:
                 return Scores.failed(n, error)
             per_fn[rf.name] = values
@@ -152,7 +190,7 @@ class Scorer:
             components.append(parts)
         if any(r is None for r in rewards):
             return Scores.failed(n, "every reward function abstained for some completion", components)
-        return Scores(rewards, components, None)
+        return Scores(rewards, components, None, _logged_metrics(logged))
 
     def score_within(self, timeout_s: float, prompt: Prompt, prompt_text: str, texts: list[str],
                      completion_ids: list[list[int]], extra: Callable[[], list[float]] | None = None) -> Scores:
@@ -192,6 +230,18 @@ class Scorer:
             else:
                 clean.append(float(v))
         return clean, None
+
+
+def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:
+    """`log_metric`'s values, averaged per name: names made printable and at most 64
+    characters, non-finite values left out, the first MAX_LOGGED_METRICS names kept."""
+    out: dict[str, float] = {}
+    for name, values in logged.items():
+        finite = [v for v in values if math.isfinite(v)]
+        label = printable(name, 64).strip()
+        if finite and label and len(out) < MAX_LOGGED_METRICS:
+            out[label] = sum(finite) / len(finite)
+    return out
 
 
 class PastLimit(Exception):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import factories
+import msgspec
 import pytest
 
 from actors.math_reward import accuracy
@@ -42,3 +43,34 @@ def test_a_raising_reward_propagates_only_when_asked() -> None:
     assert failed.rewards == [None] and "ZeroDivisionError" in failed.error
     with pytest.raises(ZeroDivisionError):  # an RQ job: RQ records the traceback and retries
         Scorer([load_reward("toy_rewards:broken")], timeout_s=None, reraise=True).score(prompt, "", ["x"], [[1]])
+
+
+def test_trl_extras_reach_a_reward_that_takes_them_and_only_such_a_one() -> None:
+    from protocol import Progress, Prompt
+
+    prompt = Prompt(id="p", text="q", columns={"answer": "1"})
+    at_step = msgspec.structs.replace(prompt, progress=Progress(global_step=3, max_steps=12, epoch=0.5))
+    scores = Scorer([load_reward("toy_rewards:scheduled"), load_reward("toy_rewards:strict")], timeout_s=None).score(
+        at_step, "", ["1", "x"], [[1], [2]])
+    assert scores.error is None and scores.rewards == [2.0, 0.0]
+    assert scores.metrics == {"schedule/progress": 0.25}
+    # no trainer state known (a hand-made batch): None, as the reward then finds out
+    failed = Scorer([load_reward("toy_rewards:scheduled")], timeout_s=None).score(prompt, "", ["1"], [[1]])
+    assert "AttributeError" in failed.error and failed.metrics == {}
+
+
+def test_logged_metrics_are_bounded_and_named_safely() -> None:
+    from protocol.messages import MAX_LOGGED_METRICS
+    from protocol.rewards import RewardFn
+
+    def noisy(prompts, completions, log_metric, **_):
+        for i in range(40):
+            log_metric(f"m{i}", float(i))
+        log_metric("m0", 2.0)
+        log_metric("bad\x1b[2Jname", 1.0)
+        log_metric("inf", float("inf"))
+        return [1.0] * len(completions)
+
+    scores = Scorer([RewardFn("noisy", noisy)], timeout_s=None).score(factories.batch(0, 1).prompts[0], "", ["a"], [[1]])
+    assert len(scores.metrics) == MAX_LOGGED_METRICS and scores.metrics["m0"] == 1.0
+    assert "inf" not in scores.metrics

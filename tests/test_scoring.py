@@ -48,7 +48,7 @@ def submit_unscored(q: RedisQueue, batches: list[PromptBatch], reward: float = 1
         (lease,) = q.claim("actor-1", 1)
         groups = factories.groups(lease.batch)
         forged = [msgspec.structs.replace(g, timings={"submitted_at": 1.0, "score_s": 0.0, "generated_at": 2.0},
-                                          completions=[
+                                          metrics={"forged": reward}, completions=[
             msgspec.structs.replace(c, reward=reward, reward_components={"forged": reward}) for c in g.completions])
             for g in groups]
         assert q.submit("actor-1", lease.lease_id, forged).finished
@@ -94,6 +94,7 @@ def test_a_forged_reward_is_ignored_and_only_the_tier_writes_rollouts(queue: Red
         # len(SECRET) + len("xxxx"): the private column reached the scorer, the forgery did not
         assert g.rewards == [float(len(SECRET) + 4)] * 4
         assert all(c.reward_components == {"answer_length": float(len(SECRET) + 4)} for c in g.completions)
+        assert g.metrics == {}  # what the actor claimed its rewards logged is gone too
         assert "score_s" in g.timings
         # the tier's clocks, not the actor's: Redis's time of arrival, then the score
         assert time.time() - 120 < g.timings["submitted_at"] <= g.timings["scored_at"] <= time.time() + 1
@@ -377,3 +378,32 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
         "RQ's scheduler stopped: redis unreachable: Connection closed by server.",
         "Worker w: found an unhandled exception, quitting... (redis unreachable: Error 111 connecting)"]
     assert "Traceback" not in caplog.text
+
+
+def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_reaches_the_step(
+        redis_server: RedisServer, scorers, run_name: str, tiny_model: Path, tmp_path: Path) -> None:
+    """A reward reading `trainer_state` (a schedule) and calling `log_metric`, as TRL users
+    write them, scored by the tier in a learner run: its metric is a figure of each step,
+    and the state it saw is the issuing step's, so it never runs backwards."""
+    from with_worker import run_with_a_worker
+
+    from actors.hf_engine import TransformersEngine
+    from actors.watcher import StoreSource
+    from learner.config import LearnerConfig
+    from protocol import open_store
+
+    scorers(reward="toy_rewards:scheduled")
+    cfg = LearnerConfig(
+        run=run_name, queue=redis_server.url, store=(tmp_path / "store").as_uri(), model=str(tiny_model),
+        dataset=str(factories.write_dataset(tmp_path / "train.jsonl")), run_dir=tmp_path / "run",
+        reward=["toy_rewards:scheduled"], steps=4, groups_per_step=2, num_generations=4, prompts_per_batch=2,
+        max_tokens=4, lora_rank=4, checkpoint_every=4, tensorboard=False,
+    )
+    assert cfg.scoring_mode == "trusted"
+    state, rows = run_with_a_worker(cfg, RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)),
+                                    StoreSource(open_store(cfg.store)), TransformersEngine(str(tiny_model)), None,
+                                    tmp_path / "cache")
+    assert state.step == 4
+    progress = [r["schedule/progress"] for r in rows]
+    assert progress == sorted(progress) and progress[0] == 0.0 and progress[-1] < 1.0, progress
+    assert all(0 <= r["reward"] <= 1 for r in rows)

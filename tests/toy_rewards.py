@@ -115,3 +115,19 @@ def last_line_is_answer(prompts: list, completions: list, answer: list, **_: obj
 def found_it(prompts: list, completions: list, **_: object) -> list[float]:
     """1 when the episode's environment said "correct" (the guessing game of episode tests)."""
     return [1.0 if "correct" in _text(c) else 0.0 for c in completions]
+
+
+def scheduled(prompts: list, completions: list, trainer_state, log_metric, log_extra, **kw: object) -> list[float]:
+    """A TRL reward that reads `trainer_state` (a schedule over the run) and logs a metric
+    and an extra column: digit_first, with the run's progress logged."""
+    progress = trainer_state.global_step / trainer_state.max_steps
+    assert 0.0 <= progress < 1.0 and trainer_state.epoch >= 0.0
+    log_metric("schedule/progress", progress)
+    log_extra("why", ["digit" if _text(c)[:1].isdigit() else "no digit" for c in completions])
+    return digit_first(prompts, completions)
+
+
+def strict(prompts: list, completions: list, completion_ids: list, answer: list) -> list[float]:
+    """A reward without `**kwargs` (TRL always passes `completion_ids`): it is handed only
+    what it names."""
+    return [1.0 if _text(c).strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
