@@ -5,7 +5,7 @@ redis://… --store …`): one rollout worker. Start as many as you like; SIGTER
 batch in hand back and exits 0. With `--reward mod:fn` it also scores, for a learner
 that runs `--scoring actors`.
 
-`actors score --redis redis://… --run … --reward mod:fn`: one scoring worker of the
+`actors score --queue redis://… --run … --reward mod:fn`: one scoring worker of the
 trusted tier (`actors.scoring`), for a learner that runs `--scoring trusted`. It lives
 here because it is a worker that runs the reward functions (`protocol.rewards`), like a
 rollout worker in `--scoring actors`; it needs no model and no GPU.
@@ -24,13 +24,15 @@ import threading
 import uuid
 from pathlib import Path
 
+from protocol.logs import add_logging_flags
+
 log = logging.getLogger("actors")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actors", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_worker_flags(sub.add_parser("run", help="Start one rollout worker.", description=__doc__))
+    add_worker_flags(sub.add_parser("run", help="Start one rollout worker.", description=__doc__.split("\n\n")[1]))
     check = sub.add_parser("check", help="Check, before spending GPU time, that `actors run` with these flags would work.",
                            description=CHECK_HELP)
     add_worker_flags(check)
@@ -101,12 +103,14 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a("--max-lora-rank", type=int, default=64, help="vllm engine: largest LoRA rank to serve")
     a("--max-model-len", type=int, default=None, help="vllm engine: context length")
     a("--gpu-memory-utilization", type=float, default=0.9, help="vllm engine: GPU memory fraction")
-    a("-v", "--verbose", action="store_true", help="debug logging")
+    add_logging_flags(run)
 
 
 def add_score_flags(score: argparse.ArgumentParser) -> None:
     a = score.add_argument
-    a("--redis", required=True, help="redis://host:port/db of the run (the trusted side reaches Redis itself)")
+    a("--queue", "--redis", dest="redis", required=True, metavar="URL",
+      help="redis://host:port/db of the run, the learner's --queue (the trusted side reaches Redis itself; "
+           "--redis is the same flag)")
     a("--run", default="default", help="run name (the learner's --run)")
     a("--model", required=True,
       help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
@@ -133,7 +137,7 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
       help="worker name within the run (default scorer-<host>-<pid>, with a suffix if a worker of the run holds it); "
            "a name held by a live worker of the run is refused")
     a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
-    a("-v", "--verbose", action="store_true", help="debug logging")
+    add_logging_flags(score)
 
 
 SCORE_HELP = """Start one scoring worker of the trusted tier: an RQ worker (a forked work horse
@@ -151,7 +155,7 @@ def score(args: argparse.Namespace) -> int:
     from protocol.scoring import ScoringQueue
 
     if not args.redis.startswith(("redis://", "rediss://", "unix://")):
-        print(f"actors score: --redis {args.redis!r}: expected redis://, rediss:// or unix:// "
+        print(f"actors score: --queue {args.redis!r}: expected redis://, rediss:// or unix:// "
               "(scoring runs on the trusted side, on the run's Redis itself, never through the proxy)", file=sys.stderr)
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
@@ -166,7 +170,7 @@ def score(args: argparse.Namespace) -> int:
         print(f"actors score: {err}", file=sys.stderr)
         return 2
     except QueueUnavailable as err:
-        print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
+        print(f"actors score: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
     try:
         name = free_name(queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None)
@@ -175,7 +179,7 @@ def score(args: argparse.Namespace) -> int:
         queue.close()
         return 2
     except QueueUnavailable as err:
-        print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
+        print(f"actors score: --queue {args.redis}: {err}", file=sys.stderr)
         queue.close()
         return 1
     log.info("scoring worker %s for run %s: %s", name, args.run,
@@ -191,7 +195,7 @@ def score(args: argparse.Namespace) -> int:
               monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
               redispatch_s=args.redispatch_s, burst=args.burst, environment=environment)
     except QueueUnavailable as err:
-        print(f"actors score: --redis {args.redis}: {err}", file=sys.stderr)
+        print(f"actors score: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
     finally:
         queue.close()
@@ -392,18 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "run" and args.gpus is not None:
         return run_per_gpu(args, argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("httpx", "botocore", "urllib3", "transformers"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
     from protocol.lifeline import follow_lifeline
+    from protocol.logs import setup_logging
 
+    setup_logging(args, libraries=("huggingface_hub",))
     follow_lifeline()  # started by the embedded default: end with it
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.command == "check":
         from actors.check import check
 

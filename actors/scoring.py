@@ -1,6 +1,6 @@
 """The trusted scoring tier: RQ workers that score the groups actors submitted unscored.
 
-`actors score --redis redis://… --run R --reward module:function` on the trusted side
+`actors score --queue redis://… --run R --reward module:function` on the trusted side
 (it needs Redis itself and the data set's private columns; actors never do). Start as
 many as you like; each is one RQ worker plus a dispatcher thread.
 

@@ -156,7 +156,7 @@ class Soak:
             "--tls-key", str(tls / "key.pem"), "--lease-timeout-s", str(LEASE_S), "--log-level", "warning"],
             base, self.logs / "proxy.log")
         self.scorer = Proc("scorer", [
-            sys.executable, "-m", "actors.cli", "score", "--redis", self.redis_url, "--run", RUN, "--model", str(self.model),
+            sys.executable, "-m", "actors.cli", "score", "--queue", self.redis_url, "--run", RUN, "--model", str(self.model),
             "--reward", "actors.tasks:next_digit", "--abandon-after-s", "5", "--monitoring-interval-s", "2",
             "--maintenance-interval-s", "5", "--redispatch-s", "10"], base, self.logs / "scorer.log")
         self.actor_env = {**base, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert)}

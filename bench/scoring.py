@@ -74,7 +74,7 @@ def start_scorers(url: str, run: str, n: int, reward: str, logs: Path) -> list[s
         from learner.tiny import save_tiny
 
         save_tiny(model, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
-    return [subprocess.Popen([sys.executable, "-m", "actors.cli", "score", "--redis", url, "--run", run, "--reward",
+    return [subprocess.Popen([sys.executable, "-m", "actors.cli", "score", "--queue", url, "--run", run, "--reward",
                               reward, "--model", str(model), "--name", f"bench-{run}-{i}"], cwd=REPO, env=env,
                              stdout=(logs / f"{run}-{i}.log").open("wb"), stderr=subprocess.STDOUT)
             for i in range(n)]

@@ -99,13 +99,15 @@ def check(cfg: LearnerConfig) -> int:
     def dataset() -> str:
         if not cfg.dataset:
             raise CheckFailed("no --dataset", "give --dataset <hub id or .jsonl/.json/.parquet file>")
-        from learner.data import DoesNotFit, open_sources_for
+        from learner.data import DataError, DoesNotFit, open_sources_for
 
         try:
             source = open_sources_for(cfg)[0]
             state["source"], rows = source, source.rows
         except DoesNotFit as err:
             raise CheckFailed(err.reason, err.fix) from None
+        except DataError as err:
+            raise CheckFailed(getattr(err, "reason", str(err)), err.fix) from None
         except (ValueError, OSError, KeyError) as err:
             raise CheckFailed(f"--dataset {cfg.dataset}: {err}",
                               "check --dataset-config, --dataset-split and --prompt-column") from None

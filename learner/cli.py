@@ -20,7 +20,8 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from learner.config import _LOSS_TYPES, TRL_NAMES, ConfigError, LearnerConfig, load_config
+from learner.config import _LOSS_TYPES, SECTIONS, TRL_NAMES, ConfigError, LearnerConfig, load_config
+from protocol.logs import add_logging_flags, setup_logging
 
 if TYPE_CHECKING:
     from learner.dist import Dist
@@ -58,13 +59,16 @@ def _flag_type(annotation: Any) -> dict[str, Any]:
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    group: argparse._ArgumentGroup | argparse.ArgumentParser = parser
     for name, field in LearnerConfig.model_fields.items():
+        if name in SECTIONS:
+            group = parser.add_argument_group(SECTIONS[name])
         kwargs = _flag_type(field.annotation)
         if name in ("reward", "tools"):  # repeatable, one function per flag, as users write it
             kwargs = {"action": "append"}
         default = field.default
         shown = f" (default: {default})" if default not in (None, "", []) else ""
-        parser.add_argument(
+        group.add_argument(
             f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
             help=(field.description or "") + shown, **kwargs,
         )
@@ -84,17 +88,19 @@ def build_parser() -> argparse.ArgumentParser:
         "run",
         help="Train a LoRA adapter with asynchronous GRPO (the embedded default when given no arguments).",
         description="Train a LoRA adapter with asynchronous GRPO. Every flag can also be set in --config.",
+        usage="%(prog)s [--config FILE] [-v] [--FLAG VALUE ...]  (no flags: the embedded default)",
     )
     run.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
-    run.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_logging_flags(run)
     add_config_flags(run)
     check = sub.add_parser(
         "check", help="Check the queue, store, model, data set and rewards `learner run` with these flags needs.",
         description="Run the trusted side's preflight with the flags of `learner run`; exits 0, or 1 at the first "
                     "failure with what to do about it.",
+        usage="%(prog)s [--config FILE] [-v] [--FLAG VALUE ...]  (the flags of learner run)",
     )
     check.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
-    check.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_logging_flags(check)
     add_config_flags(check)
     make = sub.add_parser(
         "make-model", help="Make the real chat model the examples use (SmolLM2-135M-Instruct), without a hub.",
@@ -106,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "SmolLM2-135M-Instruct, or under ~/.cache/spotgrpo/models)")
     make.add_argument("--gguf", type=Path, default=None, help="another GGUF model file to convert")
     make.add_argument("--force", action="store_true", help="make it again even if the folder is there")
-    make.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_logging_flags(make)
     export = sub.add_parser(
         "export", help="Write a trained adapter as a PEFT folder (or, --merge, a full model); optionally push it.",
         description="Write an adapter version from the run's store as a folder PeftModel.from_pretrained and vLLM's "
@@ -123,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--push-to-hub", metavar="REPO", default=None,
                         help="upload the folder to this hub model repository (HF_TOKEN, HF_ENDPOINT apply)")
     export.add_argument("--private", action="store_true", help="with --push-to-hub: make the repository private")
-    export.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    add_logging_flags(export)
     return parser
 
 
@@ -158,7 +164,7 @@ def resolve_config(config_file: Path | None, overrides: dict[str, object]) -> tu
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose", "log_level")}
     try:
         cfg, notice = resolve_config(args.config, overrides)
         embedded = not cfg.queue
@@ -302,15 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname).1s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    for noisy in ("httpx", "botocore", "urllib3", "transformers", "datasets"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    setup_logging(args, libraries=("huggingface_hub", "datasets"))
     if args.command == "check":
         return check(args)
     if args.command == "make-model":
@@ -357,7 +355,7 @@ def make_model(args: argparse.Namespace) -> int:
 def check(args: argparse.Namespace) -> int:
     from learner.check import check as preflight
 
-    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose")}
+    overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose", "log_level")}
     try:
         cfg = load_config(args.config, overrides)
     except ConfigError as err:

@@ -27,6 +27,16 @@ class ConfigError(ValueError):
     """The configuration is invalid; the message says which field and how to fix it."""
 
 
+SECTIONS = {
+    "run": "where things are", "model": "model and adapter", "dataset": "data, rewards and tools",
+    "num_generations": "sampling (sent with every prompt batch)", "steps": "the loop", "learning_rate": "optimizer",
+    "advantage_scale": "the loss", "eval_dataset": "evaluation", "actors": "the embedded default",
+    "tensorboard": "reporting",
+}
+"""The first setting of each section of `LearnerConfig` and its title: `--help` groups the
+flags by them."""
+
+
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
 

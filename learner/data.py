@@ -28,6 +28,19 @@ from protocol import ChatTurn, Prompt, pack_i32
 class DataError(ValueError):
     """The data set cannot be used as configured."""
 
+    fix = "check --dataset-config, --dataset-split and --prompt-column"
+
+
+class HubUnreachable(DataError):
+    """A hub data set was asked for and the hub cannot be reached."""
+
+    fix = ("check this machine's network and proxy settings, HF_TOKEN for a gated or private data set, or "
+           "HF_HUB_OFFLINE=1 to read the local cache; or give a local .jsonl/.json/.parquet file or folder")
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"{reason}; {self.fix}")
+        self.reason = reason
+
 
 class DoesNotFit(DataError):
     """A prompt and the longest completion do not fit in the model's context."""
@@ -52,6 +65,9 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
     if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
         if not path.is_file():
             raise DataError(f"--dataset {spec}: no such file")
+        if config:
+            raise DataError(f"--dataset {spec}: a single file has no configurations, and --dataset-config {config} "
+                            "would be ignored; leave it out (or give the data set's folder, whose README names them)")
         if path.suffix == ".jsonl":
             rows = []
             for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -67,7 +83,10 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
         return list(load_dataset(kind, data_files=str(path), split="train"))
     from datasets import load_dataset
 
-    return list(load_dataset(spec, config, split=split))
+    try:
+        return list(load_dataset(spec, config, split=split))
+    except ConnectionError as err:  # datasets' own, for a hub it cannot reach (after its retries)
+        raise HubUnreachable(f"--dataset {spec}: {err}") from None
 
 
 Sources = tuple["PromptSource", "PromptSource | None"]

@@ -214,7 +214,7 @@ class LocalSystem:
         )
         self._wait_healthy()
         if self.trusted:  # the trusted tier: a scoring worker on the run's Redis, as in a deployment
-            cmd = [sys.executable, "-m", "actors.cli", "score", "--redis", f"redis://127.0.0.1:{self.redis_port}/0",
+            cmd = [sys.executable, "-m", "actors.cli", "score", "--queue", f"redis://127.0.0.1:{self.redis_port}/0",
                    "--run", self.cfg.run, "--model", self.cfg.model, "--name", "local-scorer", "--maintenance-interval-s", "5",
                    "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
             for spec in self.cfg.reward_specs:

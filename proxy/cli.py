@@ -8,11 +8,14 @@ certificate and key for local runs.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from protocol.logs import add_logging_flags, level_of, setup_logging
 
 if TYPE_CHECKING:
     from protocol import QueueConfig, RedisQueue
@@ -26,7 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve the HTTPS API in front of Redis and the adapter store.",
                            description="Serve the HTTPS API in front of Redis and the adapter store.")
     a = serve.add_argument
-    a("--redis", required=True, help="redis://host:port/db, or memory:// for an in-process Redis (fakeredis; gone when the proxy exits)")
+    a("--redis", "--queue", dest="redis", required=True, metavar="URL",
+      help="the run's Redis, redis://host:port/db (the learner's --queue; --queue is the same flag), or memory:// "
+           "for an in-process Redis (fakeredis; gone when the proxy exits)")
     a("--memory-redis-port", type=int, default=None,
       help="with --redis memory://: also serve that in-process Redis on 127.0.0.1 at this port, for trusted local "
            "tools (the embedded default's scoring worker); loopback only, no auth: never for a deployment")
@@ -58,13 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
       help="s3:// store: the public address presigned URLs name, when workers reach the bucket elsewhere than "
            "AWS_ENDPOINT_URL (compose's http://minio:9000); or SPOTGRPO_PRESIGN_ENDPOINT")
     a("--body-timeout-s", type=float, default=30.0, help="408 when a request body takes longer than this to arrive")
-    a("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_logging_flags(serve)
 
-    cert = sub.add_parser("selfsigned", help="Write a self-signed certificate and key for local runs.")
-    cert.add_argument("--cert", type=Path, required=True)
-    cert.add_argument("--key", type=Path, required=True)
+    cert = sub.add_parser("selfsigned", help="Write a self-signed certificate and key for local runs.",
+                          description="Write a self-signed certificate and its key for local runs and tests; workers "
+                                      "trust it with SPOTGRPO_CA_CERT=<cert>. Prints where they are and when the "
+                                      "certificate expires.")
+    cert.add_argument("--cert", type=Path, required=True, help="where to write the certificate (PEM)")
+    cert.add_argument("--key", type=Path, required=True, help="where to write its private key (PEM, mode 0600)")
     cert.add_argument("--host", action="append", default=None, help="name or IP it is valid for (repeatable; default localhost, 127.0.0.1)")
-    cert.add_argument("--days", type=int, default=30)
+    cert.add_argument("--days", type=int, default=30,
+                      help="days it is valid for (default 30); a proxy serving it after that fails every TLS handshake")
     return parser
 
 
@@ -145,7 +154,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
              args.host, args.port, len(tokens.tokens))
     server_config = uvicorn.Config(
-        build_app(ctx), host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+        build_app(ctx), host=args.host, port=args.port, log_level=level_of(args), access_log=False,
         ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
         ssl_keyfile=str(args.tls_key) if args.tls_key else None,
         timeout_keep_alive=30, timeout_graceful_shutdown=2, http=HeaderTimeoutProtocol,
@@ -199,8 +208,14 @@ def share_memory_redis(server: Any, port: int) -> None:
 def selfsigned(args: argparse.Namespace) -> int:
     from proxy.tls import write_self_signed
 
-    write_self_signed(args.cert, args.key, args.host or ["localhost", "127.0.0.1"], args.days)
-    print(f"wrote {args.cert} and {args.key}")
+    if args.days < 1:
+        print("proxy selfsigned: --days must be at least 1", file=sys.stderr)
+        return 2
+    hosts = args.host or ["localhost", "127.0.0.1"]
+    write_self_signed(args.cert, args.key, hosts, args.days)
+    expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=args.days)
+    print(f"wrote {args.cert} and {args.key} for {', '.join(hosts)}; the certificate expires on "
+          f"{expires:%Y-%m-%d %H:%M} UTC ({args.days} days): make a new one before then (--days)")
     return 0
 
 
@@ -210,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    setup_logging(args)
     from protocol.lifeline import follow_lifeline
 
     follow_lifeline()  # started by the embedded default: end with it

@@ -250,7 +250,7 @@ def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model
     def start(*flags: str, reward: str = "toy_rewards:digit_first", model: Path = tiny_model) -> subprocess.Popen:
         with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
+                [sys.executable, "-m", "actors.cli", "score", "--queue", redis_server.url, "--run", run_name,
                  "--reward", reward, "--model", str(model), "--name", f"scorer-{len(started)}-{run_name}",
                  "--maintenance-interval-s", "1",
                  "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],

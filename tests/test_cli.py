@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -57,3 +58,56 @@ def test_the_embedded_evaluation_can_be_switched_off(tmp_path: Path) -> None:
     assert off.eval_every == 0 and not off.eval_dataset
     on, _ = prepare(resolve_config(None, {"run_dir": str(tmp_path / "b")})[0])
     assert on.eval_every == 10 and on.eval_dataset
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    from actors.cli import build_parser as actors
+    from learner.cli import build_parser as learner
+    from proxy.cli import build_parser as proxy
+
+    out = {}
+    for name, build in (("learner", learner), ("actors", actors), ("proxy", proxy)):
+        for action in build()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                out.update({f"{name} {sub}": p for sub, p in action.choices.items()})
+    return out
+
+
+def test_every_command_names_its_flags_the_same_way() -> None:
+    """One spelling for one thing: the run's Redis is --queue wherever a queue is meant
+    (--redis too where Redis alone will do), logging is -v or --log-level everywhere,
+    and every flag says what it is for."""
+    parsers = _parsers()
+    for name, parser in parsers.items():
+        flags = {f: a for a in parser._actions for f in a.option_strings}
+        if name != "proxy selfsigned":
+            assert {"-v", "--verbose", "--log-level"} <= flags.keys(), name
+            assert flags["--log-level"].dest == "log_level" and "warning" in flags["--log-level"].choices
+        for flag, action in flags.items():
+            assert action.help, f"{name} {flag} has no help"
+    score = ["--model", "m"]
+    assert parsers["actors score"].parse_args([*score, "--queue", "redis://h:1/0"]).redis == "redis://h:1/0"
+    assert parsers["actors score"].parse_args([*score, "--redis", "redis://h:1/0"]).redis == "redis://h:1/0"
+    assert parsers["proxy serve"].parse_args(["--store", "file:///s", "--queue", "redis://h:1/0"]).redis == "redis://h:1/0"
+    assert "--queue" in {f for a in parsers["actors run"]._actions for f in a.option_strings}
+
+
+def test_help_is_grouped_and_says_only_its_own_command() -> None:
+    learner_run = _parsers()["learner run"].format_help()
+    for section in ("where things are:", "model and adapter:", "the loss:", "evaluation:", "reporting:",
+                    "TRL's names (GRPOConfig), for the settings above:"):
+        assert section in learner_run, section
+    assert len(learner_run.split("options:")[0]) < 300  # a short usage line, not ninety flags
+    actors_run = _parsers()["actors run"].format_help()
+    assert "actors score" not in actors_run and "rollout worker" in actors_run
+
+
+def test_selfsigned_says_when_its_certificate_expires(tmp_path: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tmp_path / "c.pem"),
+                           "--key", str(tmp_path / "k.pem"), "--days", "3"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "expires on" in done.stdout and "(3 days)" in done.stdout
+    from cryptography import x509
+
+    cert = x509.load_pem_x509_certificate((tmp_path / "c.pem").read_bytes())
+    assert 2.9 < (cert.not_valid_after_utc - cert.not_valid_before_utc).total_seconds() / 86400 < 3.1

@@ -193,3 +193,24 @@ def test_actors_name_a_tool_they_cannot_load_or_a_model_that_cannot_offer_tools(
                       SPOTGRPO_CA_CERT=proxy.ca)
     assert rc == 2
     _one_line(err, "actors run:", "--tools", "cannot render tool calls")
+
+
+@pytest.mark.redis
+@pytest.mark.slow
+def test_an_unreachable_hub_is_named_as_such_and_its_retries_print_once(redis_server, tiny_model: Path,
+                                                                        tmp_path: Path) -> None:
+    """A hub data set with no hub in reach (a closed port here): the hub's retries are
+    logged once each, and the failure names the network, HF_TOKEN and HF_HUB_OFFLINE,
+    not --dataset-config. A config name given for a single local file is refused."""
+    args = ["-m", "learner.cli", "run", "--queue", redis_server.url, "--store", (tmp_path / "store").as_uri(),
+            "--model", str(tiny_model), "--run-dir", str(tmp_path / "run"), "--no-tensorboard",
+            "--dataset", "openai/gsm8k", "--dataset-config", "main"]
+    rc, err, _ = _run(args, timeout=180, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HUB_OFFLINE="0")
+    assert rc == 2
+    line = _one_line(err, "learner run:", "--dataset openai/gsm8k", "network", "HF_TOKEN", "HF_HUB_OFFLINE")
+    assert "--dataset-config" not in line
+    retries = [x for x in err.splitlines() if "Retrying in" in x]
+    assert retries and len(retries) == len({x.split("Retrying in", 1)[1] for x in retries}), err
+    rc, err, _ = _run(_learner(tmp_path, redis_server.url, tiny_model, "--dataset-config", "main"))
+    assert rc == 2
+    _one_line(err, "learner run:", "single file has no configurations", "--dataset-config main")

@@ -246,7 +246,7 @@ def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, 
     q = RedisQueue.from_url(server.url, QueueConfig(run=run_name, lease_timeout_s=30))
     with (tmp_path / "scorer.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.cli", "score", "--redis", server.url, "--run", run_name,
+            [sys.executable, "-m", "actors.cli", "score", "--queue", server.url, "--run", run_name,
              "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--maintenance-interval-s", "1", "--monitoring-interval-s", "1"],
             env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -317,7 +317,7 @@ def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: Re
     assert free_name(sq, "scorer-h-1", chosen=True) == "scorer-h-1"  # a worker that died cleanly
     queue._r.hdel(key, "death")
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "score", "--redis", redis_server.url, "--run", run_name,
+        [sys.executable, "-m", "actors.cli", "score", "--queue", redis_server.url, "--run", run_name,
          "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--name", "scorer-h-1"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
