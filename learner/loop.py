@@ -95,6 +95,8 @@ class Learner(Evaluations):
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
+        self.complete = False
+        """Started on a run whose checkpoint is already at `steps`."""
         self.metrics: MetricsLog | None = None
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
@@ -108,6 +110,8 @@ class Learner(Evaluations):
         cfg = self.cfg
         try:
             resume_step = self.start()
+            if self.complete:
+                return self.state
             trackers = open_trackers(cfg.trackers, cfg.resolved_run_dir, cfg.run,
                                      cfg.model_dump(mode="json", exclude={"token"}), resume_step)
             self.metrics = MetricsLog(cfg.resolved_run_dir, trackers=trackers, resume_step=resume_step)
@@ -154,6 +158,13 @@ class Learner(Evaluations):
                 f"{self.store.url} already holds a checkpoint of this run at step {ckpt.state.step}: "
                 "pass --resume to continue it, or use another --store/--run"
             )
+        if ckpt is not None and ckpt.state.step >= self.cfg.steps:
+            # a finished run started again (compose's restart, a second `up`): nothing to
+            # train, issue, publish or evaluate, and its numbering untouched
+            self.state, self.complete = ckpt.state, True
+            log.info("the run is complete: its checkpoint is at step %d of --steps %d; nothing to do",
+                     ckpt.state.step, self.cfg.steps)
+            return ckpt.state.step
         if ckpt is not None:
             self.state = ckpt.state
             self.trainer.restore(ckpt.adapter, ckpt.trainer)
