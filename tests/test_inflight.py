@@ -13,9 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
-from conftest import kill_process
+from conftest import free_port, kill_process
 
 from actors.hf_engine import TransformersEngine
 from actors.rewards import ScoringPool
@@ -235,7 +236,7 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp
     cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", redis_server.url, "--run", run_name,
            "--store", tmp_path.as_uri(), "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
            "--worker-id", "box", "--lease-timeout-s", "600", "--claim-block-s", "0.2", "--max-num-seqs", "16",
-           "--gpus", "0,1"]
+           "--metrics-port", str(port := free_port()), "--gpus", "0,1"]
     parent = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -243,6 +244,9 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp
             assert parent.poll() is None, parent.communicate()[0][-3000:]
             assert time.monotonic() < deadline, queue.stats()
             time.sleep(0.1)
+        # each worker serves its metrics on its own port (one --metrics-port for the box)
+        for p in (port, port + 1):
+            assert "spotgrpo" in httpx.get(f"http://127.0.0.1:{p}/metrics", timeout=10).text
         parent.send_signal(signal.SIGTERM)
         out, _ = parent.communicate(timeout=60)
     finally:
