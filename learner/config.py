@@ -116,7 +116,7 @@ class LearnerConfig(BaseModel):
 
     # -- the loss
     advantage_scale: Literal["group", "batch", "none"] = Field("group", description="Divide centred rewards by the group's std, the batch's std, or nothing (Dr. GRPO).")
-    correction: Literal["tis", "mis", "none"] = Field("mis", description="Off-policy correction: masked (the default; the README compares them) or truncated importance sampling.")
+    correction: Literal["tis", "mis", "none"] = Field("mis", description="Off-policy correction: masked (the default; docs/benchmarks.md compares them) or truncated importance sampling.")
     tis_cap: float = Field(2.0, ge=1, description="Truncation cap C of TIS weights.")
     mis_level: Literal["token", "sequence"] = Field("token", description="Masked IS: mask tokens, or whole sequences by their geometric-mean ratio.")
     mis_low: float = Field(0.5, ge=0, le=1, description="Masked IS: lower bound of kept ratios.")
@@ -257,8 +257,11 @@ TRL_NAMES: dict[str, tuple[str, Callable[[Any], Any]]] = {
     "output_dir": ("run_dir", lambda v: v),
     # also the spelling that works under torchrun, whose own --run-path makes --run ambiguous
     "run_name": ("run", lambda v: v),
+    # GRPOTrainer's own arguments, which a config file carries beside GRPOConfig's keys
+    "reward_funcs": ("reward", lambda v: [v] if isinstance(v, str) else v),
+    "environment_factory": ("environment", lambda v: v),
 }
-"""GRPOConfig name -> (our field, how its value reads here). Names that are the same in
+"""GRPOConfig name (or GRPOTrainer argument) -> (our field, how its value reads here). Names that are the same in
 both (num_generations, epsilon_high, beta, learning_rate, warmup_ratio, reward_weights,
 seed, temperature, top_p, top_k, min_p, repetition_penalty, chat_template_kwargs,
 importance_sampling_level, mask_truncated_completions) need no entry."""

@@ -37,6 +37,11 @@ def setup_logging(args: argparse.Namespace, libraries: tuple[str, ...] = ()) -> 
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in libraries:
         _own_handlers_off(name)
+    if "huggingface_hub" in libraries:  # the commands that load models: no "Loading weights" bars in logs
+        try:
+            importlib.import_module("transformers.utils.logging").disable_progress_bar()
+        except ImportError:
+            pass
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

@@ -266,9 +266,9 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
     assert "actors run --queue" in worker and os.access(REPO / "compose" / "spot-worker.sh", os.X_OK)
 
 
-def test_readme_documents_every_learner_flag() -> None:
+def test_the_reference_documents_every_learner_flag() -> None:
     from learner.config import LearnerConfig
 
-    readme = (REPO / "README.md").read_text()
-    missing = [n for n in LearnerConfig.model_fields if f"`--{n.replace('_', '-')}`" not in readme]
-    assert not missing, f"README's configuration reference lacks {missing}"
+    reference = (REPO / "docs" / "reference.md").read_text()
+    missing = [n for n in LearnerConfig.model_fields if f"`--{n.replace('_', '-')}`" not in reference]
+    assert not missing, f"docs/reference.md's configuration reference lacks {missing}"
