@@ -5,10 +5,10 @@ redis://… --store …`): one rollout worker. Start as many as you like; SIGTER
 batch in hand back and exits 0. With `--reward mod:fn` it also scores, for a learner
 that runs `--scoring actors`.
 
-`actors score --queue redis://… --run … --reward mod:fn`: one scoring worker of the
-trusted tier (`actors.scoring`), for a learner that runs `--scoring trusted`. It lives
-here because it is a worker that runs the reward functions (`protocol.rewards`), like a
-rollout worker in `--scoring actors`; it needs no model and no GPU.
+The trusted scoring tier is `learner score` (`learner/scoring.py`): it reads the run's
+Redis and the data set's private columns, so it belongs to the trusted side; `actors
+score` is the same command under its earlier name. Nothing a rollout worker runs imports
+it, Redis or RQ.
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                            description=CHECK_HELP)
     add_worker_flags(check)
     check.add_argument("--skip-engine", action="store_true", help="do not load the engine (the slowest check)")
-    add_score_flags(sub.add_parser("score", help="Start one trusted scoring worker (RQ).", description=SCORE_HELP))
+    # the trusted tier's command lives with the trusted side (`learner score`); this name for it is kept
+    # for deployments that start it so, and imports nothing of it until it is run
+    from learner.score_cli import SCORE_HELP, add_score_flags
+
+    add_score_flags(sub.add_parser("score", help="= `learner score`, the trusted scoring tier (on the trusted side).",
+                                   description=f"The same command as `learner score`. {SCORE_HELP}"))
     return parser
 
 
@@ -106,102 +111,6 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     add_logging_flags(run)
 
 
-def add_score_flags(score: argparse.ArgumentParser) -> None:
-    a = score.add_argument
-    a("--queue", "--redis", dest="redis", required=True, metavar="URL",
-      help="redis://host:port/db of the run, the learner's --queue (the trusted side reaches Redis itself; "
-           "--redis is the same flag)")
-    a("--run", default="default", help="run name (the learner's --run)")
-    a("--model", required=True,
-      help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
-           "completion's token ids with it and scores that text, the text the learner trains on")
-    a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
-      help="reward function with TRL's signature (may be async def); repeat for several (weighted sum)")
-    a("--environment", default=None, metavar="MODULE:CLASS",
-      help="the learner's --environment, when it owns a reward (get_reward): each episode is replayed in a fresh "
-           "instance with every column and its get_reward() added, weight 1 (it may stand without --reward)")
-    a("--reward-timeout-s", type=float, default=60.0,
-      help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
-           "not retried, and the job goes on with the lease's other groups")
-    a("--retries", type=int, default=2, help="re-runs of a group whose reward raised (default 2), with backoff")
-    a("--retry-backoff-s", type=float, default=1.0, help="first retry after this, doubling (default 1)")
-    a("--abandon-after-s", type=int, default=60,
-      help="a job whose worker stopped heartbeating this long is abandoned and retried by another (default 60)")
-    a("--monitoring-interval-s", type=int, default=10, help="worker heartbeat while a job runs (default 10)")
-    a("--maintenance-interval-s", type=int, default=30, help="how often RQ's registries are cleaned (default 30)")
-    a("--groups-per-job", type=int, default=8,
-      help="most groups of one lease scored in one RQ job (default 8; 1: a job per group)")
-    a("--redispatch-s", type=float, default=30.0,
-      help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)")
-    a("--name", default=None,
-      help="worker name within the run (default scorer-<host>-<pid>, with a suffix if a worker of the run holds it); "
-           "a name held by a live worker of the run is refused")
-    a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
-    add_logging_flags(score)
-
-
-SCORE_HELP = """Start one scoring worker of the trusted tier: an RQ worker (a forked work horse
-per group) and a dispatcher that turns submitted groups into RQ jobs. It scores groups of
-batches the learner issued with --scoring trusted, with the data set's private columns,
-which never leave the trusted side. Start as many as you like; SIGTERM stops one warmly
-(the group in hand finishes), and a killed one's job is retried by another."""
-
-
-def score(args: argparse.Namespace) -> int:
-    from actors.scoring import NameTaken, free_name, serve
-    from protocol import QueueConfig, QueueUnavailable, check_model_path
-    from protocol.chat import environment_reward
-    from protocol.rewards import RewardError, Scorer, load_reward
-    from protocol.scoring import ScoringQueue
-
-    if not args.redis.startswith(("redis://", "rediss://", "unix://")):
-        print(f"actors score: --queue {args.redis!r}: expected redis://, rediss:// or unix:// "
-              "(scoring runs on the trusted side, on the run's Redis itself, never through the proxy)", file=sys.stderr)
-        return 2
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
-    try:
-        check_model_path(args.model)
-        tokenizer = _load_tokenizer(args.model)
-        environment = environment_reward(args.environment, tokenizer) if args.environment else None
-        scorer = Scorer([load_reward(spec) for spec in args.reward or []], timeout_s=None, reraise=True,
-                        extra=environment.name if environment else None)
-        queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run))
-    except (RewardError, ValueError, OSError) as err:
-        print(f"actors score: {err}", file=sys.stderr)
-        return 2
-    except QueueUnavailable as err:
-        print(f"actors score: --queue {args.redis}: {err}", file=sys.stderr)
-        return 1
-    try:
-        name = free_name(queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None)
-    except NameTaken as err:
-        print(f"actors score: {err}", file=sys.stderr)
-        queue.close()
-        return 2
-    except QueueUnavailable as err:
-        print(f"actors score: --queue {args.redis}: {err}", file=sys.stderr)
-        queue.close()
-        return 1
-    log.info("scoring worker %s for run %s: %s", name, args.run,
-             ", ".join([*(args.reward or []), *([args.environment] if args.environment else [])]))
-
-    def decode(ids: object) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
-
-    try:
-        serve(queue, scorer, name, decode=decode, job_timeout_s=args.reward_timeout_s, retries=args.retries,
-              retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
-              abandon_after_s=args.abandon_after_s,
-              monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
-              redispatch_s=args.redispatch_s, burst=args.burst, environment=environment)
-    except QueueUnavailable as err:
-        print(f"actors score: --queue {args.redis}: {err}", file=sys.stderr)
-        return 1
-    finally:
-        queue.close()
-    return 0
-
-
 def confirm_identity(queue: object, run: str | None) -> str:
     """Through a proxy: the token must be an actor's and `run` (if given) the proxy's run.
     Returns the run. Raises ValueError with what to change."""
@@ -217,15 +126,6 @@ def confirm_identity(queue: object, run: str | None) -> str:
         raise ValueError(f"--run {run}: the proxy serves run {who.run!r}; give --run {who.run} (or leave --run out), "
                          "or point --queue at the proxy of run " + repr(run))
     return who.run
-
-
-def _load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as err:
-        raise OSError(f"--model {model}: cannot load its tokenizer: {err}") from None
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -407,7 +307,11 @@ def main(argv: list[str] | None = None) -> int:
         from actors.check import check
 
         return check(args, engine_options(args))
-    return score(args) if args.command == "score" else run(args)
+    if args.command == "score":
+        from learner.score_cli import score
+
+        return score(args, prog="actors score")
+    return run(args)
 
 
 if __name__ == "__main__":

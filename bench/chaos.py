@@ -1,7 +1,7 @@
 """Chaos soak: the distributed system under random faults, then an exact ledger.
 
 Starts, as processes a user would run: a redis-server with AOF (fsync always), moto's S3
-server, `proxy serve` over TLS, the trusted scoring tier (`actors score`), 3 rollout
+server, `proxy serve` over TLS, the trusted scoring tier (`learner score`), 3 rollout
 workers (`actors run`, transformers engine, through the proxy) and `learner run` (through
 the proxy, adapters and checkpoints in the bucket), on a tiny model and the next-digit task.
 After the learner's first step, for `--minutes`, at random intervals it injects, in a
@@ -156,7 +156,7 @@ class Soak:
             "--tls-key", str(tls / "key.pem"), "--lease-timeout-s", str(LEASE_S), "--log-level", "warning"],
             base, self.logs / "proxy.log")
         self.scorer = Proc("scorer", [
-            sys.executable, "-m", "actors.cli", "score", "--queue", self.redis_url, "--run", RUN, "--model", str(self.model),
+            sys.executable, "-m", "learner.cli", "score", "--queue", self.redis_url, "--run", RUN, "--model", str(self.model),
             "--reward", "actors.tasks:next_digit", "--abandon-after-s", "5", "--monitoring-interval-s", "2",
             "--maintenance-interval-s", "5", "--redispatch-s", "10"], base, self.logs / "scorer.log")
         self.actor_env = {**base, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert)}

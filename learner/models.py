@@ -6,7 +6,7 @@ them to float, but a model loaded that way refuses `save_pretrained`; so the wei
 moved into a model built from the same config (all keys match) and that is saved: a
 float32 safetensors folder with the tokenizer, its chat template and the generation
 config, which stands in for `--model HuggingFaceTB/SmolLM2-135M-Instruct` everywhere
-(`learner run --model DIR`, `actors run --model DIR`, `actors score --model DIR`).
+(`learner run --model DIR`, `actors run --model DIR`, `learner score --model DIR`).
 
 The folder is written beside its destination and renamed into place, so a folder that
 exists is complete; making it again is a no-op unless asked (`--force`).

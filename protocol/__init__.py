@@ -6,6 +6,12 @@ Public API: the messages, `encode`/`decode` (MessagePack), `ProtocolError`, the
 
 `RedisQueue` is imported on first use (PEP 562), not with the package: a spot worker,
 which reaches its queue through the proxy, never imports a Redis client.
+
+Besides the protocol, three small modules every command uses live here because this is
+the one package all parts share (the top-level layout is fixed): `logs` (one logging
+set-up and its flags), `lifeline` (children of the embedded run end with it) and
+`checks` (the preflight runner of `learner check` and `actors check`). None imports
+more than the standard library.
 """
 
 from typing import TYPE_CHECKING, Any

@@ -20,7 +20,7 @@ total is the weighted sum of the others. A function that raises, returns the wro
 shape or a non-finite value, or runs past its time limit fails the whole group with
 the error text: such a group is never recorded as reward 0.
 
-Where rewards run: the trusted scoring tier (`actors score`, an RQ job per group), an
+Where rewards run: the trusted scoring tier (`learner score`, an RQ job per group), an
 actor's `actors.rewards.ScoringPool` (worker processes beside the engine), or
 `Scorer.submit` inline (a thread per call; a hung reward's thread is abandoned, not
 killed). `learner check` calls them here on a row of the data set. This module needs

@@ -2,7 +2,7 @@
 
 In trusted scoring (`PromptBatch.scoring == "trusted"`), actors submit unscored groups;
 `SUBMIT` puts them in the `unscored` stream, which no actor or proxy route reads. The
-scoring tier (`actors score`, RQ workers on the same Redis) reads them through the
+scoring tier (`learner score`, RQ workers on the same Redis) reads them through the
 consumer group `scorers` (an entry is pending from its read until its RQ job exists),
 scores them with the prompts' private columns (kept in the `private` hash by
 `add_prompts`), and stores each scored group in the rollouts stream with

@@ -243,14 +243,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., subprocess.Popen]]:
-    """`scorers(*flags, reward=...)` starts one `actors score` worker, as a user would
+    """`scorers(*flags, reward=...)` starts one `learner score` worker, as a user would
     (named scorer-<n>-<run>: RQ worker names are global to the Redis)."""
     started: list[subprocess.Popen] = []
 
     def start(*flags: str, reward: str = "toy_rewards:digit_first", model: Path = tiny_model) -> subprocess.Popen:
         with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "actors.cli", "score", "--queue", redis_server.url, "--run", run_name,
+                [sys.executable, "-m", "learner.cli", "score", "--queue", redis_server.url, "--run", run_name,
                  "--reward", reward, "--model", str(model), "--name", f"scorer-{len(started)}-{run_name}",
                  "--maintenance-interval-s", "1",
                  "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],

@@ -473,7 +473,8 @@ def test_a_spot_worker_imports_no_redis_client() -> None:
     code = (
         "import sys\n"
         "import actors.cli, actors.check, actors.worker, actors.watcher, actors.engine, actors.hf_engine\n"
-        "import actors.rewards, actors.metrics\n"
+        "import actors.rewards, actors.metrics, actors.episodes, actors.tools\n"
+        "actors.cli.build_parser()\n"
         "from protocol import QueueConfig, open_queue\n"
         "q = open_queue('https://127.0.0.1:1', QueueConfig(), 'x' * 40)\n"
         "q.close()\n"
@@ -481,3 +482,12 @@ def test_a_spot_worker_imports_no_redis_client() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    # and no module of the actors package imports them at all: the scoring tier lives with the
+    # learner (`learner score`); `actors score` only names it
+    import ast
+
+    for path in (REPO / "actors").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.split(".")[0] in ("redis", "rq", "fakeredis") for n in names), (path.name, names)

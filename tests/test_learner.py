@@ -533,7 +533,7 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
 
     from transformers import AutoTokenizer
 
-    from actors import scoring
+    from learner import scoring
     from protocol.rewards import Scorer, load_reward
     from protocol.scoring import ScoringQueue
 

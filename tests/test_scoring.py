@@ -220,33 +220,36 @@ def queue_url(q: RedisQueue) -> str:
     return f"redis://{kw['host']}:{kw['port']}/0"
 
 
-def test_actors_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServer, tiny_model: Path) -> None:
-    def score(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "actors.cli", "score", "--model", str(tiny_model), *args],
+def test_learner_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServer, tiny_model: Path) -> None:
+    def score(*args: str, cli: str = "learner.cli") -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", cli, "score", "--model", str(tiny_model), *args],
                               capture_output=True, text=True,
                               timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
 
     proc = score("--redis", "https://proxy:8443", "--reward", "actors.tasks:next_digit")
     assert proc.returncode == 2 and "never through the proxy" in proc.stderr
+    # the earlier name of the command is the same command
+    proc = score("--queue", "https://proxy:8443", "--reward", "actors.tasks:next_digit", cli="actors.cli")
+    assert proc.returncode == 2 and proc.stderr.startswith("actors score: --queue") and "never through" in proc.stderr
     proc = score("--redis", redis_server.url, "--reward", "no_such_module:f")
     assert proc.returncode == 2 and "cannot import no_such_module" in proc.stderr
     proc = score("--redis", redis_server.url)
     assert proc.returncode == 2 and "at least one --reward is needed" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "actors.cli", "score", "--model", str(tiny_model), "--redis",
+    proc = subprocess.run([sys.executable, "-m", "learner.cli", "score", "--model", str(tiny_model), "--redis",
                            redis_server.url, "--environment", "toy_tools:GuessNumber"], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert proc.returncode == 2 and "has no get_reward()" in proc.stderr, proc.stderr
 
 
 def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, tmp_path: Path, tiny_model: Path) -> None:
-    """RQ's own worker quits when Redis goes away; `actors score` waits for it to come
+    """RQ's own worker quits when Redis goes away; `learner score` waits for it to come
     back (on its AOF, the same port) and scores on under a new RQ worker name."""
     server = make_server(persistent=True)
     server.start()
     q = RedisQueue.from_url(server.url, QueueConfig(run=run_name, lease_timeout_s=30))
     with (tmp_path / "scorer.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.cli", "score", "--queue", server.url, "--run", run_name,
+            [sys.executable, "-m", "learner.cli", "score", "--queue", server.url, "--run", run_name,
              "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--maintenance-interval-s", "1", "--monitoring-interval-s", "1"],
             env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -270,7 +273,7 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     """A scored copy past the wire's limits (here: a tokenizer whose text outgrows what the
     actor sent) leaves the unscored stream for the dead letters with its reason and its
     group, at once and never again; the job's other group is stored."""
-    from actors import scoring
+    from learner import scoring
     from protocol.rewards import Scorer, load_reward
 
     gids = submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
@@ -303,7 +306,7 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
 def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: RedisQueue, run_name: str,
                                                                         redis_server: RedisServer,
                                                                         tiny_model: Path) -> None:
-    from actors.scoring import NameTaken, free_name
+    from learner.scoring import NameTaken, free_name
 
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
     key = f"rq:worker:spotgrpo:{run_name}:scorer-h-1"
@@ -317,11 +320,11 @@ def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: Re
     assert free_name(sq, "scorer-h-1", chosen=True) == "scorer-h-1"  # a worker that died cleanly
     queue._r.hdel(key, "death")
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "score", "--queue", redis_server.url, "--run", run_name,
+        [sys.executable, "-m", "learner.cli", "score", "--queue", redis_server.url, "--run", run_name,
          "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--name", "scorer-h-1"],
         capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines()[-1].startswith("actors score: --name scorer-h-1: a scoring worker")
+    assert proc.stderr.strip().splitlines()[-1].startswith("learner score: --name scorer-h-1: a scoring worker")
     sq.close()
     other.close()
 
@@ -340,7 +343,7 @@ def test_a_scheduler_that_ignores_sigterm_does_not_hold_the_warm_shutdown_foreve
 
     import fakeredis
 
-    from actors.scoring import ScoringWorker
+    from learner.scoring import ScoringWorker
 
     worker = ScoringWorker(["q"], connection=fakeredis.FakeRedis())
     worker.SCHEDULER_STOP_S = 1.0
@@ -358,7 +361,7 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
     worker and scheduler say so in one line each (they printed tracebacks)."""
     import logging
 
-    from actors.scoring import RedisGoneInOneLine, _scheduler_run
+    from learner.scoring import RedisGoneInOneLine, _scheduler_run
 
     class Scheduler:
         log = logging.getLogger("rq.scheduler")

@@ -176,7 +176,7 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     )
     from toy_rewards import digit_first
 
-    from actors import scoring
+    from learner import scoring
     from protocol import Limits, ProtocolError, QueueConfig, QueueRefused, RedisQueue, group_id_for
     from protocol.keys import ACTORS_GROUP
     from protocol.rewards import RewardFn, Scorer

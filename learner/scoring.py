@@ -1,6 +1,6 @@
 """The trusted scoring tier: RQ workers that score the groups actors submitted unscored.
 
-`actors score --queue redis://… --run R --reward module:function` on the trusted side
+`learner score --queue redis://… --run R --reward module:function` on the trusted side
 (it needs Redis itself and the data set's private columns; actors never do). Start as
 many as you like; each is one RQ worker plus a dispatcher thread.
 
@@ -146,7 +146,7 @@ def score_job(*entry_ids: str) -> list[dict[str, Any]]:
     again would give the same answer."""
     tier = _TIER
     if tier is None:
-        raise RuntimeError("score_job runs in an `actors score` worker")
+        raise RuntimeError("score_job runs in an `learner score` worker")
     return [_score_one(tier, entry_id) for entry_id in entry_ids]
 
 
