@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 # python-dateutil against huggingface-hub and botocore: a venv of their own
 DEPLOY_VENV ?= .venv-deploy
 
-.PHONY: install venvs test test-all test-main test-vllm test-deploy test-real lint bench
+.PHONY: install venvs test test-all test-main test-vllm test-deploy test-slow lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,18 +56,18 @@ lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
 	$(BIN)/mypy
 
-# every test but those on the real model (SmolLM2, minutes each on 2 cores): under 15 minutes
+# every test but the real model's (SmolLM2, minutes each on 2 cores) and the chaos soak
 test: test-main test-deploy test-vllm
 
-# everything, the real-model tests too: what CI runs
-test-all: test test-real
+# everything: what CI runs
+test-all: test test-slow
 
 test-main: install lint
-	$(BIN)/python -m pytest -m "not vllm and not real_model" --durations=15
+	$(BIN)/python -m pytest -m "not vllm and not real_model and not soak" --durations=15
 
-# the real model's tests, in both environments (learner make-model runs once, ~25 s)
-test-real: install $(VLLM_VENV)/.installed
-	$(BIN)/python -m pytest -m "real_model and not vllm" --durations=5
+# the real model's tests in both environments (learner make-model runs once, ~25 s), and the soak
+test-slow: install $(VLLM_VENV)/.installed
+	$(BIN)/python -m pytest -m "(real_model or soak) and not vllm" --durations=5
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m "vllm and real_model" --durations=5
 
 # only tests/test_deploy.py, on the project's sources (no install: it imports actors.cli's parser)

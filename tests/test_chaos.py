@@ -15,6 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.redis
 @pytest.mark.s3
 @pytest.mark.timeout(900)

@@ -55,6 +55,7 @@ def test_the_arithmetic_example_trains_the_real_model(example_run: Path) -> None
     assert all(row["answer"].split("#### ")[1].isdigit() and row["prompt"][0]["role"] == "system" for row in data)
 
 
+@pytest.mark.timeout(900)  # ~4-5 min alone on 2 cores; more beside other work
 def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path, tmp_path: Path) -> None:
     """Its first step: SmolLM2 offered the add tool through the ChatML fallback template,
     episodes on the actor, the answer scored on the trusted tier, the shape reported."""

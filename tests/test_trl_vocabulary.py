@@ -24,15 +24,16 @@ OURS = {
     "run_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
     "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
     "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
-    "run": "trl-names",
+    "run": "trl-names", "environment": "toy_tools:GuessNumber",
 }
 TRL = {
     "max_completion_length": 64, "loss_type": "dr_grpo", "epsilon": 0.3, "scale_rewards": False,
     "lr_scheduler_type": "cosine", "max_steps": 50, "logging_steps": 5, "save_steps": 25, "save_total_limit": 3,
     "output_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
     "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
-    "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
-    "run_name": "trl-names",
+    # GRPOTrainer's arguments beside GRPOConfig's keys
+    "reward_funcs": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
+    "run_name": "trl-names", "environment_factory": "toy_tools:GuessNumber",
 }
 
 
@@ -54,9 +55,9 @@ def test_grpoconfig_names_give_the_same_configuration(tmp_path: Path) -> None:
         "--epsilon-high", "0.3", "--beta", "0.04", "--learning-rate", "1e-6", "--seed", "7", "--warmup-ratio", "0.1",
         "--importance-sampling-level", "sequence", "--mask-truncated-completions",
         "--reward", "toy_rewards:digit_first", "--reward", "toy_rewards:length_bonus", "--reward-weights", "1.0", "0.5",
-        "--run-name", "trl-names",
+        "--run-name", "trl-names", "--environment-factory", "toy_tools:GuessNumber", "--log-level", "warning",
     ])
-    overrides = {k: v for k, v in vars(flags).items() if k not in ("command", "config", "verbose")}
+    overrides = {k: v for k, v in vars(flags).items() if k not in ("command", "config", "verbose", "log_level")}
     assert load_config(None, overrides) == ours
     for loss_type, agg in (("grpo", "seq_mean"), ("dapo", "token_mean"), ("bnpo", "token_mean")):
         assert load_config(None, {"loss_type": loss_type}).loss_agg == agg
