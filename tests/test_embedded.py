@@ -115,7 +115,7 @@ def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp
             time.sleep(0.1)
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(_cmdline(c)) for c in children)
-        assert "proxy.cli" in names and "actors.cli run" in names and "actors.cli score" in names, names
+        assert "proxy.cli" in names and "actors.cli run" in names and "learner.cli score" in names, names
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         stopped = time.monotonic()
