@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(args, libraries=("huggingface_hub",))
         follow_lifeline()  # started by the embedded default: end with it
         return score(args)
-    setup_logging(args, libraries=("huggingface_hub", "datasets"))
+    setup_logging(args, libraries=("huggingface_hub",))
     if args.command == "check":
         return check(args)
     if args.command == "make-model":

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from protocol import ChatTurn, Prompt, pack_i32
+from protocol.logs import own_handlers_off
 
 
 class DataError(ValueError):
@@ -56,10 +57,8 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
     configuration (GSM8K's `main`)."""
     path = Path(spec)
     if path.is_dir():
-        from datasets import load_dataset
-
         try:
-            return list(load_dataset(str(path), config, split=split))
+            return list(_load_dataset()(str(path), config, split=split))
         except ValueError as err:
             raise DataError(f"--dataset {spec}: {err}") from None
     if path.suffix in (".jsonl", ".json", ".parquet") or path.exists():
@@ -77,16 +76,21 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
                     except json.JSONDecodeError as err:
                         raise DataError(f"--dataset {spec}, line {n}: {err}") from None
             return rows
-        from datasets import load_dataset
-
         kind = "parquet" if path.suffix == ".parquet" else "json"
-        return list(load_dataset(kind, data_files=str(path), split="train"))
-    from datasets import load_dataset
-
+        return list(_load_dataset()(kind, data_files=str(path), split="train"))
     try:
-        return list(load_dataset(spec, config, split=split))
+        return list(_load_dataset()(spec, config, split=split))
     except ConnectionError as err:  # datasets' own, for a hub it cannot reach (after its retries)
         raise HubUnreachable(f"--dataset {spec}: {err}") from None
+
+
+def _load_dataset() -> Callable[..., Any]:
+    """datasets' `load_dataset`, imported when first needed (it takes seconds), with the
+    library's own log handler off: its records (a hub retry) print once, in our format."""
+    from datasets import load_dataset
+
+    own_handlers_off("datasets")
+    return load_dataset
 
 
 Sources = tuple["PromptSource", "PromptSource | None"]

@@ -30,23 +30,21 @@ def level_of(args: argparse.Namespace) -> str:
 
 
 def setup_logging(args: argparse.Namespace, libraries: tuple[str, ...] = ()) -> None:
-    """`libraries`: those of ("huggingface_hub", "datasets") the command uses, imported here
-    so their own handlers can go (the proxy uses neither, the actors no datasets)."""
+    """`libraries`: those of ("huggingface_hub",) the command uses, imported here so their
+    own handlers can go (the proxy uses none). The datasets library, slow to import, is
+    quieted where it is imported (`own_handlers_off("datasets")`): a command must reach its
+    signal handlers within a second or two of starting."""
+    # before the hub is imported: it reads these once (transformers' progress bars follow its)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=level_of(args).upper(), format=FORMAT, datefmt="%H:%M:%S")
     for name in QUIET:
         logging.getLogger(name).setLevel(logging.WARNING)
     for name in libraries:
-        _own_handlers_off(name)
-    if "huggingface_hub" in libraries:  # the commands that load models: no "Loading weights" bars in logs
-        try:
-            importlib.import_module("transformers.utils.logging").disable_progress_bar()
-        except ImportError:
-            pass
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+        own_handlers_off(name)
 
 
-def _own_handlers_off(name: str) -> None:
+def own_handlers_off(name: str) -> None:
     """The library's own handler goes (it adds it when it is first imported, so it is
     imported here first); its records reach ours."""
     try:

@@ -73,6 +73,8 @@ def test_every_tracker_writes_its_files(tmp_path: Path, tiny_model: Path, redis_
     # W&B offline: a run file with the history in it
     runs = list((tmp_path / "wandb" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and runs[0].stat().st_size > 1000, runs
+    history = runs[0].read_bytes()  # its records hold the keys as plain strings
+    assert all(name.encode() in history for name in TRL_NAMES) and b"train/time" not in history
     # trackio, local: its SQLite database holds every step's figures
     dbs = list((tmp_path / "trackio").rglob("*.db"))
     assert dbs, list((tmp_path / "trackio").rglob("*"))
