@@ -56,18 +56,18 @@ lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
 	$(BIN)/mypy
 
-# every test but the real model's (SmolLM2, minutes each on 2 cores) and the chaos soak
+# every test but the real model's (SmolLM2, minutes each on 2 cores) and the long ones (marker long)
 test: test-main test-deploy test-vllm
 
 # everything: what CI runs
 test-all: test test-slow
 
 test-main: install lint
-	$(BIN)/python -m pytest -m "not vllm and not real_model and not soak" --durations=15
+	$(BIN)/python -m pytest -m "not vllm and not real_model and not long" --durations=15
 
-# the real model's tests in both environments (learner make-model runs once, ~25 s), and the soak
+# the real model's tests in both environments (learner make-model runs once, ~25 s), and the long ones
 test-slow: install $(VLLM_VENV)/.installed
-	$(BIN)/python -m pytest -m "(real_model or soak) and not vllm" --durations=5
+	$(BIN)/python -m pytest -m "(real_model or long) and not vllm" --durations=5
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m "vllm and real_model" --durations=5
 
 # only tests/test_deploy.py, on the project's sources (no install: it imports actors.cli's parser)

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-@pytest.mark.soak
+@pytest.mark.long
 @pytest.mark.redis
 @pytest.mark.s3
 @pytest.mark.timeout(900)

@@ -197,6 +197,7 @@ def test_actors_name_a_tool_they_cannot_load_or_a_model_that_cannot_offer_tools(
 
 @pytest.mark.redis
 @pytest.mark.slow
+@pytest.mark.long
 def test_an_unreachable_hub_is_named_as_such_and_its_retries_print_once(redis_server, tiny_model: Path,
                                                                         tmp_path: Path) -> None:
     """A hub data set with no hub in reach (a closed port here): the hub's retries are

@@ -137,6 +137,7 @@ def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tmp_path: Path) -> None:
     """SIGKILL one of the two actor processes early: the other carries on and takes the
     dead one's lease over. Ctrl-C stops the run with a checkpoint; `--resume` finishes

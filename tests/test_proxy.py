@@ -475,6 +475,7 @@ def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_proxy_killed_mid_traffic_loses_no_submitted_group(make_proxy) -> None:
     proxy = make_proxy()
     learner = proxy.queue("learner")

@@ -132,6 +132,7 @@ def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueu
     assert queue.stats().unscored.length == 0
 
 
+@pytest.mark.long
 def test_a_scoring_worker_killed_mid_job_has_its_job_rerun_and_the_group_stored_once(
     queue: RedisQueue, scorers, tmp_path: Path
 ) -> None:
