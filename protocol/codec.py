@@ -12,7 +12,9 @@ validated on the way in and out, within size limits.
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 
 import msgspec
 
@@ -139,20 +141,28 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
         raise ProtocolError(
             f"message: {len(data)} bytes exceed the limit of {limits.max_message_bytes}"
         )
-    try:
+    with _as_protocol_error():
         envelope = _ENVELOPE.decode(data)
         if envelope.type not in TAGS:
             raise ProtocolError(f"type: unknown message type {envelope.type[:64]!r}")
         check_schema(envelope.schema)
         msg = _DECODER.decode(data)
+    _check_limits(msg, limits)
+    return msg
+
+
+@contextlib.contextmanager
+def _as_protocol_error() -> Iterator[None]:
+    """What msgspec raises on bad input (and Python on input nested too deeply) as
+    `ProtocolError`, naming the field; a `ProtocolError` passes as it is."""
+    try:
+        yield
     except ProtocolError:
         raise
     except msgspec.MsgspecError as err:
         raise ProtocolError(_field_path(err)) from None
     except RecursionError:
         raise ProtocolError("message: nested too deeply") from None
-    _check_limits(msg, limits)
-    return msg
 
 
 def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
@@ -175,11 +185,5 @@ def to_json(msg: Message) -> bytes:
 
 def from_json(data: bytes | str) -> Message:
     """Parse a message written by `to_json`. Raises `ProtocolError` on bad input."""
-    try:
+    with _as_protocol_error():
         return _JSON_DECODER.decode(data)
-    except ProtocolError:
-        raise
-    except msgspec.MsgspecError as err:
-        raise ProtocolError(_field_path(err)) from None
-    except RecursionError:
-        raise ProtocolError("message: nested too deeply") from None

@@ -30,6 +30,7 @@ nothing beyond the standard library and the protocol, so all three can use it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib
 import inspect
 import math
@@ -66,13 +67,16 @@ class RewardFn:
     fn: Callable[..., Any]
     weight: float = 1.0
 
-    def takes(self, keyword: str) -> bool:
-        """Whether the function accepts `keyword` (by that name or through `**kwargs`)."""
+    @functools.cached_property
+    def extras(self) -> frozenset[str]:
+        """Which of TRL's extra keyword arguments the function accepts (by name, or all of
+        them through `**kwargs`): read from its signature once, not per group."""
         try:
             params = inspect.signature(self.fn).parameters.values()
         except (TypeError, ValueError):  # a builtin or a C function: nothing extra
-            return False
-        return any(p.kind is p.VAR_KEYWORD or (p.name == keyword and p.kind is not p.POSITIONAL_ONLY) for p in params)
+            return frozenset()
+        return frozenset(k for k in TRL_EXTRAS if any(
+            p.kind is p.VAR_KEYWORD or (p.name == k and p.kind is not p.POSITIONAL_ONLY) for p in params))
 
 
 @dataclass(frozen=True)
@@ -167,7 +171,7 @@ class Scorer:
         }
         per_fn: dict[str, list[float | None]] = {}
         for rf in self.functions:
-            extras = {k: v for k, v in trl.items() if k not in columns and rf.takes(k)}
+            extras = {k: v for k, v in trl.items() if k not in columns and k in rf.extras}
             values, error = self._call(rf, prompts, completions, completion_ids, {**columns, **extras}, n)
             if error is not None:
                 return Scores.failed(n, error)
