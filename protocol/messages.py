@@ -10,6 +10,7 @@ checks its own fields when built, so a bad message is caught where it is made.
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -203,7 +204,12 @@ class Completion(_Struct, frozen=True):
     ended there, its calls unanswered."""
 
     def __post_init__(self) -> None:
-        n = check_token_ids("token_ids", self.token_ids)
+        """Shapes here; the values of the arrays (no negative id, every log-probability
+        finite and <= 0) are checked by the group, for all its completions at once
+        (`check_arrays`): numpy's cost per call, not per value, is what a group pays."""
+        if len(self.token_ids) % 4:
+            raise ProtocolError(f"token_ids: {len(self.token_ids)} bytes is not a whole number of int32 values")
+        n = len(self.token_ids) // 4
         if self.mask is not None:
             if len(self.mask) != n:
                 raise ProtocolError(f"mask: {len(self.mask)} bytes for {n} token ids")
@@ -215,17 +221,21 @@ class Completion(_Struct, frozen=True):
             raise ProtocolError(
                 f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values"
             )
+        if len(self.logprobs) // 4 != n:
+            raise ProtocolError(f"logprobs: {len(self.logprobs) // 4} values for {n} token ids")
+        check_f32("reward", self.reward)
+        for name, value in self.reward_components.items():
+            check_f32(f"reward_components[{name!r}]", value)
+
+    def check_arrays(self) -> None:
+        """The values `__post_init__` leaves to the group, for this completion alone."""
+        check_token_ids("token_ids", self.token_ids)
         lp = unpack_f32(self.logprobs)
-        if lp.size != n:
-            raise ProtocolError(f"logprobs: {lp.size} values for {n} token ids")
         if lp.size:
             if not np.isfinite(lp).all():
                 raise ProtocolError("logprobs: NaN or infinite value")
             if lp.max() > 0.0:
                 raise ProtocolError(f"logprobs: positive log-probability {float(lp.max())}")
-        check_f32("reward", self.reward)
-        for name, value in self.reward_components.items():
-            check_f32(f"reward_components[{name!r}]", value)
 
     @property
     def tokens(self) -> np.ndarray:
@@ -251,7 +261,26 @@ class Completion(_Struct, frozen=True):
         """Build from sequences or arrays of token ids, log-probabilities and (episodes) the
         model-token mask; a mask of all ones is sent as none."""
         packed = None if mask is None or all(mask) else bytes(int(bool(m)) for m in mask)
-        return cls(token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), mask=packed, **fields)
+        completion = cls(token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), mask=packed, **fields)
+        completion.check_arrays()  # where the values were made, not only in the group
+        return completion
+
+
+def check_completion_arrays(completions: list[Completion]) -> None:
+    """`Completion.check_arrays` for every completion, as one scan of their tokens and one
+    of their log-probabilities (about a tenth of the cost of a scan each); a failure is
+    found again completion by completion, to name it."""
+    if not completions:
+        return
+    ids = unpack_i32(b"".join(c.token_ids for c in completions))
+    lp = unpack_f32(b"".join(c.logprobs for c in completions))
+    # a float64 sum of float32 values cannot overflow: finite exactly when every value is
+    if ids.size and (ids.min() < 0 or not math.isfinite(lp.sum(dtype=np.float64)) or lp.max() > 0.0):
+        for i, c in enumerate(completions):
+            try:
+                c.check_arrays()
+            except ProtocolError as err:
+                raise ProtocolError(f"completions[{i}].{err}") from None
 
 
 def group_id_for(batch_id: str, prompt_id: str) -> str:
@@ -292,6 +321,7 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
         if self.group_id != group_id_for(self.batch_id, self.prompt_id):
             raise ProtocolError("group_id: does not match group_id_for(batch_id, prompt_id)")
         check_token_ids("prompt_token_ids", self.prompt_token_ids)
+        check_completion_arrays(self.completions)
         for field, values in (("timings", self.timings), ("metrics", self.metrics)):
             for name, value in values.items():
                 check_finite(f"{field}[{name!r}]", value)

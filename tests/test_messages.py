@@ -203,6 +203,10 @@ def test_bad_messages_cannot_be_built_or_sent() -> None:
         Completion.of([1, 2], [-0.1, float("nan")], finish_reason="stop")
     with pytest.raises(ProtocolError, match="logprobs"):
         Completion.of([1, 2], [-0.1], finish_reason="stop")
+    # built field by field, a completion's values are checked by the group that holds it
+    nan = Completion(token_ids=pack_i32([1, 2]), logprobs=pack_f32([-0.1, float("nan")]), finish_reason="stop")
+    with pytest.raises(ProtocolError, match=r"completions\[1\]\.logprobs: NaN"):
+        msgspec.structs.replace(group(batch()), completions=[group(batch()).completions[0], nan])
     with pytest.raises(ProtocolError, match="group_id"):
         msgspec.structs.replace(group(batch()), prompt_id="p1")
     with pytest.raises(ProtocolError, match="int32"):
