@@ -40,7 +40,7 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a("--monitoring-interval-s", type=int, default=10, help="worker heartbeat while a job runs (default 10)")
     a("--maintenance-interval-s", type=int, default=30, help="how often RQ's registries are cleaned (default 30)")
     a("--groups-per-job", type=int, default=8,
-      help="most groups of one lease scored in one RQ job (default 8; 1: a job per group)")
+      help="most groups scored in one RQ job, from one lease or several read together (default 8; 1: a job per group)")
     a("--redispatch-s", type=float, default=30.0,
       help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)")
     a("--name", default=None,
@@ -58,6 +58,7 @@ which never leave the trusted side. Start as many as you like; SIGTERM stops one
 
 
 def score(args: argparse.Namespace, prog: str = "learner score") -> int:
+    from learner.detokenize import load_decode, load_tokenizer
     from learner.scoring import NameTaken, free_name, serve
     from protocol import QueueConfig, QueueUnavailable, check_model_path
     from protocol.chat import environment_reward
@@ -71,7 +72,9 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
     try:
         check_model_path(args.model)
-        tokenizer = _load_tokenizer(args.model)
+        # episodes' environment needs transformers' tokenizer; plain scoring only decodes
+        tokenizer = load_tokenizer(args.model) if args.environment else None
+        decode = load_decode(args.model, tokenizer)
         environment = environment_reward(args.environment, tokenizer) if args.environment else None
         scorer = Scorer([load_reward(spec) for spec in args.reward or []], timeout_s=None, reraise=True,
                         extra=environment.name if environment else None)
@@ -95,9 +98,6 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     log.info("scoring worker %s for run %s: %s", name, args.run,
              ", ".join([*(args.reward or []), *([args.environment] if args.environment else [])]))
 
-    def decode(ids: object) -> str:
-        return tokenizer.decode(list(ids), skip_special_tokens=True)  # type: ignore[call-overload]
-
     try:
         serve(queue, scorer, name, decode=decode, job_timeout_s=args.reward_timeout_s, retries=args.retries,
               retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
@@ -111,11 +111,3 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         queue.close()
     return 0
 
-
-def _load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as err:
-        raise OSError(f"--model {model}: cannot load its tokenizer: {err}") from None

@@ -5,7 +5,8 @@
 many as you like; each is one RQ worker plus a dispatcher thread.
 
 - **Dispatcher** (a thread): reads the `unscored` stream (consumer group `scorers`) and
-  enqueues one RQ job per lease's groups read together (`--groups-per-job` at most),
+  enqueues one RQ job per `--groups-per-job` groups read together (a lease's, or several
+  leases' when they wait: the fewer jobs, the fewer forks),
   its id derived from the run and the group ids. An entry is pending from its read
   until its job exists; one read by a dispatcher that died before enqueueing is taken
   over by another after `redispatch_s`. It also empties RQ's failed-job registry: a
@@ -32,16 +33,18 @@ many as you like; each is one RQ worker plus a dispatcher thread.
 - **Idempotent by group id**: a group scored twice (a job re-run after its worker died
   mid-store, a dispatcher that enqueued it again) is stored once (`STORE_SCORED`).
 
-Why one job per lease's groups, not per group: RQ's cost per job (a fork, a dozen Redis
-round trips: about 16 ms on two cores, `bench/scoring.py`) is a tenth of a 20 ms-per-
-completion reward on a group of 8, but it is the whole cost of a cheap reward, and an
-actor sends a lease's groups together. The unit of idempotency stays the group.
+Why several groups per job, not one: RQ's cost per job (a fork, a dozen Redis round
+trips) is small beside a 20 ms-per-completion reward on a group of 8, but it is the
+whole cost of a cheap reward. The work horse forks from a process that has not imported
+torch where the tokenizer allows (`learner.detokenize`): a fork costs with the size of the
+process. The unit of idempotency stays the group.
 
 Jobs carry only ids, serialized as JSON (RQ's `JSONSerializer`): no pickle in Redis.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import itertools
 import logging
@@ -303,12 +306,8 @@ class Dispatcher(threading.Thread):
         entries are no longer pending. A crash in between leaves them pending: they are
         dispatched again after `redispatch_s` (a second job for the same groups is
         harmless: storing is idempotent)."""
-        by_batch: dict[str, list[UnscoredEntry]] = {}
-        for e in entries:
-            by_batch.setdefault(e.batch_id, []).append(e)
-        for chunk_of_batch in by_batch.values():
-            for i in range(0, len(chunk_of_batch), self.groups_per_job):
-                self.enqueue(chunk_of_batch[i : i + self.groups_per_job])
+        for i in range(0, len(entries), self.groups_per_job):
+            self.enqueue(entries[i : i + self.groups_per_job])
         self.queue.dispatched([e.entry_id for e in entries])
 
     def enqueue(self, entries: list[UnscoredEntry]) -> None:
@@ -318,8 +317,9 @@ class Dispatcher(threading.Thread):
             score_job, *[e.entry_id for e in entries], job_id=self.job_id([e.group_id for e in entries]),
             # each group has its own limit inside the job (`Tier.timeout_s`); RQ's kills a horse that hangs anyway
             job_timeout=max(1, round(self.job_timeout_s * len(entries) + JOB_MARGIN_S)), retry=retry, result_ttl=300,
-            failure_ttl=3600, description=f"score {len(entries)} group(s) of batch {entries[0].batch_id}",
-            meta={"groups": [e.group_id for e in entries], "batch": entries[0].batch_id},
+            failure_ttl=3600, description=f"score {len(entries)} group(s) of batch(es) "
+                                          f"{' '.join(sorted({e.batch_id for e in entries}))}",
+            meta={"groups": [e.group_id for e in entries], "batches": [e.batch_id for e in entries]},
         )
 
     def reject_failed(self) -> None:
@@ -336,9 +336,10 @@ class Dispatcher(threading.Thread):
                 continue
             entry_ids = [str(a) for a in job.args]
             groups = list(job.meta.get("groups") or [])
-            if len(entry_ids) > 1 and len(groups) == len(entry_ids):
-                for entry_id, group_id in zip(entry_ids, groups, strict=True):
-                    self.enqueue([UnscoredEntry(entry_id, group_id, str(job.meta.get("batch", "")))])
+            batches = list(job.meta.get("batches") or [])
+            if len(entry_ids) > 1 and len(groups) == len(batches) == len(entry_ids):
+                for entry_id, group_id, batch_id in zip(entry_ids, groups, batches, strict=True):
+                    self.enqueue([UnscoredEntry(entry_id, group_id, str(batch_id))])
             elif entry_ids:
                 self.reject(entry_ids[0], _last_line(job))
             # removed whatever became of its group: a failed job is handled once, never again every sweep
@@ -403,6 +404,11 @@ def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job
     dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)
     dispatcher.start()
+    # what the worker holds now (the tokenizer, the reward module, and torch, which
+    # transformers imports) never becomes garbage: out of the collector's reach, a forked
+    # horse's collections do not write to those pages and so do not copy them
+    gc.collect()
+    gc.freeze()
     try:
         for generation in itertools.count():
             rq_name = rq_worker_name(queue.config.run, name if generation == 0 else f"{name}-{generation}")
