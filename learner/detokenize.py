@@ -54,7 +54,7 @@ def plain_tokenizer(model: str) -> Any | None:
 
     try:
         return tokenizers.Tokenizer.from_file(str(tokenizer_file))
-    except Exception:  # noqa: BLE001 - a file tokenizers cannot read: transformers' turn
+    except Exception:
         return None
 
 
