@@ -62,6 +62,11 @@ class Limits(msgspec.Struct, frozen=True, kw_only=True):
 DEFAULT_LIMITS = Limits()
 
 
+def same_bounds(a: Limits, b: Limits) -> bool:
+    """The same bounds on a message's fields (its size aside: a proxy reads bodies of its own size)."""
+    return msgspec.structs.replace(a, max_message_bytes=0) == msgspec.structs.replace(b, max_message_bytes=0)
+
+
 def _check_limits(msg: Message, limits: Limits) -> None:
     def tokens(field: str, data: bytes | None) -> None:
         if data is not None and len(data) // 4 > limits.max_tokens:
@@ -165,15 +170,17 @@ def _as_protocol_error() -> Iterator[None]:
         raise ProtocolError("message: nested too deeply") from None
 
 
-def encode(msg: Message, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Serialize one message to MessagePack, validated exactly as `decode` would."""
+def encode(msg: Message, limits: Limits = DEFAULT_LIMITS, *, validate: bool = True) -> bytes:
+    """Serialize one message to MessagePack, validated exactly as `decode` would.
+    `validate=False` only for a message that came out of `decode` with these limits."""
     if not isinstance(msg, PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus):
         raise ProtocolError(f"message: cannot encode {type(msg).__name__}")
     try:
         data = _ENCODER.encode(msg)
     except (TypeError, ValueError, OverflowError) as err:
         raise ProtocolError(f"message: cannot encode: {err}") from None
-    decode(data, limits)  # field bounds are only enforced when decoding
+    if validate:
+        decode(data, limits)  # field bounds are only enforced when decoding
     return data
 
 

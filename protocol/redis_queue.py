@@ -18,7 +18,7 @@ import redis
 import redis.exceptions
 
 from protocol import redis_lua
-from protocol.codec import encode
+from protocol.codec import Limits, encode, same_bounds
 from protocol.errors import REFUSALS, ProtocolError, QueueError, QueueUnavailable, TooManyWorkers
 from protocol.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
 from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
@@ -221,17 +221,22 @@ class RedisQueue(RedisAdapters, Queue):
         held = self._script("HEARTBEAT", [self.keys.prompts], [ACTORS_GROUP, worker, *lease_ids])
         return [text_of(i) for i in held]
 
-    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
+    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
+               decoded_with: Limits | None = None) -> SubmitResult:
+        """`decoded_with`: the groups came out of `decode` with these limits (the proxy's
+        request bodies) and changed since only in `actor_id`, set to `worker` (checked
+        here): where they are this queue's limits, they are not validated again."""
         check_worker(worker)
         check_ids("lease_id", [lease_id])
         if not groups:
             raise ProtocolError("groups: a submit carries at least one rollout group")
         args: list[Any] = [ACTORS_GROUP, worker, lease_id, None]
+        trusted = decoded_with is not None and same_bounds(decoded_with, self.config.limits)
         for g in groups:
             if not isinstance(g, RolloutGroup):
                 raise ProtocolError(f"groups: expected RolloutGroup, got {type(g).__name__}")
             longest = max(len(c.token_ids) // 4 for c in g.completions)
-            payload = encode(g, self.config.limits)
+            payload = encode(g, self.config.limits, validate=not (trusted and g.actor_id == worker))
             room = self.config.limits.submit_limit(len(g.completions))
             if len(payload) > room:
                 raise ProtocolError(

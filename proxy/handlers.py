@@ -170,8 +170,10 @@ def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, st
     if ctx.backlog() > ctx.limits.backlog_limit:
         ctx.metrics.backpressure.inc()
         raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
-    groups = [g if g.actor_id == worker else msgspec.structs.replace(g, actor_id=worker) for g in body.groups]
-    return SubmitResponse(result=ctx.queue.submit(worker, body.lease_id, groups))
+    for g in body.groups:  # the proxy's own copies, just decoded: named after the token, not validated again
+        if g.actor_id != worker:
+            msgspec.structs.force_setattr(g, "actor_id", worker)
+    return SubmitResponse(result=ctx.queue.submit(worker, body.lease_id, body.groups, decoded_with=ctx.body_limits))
 
 
 def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, str]) -> ReleaseResponse:

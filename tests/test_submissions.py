@@ -28,10 +28,10 @@ def _snapshot(q) -> tuple:
     return (s.prompts.length, s.prompts.pending, s.rollouts.length, s.dead_letters, s.leases_by_worker)
 
 
-def _refused(q, exc: type[Exception], match: str, worker: str, lease_id: str, gs) -> None:
+def _refused(q, exc: type[Exception], match: str, worker: str, lease_id: str, gs, **kwargs: object) -> None:
     before = _snapshot(q)
     with pytest.raises(exc, match=match):
-        q.submit(worker, lease_id, gs)
+        q.submit(worker, lease_id, gs, **kwargs)
     assert _snapshot(q) == before
 
 
@@ -365,3 +365,25 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     # oversized groups refused, groups scored and dead-lettered by the tier
     assert seen["partial"] > 0 and seen["oversized"] > 0, str(seen)
     assert seen["tier_stored"] > 0 and seen["tier_dead_lettered"] > 0, str(seen)
+
+
+def test_only_groups_decoded_with_the_queues_bounds_skip_validation(make_queue) -> None:
+    """The proxy hands `submit` the groups it decoded (`decoded_with`): those are not
+    validated twice. Anything else is: a group built in code with a bound msgspec checks
+    only on decoding, one decoded with other bounds, or one named after another worker."""
+    from protocol import Limits, ProtocolError
+    from protocol.codec import DEFAULT_LIMITS
+
+    q = make_queue()
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    out_of_bounds = [msgspec.structs.replace(g, adapter_version=-1, actor_id="w") for g in groups(lease.batch)]
+    _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, out_of_bounds)
+    _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, out_of_bounds,
+             decoded_with=Limits(max_tokens=DEFAULT_LIMITS.max_tokens - 1))
+    renamed = [msgspec.structs.replace(g, actor_id="someone-else") for g in out_of_bounds]
+    _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, renamed,
+             decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20))
+    # what the proxy's decode passed goes in as it is (its size aside, the same bounds)
+    assert q.submit("w", lease.lease_id, out_of_bounds,
+                    decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20)).stored == 2
