@@ -150,17 +150,21 @@ def score_job(*entry_ids: str) -> list[dict[str, Any]]:
     tier = _TIER
     if tier is None:
         raise RuntimeError("score_job runs in an `learner score` worker")
-    return [_score_one(tier, entry_id) for entry_id in entry_ids]
+    return score_entries(tier, entry_ids)
 
 
-def _score_one(tier: Tier, entry_id: str) -> dict[str, Any]:
-    try:
-        item = tier.queue.fetch_unscored(entry_id)
-    except ProtocolError as err:
-        reason = printable(f"malformed: {err}", 2000)
+def score_entries(tier: Tier, entry_ids: Sequence[str]) -> list[dict[str, Any]]:
+    """`score_job`'s work on `tier`: what each entry became."""
+    items = tier.queue.fetch_unscored_many(entry_ids)  # two round trips for the job's groups, not three each
+    return [_score_one(tier, entry_id, item) for entry_id, item in zip(entry_ids, items, strict=True)]
+
+
+def _score_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | None) -> dict[str, Any]:
+    if isinstance(item, ProtocolError):
+        reason = printable(f"malformed: {item}", 2000)
         tier.queue.dead_letter_unscored(entry_id, reason)
         return {"entry": entry_id, "stored": False, "dead_lettered": reason}
-    if item is None or tier.queue.is_scored(item.group.group_id):
+    if item is None or item.scored:
         return {"entry": entry_id, "stored": False}
     if item.prompt is None:
         group = rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode)
@@ -273,6 +277,8 @@ class Dispatcher(threading.Thread):
         self.redispatch_s = redispatch_s
         self.sweep_s = sweep_s
         self.stopping = threading.Event()
+        self.workers = 1
+        """RQ workers on the run's scoring queue (every scorer's), counted at each sweep."""
 
     def job_id(self, group_ids: list[str]) -> str:
         """One job id per set of groups of a run (RQ ids are global to the Redis; letters,
@@ -282,11 +288,25 @@ class Dispatcher(threading.Thread):
 
     def run(self) -> None:
         backoff, swept = Backoff(0.5, 30.0), 0.0
+        held: list[UnscoredEntry] = []
+        held_since = 0.0
         while not self.stopping.is_set():
             try:
-                self.dispatch(self.queue.read_unscored(self.consumer, 64, block_s=min(1.0, self.sweep_s)))
+                if len(held) < self.groups_per_job * HELD_JOBS:
+                    fresh = self.queue.read_unscored(self.consumer, 64, block_s=HOLD_POLL_S if held else min(1.0, self.sweep_s))
+                    held_since = held_since if held else time.monotonic()
+                    held += fresh
+                else:
+                    self.stopping.wait(HOLD_POLL_S)
+                # while a job waits for every worker, groups gather here and go out in fuller
+                # jobs when one frees (fewer jobs: each costs a fork and RQ's round trips);
+                # never held long enough to look abandoned (`redispatch_s`)
+                if held and (not self.workers_busy() or time.monotonic() - held_since > self.redispatch_s / 3):
+                    self.dispatch(held)
+                    held = []
                 if time.monotonic() - swept >= self.sweep_s:
                     swept = time.monotonic()  # a sweep that fails waits for its turn, not for new groups
+                    self.workers = max(1, Worker.count(queue=self.rq))
                     reclaimed = self.queue.reclaim_unscored(self.consumer, self.redispatch_s)
                     if reclaimed:
                         log.warning("%d unscored group(s) read by a dispatcher that never made them jobs; "
@@ -300,6 +320,10 @@ class Dispatcher(threading.Thread):
             except Exception:  # RQ's own errors included: keep dispatching
                 log.exception("dispatcher error; retrying in %.1fs", backoff.next)
                 backoff.wait(self.stopping)
+
+    def workers_busy(self) -> bool:
+        """A job already waits in RQ's queue for every worker of the run."""
+        return int(self.rq.count) >= self.workers
 
     def dispatch(self, entries: list[UnscoredEntry]) -> None:
         """One job per lease's groups read together (at most `groups_per_job`), then the
@@ -357,6 +381,12 @@ class Dispatcher(threading.Thread):
         if store_or_dead_letter(self.queue, entry_id, rejected_group(item, error, self.consumer, self.decode)):
             log.error("group %s rejected: %s", item.group.group_id, printable(error))
 
+
+HOLD_POLL_S = 0.05
+"""While groups are held for a busy tier, how often RQ's queue is looked at again."""
+
+HELD_JOBS = 4
+"""Groups held at most: this many jobs' worth (the rest wait in the stream)."""
 
 JOB_MARGIN_S = 30.0
 """RQ's time limit for a job is its groups' limits plus this: room for fetching and storing."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -44,6 +45,8 @@ class UnscoredGroup:
     prompt: Prompt | None
     """The full prompt, dataset columns included; None if the record is gone (the group
     was scored meanwhile, or the run's Redis lost it)."""
+    scored: bool = False
+    """Its group was stored scored already (by an earlier attempt of its job)."""
 
 
 class ScoringQueue(RedisQueue):
@@ -89,22 +92,45 @@ class ScoringQueue(RedisQueue):
     def fetch_unscored(self, entry_id: str) -> UnscoredGroup | None:
         """The group of an unscored entry and its private prompt; None once it was stored
         (the entry is deleted then). Raises `ProtocolError` for an unreadable entry."""
-        check_ids("entry_id", [entry_id])
-        entries = self._call(lambda: self._r.xrange(self.keys.unscored, min=entry_id, max=entry_id))
-        if not entries:
-            return None
-        group = decode_as(fields_of(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
-        record = self._call(lambda: self._r.hget(self.keys.private, group.group_id))
-        prompt = None
-        if record is not None:
-            try:
-                prompt = msgspec.msgpack.decode(record, type=Prompt)
-            except (msgspec.MsgspecError, ProtocolError) as err:
-                raise ProtocolError(f"private prompt of group {group.group_id}: {err}") from None
-        return UnscoredGroup(entry_id=entry_id, group=group, prompt=prompt)
+        (item,) = self.fetch_unscored_many([entry_id])
+        if isinstance(item, ProtocolError):
+            raise item
+        return item
 
-    def is_scored(self, group_id: str) -> bool:
-        return bool(self._call(lambda: self._r.sismember(self.keys.scored_seen, group_id)))
+    def fetch_unscored_many(self, entry_ids: Sequence[str]) -> list[UnscoredGroup | ProtocolError | None]:
+        """`fetch_unscored` for each entry (an unreadable one's `ProtocolError` in its
+        place), and whether its group is scored already, in two round trips for them all."""
+        check_ids("entry_ids", list(entry_ids))
+        with self._errors(), self._r.pipeline(transaction=False) as pipe:
+            for entry_id in entry_ids:
+                pipe.xrange(self.keys.unscored, min=entry_id, max=entry_id)
+            ranges = pipe.execute()
+        groups: list[RolloutGroup | ProtocolError | None] = []
+        for entries in ranges:
+            try:
+                groups.append(decode_as(fields_of(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
+                              if entries else None)
+            except ProtocolError as err:
+                groups.append(err)
+        found = [g for g in groups if isinstance(g, RolloutGroup)]
+        with self._errors(), self._r.pipeline(transaction=False) as pipe:
+            for g in found:
+                pipe.hget(self.keys.private, g.group_id)
+                pipe.sismember(self.keys.scored_seen, g.group_id)
+            replies = iter(pipe.execute() if found else ())
+        out: list[UnscoredGroup | ProtocolError | None] = []
+        for entry_id, group in zip(entry_ids, groups, strict=True):
+            if not isinstance(group, RolloutGroup):
+                out.append(group)
+                continue
+            record, scored = next(replies), next(replies)
+            try:
+                prompt = None if record is None else msgspec.msgpack.decode(record, type=Prompt)
+            except (msgspec.MsgspecError, ProtocolError) as err:
+                out.append(ProtocolError(f"private prompt of group {group.group_id}: {err}"))
+                continue
+            out.append(UnscoredGroup(entry_id=entry_id, group=group, prompt=prompt, scored=bool(scored)))
+        return out
 
     def store_scored(self, entry_id: str, group: RolloutGroup) -> bool:
         """Put a scored (or, with `error` set, rejected) group in the rollouts stream and

@@ -564,7 +564,7 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
                 if not doomed:
                     doomed.append(e.group_id)
                 current[0] = e.group_id
-                scoring._score_one(tier, e.entry_id)
+                scoring.score_entries(tier, [e.entry_id])
             sq.dispatched([e.entry_id for e in entries])
 
     thread = threading.Thread(target=serve, daemon=True)

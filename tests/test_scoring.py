@@ -293,13 +293,13 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     results = []
     for e in entries:
         decoding[0] = e.group_id
-        results.append(scoring._score_one(tier, e.entry_id))
+        results += scoring.score_entries(tier, [e.entry_id])
     assert [r["stored"] for r in results] == [False, True]
     (dl,) = queue.dead_letters()
     assert (dl.source, dl.group_id, dl.batch_id) == ("unscored", entries[0].group_id, "batch-0")
     assert "unstorable after scoring" in dl.reason and "exceed the limit" in dl.reason
     assert sq.stats().unscored.length == 0 and not sq._r.hexists(sq.keys.private, entries[0].group_id)
-    assert scoring._score_one(tier, entries[0].entry_id) == {"entry": entries[0].entry_id, "stored": False}  # a re-run
+    assert scoring.score_entries(tier, [entries[0].entry_id]) == [{"entry": entries[0].entry_id, "stored": False}]  # a re-run
     assert [g.group_id for g in read_all(queue, 1)] == [gids[1]] and len(queue.dead_letters()) == 1
     sq.close()
 
@@ -411,3 +411,41 @@ def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_r
     progress = [r["schedule/progress"] for r in rows]
     assert progress == sorted(progress) and progress[0] == 0.0 and progress[-1] < 1.0, progress
     assert all(0 <= r["reward"] <= 1 for r in rows)
+
+
+def test_a_busy_tier_gets_fuller_jobs(queue: RedisQueue, run_name: str) -> None:
+    """While a job waits in RQ's queue for every worker, the dispatcher holds what it
+    reads; when the queue empties, the groups held go out together, in jobs of up to
+    `groups_per_job` across leases. An idle tier dispatches a lease at once."""
+    from rq import Queue as RQQueue
+    from rq.serializers import JSONSerializer
+
+    from learner import scoring
+
+    sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
+    rq = RQQueue(scoring.rq_queue_name(run_name), connection=sq.client, serializer=JSONSerializer)
+    dispatcher = scoring.Dispatcher(sq, rq, "d", str, job_timeout_s=10, retries=0, retry_backoff_s=0,
+                                    groups_per_job=5, sweep_s=60)
+    dispatcher.start()
+    try:
+        submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
+        deadline = time.monotonic() + 10
+        while rq.count < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        (first,) = rq.jobs  # idle: the lease's two groups at once, as one job
+        assert first.args and len(first.args) == 2
+        # the job waits (no worker runs here): three leases of two more come in, and are held
+        submit_unscored(queue, [factories.trusted(factories.batch(i, prompts=2)) for i in (1, 2, 3)])
+        time.sleep(0.6)
+        assert rq.count == 1 and sq.stats().unscored.pending == 6  # read, held, not yet jobs
+        first.delete()  # a worker took it
+        while rq.count < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert sorted(len(j.args) for j in rq.jobs) == [1, 5]  # six groups of three leases, in jobs of up to 5
+        assert {b for j in rq.jobs for b in j.meta["batches"]} == {"batch-1", "batch-2", "batch-3"}
+        assert sq.stats().unscored.pending == 0
+    finally:
+        dispatcher.stopping.set()
+        dispatcher.join(5)
+        sq.close()

@@ -279,11 +279,11 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
             self.scoring_now = fields[b"g"].decode()
             if unstorable:
                 self.too_big.add(self.scoring_now)
-            first = scoring._score_one(self.tier, entry_id.decode())
+            (first,) = scoring.score_entries(self.tier, [entry_id.decode()])
             seen["tier_dead_lettered" if unstorable else "tier_stored"] += 1
             assert first["stored"] is not unstorable, first
             if dies_after_storing:
-                assert scoring._score_one(self.tier, entry_id.decode())["stored"] is False
+                assert scoring.score_entries(self.tier, [entry_id.decode()])[0]["stored"] is False
 
         @rule(worker=workers)
         def claim_and_answer_every_prompt(self, worker: str) -> None:
