@@ -16,8 +16,8 @@ Only trusted processes use this class: it needs Redis itself, not the proxy.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
