@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 import torch
 
+from learner.admission import Admission
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import Sources, open_sources
@@ -104,6 +105,9 @@ class Learner(Evaluations):
         self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
         self._logged_names = RewardNames([])
         self._rejections = RepeatedWarnings(log)
+        self.admission = Admission(ceiling=cfg.max_inflight, floor=cfg.groups_per_step, lease=cfg.prompts_per_batch,
+                                   max_staleness=cfg.max_staleness,
+                                   adaptive=cfg.adaptive_inflight and cfg.lag_versions is None)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -127,6 +131,9 @@ class Learner(Evaluations):
                 self.state.step += 1
                 self.state.count("trained_groups", len(groups))
                 step_s = time.monotonic() - started
+                self.admission.update([trained_with - g.adapter_version for g in groups],
+                                      sum(r == "dropped_stale" for _, r in self._step_groups.dropped),
+                                      wait_s / max(wait_s + step_s, 1e-9))
                 publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
                 self.report(groups, batch, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
                 if self.state.step % cfg.checkpoint_every == 0:
@@ -208,9 +215,9 @@ class Learner(Evaluations):
         return self.state.ledger
 
     def feed(self) -> None:
-        """Issue prompt batches until `max_inflight` prompts are outstanding."""
+        """Issue prompt batches until the admission window (`max_inflight` at most) is outstanding."""
         cfg, ledger = self.cfg, self.ledger
-        limit, size = cfg.max_inflight, cfg.prompts_per_batch
+        limit, size = self.admission.limit, cfg.prompts_per_batch
         if cfg.lag_versions is not None:
             # a forced lag: only what this step still needs (in a smaller last batch if need
             # be), so that no batch issued now is trained on after the next publish
@@ -467,6 +474,7 @@ class Learner(Evaluations):
             "step_s": step_s,
             "publish_s": publish_s,
             "inflight": self.ledger.inflight,
+            "inflight_limit": self.admission.limit,
             "epoch": self.source.epochs(self.ledger.cursor),
             "publish_failures": self.publisher.failures,
             "workers_live": self.fleet.live,

@@ -1,0 +1,59 @@
+"""How many prompts may be in flight: admission that keeps generation within the
+staleness bound.
+
+A prompt issued now is trained on about `in flight / groups_per_step` steps later, and
+generated with an adapter that is already some versions old when its actor starts
+(the announcement, the load, the leases queued before it in the actor's engine). Where
+the learner is the slower side (a real model on shared cores) every prompt in flight
+beyond what covers generation only ages: with 6 in flight and 2 a step the groups
+arrived 3-4 versions old and were dropped at 5. AReaL bounds what is issued by
+`(version + max_staleness + 1) x batch` from the actors' lag; the lag differs per fleet
+and changes, so here it is measured, in the staleness of what arrives:
+
+- a group dropped as stale halves the window (down to one step's groups);
+- a group at the bound takes one lease off it;
+- while the learner waits for rollouts (more than `WAITING` of its time) and what
+  arrives is two or more versions inside the bound, a lease is given back, up to
+  `max_inflight`.
+
+Where the actors are the slower side (the learner waits) nothing arrives near the bound
+and the window stays at `max_inflight`: no steps per second are given up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+WAITING = 0.1
+"""The share of a step the learner spent waiting for rollouts above which more may be in flight."""
+
+
+@dataclass
+class Admission:
+    ceiling: int
+    """`max_inflight`: the window never opens wider."""
+    floor: int
+    """`groups_per_step`: one step's worth always in flight."""
+    lease: int
+    """`prompts_per_batch`: the window moves a lease at a time."""
+    max_staleness: int
+    adaptive: bool = True
+    limit: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.floor = min(self.floor, self.ceiling)
+        self.limit = self.ceiling
+
+    def update(self, staleness: Sequence[int], dropped_stale: int, waited_frac: float) -> None:
+        """After a step: the staleness of the groups trained on, the groups dropped as
+        stale while collecting it, and the share of the step spent waiting."""
+        if not self.adaptive:
+            return
+        oldest = max(staleness, default=0)
+        if dropped_stale:
+            self.limit = max(self.floor, self.limit // 2)
+        elif oldest >= self.max_staleness:
+            self.limit = max(self.floor, self.limit - self.lease)
+        elif waited_frac > WAITING and oldest <= self.max_staleness - 2:
+            self.limit = min(self.ceiling, self.limit + self.lease)
