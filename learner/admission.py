@@ -10,14 +10,18 @@ arrived 3-4 versions old and were dropped at 5. AReaL bounds what is issued by
 `(version + max_staleness + 1) x batch` from the actors' lag; the lag differs per fleet
 and changes, so here it is measured, in the staleness of what arrives:
 
-- a group dropped as stale halves the window (down to one step's groups);
-- a group at the bound takes one lease off it;
-- while the learner waits for rollouts (more than `WAITING` of its time) and what
-  arrives is two or more versions inside the bound, a lease is given back, up to
-  `max_inflight`.
+- the window opens at one step's groups and doubles after every step the learner
+  waited for rollouts (more than `WAITING` of its time) while what arrived was two or
+  more versions inside the bound (a slow start, as TCP's: what is issued before anything
+  is measured is what goes stale first);
+- a group dropped as stale halves it (down to one step's groups), and ends the doubling;
+- a group at the bound takes one lease off it, and ends the doubling;
+- after that, a step the learner waited with room under the bound gives a lease back;
+- never above `max_inflight`.
 
 Where the actors are the slower side (the learner waits) nothing arrives near the bound
-and the window stays at `max_inflight`: no steps per second are given up.
+and the window reaches `max_inflight` within a few steps: no steps per second are given
+up after them.
 """
 
 from __future__ import annotations
@@ -41,9 +45,12 @@ class Admission:
     adaptive: bool = True
     limit: int = field(init=False)
 
+    slow_start: bool = field(init=False)
+
     def __post_init__(self) -> None:
         self.floor = min(self.floor, self.ceiling)
-        self.limit = self.ceiling
+        self.limit = self.floor if self.adaptive else self.ceiling
+        self.slow_start = self.adaptive
 
     def update(self, staleness: Sequence[int], dropped_stale: int, waited_frac: float) -> None:
         """After a step: the staleness of the groups trained on, the groups dropped as
@@ -52,8 +59,8 @@ class Admission:
             return
         oldest = max(staleness, default=0)
         if dropped_stale:
-            self.limit = max(self.floor, self.limit // 2)
+            self.limit, self.slow_start = max(self.floor, self.limit // 2), False
         elif oldest >= self.max_staleness:
-            self.limit = max(self.floor, self.limit - self.lease)
+            self.limit, self.slow_start = max(self.floor, self.limit - self.lease), False
         elif waited_frac > WAITING and oldest <= self.max_staleness - 2:
-            self.limit = min(self.ceiling, self.limit + self.lease)
+            self.limit = min(self.ceiling, self.limit * 2 if self.slow_start else self.limit + self.lease)

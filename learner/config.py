@@ -90,7 +90,7 @@ class LearnerConfig(BaseModel):
     steps: int = Field(200, ge=1, description="Optimizer steps to run (in total, across resumes).")
     groups_per_step: int = Field(16, ge=1, description="Rollout groups (prompts) per optimizer step.")
     max_inflight: int = Field(64, ge=1, description="Most prompts issued and not yet consumed.")
-    adaptive_inflight: bool = Field(True, description="Narrow the prompts in flight below max_inflight while groups arrive at or past max_staleness, and widen it again while the learner waits (learner/admission.py); false: always max_inflight.")
+    adaptive_inflight: bool = Field(True, description="Open the prompts in flight at groups_per_step and widen them (up to max_inflight) while the learner waits, narrow them while groups arrive at or past max_staleness (learner/admission.py); false: always max_inflight.")
     max_staleness: int = Field(4, ge=0, description="Drop groups generated more than this many adapter versions ago.")
     sync_every: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
     checkpoint_every: int = Field(10, ge=1, description="Checkpoint (and acknowledge consumed rollouts) every this many steps.")

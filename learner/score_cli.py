@@ -21,6 +21,9 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a("--queue", "--redis", dest="redis", required=True, metavar="URL",
       help="redis://host:port/db of the run, the learner's --queue (the trusted side reaches Redis itself; "
            "--redis is the same flag)")
+    a("--rq-redis", metavar="URL", default=None,
+      help="a plain Redis for RQ's jobs (default: the run's); needed where --queue is a Redis Cluster, whose "
+           "hash slots RQ's transactions cannot span")
     a("--run", default="default", help="run name (the learner's --run)")
     a("--model", required=True,
       help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
@@ -78,7 +81,7 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         environment = environment_reward(args.environment, tokenizer) if args.environment else None
         scorer = Scorer([load_reward(spec) for spec in args.reward or []], timeout_s=None, reraise=True,
                         extra=environment.name if environment else None)
-        queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run))
+        queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run), rq_url=args.rq_redis)
     except (RewardError, ValueError, OSError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         return 2

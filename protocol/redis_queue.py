@@ -35,6 +35,7 @@ from protocol.queue import (
     check_finished,
 )
 from protocol.redis_adapters import RedisAdapters
+from protocol.redis_client import connect
 from protocol.redis_fields import (
     check_ids,
     check_worker,
@@ -89,17 +90,12 @@ class RedisQueue(RedisAdapters, Queue):
 
     @classmethod
     def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100) -> Self:
-        """Connect to `redis://host:port/db` (or `rediss://` for TLS). A server that calls
-        the queue from many threads at once needs `max_connections` above its thread count:
-        one blocking read holds a connection for its whole wait."""
+        """Connect to `redis://host:port/db` (or `rediss://` for TLS; any node of a Redis
+        Cluster works as well, `protocol.redis_client`). A server that calls the queue
+        from many threads at once needs `max_connections` above its thread count: one
+        blocking read holds a connection for its whole wait."""
         config = config or QueueConfig()
-        client = redis.Redis.from_url(
-            url,
-            socket_timeout=config.max_block_s + 10.0,
-            socket_connect_timeout=5.0,
-            health_check_interval=30,
-            max_connections=max_connections,
-        )
+        client = connect(url, socket_timeout=config.max_block_s + 10.0, max_connections=max_connections)
         return cls(client, config)
 
     # ------------------------------------------------------------------ plumbing

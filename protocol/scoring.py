@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import msgspec
 
@@ -26,6 +26,8 @@ from protocol.codec import encode
 from protocol.errors import ProtocolError
 from protocol.keys import SCORERS_GROUP
 from protocol.messages import Prompt, RolloutGroup
+from protocol.queue import QueueConfig
+from protocol.redis_client import cluster_client, connect
 from protocol.redis_fields import check_ids, check_worker, decode_as, fields_of, text_of
 from protocol.redis_queue import RedisQueue
 
@@ -52,15 +54,42 @@ class UnscoredGroup:
 class ScoringQueue(RedisQueue):
     """`RedisQueue` plus the scoring tier's reads and its one write."""
 
+    _rq: Any = None
+
+    @classmethod
+    def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100,
+                 rq_url: str | None = None) -> Self:
+        """`rq_url`: a plain Redis for RQ's jobs, needed where `url` is a Redis Cluster
+        (RQ's transactions span slots); by default RQ uses the run's Redis."""
+        queue = super().from_url(url, config, max_connections)
+        if rq_url is not None:
+            queue._rq = connect(rq_url, socket_timeout=queue.config.max_block_s + 10.0)
+            if cluster_client(queue._rq):
+                queue.close()
+                raise ValueError(f"--rq-redis {rq_url}: a Redis Cluster node; RQ needs a plain Redis server")
+        elif cluster_client(queue._r):
+            queue.close()
+            raise ValueError(f"{url} is a Redis Cluster: RQ, which runs the scoring tier's jobs, needs a plain "
+                             "Redis for them (its transactions span hash slots); give it one with --rq-redis "
+                             "redis://HOST:PORT (the groups stay on the cluster)")
+        return queue
+
     @property
     def client(self) -> Any:
-        """The redis-py client, for RQ (which needs a connection of its own kind)."""
-        return self._r
+        """The redis-py client for RQ (which needs a connection of its own kind, to a plain
+        Redis): the run's Redis, or `--rq-redis`'s."""
+        return self._rq if self._rq is not None else self._r
 
     def rq_worker_registered(self, key: str) -> bool:
         """An RQ worker's registration under `key` exists and records no death (RQ's own
         test before it registers a worker by that name)."""
-        return bool(self._call(lambda: self._r.exists(key) and not self._r.hexists(key, "death")))
+        rq = self.client
+        return bool(self._call(lambda: rq.exists(key) and not rq.hexists(key, "death")))
+
+    def close(self) -> None:
+        super().close()
+        if self._rq is not None:
+            self._rq.close()
 
     def _entries(self, raw: list[Any]) -> list[UnscoredEntry]:
         return [UnscoredEntry(text_of(i), text_of(fields_of(f).get("g")), text_of(fields_of(f).get("b"))) for i, f in raw if f is not None]

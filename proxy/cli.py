@@ -14,6 +14,7 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlparse
 
 from protocol.logs import add_logging_flags, level_of, setup_logging
 
@@ -94,6 +95,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
+    from protocol.redis_client import cluster_client
     from protocol.store import StoreError
     from proxy.app import THREADS, build_app
     from proxy.auth import TokenError, Tokens
@@ -131,7 +133,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             # a connection for every worker thread, and some for the event hub and health checks
             queue = wait_for_redis(args.redis, config, THREADS + 16, args.startup_timeout_s)
-            rate_storage = "async+" + args.redis
+            rate_storage = rate_storage_url(args.redis, cluster_client(queue._r))
         store = open_store(args.store, presign_endpoint=args.presign_endpoint)
     except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
         print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)
@@ -183,6 +185,15 @@ def wait_for_redis(url: str, config: QueueConfig, max_connections: int, timeout_
                      before_wait=lambda err, delay: log.warning("redis unreachable, retrying in %.1fs: %s", delay, err))
     except QueueUnavailable as err:
         raise QueueUnavailable(f"unreachable for {timeout_s:g}s: {err}") from None
+
+
+def rate_storage_url(redis_url: str, cluster: bool) -> str:
+    """`limits`' storage for the run's Redis: `async+redis://…`, or for a cluster
+    `async+redis+cluster://host:port` (no database there)."""
+    if not cluster:
+        return "async+" + redis_url
+    parts = urlparse(redis_url)
+    return f"async+redis+cluster://{parts.netloc}"
 
 
 def share_memory_redis(server: Any, port: int) -> None:

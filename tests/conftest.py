@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import fakeredis
 import pytest
@@ -24,6 +25,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (+10000) is free too, and below 65536."""
+    import random
+
+    for _ in range(1000):
+        port = random.randint(20000, 55000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair for a cluster node")
 
 
 def kill_process(proc: subprocess.Popen | None) -> None:
@@ -51,10 +68,12 @@ def stop_process(proc: subprocess.Popen[bytes] | None) -> None:
 class RedisServer:
     """One redis-server process on loopback, started and stopped by its process id."""
 
-    def __init__(self, workdir: Path, port: int | None = None, persistent: bool = False) -> None:
+    def __init__(self, workdir: Path, port: int | None = None, persistent: bool = False, cluster: bool = False) -> None:
         self.workdir = workdir
-        self.port = port or free_port()
+        self.port = port or (free_cluster_port() if cluster else free_port())
         self.persistent = persistent
+        self.cluster = cluster
+        """A node of a Redis Cluster (`RedisClusterNodes` joins them)."""
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -66,6 +85,8 @@ class RedisServer:
         if binary is None:
             raise RuntimeError("redis-server is not installed; .ci/run installs it")
         persistence = ["--appendonly", "yes", "--appendfsync", "always"] if self.persistent else ["--appendonly", "no"]
+        if self.cluster:
+            persistence += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / "nodes.conf")]
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
@@ -93,12 +114,52 @@ class RedisServer:
         stop_process(self.proc)
 
 
-@pytest.fixture(scope="session")
-def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
+def _running(server: Any) -> Iterator[Any]:
+    """A fixture's body: the server started, yielded, stopped."""
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    yield from _running(RedisServer(tmp_path_factory.mktemp("redis")))
+
+
+class RedisClusterNodes:
+    """A Redis Cluster of three masters (no replicas) on loopback, as `redis-cli --cluster
+    create` makes one."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.nodes = [RedisServer(workdir / f"node-{i}", cluster=True) for i in range(3)]
+
+    @property
+    def url(self) -> str:
+        """Any node names the cluster: the first."""
+        return self.nodes[0].url
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        subprocess.run([shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
+                        *[f"127.0.0.1:{n.port}" for n in self.nodes], "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)
+        client = redis.Redis(port=self.nodes[0].port)
+        deadline = time.monotonic() + 30
+        while client.cluster("info").get("cluster_state") != "ok":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the test cluster never reached cluster_state:ok")
+            time.sleep(0.05)
+        client.close()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    yield from _running(RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster")))
 
 
 @pytest.fixture
@@ -116,15 +177,31 @@ def make_server(tmp_path: Path) -> Iterator[type[RedisServer]]:
         server.stop()
 
 
-@pytest.fixture(params=["redis", "fakeredis"])
+@pytest.fixture(params=["redis", "fakeredis", "cluster"])
 def backend(request: pytest.FixtureRequest) -> Iterator[object]:
-    """A client factory on a real redis-server or an in-process fakeredis server.
-    Each call returns a new client (a new connection) to the same server."""
+    """A client factory on a real redis-server, an in-process fakeredis server or a
+    3-master Redis Cluster (redis-py's cluster client, as `RedisQueue.from_url` picks for
+    a cluster node). Each call returns a new client (a new connection) to the same server."""
     yield from redis_clients(request, request.param)
 
 
 def redis_clients(request: pytest.FixtureRequest, kind: str) -> Iterator[object]:
     """`backend`'s body: a factory of clients of a real ("redis") or fake Redis server."""
+    if kind == "cluster":
+        from redis.cluster import RedisCluster
+
+        request.applymarker(pytest.mark.redis)
+        cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
+        nodes: list[RedisCluster] = []
+
+        def make_node_client() -> RedisCluster:
+            nodes.append(RedisCluster(host="127.0.0.1", port=cluster.nodes[0].port))
+            return nodes[-1]
+
+        yield make_node_client
+        for n in nodes:
+            n.close()
+        return
     if kind == "redis":
         request.applymarker(pytest.mark.redis)
         server: RedisServer = request.getfixturevalue("redis_server")

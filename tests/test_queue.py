@@ -27,10 +27,11 @@ from protocol import (
 LEASE_S = 0.3
 
 
-@pytest.fixture(params=["redis", "fakeredis", "proxy"])
+@pytest.fixture(params=["redis", "fakeredis", "proxy", "cluster"])
 def backend(request: pytest.FixtureRequest):
-    """conftest's backend, plus "proxy": fakeredis behind the proxy app."""
-    clients = redis_clients(request, "redis" if request.param == "redis" else "fakeredis")
+    """conftest's backend (a redis-server, fakeredis, a 3-master Redis Cluster), plus
+    "proxy": fakeredis behind the proxy app."""
+    clients = redis_clients(request, request.param if request.param in ("redis", "cluster") else "fakeredis")
     make = next(clients)
     make.through_proxy = request.param == "proxy"
     yield make

@@ -1,0 +1,58 @@
+"""A redis-py client for a `redis://` URL, whether it names a single server or any node
+of a Redis Cluster: the node is asked (`INFO cluster`), and a cluster gets redis-py's
+cluster client, which follows the slots to the right node. Every key of a run shares the
+hash tag `{run}` (`protocol.keys`), so a run's keys live in one slot, its Lua scripts stay
+legal, and runs spread across the shards by their names.
+
+RQ (the trusted scoring tier's job queue) needs a plain Redis: its transactions span
+keys of several slots. `learner score --rq-redis` names one for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlparse
+
+import redis
+from redis.cluster import RedisCluster
+
+from protocol.errors import QueueUnavailable
+
+
+def is_cluster_node(url: str, connect_timeout_s: float = 5.0) -> bool:
+    """The server at `url` runs with `cluster-enabled yes`."""
+    if urlparse(url).scheme == "unix":
+        return False
+    # asked without a database: a cluster node refuses SELECT
+    probe = redis.Redis.from_url(urlparse(url)._replace(path="").geturl(), socket_timeout=connect_timeout_s,
+                                 socket_connect_timeout=connect_timeout_s)
+    try:
+        return bool(probe.info("cluster").get("cluster_enabled"))
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+        raise QueueUnavailable(f"redis unreachable: {err}") from err
+    except redis.exceptions.ResponseError:
+        return False  # a server or proxy that does not answer INFO cluster is not a cluster node
+    finally:
+        probe.close()
+
+
+def connect(url: str, *, socket_timeout: float, max_connections: int = 100) -> Any:
+    """`redis.Redis`, or `RedisCluster` where `url` names a cluster node (a database
+    number other than 0 is refused there: a cluster has only database 0)."""
+    options: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": 5.0,
+                               "max_connections": max_connections}
+    if not is_cluster_node(url):
+        return redis.Redis.from_url(url, health_check_interval=30, **options)
+    parts = urlparse(url)
+    path = parts.path.strip("/")
+    if path not in ("", "0"):
+        raise ValueError(f"{url}: a Redis Cluster has only database 0 (drop /{path})")
+    try:  # no database in the URL: redis-py would SELECT it, which a cluster refuses
+        return RedisCluster.from_url(parts._replace(path="").geturl(), **options)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
+            redis.exceptions.RedisClusterException) as err:
+        raise QueueUnavailable(f"redis cluster unreachable: {err}") from err
+
+
+def cluster_client(client: Any) -> bool:
+    return isinstance(client, RedisCluster)
