@@ -84,7 +84,7 @@ def test_a_fleet_faster_than_the_learner_stops_generating_what_goes_stale(tmp_pa
         drops[adaptive] = state.totals.get("dropped_stale", 0)
         rows[adaptive] = metrics(cfg.resolved_run_dir)
     late = {k: sum(r["dropped_stale"] for r in v[-8:]) for k, v in rows.items()}
-    assert drops[False] >= 50 and late[False] >= 15, (drops, late)  # thrown away all along
+    assert drops[False] >= 20 and late[False] >= 5, (drops, late)  # thrown away all along
     # the window opens at one step's groups: what goes stale now is the odd group generated
     # before its actor had the newest adapter (a bound of 1 leaves no room for that)
     assert drops[True] * 4 <= drops[False] and late[True] * 5 <= late[False], (drops, late)

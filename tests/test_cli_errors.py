@@ -84,13 +84,26 @@ def test_an_unreachable_queue_is_given_up_after_the_start_up_time(tiny_model: Pa
     _one_line(err, "learner run:", "unreachable")
 
 
+def _wait_for_handler(proc: subprocess.Popen, signum: int, timeout_s: float = 60.0) -> None:
+    """Until the process catches `signum` (Linux: its SigCgt mask in /proc)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (signum - 1) & 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the process never installed a handler for signal {signum}")
+
+
 def test_sigterm_ends_a_learner_waiting_for_its_queue(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, *_learner(tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40)],
         cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:
-        time.sleep(3)
+        _wait_for_handler(proc, signal.SIGTERM)  # its start-up done, however slow the machine
+        time.sleep(1)
         assert proc.poll() is None  # still waiting (it would for 300 s)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
