@@ -44,11 +44,9 @@ class Admission:
     max_staleness: int
     adaptive: bool = True
     limit: int = field(init=False)
-
     slow_start: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.floor = min(self.floor, self.ceiling)
         self.limit = self.floor if self.adaptive else self.ceiling
         self.slow_start = self.adaptive
 

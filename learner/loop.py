@@ -132,7 +132,7 @@ class Learner(Evaluations):
                 self.state.count("trained_groups", len(groups))
                 step_s = time.monotonic() - started
                 self.admission.update([trained_with - g.adapter_version for g in groups],
-                                      sum(r == "dropped_stale" for _, r in self._step_groups.dropped),
+                                      self._step_groups.count("dropped_stale"),
                                       wait_s / max(wait_s + step_s, 1e-9))
                 publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
                 self.report(groups, batch, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)

@@ -43,7 +43,7 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a("--monitoring-interval-s", type=int, default=10, help="worker heartbeat while a job runs (default 10)")
     a("--maintenance-interval-s", type=int, default=30, help="how often RQ's registries are cleaned (default 30)")
     a("--groups-per-job", type=int, default=32,
-      help="most groups scored in one RQ job, from one lease or several read together (default 8; 1: a job per group)")
+      help="most groups scored in one RQ job, from one lease or several read together (default 32; 1: a job per group)")
     a("--redispatch-s", type=float, default=30.0,
       help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)")
     a("--name", default=None,

@@ -44,7 +44,6 @@ Jobs carry only ids, serialized as JSON (RQ's `JSONSerializer`): no pickle in Re
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import itertools
 import logging
@@ -293,9 +292,10 @@ class Dispatcher(threading.Thread):
         while not self.stopping.is_set():
             try:
                 if len(held) < self.groups_per_job * HELD_JOBS:
-                    fresh = self.queue.read_unscored(self.consumer, 64, block_s=HOLD_POLL_S if held else min(1.0, self.sweep_s))
-                    held_since = held_since if held else time.monotonic()
-                    held += fresh
+                    if not held:
+                        held_since = time.monotonic()
+                    held += self.queue.read_unscored(self.consumer, 64,
+                                                     block_s=HOLD_POLL_S if held else min(1.0, self.sweep_s))
                 else:
                     self.stopping.wait(HOLD_POLL_S)
                 # while a job waits for every worker, groups gather here and go out in fuller
@@ -326,7 +326,7 @@ class Dispatcher(threading.Thread):
         return int(self.rq.count) >= self.workers
 
     def dispatch(self, entries: list[UnscoredEntry]) -> None:
-        """One job per lease's groups read together (at most `groups_per_job`), then the
+        """Jobs of at most `groups_per_job` of the entries, in the order read, then the
         entries are no longer pending. A crash in between leaves them pending: they are
         dispatched again after `redispatch_s` (a second job for the same groups is
         harmless: storing is idempotent)."""
@@ -434,11 +434,6 @@ def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job
     dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)
     dispatcher.start()
-    # what the worker holds now (the tokenizer, the reward module, and torch, which
-    # transformers imports) never becomes garbage: out of the collector's reach, a forked
-    # horse's collections do not write to those pages and so do not copy them
-    gc.collect()
-    gc.freeze()
     try:
         for generation in itertools.count():
             rq_name = rq_worker_name(queue.config.run, name if generation == 0 else f"{name}-{generation}")

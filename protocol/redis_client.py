@@ -21,10 +21,11 @@ from protocol.errors import QueueUnavailable
 
 def is_cluster_node(url: str, connect_timeout_s: float = 5.0) -> bool:
     """The server at `url` runs with `cluster-enabled yes`."""
-    if urlparse(url).scheme == "unix":
+    parts = urlparse(url)
+    if parts.scheme == "unix":
         return False
     # asked without a database: a cluster node refuses SELECT
-    probe = redis.Redis.from_url(urlparse(url)._replace(path="").geturl(), socket_timeout=connect_timeout_s,
+    probe = redis.Redis.from_url(parts._replace(path="").geturl(), socket_timeout=connect_timeout_s,
                                  socket_connect_timeout=connect_timeout_s)
     try:
         return bool(probe.info("cluster").get("cluster_enabled"))

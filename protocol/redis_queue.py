@@ -35,7 +35,7 @@ from protocol.queue import (
     check_finished,
 )
 from protocol.redis_adapters import RedisAdapters
-from protocol.redis_client import connect
+from protocol.redis_client import cluster_client, connect
 from protocol.redis_fields import (
     check_ids,
     check_worker,
@@ -97,6 +97,11 @@ class RedisQueue(RedisAdapters, Queue):
         config = config or QueueConfig()
         client = connect(url, socket_timeout=config.max_block_s + 10.0, max_connections=max_connections)
         return cls(client, config)
+
+    @property
+    def on_cluster(self) -> bool:
+        """Connected to a Redis Cluster (redis-py's cluster client)."""
+        return cluster_client(self._r)
 
     # ------------------------------------------------------------------ plumbing
 

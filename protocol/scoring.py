@@ -67,7 +67,7 @@ class ScoringQueue(RedisQueue):
             if cluster_client(queue._rq):
                 queue.close()
                 raise ValueError(f"--rq-redis {rq_url}: a Redis Cluster node; RQ needs a plain Redis server")
-        elif cluster_client(queue._r):
+        elif queue.on_cluster:
             queue.close()
             raise ValueError(f"{url} is a Redis Cluster: RQ, which runs the scoring tier's jobs, needs a plain "
                              "Redis for them (its transactions span hash slots); give it one with --rq-redis "

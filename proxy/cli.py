@@ -95,7 +95,6 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
-    from protocol.redis_client import cluster_client
     from protocol.store import StoreError
     from proxy.app import THREADS, build_app
     from proxy.auth import TokenError, Tokens
@@ -133,7 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         else:
             # a connection for every worker thread, and some for the event hub and health checks
             queue = wait_for_redis(args.redis, config, THREADS + 16, args.startup_timeout_s)
-            rate_storage = rate_storage_url(args.redis, cluster_client(queue._r))
+            rate_storage = rate_storage_url(args.redis, queue.on_cluster)
         store = open_store(args.store, presign_endpoint=args.presign_endpoint)
     except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
         print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)

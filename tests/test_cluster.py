@@ -45,7 +45,7 @@ def test_a_node_url_gets_the_cluster_client_and_runs_spread_across_shards(redis_
     homes = set()
     for i in range(12):
         q = RedisQueue.from_url(redis_cluster.url, QueueConfig(run=f"spread-{i}"))
-        keys = [k for k in Keys(f"spread-{i}").all()]
+        keys = Keys(f"spread-{i}").all()
         assert len({q._r.keyslot(k) for k in keys}) == 1
         q.add_prompts([factories.batch(0)])
         homes.add(q._r.get_node_from_key(q.keys.prompts).port)
