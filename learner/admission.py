@@ -38,7 +38,7 @@ class Admission:
     ceiling: int
     """`max_inflight`: the window never opens wider."""
     floor: int
-    """`groups_per_step`: one step's worth always in flight."""
+    """One step's groups (or one lease, if that is more) always in flight."""
     lease: int
     """`prompts_per_batch`: the window moves a lease at a time."""
     max_staleness: int

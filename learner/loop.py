@@ -105,7 +105,10 @@ class Learner(Evaluations):
         self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
         self._logged_names = RewardNames([])
         self._rejections = RepeatedWarnings(log)
-        self.admission = Admission(ceiling=cfg.max_inflight, floor=cfg.groups_per_step, lease=cfg.prompts_per_batch,
+        # the floor holds one whole lease too: only whole batches are issued, so a window
+        # narrower than prompts_per_batch would never issue one (the config keeps both <= max_inflight)
+        self.admission = Admission(ceiling=cfg.max_inflight, floor=max(cfg.groups_per_step, cfg.prompts_per_batch),
+                                   lease=cfg.prompts_per_batch,
                                    max_staleness=cfg.max_staleness,
                                    adaptive=cfg.adaptive_inflight and cfg.lag_versions is None)
 

@@ -89,3 +89,20 @@ def test_a_fleet_faster_than_the_learner_stops_generating_what_goes_stale(tmp_pa
     # before its actor had the newest adapter (a bound of 1 leaves no room for that)
     assert drops[True] * 4 <= drops[False] and late[True] * 5 <= late[False], (drops, late)
     assert min(r["inflight_limit"] for r in rows[True]) == 4 and {r["inflight_limit"] for r in rows[False]} == {32}
+
+
+def test_a_lease_larger_than_a_step_is_still_issued(tmp_path: Path, tiny_model: Path) -> None:
+    """2 groups a step in leases of 4 prompts (the default lease): the window opens at a
+    whole lease, not at one step's 2 prompts, under which no batch could ever be issued
+    and learner and actors waited on each other for ever."""
+    cfg = small_config(tmp_path, tiny_model, run="adm-lease", steps=3, groups_per_step=2, prompts_per_batch=4,
+                       max_inflight=8)
+    make = fake_queue_factory("adm-lease")
+    store = open_store(cfg.store)
+    actor = SyntheticActor(make(), store, tiny_model, spread).start()
+    try:
+        state = Learner(cfg, make(), store).run()
+    finally:
+        actor.close()
+    assert state.step == 3
+    assert min(r["inflight_limit"] for r in metrics(cfg.resolved_run_dir)) >= 4
