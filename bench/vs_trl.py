@@ -1,0 +1,289 @@
+"""spotgrpo against Hugging Face's async GRPO + LoRA recipe, side by side on this machine.
+
+The peer: TRL's `AsyncGRPOTrainer` (`trl.experimental.async_grpo`, the installed trl) training
+a LoRA adapter against a `vllm serve` (vLLM's CPU build in `.venv-vllm`) started as the
+recipe says (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, `VLLM_SERVER_DEV_MODE=1`):
+every step it pauses the server, writes the adapter, loads it with `/v1/load_lora_adapter`
+and resumes. spotgrpo: `learner run` on a private redis-server and a file store, and one
+`actors run --engine vllm` worker (scoring its own groups, as TRL's rollout worker does).
+
+The same work for both: the tiny model (`learner.tiny.save_tiny`), the next-digit task asked
+as a chat turn, reward `digits` below (the task's own and a dense part), `--groups` prompts x 8 completions a step,
+up to 16 tokens at temperature 1, LoRA r8 / alpha 16 on every linear layer, the same
+learning rate, at most `--max-staleness` versions behind, `--steps` steps. The learner
+side (TRL's trainer and its rollout process; spotgrpo's learner and its Redis) runs on
+core 0, the generator (`vllm serve`; the actor) on core 1 (taskset).
+
+For each it prints steps/s (between the first and the last step, and over the whole
+run), the learner's wait as a fraction of its step time, mean staleness, samples
+dropped as stale, and the mean reward of the first and last five steps; then the ratio
+of steps/s. `--profile` also samples the actor with py-spy (when on PATH) and prints
+where its time goes.
+
+Usage: python bench/vs_trl.py [--pairs 1] [--steps 40] [--only trl|spotgrpo]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script, this folder would shadow packages; imported, the reward lives here
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import time
+import urllib.request
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+LEARNER_CORE, GENERATOR_CORE = "0", "1"
+REWARD = "bench.vs_trl:digits"
+
+
+def digits(prompts: list, completions: list, answer: list, **_: Any) -> list[float]:
+    """The next-digit task's reward (`actors.tasks:next_digit`: 1 for the right digit first)
+    plus a dense part, half the share of digits in the completion. With the sparse reward
+    alone most groups of an untrained model score all 0: spotgrpo drops such groups (no
+    advantage, no gradient) and fills its step with others, where TRL trains on them, so a
+    step would not be the same work. Takes TRL's completions too (an empty one parses to
+    no message)."""
+    from actors.tasks import next_digit
+
+    texts = [c if isinstance(c, str) else (c[0].get("content", "") if c and isinstance(c[0], dict) else "")
+             for c in completions]
+    first = next_digit(prompts, texts, answer)
+    return [f + 0.5 * sum(ch.isdigit() for ch in t) / max(len(t), 1) for f, t in zip(first, texts, strict=True)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(core: str, argv: list[str]) -> list[str]:
+    return ["taskset", "-c", core, *argv] if shutil.which("taskset") and os.cpu_count() and os.cpu_count() > 1 else argv
+
+
+def wait_until(ready: Any, what: str, timeout_s: float, procs: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ready():
+            return
+        for p in procs:
+            if p.poll() is not None:
+                raise SystemExit(f"{what}: a process exited ({p.args[:4]}, rc {p.returncode}); see its log")
+        time.sleep(0.5)
+    raise SystemExit(f"{what}: not ready after {timeout_s:.0f}s")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def write_data(path: Path, n: int = 2000) -> Path:
+    from learner.tasks import next_digit_rows
+
+    rows = [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r["answer"]} for r in next_digit_rows(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def vllm_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+
+# ---------------------------------------------------------------------- the peer
+def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
+    port = free_port()
+    server_log = (work / "vllm-serve.log").open("wb")
+    env = {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    server = subprocess.Popen(
+        pinned(GENERATOR_CORE, [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                                "--enable-lora", "--max-lora-rank", "8", "--max-loras", str(args.max_staleness + 2),
+                                "--max-model-len", "256", "--max-num-seqs", str(4 * args.groups * 8),
+                                "--seed", "0"]),
+        env=env, stdout=server_log, stderr=subprocess.STDOUT, cwd=work)
+    procs = [server]
+    try:
+        wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "vllm serve", 600, procs)
+        spec = {"model": str(model), "data": str(data), "url": f"http://127.0.0.1:{port}", "out": str(work / "trl"),
+                "steps": args.steps, "groups": args.groups, "lr": args.lr, "max_staleness": args.max_staleness}
+        (work / "trl.json").write_text(json.dumps(spec))
+        with (work / "trl-trainer.log").open("wb") as log:
+            trainer = subprocess.Popen(
+                pinned(LEARNER_CORE, [str(args.vllm_python), "-m", "bench.vs_trl_peer", str(work / "trl.json")]),
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, stdout=log,
+                stderr=subprocess.STDOUT, cwd=work)
+            procs.append(trainer)
+            started = time.time()
+            if trainer.wait() != 0:
+                raise SystemExit(f"the TRL trainer failed (rc {trainer.returncode}): see {work / 'trl-trainer.log'}")
+        rows = json.loads((work / "trl" / "steps.json").read_text())
+        return summary("TRL AsyncGRPOTrainer + vllm serve", rows, started, {
+            "wait_s": "perf/rollout_wait_s", "staleness": "sample/staleness_mean",
+            "dropped": "sample/dropped_stale_total", "reward": "reward"})
+    finally:
+        stop(procs)
+        server_log.close()
+
+
+# ---------------------------------------------------------------------- spotgrpo
+def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
+    rport = free_port()
+    (work / "redis").mkdir(exist_ok=True)
+    redis = subprocess.Popen(
+        pinned(LEARNER_CORE, ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
+                              "--appendonly", "no", "--dir", str(work / "redis")]),
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    procs = [redis]
+    queue = f"redis://127.0.0.1:{rport}/0"
+    run_dir = work / "spotgrpo"
+    try:
+        time.sleep(0.3)
+        actor_log = (work / "actor.log").open("wb")
+        actor_argv = [str(args.vllm_python), "-m", "actors.cli", "run", "--queue", queue, "--run", "vs-trl",
+                      "--store", (work / "store").as_uri(), "--engine", "vllm", "--model", str(model), "--max-lora-rank", "8", "--max-model-len", "256",
+                      "--dtype", "float32", "--reward", REWARD, "--worker-id", "actor-0"]
+        actor = subprocess.Popen(pinned(GENERATOR_CORE, actor_argv), env=vllm_env(), stdout=actor_log,
+                                 stderr=subprocess.STDOUT, cwd=work)
+        procs.append(actor)
+        learner_argv = [
+            sys.executable, "-m", "learner.cli", "run", "--run", "vs-trl", "--queue", queue,
+            "--store", (work / "store").as_uri(), "--run-dir", str(run_dir), "--model", str(model), "--device", "cpu",
+            "--dataset", str(data), "--reward", REWARD, "--scoring", "actors", "--num-generations", "8",
+            "--groups-per-step", str(args.groups),
+            "--max-tokens", "16", "--temperature", "1.0", "--learning-rate", str(args.lr), "--lora-rank", "8",
+            "--lora-alpha", "16", "--max-staleness", str(args.max_staleness), "--steps", str(args.steps),
+            "--max-inflight", str(args.max_staleness * args.groups), "--eval-every", "0",
+            "--checkpoint-every", str(args.steps), "--no-keep-queue"]
+        if args.prompts_per_batch:
+            learner_argv += ["--prompts-per-batch", str(args.prompts_per_batch)]
+        profiler = None
+        if args.profile and shutil.which("py-spy"):
+            profiler = subprocess.Popen(["py-spy", "record", "--pid", str(actor.pid), "--format", "raw", "--rate", "200",
+                                         "--output", str(work / "actor.pyspy"), "--subprocesses"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        with (work / "learner.log").open("wb") as log:
+            learner = subprocess.Popen(pinned(LEARNER_CORE, learner_argv), stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=work)
+            procs.insert(0, learner)
+            started = time.time()
+            while learner.poll() is None:
+                if actor.poll() is not None:
+                    raise SystemExit(f"the actor exited (rc {actor.returncode}): see {work / 'actor.log'}")
+                time.sleep(0.5)
+            if learner.returncode != 0:
+                raise SystemExit(f"the learner failed (rc {learner.returncode}): see {work / 'learner.log'}")
+        if profiler is not None:
+            profiler.send_signal(2)
+            profiler.wait(timeout=60)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rows = [r for r in rows if "step_s" in r]
+        return summary("spotgrpo (learner + 1 vllm actor over Redis)", rows, started, {
+            "wait_s": "wait_s", "staleness": "staleness_mean", "dropped": "dropped_stale",
+            "reward": "reward"})
+    finally:
+        stop(procs)
+
+
+# ---------------------------------------------------------------------- report
+def summary(name: str, rows: list[dict[str, Any]], started: float, keys: dict[str, str]) -> dict[str, Any]:
+    def col(key: str) -> list[float]:
+        return [float(r.get(keys[key], 0.0) or 0.0) for r in rows]
+
+    times = [r["time"] for r in rows]
+    rewards = col("reward")
+    waits = col("wait_s")
+    return {
+        "name": name,
+        "steps": len(rows),
+        "steps_per_s": (len(rows) - 1) / (times[-1] - times[0]) if len(rows) > 1 else float("nan"),
+        "wall_s": times[-1] - started,
+        # what the learner waited for rollouts between its first step and its last, over that time
+        "wait_fraction": sum(waits[1:]) / max(times[-1] - times[0], 1e-9),
+        "staleness": statistics.mean(col("staleness")),
+        "dropped": sum(col("dropped")),
+        "reward_first": statistics.mean(rewards[:5]),
+        "reward_last": statistics.mean(rewards[-5:]),
+    }
+
+
+def show(results: list[dict[str, Any]]) -> None:
+    print(f"{'':<46} {'steps/s':>8} {'wall s':>7} {'wait':>6} {'stale':>6} {'dropped':>8} "
+          f"{'reward first5 -> last5':>24}")
+    for r in results:
+        print(f"{r['name']:<46} {r['steps_per_s']:>8.3f} {r['wall_s']:>7.1f} {r['wait_fraction']:>6.0%} "
+              f"{r['staleness']:>6.2f} {r['dropped']:>8.0f} "
+              f"{r['reward_first']:>11.3f} -> {r['reward_last']:.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pairs", type=int, default=1, help="pairs of runs (peer, then spotgrpo)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--groups", type=int, default=2, help="prompts (groups of 8) per step")
+    parser.add_argument("--prompts-per-batch", type=int, default=None, help="spotgrpo: prompts per lease (default: the learner's)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--max-staleness", type=int, default=4)
+    parser.add_argument("--only", choices=["trl", "spotgrpo"], default=None)
+    parser.add_argument("--profile", action="store_true", help="sample spotgrpo's actor with py-spy (if installed)")
+    parser.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm" / "bin" / "python")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics)")
+    args = parser.parse_args()
+    if not args.vllm_python.exists():
+        sys.exit(f"no vLLM environment at {args.vllm_python} (make venvs, or --vllm-python)")
+    from learner.tiny import save_tiny
+
+    root = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
+    model = save_tiny(root / "model")
+    data = write_data(root / "next_digit_chat.jsonl")
+    print(f"work: tiny model, next digit as a chat turn, {args.groups} prompts x 8 completions a step, "
+          f"16 tokens, lr {args.lr}, LoRA r8, max staleness {args.max_staleness}, {args.steps} steps; "
+          f"learner side on core {LEARNER_CORE}, generator on core {GENERATOR_CORE}; logs in {root}")
+    ratios = []
+    for pair in range(args.pairs):
+        results = []
+        for which, fn in (("trl", run_trl), ("spotgrpo", run_spotgrpo)):
+            if args.only in (None, which):
+                work = root / f"{which}-{pair}"
+                work.mkdir()
+                results.append(fn(args, work, model, data))
+        show(results)
+        if len(results) == 2:
+            ratios.append(results[1]["steps_per_s"] / results[0]["steps_per_s"])
+            print(f"pair {pair}: spotgrpo / TRL steps/s = {ratios[-1]:.2f}x")
+    if ratios:
+        print("ratios: " + ", ".join(f"{r:.2f}x" for r in ratios))
+    if not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
