@@ -11,8 +11,8 @@ It prints completions/s and tokens/s for each and the ratio to the ceiling.
 
 Needs vLLM (`.venv-vllm`, or a GPU machine): `python bench/actor_vllm.py [--leases 1 4 16]`.
 On a CPU, set VLLM_CPU_KVCACHE_SPACE=1 (GiB). The engine core runs in its own process, as vLLM
-does by default; VLLM_ENABLE_V1_MULTIPROCESSING=0 puts it in this one (slower here: the
-work loop's Python then shares a thread with the engine).
+does by default, unless this process may use only one core (then in this one: see
+actors/vllm_engine.py); VLLM_ENABLE_V1_MULTIPROCESSING=0/1 decides it either way.
 """
 
 from __future__ import annotations

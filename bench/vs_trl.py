@@ -4,7 +4,8 @@ The peer: TRL's `AsyncGRPOTrainer` (`trl.experimental.async_grpo`, the installed
 a LoRA adapter against a `vllm serve` (vLLM's CPU build in `.venv-vllm`) started as the
 recipe says (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, `VLLM_SERVER_DEV_MODE=1`):
 every step it pauses the server, writes the adapter, loads it with `/v1/load_lora_adapter`
-and resumes. spotgrpo: `learner run` on a private redis-server and a file store, and one
+and resumes. Its engine core runs in the server's process, as the actor's does on one core
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: see actors/vllm_engine.py; it makes TRL faster too). spotgrpo: `learner run` on a private redis-server and a file store, and one
 `actors run --engine vllm` worker (scoring its own groups, as TRL's rollout worker does).
 
 The same work for both: the tiny model (`learner.tiny.save_tiny`), the next-digit task asked
@@ -17,8 +18,8 @@ core 0, the generator (`vllm serve`; the actor) on core 1 (taskset).
 For each it prints steps/s (between the first and the last step, and over the whole
 run), the learner's wait as a fraction of its step time, mean staleness, samples
 dropped as stale, and the mean reward of the first and last five steps; then the ratio
-of steps/s. `--profile` also samples the actor with py-spy (when on PATH) and prints
-where its time goes.
+of steps/s. `--profile [PY_SPY]` also samples the actor's processes with py-spy
+from the first step to the last and prints where their CPU goes per step.
 
 Usage: python bench/vs_trl.py [--pairs 1] [--steps 40] [--only trl|spotgrpo]
 """
@@ -35,6 +36,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -122,7 +124,10 @@ def vllm_env() -> dict[str, str]:
 def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
     port = free_port()
     server_log = (work / "vllm-serve.log").open("wb")
-    env = {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    env = {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+           # what the actor does by itself on one core (actors/vllm_engine.py), given to the peer too:
+           # it takes TRL from 2.8-3.0 to 4.1 steps/s here
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     server = subprocess.Popen(
         pinned(GENERATOR_CORE, [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
@@ -185,11 +190,7 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
             "--checkpoint-every", str(args.steps), "--no-keep-queue"]
         if args.prompts_per_batch:
             learner_argv += ["--prompts-per-batch", str(args.prompts_per_batch)]
-        profiler = None
-        if args.profile and shutil.which("py-spy"):
-            profiler = subprocess.Popen(["py-spy", "record", "--pid", str(actor.pid), "--format", "raw", "--rate", "200",
-                                         "--output", str(work / "actor.pyspy"), "--subprocesses"],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        profiler, profiled = None, (0, 0.0)
         with (work / "learner.log").open("wb") as log:
             learner = subprocess.Popen(pinned(LEARNER_CORE, learner_argv), stdout=log, stderr=subprocess.STDOUT,
                                        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=work)
@@ -198,12 +199,21 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
             while learner.poll() is None:
                 if actor.poll() is not None:
                     raise SystemExit(f"the actor exited (rc {actor.returncode}): see {work / 'actor.log'}")
-                time.sleep(0.5)
+                if args.profile and profiler is None and steps_done(run_dir) >= 1:
+                    # the steady state only: from the first step on, not the engine's start
+                    profiler = subprocess.Popen(pinned(LEARNER_CORE, [
+                        args.profile, "record", "--pid", str(actor.pid), "--format", "raw", "--rate", str(RATE),
+                        "--nonblocking", "--subprocesses", "--output", str(work / "actor.pyspy")]),
+                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                    profiled = (steps_done(run_dir), time.monotonic())
+                time.sleep(0.2)
             if learner.returncode != 0:
                 raise SystemExit(f"the learner failed (rc {learner.returncode}): see {work / 'learner.log'}")
         if profiler is not None:
-            profiler.send_signal(2)
-            profiler.wait(timeout=60)
+            steps, seconds = steps_done(run_dir) - profiled[0], time.monotonic() - profiled[1]
+            profiler.send_signal(signal.SIGINT)
+            profiler.wait(timeout=120)
+            show_profile(work / "actor.pyspy", actor.pid, steps, seconds)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "step_s" in r]
         return summary("spotgrpo (learner + 1 vllm actor over Redis)", rows, started, {
@@ -211,6 +221,59 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
             "reward": "reward"})
     finally:
         stop(procs)
+
+
+def steps_done(run_dir: Path) -> int:
+    metrics = run_dir / "metrics.jsonl"
+    return sum(1 for _ in metrics.open()) if metrics.exists() else 0
+
+
+# ---------------------------------------------------------------------- the actor's time
+RATE = 250
+"""py-spy's samples per second (of each thread that is not idle)."""
+
+WHERE: list[tuple[str, tuple[str, ...]]] = [
+    # (what, any of these frames), the first that matches a sample names it
+    ("vLLM worker: model forward + sampling", ("execute_model", "sample_tokens", "_model_forward")),
+    ("vLLM worker: LoRA load / activate", ("add_lora", "_load_adapter", "set_active_adapters", "activate_adapter")),
+    ("vLLM engine core: scheduling, IPC", ("EngineCoreProc", "run_engine_core", "run_busy_loop")),
+    ("vLLM worker process: other", ("WorkerProc", "worker_busy_loop", "worker_main")),
+    ("actor: scoring (reward process and its pipe)", ("Scorer", "ScoringPool", "score_group", "_score")),
+    ("actor: adapter watch, download, load call", ("AdapterWatcher", "load_adapter", "StoreSource")),
+    ("actor: heartbeat and status", ("Heartbeat", "status")),
+    ("actor: queue, submit (build + encode + Redis)", ("_submit_ready", "RedisQueue.submit", "submit")),
+    ("actor: queue, claim (Redis + decode)", ("_fill", "claim")),
+    ("actor: engine client (add requests, outputs)", ("VLLMEngine", "process_outputs_socket", "LLMEngine",
+                                                      "OutputProcessor")),
+]
+
+
+def show_profile(raw: Path, actor_pid: int, steps: int, seconds: float) -> None:
+    """Where the actor's processes (its own, vLLM's engine core and worker, the reward
+    process) spent CPU per step, from py-spy's raw samples: busy threads only."""
+    import re
+    from collections import Counter
+
+    text = raw.read_text(errors="replace") if raw.exists() else ""
+    where: Counter[str] = Counter()
+    for record in re.split(r"\n(?=process \d+:)", text):
+        stack, _, count = record.strip().rpartition(" ")
+        if not count.isdigit():
+            continue
+        frames = [f.split(" (")[0] for f in stack.split(";")]
+        names = set(frames)
+        label = next((what for what, marks in WHERE if any(m in f for f in names for m in marks)), None)
+        where[label or ("actor: other" if not any(f.startswith("process ") for f in frames) else "other processes")] \
+            += int(count)
+    total = sum(where.values())
+    if not total or not steps:
+        print("profile: no samples (is py-spy allowed to read other processes here?)")
+        return
+    per_step = 1000 / RATE / steps
+    print(f"the actor's CPU per step ({steps} steps in {seconds:.1f}s, {1000 * seconds / steps:.0f} ms a step; "
+          f"py-spy, {total / RATE / seconds:.0%} of a core busy):")
+    for what, n in where.most_common():
+        print(f"  {what:<48} {n * per_step:>7.1f} ms  {n / total:>5.0%}")
 
 
 # ---------------------------------------------------------------------- report
@@ -253,7 +316,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--only", choices=["trl", "spotgrpo"], default=None)
-    parser.add_argument("--profile", action="store_true", help="sample spotgrpo's actor with py-spy (if installed)")
+    parser.add_argument("--profile", nargs="?", const="py-spy", default=None, metavar="PY_SPY",
+                        help="sample spotgrpo's actor with py-spy (path to it; not a dependency) and show where "
+                             "its time goes per step")
     parser.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics)")
     args = parser.parse_args()

@@ -7,8 +7,8 @@ A prompt is a run of 3 to 6 consecutive digits counting up, wrapping after 9 ("7
 the answer is the digit that comes next ("1"). An untrained model almost never says it
 (about 1 in 60 tokens is that digit), and GRPO with LoRA learns it within a few minutes
 on two CPU cores. The reward (`actors.tasks:next_digit`, run by the actors) gives 1 for
-the right digit first and 0.2 for any other digit first, so the early groups already
-differ in reward and carry a learning signal.
+the right digit first and 0 otherwise; groups that all score the same carry no
+advantage and are dropped (`dropped_flat`), so the learner trains on the others.
 
 Arithmetic. GSM8K-shaped rows (a question, and an answer ending in `#### <number>`) of
 one-digit addition, subtraction and multiplication stories, asked as a chat turn; the

@@ -491,3 +491,17 @@ def test_a_spot_worker_imports_no_redis_client() -> None:
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n.split(".")[0] in ("redis", "rq", "fakeredis") for n in names), (path.name, names)
+
+
+def test_the_vllm_engine_core_runs_in_process_only_on_one_core(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On one core vLLM's CPU build spins its two engine processes against each other; with
+    more cores, or where the user said, vLLM's own default stands."""
+    from actors.vllm_engine import engine_core_in_process_on_one_core
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert not engine_core_in_process_on_one_core() and "VLLM_ENABLE_V1_MULTIPROCESSING" not in os.environ
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {3})
+    assert engine_core_in_process_on_one_core() and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's word
+    assert not engine_core_in_process_on_one_core()
