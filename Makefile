@@ -85,3 +85,6 @@ bench: install
 	$(BIN)/python bench/actor.py
 	$(BIN)/python bench/proxy.py
 	$(BIN)/python bench/chaos.py --minutes 5 --self-test
+	# side by side with TRL's AsyncGRPOTrainer + vllm serve (vLLM's CPU build, .venv-vllm)
+	$(MAKE) $(VLLM_VENV)/.installed
+	$(BIN)/python bench/vs_trl.py --pairs 3

@@ -205,15 +205,16 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
                         args.profile, "record", "--pid", str(actor.pid), "--format", "raw", "--rate", str(RATE),
                         "--nonblocking", "--subprocesses", "--output", str(work / "actor.pyspy")]),
                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                    profiled = (steps_done(run_dir), time.monotonic())
+                    profiled = (steps_done(run_dir), time.time())
                 time.sleep(0.2)
             if learner.returncode != 0:
                 raise SystemExit(f"the learner failed (rc {learner.returncode}): see {work / 'learner.log'}")
-        if profiler is not None:
-            steps, seconds = steps_done(run_dir) - profiled[0], time.monotonic() - profiled[1]
+        if profiler is not None:  # what the profile saw: the steps after it started, up to the last
+            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["time"]
+            steps, seconds = steps_done(run_dir) - profiled[0], last - profiled[1]
             profiler.send_signal(signal.SIGINT)
             profiler.wait(timeout=120)
-            show_profile(work / "actor.pyspy", actor.pid, steps, seconds)
+            show_profile(work / "actor.pyspy", steps, seconds)
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         rows = [r for r in rows if "step_s" in r]
         return summary("spotgrpo (learner + 1 vllm actor over Redis)", rows, started, {
@@ -233,22 +234,26 @@ RATE = 250
 """py-spy's samples per second (of each thread that is not idle)."""
 
 WHERE: list[tuple[str, tuple[str, ...]]] = [
-    # (what, any of these frames), the first that matches a sample names it
-    ("vLLM worker: model forward + sampling", ("execute_model", "sample_tokens", "_model_forward")),
-    ("vLLM worker: LoRA load / activate", ("add_lora", "_load_adapter", "set_active_adapters", "activate_adapter")),
-    ("vLLM engine core: scheduling, IPC", ("EngineCoreProc", "run_engine_core", "run_busy_loop")),
-    ("vLLM worker process: other", ("WorkerProc", "worker_busy_loop", "worker_main")),
-    ("actor: scoring (reward process and its pipe)", ("Scorer", "ScoringPool", "score_group", "_score")),
+    # (what, any of these frames): the first that matches a sample names it
+    ("vLLM: model forward + sampling", ("execute_model", "sample_tokens", "_model_forward", "bgmv_", "sgmv_",
+                                        "einsum", "onednn_mm", "gemm")),
+    ("vLLM: LoRA load / activate", ("add_lora", "_load_adapter", "set_active_adapters", "activate_adapter")),
+    ("vLLM: scheduling, engine-core loop and IPC", ("Scheduler.", "EngineCoreProc", "run_busy_loop",
+                                                    "EngineCore.step", "InprocClient", "MPClient")),
+    ("vLLM: model process's loop and IPC", ("WorkerProc", "worker_busy_loop", "worker_main")),
+    ("vLLM: output processing (log-probs, text)", ("OutputProcessor", "process_outputs_socket", "Detokenizer")),
+    ("actor: scoring (reward process, its pool's threads)", ("Scorer", "ScoringPool", "score_group", "_score",
+                                                             "message_manager_loop", "pool_manager_loop",
+                                                             "task_scheduler_loop", "worker_process")),
     ("actor: adapter watch, download, load call", ("AdapterWatcher", "load_adapter", "StoreSource")),
     ("actor: heartbeat and status", ("Heartbeat", "status")),
-    ("actor: queue, submit (build + encode + Redis)", ("_submit_ready", "RedisQueue.submit", "submit")),
-    ("actor: queue, claim (Redis + decode)", ("_fill", "claim")),
-    ("actor: engine client (add requests, outputs)", ("VLLMEngine", "process_outputs_socket", "LLMEngine",
-                                                      "OutputProcessor")),
+    ("actor: submit (build, encode, Redis)", ("_submit_ready", "RedisQueue.submit", "submit")),
+    ("actor: claim (Redis, decode)", ("_fill", "claim")),
+    ("actor: requests in, samples out", ("VLLMEngine", "_advance")),
 ]
 
 
-def show_profile(raw: Path, actor_pid: int, steps: int, seconds: float) -> None:
+def show_profile(raw: Path, steps: int, seconds: float) -> None:
     """Where the actor's processes (its own, vLLM's engine core and worker, the reward
     process) spent CPU per step, from py-spy's raw samples: busy threads only."""
     import re
@@ -260,11 +265,9 @@ def show_profile(raw: Path, actor_pid: int, steps: int, seconds: float) -> None:
         stack, _, count = record.strip().rpartition(" ")
         if not count.isdigit():
             continue
-        frames = [f.split(" (")[0] for f in stack.split(";")]
-        names = set(frames)
-        label = next((what for what, marks in WHERE if any(m in f for f in names for m in marks)), None)
-        where[label or ("actor: other" if not any(f.startswith("process ") for f in frames) else "other processes")] \
-            += int(count)
+        frames = [f.split(" (")[0] for f in stack.split(";") if not f.startswith("process ")]
+        label = next((what for what, marks in WHERE if any(m in f for f in frames for m in marks)), "other")
+        where[label] += int(count)
     total = sum(where.values())
     if not total or not steps:
         print("profile: no samples (is py-spy allowed to read other processes here?)")
