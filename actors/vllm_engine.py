@@ -29,7 +29,7 @@ process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, unless set): vLLM's CPU build other
 an engine-core process and a model process that spin on shared memory for a second
 after every message (`SpinCondition`), and on one core those spins take the core from
 the process doing the work (measured: 60% of the actor's samples; `bench/vs_trl.py`
-8.3-9.6 -> 17 steps/s). GPUs and several cores keep vLLM's default.
+8.3-9.6 -> 11-13 steps/s). GPUs and several cores keep vLLM's default.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _is_engine_dead(err: BaseException) -> bool:
 def engine_core_in_process_on_one_core() -> bool:
     """Where only one CPU core is ours, run vLLM's engine core in this process (see the
     module's text); returns whether it will."""
-    if len(os.sched_getaffinity(0)) == 1:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
+    if cores == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 
