@@ -26,6 +26,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 
 import numpy as np
 import redis
@@ -71,7 +72,9 @@ def figures(n: int, write_s: float, read_s: float, latencies_s: list[float]) -> 
             "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
 
 
-def start_redis() -> tuple[subprocess.Popen[bytes], int]:
+def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], int]:
+    """A private redis-server on a free loopback port, answering when this returns;
+    `prefix` goes before its command line (`taskset -c 0`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -79,7 +82,7 @@ def start_redis() -> tuple[subprocess.Popen[bytes], int]:
     if binary is None:
         sys.exit("redis-server not found")
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        [*prefix, binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", tempfile.mkdtemp()],
         stdout=subprocess.DEVNULL,
     )
@@ -92,6 +95,19 @@ def start_redis() -> tuple[subprocess.Popen[bytes], int]:
             time.sleep(0.01)
     client.close()
     return proc, port
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:
+    """Terminate the processes still running, then wait for each (killing what outstays `timeout_s`)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def bench_raw(client: redis.Redis, payload: bytes, n: int, read_batch: int) -> dict[str, float]:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 import msgspec
 
-from bench.queue import start_redis
+from bench.queue import start_redis, stop
 from protocol import (
     Completion,
     Prompt,
@@ -78,16 +78,6 @@ def start_scorers(url: str, run: str, n: int, reward: str, logs: Path) -> list[s
                               reward, "--model", str(model), "--name", f"bench-{run}-{i}"], cwd=REPO, env=env,
                              stdout=(logs / f"{run}-{i}.log").open("wb"), stderr=subprocess.STDOUT)
             for i in range(n)]
-
-
-def stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        p.terminate()
-    for p in procs:
-        try:
-            p.wait(15)
-        except subprocess.TimeoutExpired:
-            p.kill()
 
 
 def submit_all(q: RedisQueue, run: str, groups: int, offset: int = 0) -> list[tuple[str, float]]:

@@ -95,18 +95,6 @@ def http_ok(url: str) -> bool:
         return False
 
 
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def write_data(path: Path, n: int = 2000) -> Path:
     from learner.tasks import next_digit_rows
 
@@ -122,6 +110,8 @@ def vllm_env() -> dict[str, str]:
 
 # ---------------------------------------------------------------------- the peer
 def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
+    from bench.queue import stop
+
     port = free_port()
     server_log = (work / "vllm-serve.log").open("wb")
     env = {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
@@ -161,23 +151,19 @@ def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> di
 
 # ---------------------------------------------------------------------- spotgrpo
 def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
-    rport = free_port()
-    (work / "redis").mkdir(exist_ok=True)
-    redis = subprocess.Popen(
-        pinned(LEARNER_CORE, ["redis-server", "--port", str(rport), "--bind", "127.0.0.1", "--save", "",
-                              "--appendonly", "no", "--dir", str(work / "redis")]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    from bench.queue import start_redis, stop
+
+    redis, rport = start_redis(pinned(LEARNER_CORE, []))
     procs = [redis]
     queue = f"redis://127.0.0.1:{rport}/0"
     run_dir = work / "spotgrpo"
     try:
-        time.sleep(0.3)
-        actor_log = (work / "actor.log").open("wb")
         actor_argv = [str(args.vllm_python), "-m", "actors.cli", "run", "--queue", queue, "--run", "vs-trl",
                       "--store", (work / "store").as_uri(), "--engine", "vllm", "--model", str(model), "--max-lora-rank", "8", "--max-model-len", "256",
                       "--dtype", "float32", "--reward", REWARD, "--worker-id", "actor-0"]
-        actor = subprocess.Popen(pinned(GENERATOR_CORE, actor_argv), env=vllm_env(), stdout=actor_log,
-                                 stderr=subprocess.STDOUT, cwd=work)
+        with (work / "actor.log").open("wb") as log:  # the child keeps its own copy of the file
+            actor = subprocess.Popen(pinned(GENERATOR_CORE, actor_argv), env=vllm_env(), stdout=log,
+                                     stderr=subprocess.STDOUT, cwd=work)
         procs.append(actor)
         learner_argv = [
             sys.executable, "-m", "learner.cli", "run", "--run", "vs-trl", "--queue", queue,
@@ -199,23 +185,21 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
             while learner.poll() is None:
                 if actor.poll() is not None:
                     raise SystemExit(f"the actor exited (rc {actor.returncode}): see {work / 'actor.log'}")
-                if args.profile and profiler is None and steps_done(run_dir) >= 1:
+                if args.profile and profiler is None and (done := steps_done(run_dir)) >= 1:
                     # the steady state only: from the first step on, not the engine's start
+                    profiled = (done, time.time())
                     profiler = subprocess.Popen(pinned(LEARNER_CORE, [
                         args.profile, "record", "--pid", str(actor.pid), "--format", "raw", "--rate", str(RATE),
                         "--nonblocking", "--subprocesses", "--output", str(work / "actor.pyspy")]),
                         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-                    profiled = (steps_done(run_dir), time.time())
                 time.sleep(0.2)
             if learner.returncode != 0:
                 raise SystemExit(f"the learner failed (rc {learner.returncode}): see {work / 'learner.log'}")
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         if profiler is not None:  # what the profile saw: the steps after it started, up to the last
-            last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])["time"]
-            steps, seconds = steps_done(run_dir) - profiled[0], last - profiled[1]
             profiler.send_signal(signal.SIGINT)
             profiler.wait(timeout=120)
-            show_profile(work / "actor.pyspy", steps, seconds)
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            show_profile(work / "actor.pyspy", len(rows) - profiled[0], rows[-1]["time"] - profiled[1])
         rows = [r for r in rows if "step_s" in r]
         return summary("spotgrpo (learner + 1 vllm actor over Redis)", rows, started, {
             "wait_s": "wait_s", "staleness": "staleness_mean", "dropped": "dropped_stale",
