@@ -4,7 +4,10 @@ A private redis-server and one `proxy serve` process (TLS, self-signed) on loopb
 Each submission carries one rollout group of about 32 KB (8 completions of 512
 tokens) against a lease claimed beforehand, from 1, 8 and 64 concurrent client
 threads; the same submissions go straight to Redis through `RedisQueue` in the same
-run. Prints groups/s, p50/p99 latency and the proxy/direct ratio.
+run. Prints groups/s, p50/p99 latency, the proxy/direct ratio, and the CPU time each
+submission cost the clients, the proxy process and redis-server (ms per group, from
+/proc on Linux): steadier than groups/s on a shared 2-core machine, where the three
+take turns on the cores.
 
 Usage: python bench/proxy.py [--groups 1500] [--clients 1 8 64]
 """
@@ -82,6 +85,15 @@ def prepare(queue: RedisQueue, n: int, clients: int, tag: str, prefix: str = "")
     return work
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (Linux; NaN elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return float("nan")
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(make_queue, work: list[list[tuple[str, RolloutGroup]]], tag: str) -> tuple[float, list[float]]:
     latencies: list[float] = []
     lock = threading.Lock()
@@ -147,7 +159,8 @@ def main() -> None:
         size = len(encode(make_group(sample, "w")))
         print(f"one proxy process (uvicorn, TLS) and one redis-server on loopback, {os.cpu_count()} cores shared with "
               f"the clients; {args.groups} submissions of one {size / 1024:.0f} KB group each per row")
-        print(f"{'clients':>7} {'transport':>9} {'groups/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'ratio':>6}")
+        print(f"{'clients':>7} {'transport':>9} {'groups/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'ratio':>6}"
+              f"   CPU ms per group: {'clients':>7} {'proxy':>6} {'redis':>6}")
         for clients in args.clients:
             rows = {}
             for transport in ("direct", "proxy"):
@@ -159,10 +172,16 @@ def main() -> None:
                 else:
                     def make_queue():
                         return HttpQueue(url, TOKENS["actor"], config, verify=ctx)
+                before = (time.process_time(), cpu_s(proxy_proc.pid), cpu_s(redis_proc.pid))
                 rate, lat = run(make_queue, work, tag)
+                after = (time.process_time(), cpu_s(proxy_proc.pid), cpu_s(redis_proc.pid))
+                cpu = [(b - a) * 1000 / len(lat) for a, b in zip(before, after, strict=True)]
+                if transport == "direct":
+                    cpu[1] = 0.0  # the proxy's own background (event hub, backlog) is not the row's
                 rows[transport] = rate
                 ratio = f"{rate / rows['direct']:.2f}" if transport == "proxy" else ""
-                print(f"{clients:>7} {transport:>9} {rate:>9.0f} {pct(lat, 50):>7.2f} {pct(lat, 99):>7.2f} {ratio:>6}")
+                print(f"{clients:>7} {transport:>9} {rate:>9.0f} {pct(lat, 50):>7.2f} {pct(lat, 99):>7.2f} {ratio:>6}"
+                      f"   {'':>17} {cpu[0]:>7.2f} {cpu[1]:>6.2f} {cpu[2]:>6.2f}")
                 while setup.read_rollouts("bench-learner", 1000):  # keep the stream from growing
                     pass
         setup.close()

@@ -3,8 +3,14 @@ of a run, caps on the connections one token may hold open, and a header timeout.
 
 - Rate: the `limits` library's sliding-window counter, stored in the run's Redis, so N
   proxies behind a balancer allow one budget per token, not N (an in-process store
-  for the embedded default's in-process Redis). If the store cannot be reached the
-  request goes ahead: the queue call behind it will answer 503 on its own.
+  for the embedded default's in-process Redis). A proxy takes its token's budget in
+  slices of `reserve_s` worth (25 requests at 500/s), one Redis round trip per slice
+  rather than per request; a slice it has not spent within a second lapses. So N proxies
+  let a token through at most N slices beyond its rate, and exactly at its rate where a
+  slice is one request (rates under 1/`reserve_s`, as in the tests). A refusal is kept
+  for `reserve_s` too, so a token flooding past its rate costs Redis one call per slice
+  of time, not one per request. If the store cannot be reached the request goes ahead:
+  the queue call behind it will answer 503 on its own.
 - Holds: long-polls (claim, read, history with a wait) and adapter-event streams are
   counted per token, per proxy process, while they are open; the excess is refused
   with 429 and Retry-After, and only the excess.
@@ -32,11 +38,20 @@ log = logging.getLogger(__name__)
 
 class SharedRateLimit:
     """`rate_per_s` sustained and `burst` at once per token name, shared through `storage_url`
-    (`async+redis://…`, or `async+memory://` for one process)."""
+    (`async+redis://…`, or `async+memory://` for one process), taken `reserve_s` worth
+    at a time."""
 
-    def __init__(self, storage_url: str, rate_per_s: float, burst: float, prefix: str) -> None:
+    def __init__(self, storage_url: str, rate_per_s: float, burst: float, prefix: str,
+                 reserve_s: float = 0.05) -> None:
         window = max(1, round(burst / rate_per_s))
         self.item = RateLimitItemPerSecond(max(1, int(rate_per_s * window)), window)
+        self.slice = max(1, int(rate_per_s * reserve_s))
+        self._reserved: dict[str, tuple[int, float]] = {}
+        """Token name -> (requests left of its slice, when the slice was taken)."""
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._refused: dict[str, tuple[float, float]] = {}
+        """Token name -> (when it was refused, the wait it was told)."""
+        self.reserve_s = reserve_s
         options: dict[str, Any] = {"wrap_exceptions": True, "key_prefix": prefix}
         if storage_url.startswith("async+redis"):
             options |= {"implementation": "redispy", "socket_timeout": 2.0, "socket_connect_timeout": 2.0}
@@ -46,10 +61,49 @@ class SharedRateLimit:
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
         self._warned_at = 0.0
 
+    async def aclose(self) -> None:
+        """Close the store's Redis connections (the `limits` library has no call for it)."""
+        bridge = getattr(self.storage, "bridge", None)
+        if bridge is not None:
+            await bridge.get_connection().aclose()
+
+    def _take(self, name: str) -> bool:
+        left, taken_at = self._reserved.get(name, (0, 0.0))
+        if left and time.monotonic() - taken_at < 1.0:
+            self._reserved[name] = (left - 1, taken_at)
+            return True
+        return False
+
+    def _still_refused(self, name: str) -> float:
+        refused_at, wait = self._refused.get(name, (0.0, 0.0))
+        elapsed = time.monotonic() - refused_at
+        return max(0.05, wait - elapsed) if elapsed < self.reserve_s else 0.0
+
     async def retry_after(self, name: str) -> float:
         """0 if the request may go ahead (and is counted), else seconds to wait."""
+        if self._take(name):
+            return 0.0
+        if wait := self._still_refused(name):
+            return wait
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:  # one reservation in flight per token: a burst waits for it, not N of them
+            if self._take(name):
+                return 0.0
+            if wait := self._still_refused(name):
+                return wait
+            wait = await self._reserve(name)
+            if wait:
+                self._refused[name] = (time.monotonic(), wait)
+            return wait
+
+    async def _reserve(self, name: str) -> float:
+        self._reserved.pop(name, None)
+        now = time.monotonic()
         try:
-            if await self.limiter.hit(self.item, name):
+            if self.slice > 1 and await self.limiter.hit(self.item, name, cost=self.slice):
+                self._reserved[name] = (self.slice - 1, now)
+                return 0.0
+            if await self.limiter.hit(self.item, name):  # the rest of the budget, one at a time
                 return 0.0
             stats = await self.limiter.get_window_stats(self.item, name)
         except StorageError as err:

@@ -12,6 +12,7 @@ import ssl
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -296,6 +297,40 @@ def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:
     # counted per process, each proxy would have let its 7 through; the sliding window may
     # weigh a request of the window before, hence a margin of one
     assert 10 <= codes.count(200) <= 11 and codes.count(429) == 14 - codes.count(200), codes
+
+
+def test_proxies_take_a_tokens_budget_in_slices_and_never_exceed_it(redis_server) -> None:
+    """At 200 requests/s (a slice is 10), two proxies' limiters on one Redis let a burst of
+    300 of one token's requests through no more than its 200, and lose at most a slice
+    each to what they reserved and did not spend; Redis is asked once per slice, not per
+    request, and the refused cost it nothing for a while; another token has its own budget."""
+    from proxy.fairness import SharedRateLimit
+
+    async def burst() -> tuple[list[float], int, float]:
+        prefix = f"test-{uuid.uuid4().hex[:8]}"
+        a, b = (SharedRateLimit("async+" + redis_server.url, 200, 200, prefix=prefix) for _ in range(2))
+        calls = 0
+        for limiter in (a, b):
+            hit = limiter.limiter.hit
+
+            async def counted(*args, _hit=hit, **kwargs):
+                nonlocal calls
+                calls += 1
+                return await _hit(*args, **kwargs)
+
+            limiter.limiter.hit = counted  # type: ignore[method-assign]
+        waits = await asyncio.gather(*[(a if i % 2 else b).retry_after("fleet-a") for i in range(300)])
+        other = await a.retry_after("fleet-b")
+        await a.aclose()
+        await b.aclose()
+        return list(waits), calls, other
+
+    waits, calls, other = asyncio.run(burst())
+    admitted = waits.count(0.0)
+    assert 200 - 2 * 10 <= admitted <= 200, admitted
+    assert all(w > 0 for w in waits if w != 0.0)  # the refused are told how long to wait
+    assert calls <= 200 // 10 + 2 * 3, calls  # the slices, then a few single hits and refusals per proxy
+    assert other == 0.0
 
 
 # ------------------------------------------------------------- round three (issue 22)
