@@ -7,7 +7,10 @@ groups of 8 completions x 512 tokens (about 32 KB encoded) measures, in one proc
 - transport: RedisQueue.submit (encode + validate + Lua: dedup, append, ack lease),
              then read_rollouts (decode + validate) + ack_rollouts
 
-Usage: python bench/queue.py [--groups 2000] [--read-batch 16]
+Each round runs both, one after the other; the figures are the rounds' medians, and the
+ratios the median of each round's ratio (this machine's speed drifts within a minute).
+
+Usage: python bench/queue.py [--groups 2000] [--read-batch 16] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -164,27 +167,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--read-batch", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     payload = encode(make_group("b0"))
     proc, port = start_redis()
+    raws, transports = [], []
     try:
         client = redis.Redis(port=port)
-        raw = bench_raw(client, payload, args.groups, args.read_batch)
-        client.flushall()
-        transport = bench_transport(client, args.groups, args.read_batch)
+        for _ in range(args.rounds):
+            raws.append(bench_raw(client, payload, args.groups, args.read_batch))
+            client.flushall()
+            transports.append(bench_transport(client, args.groups, args.read_batch))
+            client.flushall()
     finally:
         proc.terminate()
         proc.wait()
+
+    def median(rows: list[dict[str, float]], key: str) -> float:
+        return float(np.median([r[key] for r in rows]))
+
+    def ratio(key: str) -> float:
+        return float(np.median([t[key] / r[key] for r, t in zip(raws, transports, strict=True)]))
+
     print(f"groups: {args.groups} x {len(payload) / 1024:.1f} KiB (8 completions x 512 tokens), "
-          f"read batch {args.read_batch}, redis-server on loopback, one client")
+          f"read batch {args.read_batch}, redis-server on loopback, one client, median of {args.rounds} rounds")
     print(f"{'':12}{'submit/s':>10}{'read+ack/s':>12}{'both/s':>10}{'p50 ms':>9}{'p99 ms':>9}")
-    for name, r in (("raw XADD", raw), ("RedisQueue", transport)):
-        print(f"{name:12}{r['write_per_s']:>10.0f}{r['read_per_s']:>12.0f}{r['total_per_s']:>10.0f}"
-              f"{r['p50_ms']:>9.2f}{r['p99_ms']:>9.2f}")
-    print(f"ratio RedisQueue/raw: submit {transport['write_per_s'] / raw['write_per_s']:.2f}, "
-          f"read {transport['read_per_s'] / raw['read_per_s']:.2f}, "
-          f"submit+read {transport['total_per_s'] / raw['total_per_s']:.2f}, "
-          f"p50 latency x{transport['p50_ms'] / raw['p50_ms']:.2f}")
+    for name, rows in (("raw XADD", raws), ("RedisQueue", transports)):
+        print(f"{name:12}{median(rows, 'write_per_s'):>10.0f}{median(rows, 'read_per_s'):>12.0f}"
+              f"{median(rows, 'total_per_s'):>10.0f}{median(rows, 'p50_ms'):>9.2f}{median(rows, 'p99_ms'):>9.2f}")
+    print(f"ratio RedisQueue/raw: submit {ratio('write_per_s'):.2f}, read {ratio('read_per_s'):.2f}, "
+          f"submit+read {ratio('total_per_s'):.2f}, p50 latency x{ratio('p50_ms'):.2f}")
+    print("each round's submit ratio: " + ", ".join(
+        f"{t['write_per_s'] / r['write_per_s']:.2f}" for r, t in zip(raws, transports, strict=True)))
 
 
 if __name__ == "__main__":
