@@ -142,6 +142,7 @@ class LearnerConfig(BaseModel):
     # -- the embedded default
     actors: int = Field(2, ge=0, le=64, description="Actor processes the embedded default starts (no --queue given).")
     actor_engine: Literal["transformers", "vllm"] = Field("transformers", description="The embedded default's actors' engine (vllm needs the vllm package: vLLM's CPU build runs here).")
+    embedded_redis: Literal["auto", "server", "memory"] = Field("auto", description="The embedded default's Redis: server = a private redis-server on a loopback port (Linux; it stops when the learner does, however it ends), memory = fakeredis in the proxy's process (nothing to install, but every command costs the proxy's Python; the scoring tier's RQ traffic most of all), auto = server where redis-server is on PATH, else memory.")
     example: Literal["", "arithmetic", "calculator"] = Field("", description="A built-in example, run embedded, on SmolLM2-135M-Instruct (made by `learner make-model` if missing), with held-out pass@1 before and after: arithmetic = one-step word problems, scored by the math reward on the trusted tier; calculator = sums of five-digit numbers with an add tool (episodes), scored on the trusted tier.")
 
     # -- reporting

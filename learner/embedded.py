@@ -1,27 +1,31 @@
 """The embedded default: `learner run` with no arguments runs the whole system here.
 
 The same code paths as a distributed run, as processes started with the commands a user
-would type: `proxy selfsigned` and `proxy serve` on loopback over TLS, with role tokens
-made for the run and an in-process Redis (`--redis memory://`, fakeredis); `actors run`
-workers with the `transformers` engine talking HTTPS to the proxy; an `learner score`
-worker of the trusted scoring tier (RQ), on the proxy's in-process Redis, which the
-proxy serves on a loopback port for it (`--memory-redis-port`); and this learner,
-also through the proxy, publishing to a `file://` store under the run directory. Model
+would type: a private `redis-server` on a loopback port where one is installed (Linux;
+else an in-process Redis, `--redis memory://`, fakeredis, which the proxy serves on a
+loopback port for the scorer, `--memory-redis-port`: see `--embedded-redis`); `proxy
+selfsigned` and `proxy serve` on loopback over TLS, with role tokens made for the run;
+`actors run` workers with the `transformers` engine talking HTTPS to the proxy; an
+`learner score` worker of the trusted scoring tier (RQ) on the run's Redis; and this
+learner, also through the proxy, publishing to a `file://` store under the run directory. Model
 and data are built locally (`learner/tiny.py`, `learner/tasks.py`); nothing is downloaded.
 
 Shutdown order: the learner stops (at its step budget or on Ctrl-C, with a checkpoint);
 the actors get SIGTERM (they hand their leases back) and the scoring worker too (RQ's
 warm shutdown: the job in hand finishes); the queue's outstanding work is counted for
-the summary; then the proxy gets SIGTERM. `learner run --resume` continues
-from the checkpoint: the in-process Redis starts empty and the learner re-issues what it
+the summary; then the proxy gets SIGTERM, and redis-server last. `learner run --resume`
+continues from the checkpoint: the run's Redis (which keeps nothing on disk) starts empty and the learner re-issues what it
 had issued after its checkpoint.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import secrets
+import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -194,8 +198,11 @@ class LocalSystem:
         self.port = _free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.trusted = cfg.scoring_mode == "trusted"
-        self.redis_port = _free_port() if self.trusted else None
-        """Where the proxy serves its in-process Redis to the scoring worker (trusted scoring)."""
+        self.redis_server = redis_server_binary(cfg.embedded_redis)
+        self.redis_port = _free_port() if self.trusted or self.redis_server else None
+        """The run's redis-server's port, or where the proxy serves its in-process Redis to
+        the scoring worker (trusted scoring)."""
+        self.redis: subprocess.Popen[bytes] | None = None
         self.proxy: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.scorers: list[subprocess.Popen[bytes]] = []
@@ -204,12 +211,21 @@ class LocalSystem:
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if self.redis_server:
+            data = self.run_dir / "redis"
+            data.mkdir(exist_ok=True)
+            with (self.logs / "redis.log").open("ab") as out:  # nothing on disk: --resume starts it empty
+                self.redis = subprocess.Popen(
+                    [self.redis_server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+                     "--appendonly", "no", "--dir", str(data)],
+                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent)
+        redis = "memory://" if self.redis is None else f"redis://127.0.0.1:{self.redis_port}/0"
         self.proxy = _spawn(
-            [sys.executable, "-m", "proxy.cli", "serve", "--redis", "memory://", "--store", self.cfg.store,
+            [sys.executable, "-m", "proxy.cli", "serve", "--redis", redis, "--store", self.cfg.store,
              "--run", self.cfg.run, "--tokens", str(self.tokens_file), "--port", str(self.port),
              "--tls-cert", str(self.cert), "--tls-key", str(self.key), "--lease-timeout-s", str(LEASE_TIMEOUT_S),
              "--log-level", "warning",
-             *(["--memory-redis-port", str(self.redis_port)] if self.redis_port else [])],
+             *(["--memory-redis-port", str(self.redis_port)] if self.redis is None and self.redis_port else [])],
             env, self.logs / "proxy.log", self.lifeline,
         )
         self._wait_healthy()
@@ -266,7 +282,29 @@ class LocalSystem:
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()
             _wait_or_kill(self.proxy, 15)
+        if self.redis is not None and self.redis.poll() is None:
+            self.redis.terminate()
+            _wait_or_kill(self.redis, 15)
         self.lifeline.close()
+
+
+def redis_server_binary(choice: str) -> str | None:
+    """The redis-server the embedded run starts (`--embedded-redis`), or None for fakeredis.
+    Linux only: redis-server cannot follow a lifeline, so it is told to stop when the
+    learner does by the kernel (`PR_SET_PDEATHSIG`)."""
+    if choice == "memory":
+        return None
+    binary = shutil.which("redis-server") if sys.platform == "linux" else None
+    if binary is None and choice == "server":
+        raise RuntimeError("--embedded-redis server: needs redis-server on PATH, on Linux "
+                           "(or --embedded-redis memory: fakeredis, nothing to install)")
+    return binary
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the process that started it ends, however
+    it ends (prctl PR_SET_PDEATHSIG, Linux)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _free_port() -> int:

@@ -55,13 +55,16 @@ def _rows(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) -> None:
+@pytest.mark.parametrize("redis", ["server", "memory"])
+def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, redis: str) -> None:
     """The embedded default, trimmed to 40 steps: reward clearly up, staleness within its
-    bound, a plot and metrics, every issued prompt accounted for."""
+    bound, a plot and metrics, every issued prompt accounted for; on a private redis-server
+    (what it picks where one is installed) and on fakeredis in the proxy's process."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "40"],
+    proc = subprocess.run([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "40", "--embedded-redis", redis],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert (run_dir / "logs" / "redis.log").exists() == (redis == "server")
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(1, 41))
     # no terminal (a pipe here; nohup, CI, docker logs): a plain line per step, not a live table
@@ -100,7 +103,8 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path) 
 @pytest.mark.slow
 def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp_path: Path) -> None:
     """SIGKILL gives the learner no chance to stop what it started: the children follow
-    its lifeline (`protocol.lifeline`) and stop by themselves, the actors handing back."""
+    its lifeline (`protocol.lifeline`) and stop by themselves, the actors handing back;
+    the run's redis-server is told by the kernel (PR_SET_PDEATHSIG)."""
     import psutil
 
     run_dir = tmp_path / "run"
@@ -116,6 +120,7 @@ def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp
         children = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(_cmdline(c)) for c in children)
         assert "proxy.cli" in names and "actors.cli run" in names and "learner.cli score" in names, names
+        assert "redis-server" in names, names  # --embedded-redis auto, redis-server installed: it follows too
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         stopped = time.monotonic()
