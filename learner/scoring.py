@@ -154,7 +154,7 @@ def score_job(*entry_ids: str) -> list[dict[str, Any]]:
 
 def score_entries(tier: Tier, entry_ids: Sequence[str]) -> list[dict[str, Any]]:
     """`score_job`'s work on `tier`: what each entry became."""
-    items = tier.queue.fetch_unscored_many(entry_ids)  # three round trips for the job's groups, not three each group
+    items = tier.queue.fetch_unscored_many(entry_ids)  # two round trips for the job's groups, not three each
     return [_score_one(tier, entry_id, item) for entry_id, item in zip(entry_ids, items, strict=True)]
 
 

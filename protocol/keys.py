@@ -30,29 +30,13 @@ class Keys:
 
     @property
     def rollouts(self) -> str:
-        """Stream of rollout groups (fields: g = group id, b = batch id, and the message:
-        m = inline, or p = the name of its `payload` key)."""
+        """Stream of rollout groups (fields: g = group id, b = batch id, m = message)."""
         return self._key("rollouts")
-
-    def payload(self, group_id: str, nonce: str) -> str:
-        """String: one submitted group's message, named by a rollouts or unscored entry's
-        `p` field. An actor's submission writes it with a plain SET beside the script that
-        checks the lease (Redis copies a script's arguments into Lua at about 1 us per KB:
-        36 of the 83 us a 33 KB group cost Redis), so the bytes never pass through Lua; it
-        lives as long as its entry. `nonce` keeps a refused or duplicate submission's bytes
-        apart from the stored ones."""
-        return self._key(f"payload:{group_id}:{nonce}")
-
-    @property
-    def payload_pattern(self) -> str:
-        """SCAN pattern of the run's payload keys."""
-        run = "".join(f"\\{c}" if c in "*?[]\\" else c for c in self.run)
-        return f"spotgrpo:{{{run}}}:payload:*"
 
     @property
     def unscored(self) -> str:
         """Stream of groups submitted by actors for trusted scoring (fields: g = group id,
-        b = batch id, p: as in `rollouts`); only the scoring tier reads it. An entry is pending while a
+        b = batch id, m); only the scoring tier reads it. An entry is pending while a
         dispatcher has read it and not yet made it a job, and deleted once scored."""
         return self._key("unscored")
 

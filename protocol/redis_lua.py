@@ -49,28 +49,12 @@ local function missing_groups(expected, seen)
   return out
 end
 
--- An entry's message: inline (`m`), or in the payload key its `p` field names (a
--- submitted group's, `Keys.payload`); '' if neither is there. Only the rare paths call
--- it (dead letters): a script's copy of a message costs Redis about 1 us per KB.
-local function payload_of(flat)
-  local m = field(flat, 'm')
-  if m then return m end
-  local p = field(flat, 'p')
-  return p and redis.call('GET', p) or ''
-end
-
--- Deletes an entry's payload key, if it has one: it lives exactly as long as its entry.
-local function drop_payload(flat)
-  local p = field(flat, 'p')
-  if p then redis.call('DEL', p) end
-end
-
 -- Moves entry `id` of `stream` (named `source` in the record) to the dead letters.
 -- For a prompt batch, `seen` (the groups-seen set) lets the record name the group ids
 -- still missing: exactly the prompts lost with it.
 -- `private` (the private-prompts hash) loses the records of those lost prompts.
 local function dead_letter(stream, source, dead, group, id, flat, deliveries, worker, reason, now, seen, private)
-  local record = {'source', source, 'lease', id, 'm', payload_of(flat),
+  local record = {'source', source, 'lease', id, 'm', field(flat, 'm') or '',
                   'deliveries', deliveries, 'worker', worker, 'reason', reason, 'at', now}
   if seen and field(flat, 'g') then
     local missing = missing_groups(field(flat, 'g'), seen)
@@ -81,7 +65,6 @@ local function dead_letter(stream, source, dead, group, id, flat, deliveries, wo
   redis.call('XADD', dead, '*', unpack(record))
   redis.call('XACK', stream, group, id)
   redis.call('XDEL', stream, id)
-  drop_payload(flat)
 end
 """
 
@@ -173,11 +156,10 @@ if not entry then
 end
 local flat = entry[2]
 local gid = field(flat, 'g') or ''
-redis.call('XADD', KEYS[2], '*', 'source', 'unscored', 'lease', ARGV[2], 'm', payload_of(flat),
+redis.call('XADD', KEYS[2], '*', 'source', 'unscored', 'lease', ARGV[2], 'm', field(flat, 'm') or '',
            'deliveries', 0, 'worker', '', 'reason', ARGV[3], 'at', ARGV[4], 'g', gid, 'b', field(flat, 'b') or '')
 redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[1], ARGV[2])
-drop_payload(flat)
 if gid ~= '' then redis.call('HDEL', KEYS[3], gid) end
 follow_ttl(KEYS[1], KEYS[2])
 return 1
@@ -204,27 +186,16 @@ return held
 SUBMIT = (
     _HELPERS
     + r"""
--- KEYS: prompts, rollouts, groups_seen, unscored, staged*   (one staged payload key per group)
--- ARGV: group, worker, lease_id, batch_id, (group_id, completions, longest, digest)*
--- Each group's message is staged in its payload key (`Keys.payload`, SET with a time to
--- live in the same pipeline, just before): the bytes never pass through this script.
--- Checks every group against the lease before the first write, stores the new ones (an
--- entry naming the payload key, in the rollouts stream, or for a batch scored on the
--- trusted side in the unscored one), and finishes the lease when every prompt of its
--- batch has its group; a partial submission keeps the lease and resets its idle time.
--- Every staged key not stored (a duplicate, a refusal) is deleted. Returns {stored,
--- duplicates, held, finished, missing}, or an error naming the first failed check
--- (nothing written).
+-- KEYS: prompts, rollouts, groups_seen, unscored
+-- ARGV: group, worker, lease_id, batch_id, (group_id, payload, completions, longest, digest)*
+-- Checks every group against the lease before the first write, stores the new ones (in
+-- the rollouts stream, or for a batch scored on the trusted side in the unscored one), and
+-- finishes the lease when every prompt of its batch has its group; a partial submission
+-- keeps the lease and resets its idle time. Returns {stored, duplicates, held, finished,
+-- missing}, or an error naming the first failed check (nothing written).
 local group, worker, lease, batch = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local function unstage()
-  for k = 5, #KEYS do redis.call('DEL', KEYS[k]) end
-end
-local function refuse(text)
-  unstage()
-  return redis.error_reply(text)
-end
 local function all_stored()
-  for i = 5, #ARGV, 4 do
+  for i = 5, #ARGV, 5 do
     if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then return false end
   end
   return true
@@ -234,59 +205,54 @@ local p = entry and pending_entry(KEYS[1], group, lease)
 if not (p and p[2] == worker) and all_stored() then
   -- a retry whose groups are all in (its answer was lost, or another worker finished
   -- the batch first): nothing to do, and nothing to refuse
-  unstage()
-  return {0, (#ARGV - 4) / 4, 0, p and 0 or 1, 0}
+  return {0, (#ARGV - 4) / 5, 0, p and 0 or 1, 0}
 end
 if not entry then
-  return refuse('LEASE_LOST lease ' .. lease .. ' is not outstanding: never issued, finished or dead-lettered')
+  return redis.error_reply('LEASE_LOST lease ' .. lease ..
+                           ' is not outstanding: never issued, finished or dead-lettered')
 end
 if field(entry[2], 'b') ~= batch then
-  return refuse('LEASE_MISMATCH lease ' .. lease .. ' holds batch ' .. tostring(field(entry[2], 'b')) .. ', not ' .. batch)
+  return redis.error_reply('LEASE_MISMATCH lease ' .. lease .. ' holds batch ' ..
+                           tostring(field(entry[2], 'b')) .. ', not ' .. batch)
 end
 if not p then
-  return refuse('LEASE_LOST lease ' .. lease .. ' is not claimed by anyone')
+  return redis.error_reply('LEASE_LOST lease ' .. lease .. ' is not claimed by anyone')
 end
 if p[2] ~= worker then
-  return refuse('LEASE_LOST lease ' .. lease .. ' is held by another worker')
+  return redis.error_reply('LEASE_LOST lease ' .. lease .. ' is held by another worker')
 end
 local expected, n, longest = field(entry[2], 'g') or '', field(entry[2], 'n'), tonumber(field(entry[2], 't'))
 local seen_here = {}
-for i = 5, #ARGV, 4 do
+for i = 5, #ARGV, 5 do
   local gid = ARGV[i]
   local at = string.find(expected, gid .. ':', 1, true)
   if not at then
-    return refuse('SUBMISSION_REJECTED group ' .. gid .. ' answers no prompt of batch ' .. batch)
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' answers no prompt of batch ' .. batch)
   end
   if seen_here[gid] then
-    return refuse('SUBMISSION_REJECTED group ' .. gid .. ' appears twice')
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' appears twice')
   end
   seen_here[gid] = true
-  if ARGV[i + 1] ~= n then
-    return refuse('SUBMISSION_REJECTED group ' .. gid .. ' has ' .. ARGV[i + 1] .. ' completions; the batch asks for ' .. n)
+  if ARGV[i + 2] ~= n then
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' has ' .. ARGV[i + 2] ..
+                             ' completions; the batch asks for ' .. n)
   end
-  if tonumber(ARGV[i + 2]) > longest then
-    return refuse('SUBMISSION_REJECTED group ' .. gid .. ' has a completion of ' .. ARGV[i + 2] ..
-                  ' tokens; the batch allows ' .. longest)
+  if tonumber(ARGV[i + 3]) > longest then
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' has a completion of ' .. ARGV[i + 3] ..
+                             ' tokens; the batch allows ' .. longest)
   end
-  local digest = string.sub(expected, at + #gid + 1, at + #gid + #ARGV[i + 3])
-  if digest ~= string.rep('-', #digest) and digest ~= ARGV[i + 3] then
-    return refuse('SUBMISSION_REJECTED group ' .. gid .. ' has prompt tokens other than the issued ones')
-  end
-  if redis.call('EXISTS', KEYS[4 + (i - 1) / 4]) == 0 then
-    return refuse('PAYLOAD_MISSING the staged message of group ' .. gid .. ' is gone; submit again')
+  local digest = string.sub(expected, at + #gid + 1, at + #gid + #ARGV[i + 4])
+  if digest ~= string.rep('-', #digest) and digest ~= ARGV[i + 4] then
+    return redis.error_reply('SUBMISSION_REJECTED group ' .. gid .. ' has prompt tokens other than the issued ones')
   end
 end
 local stored, dups = 0, 0
 local into = field(entry[2], 's') == 'trusted' and KEYS[4] or KEYS[2]
-for i = 5, #ARGV, 4 do
-  local staged = KEYS[4 + (i - 1) / 4]
+for i = 5, #ARGV, 5 do
   if redis.call('SADD', KEYS[3], ARGV[i]) == 1 then
-    redis.call('XADD', into, '*', 'g', ARGV[i], 'b', batch, 'p', staged)
-    redis.call('PERSIST', staged)
-    follow_ttl(KEYS[1], staged)
+    redis.call('XADD', into, '*', 'g', ARGV[i], 'b', batch, 'm', ARGV[i + 1])
     stored = stored + 1
   else
-    redis.call('DEL', staged)
     dups = dups + 1
   end
 end
@@ -317,61 +283,41 @@ return 1
 )
 
 STORE_SCORED = _HELPERS + r"""
--- KEYS: rollouts, scored_seen, unscored, private, staged   ARGV: group, entry_id, group_id
--- The scoring tier's one write: a scored (or rejected) group, its message staged in the
--- payload key `staged` (`Keys.payload`, SET with a time to live just before), enters the
--- rollouts stream once however often it is scored; its unscored entry is deleted with its
--- payload (and acknowledged, if the dispatcher had not yet), and its private prompt
--- dropped. Returns 1 if stored, 0 if it was stored before (the staged copy deleted). A
--- group whose unscored entry is gone (scored, or dead-lettered) is never stored: the
--- entry, not only the scored-seen set, says it is still to be scored, so a late
--- duplicate job cannot bring back a group the learner has finished with.
-local entry = redis.call('XRANGE', KEYS[3], ARGV[2], ARGV[2])[1]
-if not entry then
-  redis.call('DEL', KEYS[5])
+-- KEYS: rollouts, scored_seen, unscored, private   ARGV: group, entry_id, group_id, payload
+-- The scoring tier's one write: a scored (or rejected) group enters the rollouts stream
+-- once however often it is scored; its unscored entry is deleted (and acknowledged, if
+-- the dispatcher had not yet), and its private prompt dropped. Returns 1 if stored, 0 if it
+-- was stored before. A group whose unscored entry is gone (scored, or dead-lettered) is
+-- never stored: the entry, not only the scored-seen set, says it is still to be scored,
+-- so a late duplicate job cannot bring back a group the learner has finished with.
+local stored = 0
+if not redis.call('XRANGE', KEYS[3], ARGV[2], ARGV[2])[1] then
   redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
   return 0
 end
-if redis.call('EXISTS', KEYS[5]) == 0 then
-  return redis.error_reply('PAYLOAD_MISSING the staged message of group ' .. ARGV[3] .. ' is gone; store it again')
-end
-local stored = 0
 if redis.call('SADD', KEYS[2], ARGV[3]) == 1 then
-  redis.call('XADD', KEYS[1], '*', 'g', ARGV[3], 'p', KEYS[5])
-  redis.call('PERSIST', KEYS[5])
+  redis.call('XADD', KEYS[1], '*', 'g', ARGV[3], 'm', ARGV[4])
   stored = 1
-else
-  redis.call('DEL', KEYS[5])
 end
-follow_ttl(KEYS[3], KEYS[1], KEYS[2], KEYS[5])
+follow_ttl(KEYS[3], KEYS[1], KEYS[2])
 redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[3], ARGV[2])
-drop_payload(entry[2])
 redis.call('HDEL', KEYS[4], ARGV[3])
 return stored
 """
 
-ACK_ROLLOUTS = _HELPERS + r"""
--- KEYS: rollouts, batches_seen, groups_seen, scored_seen, payload*   (the payload keys the
---       caller knows its entries name, as it read them)
--- ARGV: group, n, id*n, u, id*u (entries whose payload key the caller does not know:
---       looked up here), (batch_id, k, group_id*k)*
--- Deletes exactly the entries it acknowledges (see the module docstring), with their
--- payloads, then forgets the deduplication records of the finished batches
--- (`protocol.queue.FinishedBatch`).
+ACK_ROLLOUTS = r"""
+-- KEYS: rollouts, batches_seen, groups_seen, scored_seen
+-- ARGV: group, n, id*n, (batch_id, k, group_id*k)*
+-- Deletes exactly the entries it acknowledges (see the module docstring), then forgets
+-- the deduplication records of the finished batches (`protocol.queue.FinishedBatch`).
 local n = tonumber(ARGV[2])
 local acked = 0
 if n > 0 then
   acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3, 2 + n))
-  if #KEYS > 4 then redis.call('DEL', unpack(KEYS, 5)) end
-  local u = tonumber(ARGV[3 + n])
-  for i = 4 + n, 3 + n + u do
-    local entry = redis.call('XRANGE', KEYS[1], ARGV[i], ARGV[i])[1]
-    if entry then drop_payload(entry[2]) end
-  end
   redis.call('XDEL', KEYS[1], unpack(ARGV, 3, 2 + n))
 end
-local i = n > 0 and 4 + n + tonumber(ARGV[3 + n]) or 3
+local i = 3 + n
 while i <= #ARGV do
   local k = tonumber(ARGV[i + 1])
   redis.call('SREM', KEYS[2], ARGV[i])

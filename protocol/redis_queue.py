@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Self, TypeVar
@@ -53,9 +52,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
-STAGED_TTL_MS = 300_000
-"""A staged payload's time to live until the script beside it keeps it (PERSIST) or
-deletes it: what is left when a connection drops between the two goes by itself."""
 
 
 class RedisQueue(RedisAdapters, Queue):
@@ -88,9 +84,6 @@ class RedisQueue(RedisAdapters, Queue):
         # Rollout reads whose reply may have been lost leave entries pending that this
         # process never saw; after such an error the next read re-scans the pending list.
         self._handed_out: dict[str, set[str]] = {}
-        self._payload_keys: dict[str, str] = {}
-        """Rollout entry id -> the payload key it names, for the entries this process read:
-        its ack deletes them without looking each entry up."""
         self._resync: set[str] = set()
         with self._errors():
             self._ensure_groups()
@@ -121,8 +114,6 @@ class RedisQueue(RedisAdapters, Queue):
             raise QueueUnavailable(f"redis unreachable: {err}") from err
         except redis.exceptions.ResponseError as err:
             text = str(err)
-            if "PAYLOAD_MISSING " in text:  # Redis lost a staged payload (restarted between two commands)
-                raise QueueUnavailable(text.split("PAYLOAD_MISSING ", 1)[1]) from None
             for code, cls in REFUSALS.items():
                 marker = f"{code.upper()} "
                 if marker in text:
@@ -156,41 +147,6 @@ class RedisQueue(RedisAdapters, Queue):
 
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._call(lambda: self._scripts[name](keys=keys, args=args))
-
-    def _staged_script(self, name: str, keys: list[str], args: list[Any], staged: list[tuple[str, bytes]]) -> Any:
-        """Script `name` with each (payload key, message) of `staged` SET just before it, in
-        one pipeline (one round trip): the script gets the keys, never the bytes (see
-        `Keys.payload`), and keeps or deletes each. Its result, or its error raised."""
-        script = self._scripts[name]
-        all_keys = [*keys, *(key for key, _ in staged)]
-
-        def run() -> Any:
-            for attempt in (1, 2):
-                with self._r.pipeline(transaction=False) as pipe:
-                    for key, payload in staged:
-                        pipe.set(key, payload, px=STAGED_TTL_MS)
-                    # execute_command: a cluster pipeline refuses `evalsha` by name, yet routes it by its keys
-                    pipe.execute_command("EVALSHA", script.sha, len(all_keys), *all_keys, *args)
-                    try:
-                        return pipe.execute()[-1]
-                    except redis.exceptions.NoScriptError:  # Redis restarted: its script cache is empty
-                        if attempt == 2:
-                            raise
-                        self._r.script_load(script.script)
-            raise AssertionError("unreachable")
-
-        return self._call(run)
-
-    def _staged_key(self, group_id: str) -> str:
-        return self.keys.payload(group_id, secrets.token_hex(6))
-
-    def _payloads(self, flats: Sequence[Any]) -> list[bytes | None]:
-        """The message of each stream entry (its fields, as redis-py returns them): inline
-        (`m`), or from its payload key (`p`), fetched together in one round trip."""
-        fields = [fields_of(f) for f in flats]
-        refs = [f["p"] for f in fields if "m" not in f and f.get("p")]
-        fetched = iter(self._call(lambda: self._r.mget(refs)) if refs else ())
-        return [f["m"] if "m" in f else next(fetched) if f.get("p") else None for f in fields]
 
     def _block_ms(self, block_s: float) -> int | None:
         if block_s < 0 or block_s > self.config.max_block_s:
@@ -276,7 +232,6 @@ class RedisQueue(RedisAdapters, Queue):
         if not groups:
             raise ProtocolError("groups: a submit carries at least one rollout group")
         args: list[Any] = [ACTORS_GROUP, worker, lease_id, None]
-        staged: list[tuple[str, bytes]] = []
         trusted = decoded_with is not None and same_bounds(decoded_with, self.config.limits)
         for g in groups:
             if not isinstance(g, RolloutGroup):
@@ -288,16 +243,15 @@ class RedisQueue(RedisAdapters, Queue):
                 raise ProtocolError(
                     f"group {g.group_id}: {len(payload)} bytes exceed the {room} a group of {len(g.completions)} "
                     f"completions may have (the message limit less the room the scoring tier needs)")
-            args += [g.group_id, len(g.completions), longest, prompt_digest(g.prompt_token_ids)]
-            staged.append((self._staged_key(g.group_id), payload))
+            args += [g.group_id, payload, len(g.completions), longest, prompt_digest(g.prompt_token_ids)]
         batch_ids = {g.batch_id for g in groups}
         if len(batch_ids) != 1:
             raise ProtocolError(
                 f"groups: all groups of a submit belong to one batch, got {sorted(batch_ids)}"
             )
         args[3] = batch_ids.pop()
-        stored, dups, held, finished, missing = self._staged_script(
-            "SUBMIT", [self.keys.prompts, self.keys.rollouts, self.keys.groups_seen, self.keys.unscored], args, staged
+        stored, dups, held, finished, missing = self._script(
+            "SUBMIT", [self.keys.prompts, self.keys.rollouts, self.keys.groups_seen, self.keys.unscored], args
         )
         return SubmitResult(
             stored=int(stored), duplicates=int(dups), lease_held=bool(held), finished=bool(finished),
@@ -319,11 +273,9 @@ class RedisQueue(RedisAdapters, Queue):
     ) -> list[Delivery]:
         out = []
         handed = self._handed_out.setdefault(consumer, set())
-        payloads = self._payloads([flat for _id, flat in entries])
-        for (raw_id, flat), payload in zip(entries, payloads, strict=True):
+        for raw_id, flat in entries:
             entry_id = text_of(raw_id)
-            if ref := fields_of(flat).get("p"):
-                self._payload_keys[entry_id] = text_of(ref)
+            payload = fields_of(flat).get("m")
             try:
                 group = decode_as(payload, RolloutGroup, self.config.limits)
             except ProtocolError as err:
@@ -360,16 +312,16 @@ class RedisQueue(RedisAdapters, Queue):
             if lost:
                 log.warning("recovered %d rollout entries whose read reply was lost", len(lost))
                 return self._deliveries(consumer, lost)
-        try:  # a reply lost on the way, or the payloads' fetch after it: entries pending unseen
+        try:
             resp = self._call(
                 lambda: self._r.xreadgroup(
                     LEARNER_GROUP, consumer, {self.keys.rollouts: ">"}, count=count, block=block_ms
                 )
             )
-            return self._deliveries(consumer, [e for _stream, entries in resp or () for e in entries])
         except QueueUnavailable:
             self._resync.add(consumer)
             raise
+        return self._deliveries(consumer, [e for _stream, entries in resp or () for e in entries])
 
     def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
         check_worker(consumer)
@@ -385,12 +337,7 @@ class RedisQueue(RedisAdapters, Queue):
         acked = 0
         for i in range(0, len(ids), _ACK_CHUNK):
             chunk = ids[i : i + _ACK_CHUNK]
-            known = [self._payload_keys[d] for d in chunk if d in self._payload_keys]
-            unknown = [d for d in chunk if d not in self._payload_keys]
-            acked += int(self._script("ACK_ROLLOUTS", [*keys, *known],
-                                      [LEARNER_GROUP, len(chunk), *chunk, len(unknown), *unknown]))
-            for d in chunk:
-                self._payload_keys.pop(d, None)
+            acked += int(self._script("ACK_ROLLOUTS", keys, [LEARNER_GROUP, len(chunk), *chunk]))
             for handed in self._handed_out.values():
                 handed.difference_update(chunk)
         args: list[str | int] = []
@@ -436,9 +383,8 @@ class RedisQueue(RedisAdapters, Queue):
 
         def expire() -> int:
             owners = [text_of(k) for k in self._r.smembers(self.keys.worker_owners)]
-            payloads = [text_of(k) for k in self._r.scan_iter(match=self.keys.payload_pattern, count=1000)]
             with self._r.pipeline(transaction=False) as pipe:
-                for key in [*self.keys.all(), *owners, *payloads]:
+                for key in [*self.keys.all(), *owners]:
                     pipe.expire(key, max(1, round(ttl_s)))
                 return sum(1 for done in pipe.execute() if done)
 

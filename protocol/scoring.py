@@ -128,17 +128,17 @@ class ScoringQueue(RedisQueue):
 
     def fetch_unscored_many(self, entry_ids: Sequence[str]) -> list[UnscoredGroup | ProtocolError | None]:
         """`fetch_unscored` for each entry (an unreadable one's `ProtocolError` in its
-        place), and whether its group is scored already, in three round trips for them all."""
+        place), and whether its group is scored already, in two round trips for them all."""
         check_ids("entry_ids", list(entry_ids))
         with self._errors(), self._r.pipeline(transaction=False) as pipe:
             for entry_id in entry_ids:
                 pipe.xrange(self.keys.unscored, min=entry_id, max=entry_id)
             ranges = pipe.execute()
-        payloads = iter(self._payloads([entries[0][1] for entries in ranges if entries]))
         groups: list[RolloutGroup | ProtocolError | None] = []
         for entries in ranges:
             try:
-                groups.append(decode_as(next(payloads), RolloutGroup, self.config.limits) if entries else None)
+                groups.append(decode_as(fields_of(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
+                              if entries else None)
             except ProtocolError as err:
                 groups.append(err)
         found = [g for g in groups if isinstance(g, RolloutGroup)]
@@ -167,11 +167,10 @@ class ScoringQueue(RedisQueue):
         check_ids("entry_id", [entry_id])
         if not isinstance(group, RolloutGroup):
             raise ProtocolError(f"store_scored: expected RolloutGroup, got {type(group).__name__}")
-        return bool(self._staged_script(
+        return bool(self._script(
             "STORE_SCORED",
             [self.keys.rollouts, self.keys.scored_seen, self.keys.unscored, self.keys.private],
-            [SCORERS_GROUP, entry_id, group.group_id],
-            [(self._staged_key(group.group_id), encode(group, self.config.limits))],
+            [SCORERS_GROUP, entry_id, group.group_id, encode(group, self.config.limits)],
         ))
 
     def dead_letter_unscored(self, entry_id: str, reason: str) -> bool:
