@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-messages", type=int, default=512, help="most groups, batches or ids per request")
     a("--max-long-poll-s", type=float, default=10.0, help="longest wait of a long-poll request")
     a("--rate-per-s", type=float, default=500.0,
-      help="requests per second per token (burst: twice that), shared by every proxy of the run through its Redis")
+      help="requests per second per token (burst: twice that), shared by every proxy of the run through its Redis, "
+           "which each proxy asks once per 50 ms worth of a token's requests")
     a("--max-long-polls-per-token", type=int, default=64, help="claims and reads waiting at once per token; 429 above")
     a("--max-streams-per-token", type=int, default=256, help="adapter-event streams open at once per token; 429 above")
     a("--header-timeout-s", type=float, default=10.0, help="close a connection whose request headers take longer than this")
