@@ -193,6 +193,26 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
     assert "Traceback" not in (run_dir / "logs" / "proxy.log").read_text()
 
 
+def test_the_embedded_learner_takes_the_cores_its_actors_leave(monkeypatch) -> None:
+    from learner.embedded import learner_threads
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert learner_threads(2) == 1 and learner_threads(0) == 2 and learner_threads(8) == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert learner_threads(2) == 14
+
+
+def test_embedded_redis_server_without_one_is_a_clear_error(tmp_path: Path) -> None:
+    """--embedded-redis server where no redis-server can be found: said in one line, exit 2,
+    nothing started."""
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # python, learner; no redis-server
+    proc = subprocess.run([_learner_exe(), "run", "--run-dir", str(tmp_path / "run"), "--embedded-redis", "server"],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--embedded-redis server: needs redis-server" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "logs" / "proxy.log").exists()
+
+
 def test_config_file_values_are_checked_in_the_embedded_default_too(tmp_path: Path) -> None:
     from learner.cli import main
 
