@@ -46,6 +46,7 @@ from pathlib import Path
 
 from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample, stop_token_ids
 from protocol import SamplingParams
+from protocol.machine import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +82,7 @@ def _is_engine_dead(err: BaseException) -> bool:
 def engine_core_in_process_on_one_core() -> bool:
     """Where only one CPU core is ours, run vLLM's engine core in this process (see the
     module's text); returns whether it will."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # not on macOS
-    if cores == 1:
+    if usable_cores() == 1:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
 

@@ -37,6 +37,7 @@ from learner.config import LearnerConfig
 from learner.tasks import REWARD, write_next_digit_dataset
 from protocol.chat import load_environment, owns_reward
 from protocol.lifeline import Lifeline
+from protocol.machine import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def read_secrets(tokens: Path) -> dict[str, str]:
 class LocalSystem:
     """The proxy and actor processes of one embedded run."""
 
-    def __init__(self, cfg: LearnerConfig, tokens: Path, actors: int) -> None:
+    def __init__(self, cfg: LearnerConfig, tokens: Path, actors: int, redis_server: str | None) -> None:
         self.cfg = cfg
         self.run_dir = cfg.resolved_run_dir
         self.logs = self.run_dir / "logs"
@@ -198,7 +199,8 @@ class LocalSystem:
         self.port = _free_port()
         self.url = f"https://127.0.0.1:{self.port}"
         self.trusted = cfg.scoring_mode == "trusted"
-        self.redis_server = redis_server_binary(cfg.embedded_redis)
+        self.redis_server = redis_server
+        """The redis-server binary to start for the run (`redis_server_binary`), or None: fakeredis."""
         self.redis_port = _free_port() if self.trusted or self.redis_server else None
         """The run's redis-server's port, or where the proxy serves its in-process Redis to
         the scoring worker (trusted scoring)."""
@@ -294,8 +296,7 @@ def learner_threads(actors: int) -> int:
     proxy, the scorer and Redis makes each op wait for a thread another process holds: on
     2 cores the default run's training steps took 12-14 s with 2 threads, 6.5 s with 1
     (the real model's the same either way). OMP_NUM_THREADS, where set, decides instead."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - actors)
+    return max(1, usable_cores() - actors)
 
 
 def redis_server_binary(choice: str) -> str | None:
@@ -394,7 +395,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         f"{cfg.actors} {cfg.actor_engine} actor(s), learner; model {cfg.model}, reward {', '.join(cfg.reward)}; "
         f"{cfg.steps} steps. Ctrl-C stops with a checkpoint; `learner run --resume` continues."
     )
-    system = LocalSystem(cfg, tokens, cfg.actors)
+    system = LocalSystem(cfg, tokens, cfg.actors, redis_binary)
     queue = None
     stats = None
     state = None

@@ -37,8 +37,7 @@ import contextlib
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -71,29 +70,11 @@ from proxy.auth import Token
 from proxy.fairness import OverCap
 from proxy.handlers import HANDLERS, ApiError, Context, error_response, parse_version
 from proxy.metrics import MetricsMiddleware
+from proxy.threads import in_thread
 
 log = logging.getLogger(__name__)
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-THREADS = 512
-"""Worker threads for blocking queue calls (long-polls hold one each; anyio's default
-of 40 would starve submissions). The Redis pool gets one connection per thread."""
-_POOL = ThreadPoolExecutor(THREADS, thread_name_prefix="proxy-handler")
-T = TypeVar("T")
-
-
-async def in_thread(fn: Callable[..., T], *args: Any) -> T:
-    """`fn(*args)` in a worker thread, awaited to its end even when the request is
-    cancelled (a held long-poll keeps its hold while its thread still holds Redis).
-    The event loop's own executor hand-off: 30 us a call here, against 72 us through
-    Starlette's `run_in_threadpool` (anyio's limiter, cancel scope and backend lookup)."""
-    future = asyncio.get_running_loop().run_in_executor(_POOL, fn, *args)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        await asyncio.wait([future])
-        raise
-
 
 def build_app(ctx: Context) -> Starlette:
     special: dict[Endpoint, Callable[..., Any]] = {  # streams, files, text: async, with the request itself

@@ -97,12 +97,13 @@ def serve(args: argparse.Namespace) -> int:
 
     from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
     from protocol.store import StoreError
-    from proxy.app import THREADS, build_app
+    from proxy.app import build_app
     from proxy.auth import TokenError, Tokens
     from proxy.fairness import HeaderTimeoutProtocol
     from proxy.handlers import Context, ProxyLimits
     from proxy.metrics import ProxyMetrics
     from proxy.server import ProxyServer
+    from proxy.threads import THREADS
 
     if args.insecure_http == bool(args.tls_cert or args.tls_key):
         print("proxy serve: give --tls-cert and --tls-key, or --insecure-http (plain HTTP)", file=sys.stderr)

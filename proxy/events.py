@@ -15,9 +15,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from starlette.concurrency import run_in_threadpool
-
 from protocol import AdapterEvent, Queue, QueueError
+from proxy.threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ class AdapterEventHub:
             while True:
                 try:
                     block = self.block_s if self.ready.is_set() else 0.0
-                    fresh = await run_in_threadpool(self.queue.adapter_events, self.position, 1000, block)
+                    fresh = await in_thread(self.queue.adapter_events, self.position, 1000, block)
                 except QueueError as err:  # Redis away: streams stay open and wait
                     log.warning("adapter events: %s; retrying in 1s", err)
                     await asyncio.sleep(1.0)

@@ -97,7 +97,6 @@ class SharedRateLimit:
             return wait
 
     async def _reserve(self, name: str) -> float:
-        self._reserved.pop(name, None)
         now = time.monotonic()
         try:
             if self.slice > 1 and await self.limiter.hit(self.item, name, cost=self.slice):
