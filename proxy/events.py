@@ -7,7 +7,8 @@ open streams cost a thousand coroutines, not a thousand threads and Redis connec
 A subscriber resuming from a Last-Event-ID older than what the hub remembers reads the
 gap from Redis once, then follows the hub.
 
-Shutdown: `stop()` cancels the reader; a read in flight ends within `block_s`.
+Shutdown: `stop()` cancels the reader and waits for a read in flight, which ends within
+`block_s` (half a second: the proxy stops that soon after its streams end).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def event_key(event_id: str) -> tuple[int, int]:
 
 
 class AdapterEventHub:
-    def __init__(self, queue: Queue, *, block_s: float = 2.0, keep: int = 1000) -> None:
+    def __init__(self, queue: Queue, *, block_s: float = 0.5, keep: int = 1000) -> None:
         self.queue = queue
         self.block_s = block_s
         self.keep = keep
