@@ -34,6 +34,7 @@ import uuid
 
 import redis
 
+from bench.queue import start_redis, stop
 from protocol import (
     Completion,
     Prompt,
@@ -131,11 +132,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 64])
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    redis_port, proxy_port = free_port(), free_port()
-    redis_proc = subprocess.Popen(
-        [shutil.which("redis-server") or "redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no"], stdout=subprocess.DEVNULL,
-    )
+    redis_proc, redis_port = start_redis()
+    proxy_port = free_port()
     write_self_signed(tmp / "cert.pem", tmp / "key.pem", ["127.0.0.1"])
     (tmp / "tokens.toml").write_text("".join(
         f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in TOKENS.items()))
@@ -186,10 +184,8 @@ def main() -> None:
                     pass
         setup.close()
     finally:
-        proxy_proc.terminate()
-        proxy_proc.wait(timeout=10)
-        redis_proc.terminate()
-        redis_proc.wait(timeout=10)
+        stop([proxy_proc])  # first: its event reader would log Redis going away
+        stop([redis_proc])
         shutil.rmtree(tmp, ignore_errors=True)
 
 

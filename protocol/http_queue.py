@@ -31,6 +31,8 @@ import ssl
 import subprocess
 import threading
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -142,13 +144,18 @@ class HttpQueue(Queue):
         if isinstance(verify, str):
             verify = _ca_context(verify)
         self._verify = verify
-        self.client = httpx.Client(
-            base_url=self.url,
-            headers={"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE},
-            verify=verify,
-            timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
-            limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+        headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
+        timeout = httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0)
+        self._transport = httpx.HTTPTransport(
+            verify=verify, limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
+            proxy=environment_proxy(self.url),
         )
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=self._transport,
+                                   trust_env=False)
+        """For the event stream and proxied adapter files; the API's calls go to the
+        transport itself (`_call`)."""
+        self._headers = {"body": {**headers, "Content-Type": CONTENT_TYPE}, "none": headers}
+        self._extensions = {"timeout": timeout.as_dict()}
         self.retried = False
         """Whether the last call needed more than one attempt."""
         self._received: dict[str, set[str]] = {}
@@ -164,12 +171,21 @@ class HttpQueue(Queue):
         """One call of `endpoint` (`protocol.api`), retried through outages; its response body."""
         method, path, response = endpoint.method, endpoint.url(**path_params), endpoint.response
         content = encode_body(body) if body is not None else None
-        headers = {"Content-Type": CONTENT_TYPE} if content is not None else None
+        headers = self._headers["none" if content is None else "body"]
         self.retried = False
 
         def attempt() -> Any:
+            # The transport itself, not `httpx.Client.request`: the client's cookie jar,
+            # URL merging, auth and redirect steps were a quarter of an actor's CPU per
+            # call (py-spy, bench/proxy.py), for a proxy that sets no cookie and never redirects.
+            request = httpx.Request(method, self.url + path, params=params, headers=headers, content=content,
+                                    extensions=self._extensions)
             try:
-                r = self.client.request(method, path, content=content, headers=headers, params=params)
+                r = self._transport.handle_request(request)
+                try:
+                    r.read()
+                finally:
+                    r.close()
             except httpx.TransportError as err:
                 if (bad := _tls_failure(err)) is not None:
                     raise QueueTLSError(
@@ -323,6 +339,17 @@ class HttpQueue(Queue):
         for sub in self._subscriptions:
             sub.close()
         self.client.close()
+
+
+def environment_proxy(url: str) -> str | None:
+    """The HTTP proxy the environment names for `url` (HTTPS_PROXY, ALL_PROXY, less
+    NO_PROXY), as httpx's client would follow it; None for none."""
+    parts = urllib.parse.urlsplit(url)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
+        return proxy
+    return None
 
 
 def _error_text(r: httpx.Response) -> tuple[str, str]:

@@ -5,6 +5,7 @@ limits, SSE resume, SIGKILL mid-traffic, and the queue client."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
@@ -294,6 +295,33 @@ def test_wrong_role_through_the_client_is_not_retried(make_proxy) -> None:
     with pytest.raises(QueueForbidden, match="403"):
         actor.add_prompts([batch(1)])
     assert time.monotonic() - started < 2
+    actor.close()
+
+
+def test_the_client_goes_through_the_environments_http_proxy(make_proxy, monkeypatch) -> None:
+    """Actors behind a firewall reach the proxy through HTTPS_PROXY, less NO_PROXY, as
+    httpx's own client would: here an HTTP proxy that is not there, so a call can only
+    succeed where NO_PROXY names the host."""
+    from protocol.http_queue import environment_proxy
+
+    proxy = make_proxy()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"http://127.0.0.1:{s.getsockname()[1]}"
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", nowhere)
+    assert environment_proxy(proxy.url) == nowhere
+    actor = proxy.queue("actor")
+    actor.retry_s = 0.5
+    with pytest.raises(QueueUnavailable, match="ConnectError"):
+        actor.claim("w", 1)
+    actor.close()
+
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert environment_proxy(proxy.url) is None
+    actor = proxy.queue("actor")
+    assert actor.claim("w", 1) == []
     actor.close()
 
 
