@@ -37,6 +37,8 @@ import tempfile
 import time
 import urllib.request
 
+from bench.queue import stop
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -108,13 +110,7 @@ def main() -> None:
             sys.exit(f"the learner failed (exit {run.returncode}); see {work / 'learner.log'}")
         loads = scrape(metrics_port, "spotgrpo_actor_adapter_load_seconds")
     finally:
-        for proc in reversed(procs):
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(list(reversed(procs)), timeout_s=60)
     rows = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     steady = rows[5:] or rows  # past the start-up
     step_s = sum(r["step_s"] for r in steady)
