@@ -146,11 +146,11 @@ class HttpQueue(Queue):
         self._verify = verify
         headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
         timeout = httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0)
-        self._transport = httpx.HTTPTransport(
+        self.transport = httpx.HTTPTransport(  # every byte of every call goes through it
             verify=verify, limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
             proxy=environment_proxy(self.url),
         )
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=self._transport,
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=self.transport,
                                    trust_env=False)
         """For the event stream and proxied adapter files; the API's calls go to the
         transport itself (`_call`)."""
@@ -181,7 +181,7 @@ class HttpQueue(Queue):
             request = httpx.Request(method, self.url + path, params=params, headers=headers, content=content,
                                     extensions=self._extensions)
             try:
-                r = self._transport.handle_request(request)
+                r = self.transport.handle_request(request)
                 try:
                     r.read()
                 finally:

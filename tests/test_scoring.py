@@ -60,7 +60,14 @@ def test_private_columns_never_reach_an_actor_on_the_wire(make_proxy, run_name: 
     proxy = make_proxy()
     learner, actor = proxy.queue("learner"), proxy.queue("actor")
     wire: list[bytes] = []
-    actor.client.event_hooks["response"].append(lambda r: wire.append(r.read()))
+    receive = actor.transport.handle_request
+
+    def recorded(request):  # every byte the actor's calls receive, as they arrive
+        response = receive(request)
+        wire.append(response.read())
+        return response
+
+    actor.transport.handle_request = recorded
     try:
         learner.add_prompts([trusted_batch(0), factories.batch(1)])
         leases = actor.claim("w", 2)
