@@ -154,7 +154,8 @@ class HttpQueue(Queue):
                                    trust_env=False)
         """For the event stream and proxied adapter files; the API's calls go to the
         transport itself (`_call`)."""
-        self._headers = {"body": {**headers, "Content-Type": CONTENT_TYPE}, "none": headers}
+        self._headers = headers
+        self._body_headers = {**headers, "Content-Type": CONTENT_TYPE}
         self._extensions = {"timeout": timeout.as_dict()}
         self.retried = False
         """Whether the last call needed more than one attempt."""
@@ -171,7 +172,7 @@ class HttpQueue(Queue):
         """One call of `endpoint` (`protocol.api`), retried through outages; its response body."""
         method, path, response = endpoint.method, endpoint.url(**path_params), endpoint.response
         content = encode_body(body) if body is not None else None
-        headers = self._headers["none" if content is None else "body"]
+        headers = self._headers if content is None else self._body_headers
         self.retried = False
 
         def attempt() -> Any:
