@@ -10,7 +10,6 @@ checks its own fields when built, so a bad message is caught where it is made.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -18,6 +17,8 @@ import numpy as np
 
 from protocol.errors import ProtocolError
 from protocol.packing import (
+    any_bad_logprob,
+    any_negative,
     check_f32,
     check_finite,
     check_json_like,
@@ -272,10 +273,9 @@ def check_completion_arrays(completions: list[Completion]) -> None:
     found again completion by completion, to name it."""
     if not completions:
         return
-    ids = unpack_i32(b"".join(c.token_ids for c in completions))
-    lp = unpack_f32(b"".join(c.logprobs for c in completions))
-    # a float64 sum of float32 values cannot overflow: finite exactly when every value is
-    if ids.size and (ids.min() < 0 or not math.isfinite(lp.sum(dtype=np.float64)) or lp.max() > 0.0):
+    ids = unpack_i32(b"".join([c.token_ids for c in completions]))
+    lp = unpack_f32(b"".join([c.logprobs for c in completions]))
+    if ids.size and (any_negative(ids) or any_bad_logprob(lp)):
         for i, c in enumerate(completions):
             try:
                 c.check_arrays()

@@ -40,11 +40,27 @@ def unpack_f32(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=_F32)
 
 
+_MIN = np.minimum.reduce  # the ufuncs themselves: ndarray.min() adds a Python-level wrapper
+_MAX = np.maximum.reduce
+
+
+def any_negative(ids: np.ndarray) -> bool:
+    """Some token id of a non-empty int32 array is below 0."""
+    return bool(_MIN(ids) < 0)
+
+
+def any_bad_logprob(lp: np.ndarray) -> bool:
+    """Some value of a non-empty float32 array is not a log-probability: NaN (which the
+    maximum propagates), positive, or infinite (+inf is positive; -inf is the minimum).
+    Two float32 reductions: half the cost of a float64 sum's finiteness and a maximum."""
+    return not _MAX(lp) <= 0.0 or bool(_MIN(lp) == -math.inf)
+
+
 def check_token_ids(field: str, data: bytes) -> int:
     if len(data) % 4:
         raise ProtocolError(f"{field}: {len(data)} bytes is not a whole number of int32 values")
     ids = unpack_i32(data)
-    if ids.size and ids.min() < 0:
+    if ids.size and any_negative(ids):
         raise ProtocolError(f"{field}: negative token id {int(ids.min())}")
     return ids.size
 

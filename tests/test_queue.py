@@ -164,6 +164,21 @@ def test_resubmitted_group_is_stored_once(make_queue) -> None:
     assert len(q.read_rollouts("learner", 100)) == 2
 
 
+def test_a_flushed_script_cache_is_filled_again(make_queue, backend) -> None:
+    """Scripts run by their digest; a server that forgot them (SCRIPT FLUSH, or a restart
+    that kept the data) gets them again, and each call still happens once."""
+    q = make_queue()
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    backend().script_flush()
+    result = q.submit("w", lease.lease_id, groups(lease.batch))
+    assert (result.stored, result.duplicates, result.finished) == (2, 0, True)
+    got = q.read_rollouts("learner", 10)
+    backend().script_flush()
+    assert q.ack_rollouts([d.delivery_id for d in got]) == 2
+    assert q.read_rollouts("learner", 10) == [] and q.pending_rollouts("learner", 10) == []
+
+
 def _finished(b) -> FinishedBatch:
     return FinishedBatch(b.batch_id, [g.group_id for g in groups(b)])
 
