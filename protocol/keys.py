@@ -91,6 +91,18 @@ class Keys:
         """Stream of adapter announcements, for late joiners (fields: v, m)."""
         return self._key("adapter-events")
 
+    @property
+    def submit_gate(self) -> str:
+        """Hash: the submission being stored, between the steps of its SUBMIT transaction
+        (`protocol.redis_lua.SUBMIT`); exists only inside that transaction."""
+        return self._key("submit-gate")
+
+    @property
+    def submit_alias(self) -> str:
+        """The name the rollouts (or unscored) stream takes inside a SUBMIT transaction while
+        the gate for one group is open; exists only inside that transaction."""
+        return self._key("submit-alias")
+
     def all(self) -> list[str]:
         """Every key of the run (the pub/sub channel is not a key)."""
         return [self.prompts, self.rollouts, self.unscored, self.dead_letters, self.batches_seen, self.groups_seen,

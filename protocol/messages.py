@@ -23,6 +23,7 @@ from protocol.packing import (
     check_finite,
     check_json_like,
     check_token_ids,
+    check_whole_i32,
     pack_f32,
     pack_i32,
     unpack_f32,
@@ -267,15 +268,15 @@ class Completion(_Struct, frozen=True):
         return completion
 
 
-def check_completion_arrays(completions: list[Completion]) -> None:
-    """`Completion.check_arrays` for every completion, as one scan of their tokens and one
-    of their log-probabilities (about a tenth of the cost of a scan each); a failure is
-    found again completion by completion, to name it."""
-    if not completions:
-        return
-    ids = unpack_i32(b"".join([c.token_ids for c in completions]))
+def check_group_arrays(prompt_token_ids: bytes, completions: list[Completion]) -> None:
+    """`check_token_ids` of the prompt and `Completion.check_arrays` of every completion, as
+    one scan of all their token ids and one of the log-probabilities (a fraction of the cost
+    of a scan each); a failure is found again array by array, to name it."""
+    check_whole_i32("prompt_token_ids", prompt_token_ids)  # else the ids after it would shift
+    ids = unpack_i32(b"".join([prompt_token_ids, *[c.token_ids for c in completions]]))
     lp = unpack_f32(b"".join([c.logprobs for c in completions]))
-    if ids.size and (any_negative(ids) or any_bad_logprob(lp)):
+    if (ids.size and any_negative(ids)) or (lp.size and any_bad_logprob(lp)):
+        check_token_ids("prompt_token_ids", prompt_token_ids)
         for i, c in enumerate(completions):
             try:
                 c.check_arrays()
@@ -320,8 +321,7 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
         check_schema(self.schema)
         if self.group_id != group_id_for(self.batch_id, self.prompt_id):
             raise ProtocolError("group_id: does not match group_id_for(batch_id, prompt_id)")
-        check_token_ids("prompt_token_ids", self.prompt_token_ids)
-        check_completion_arrays(self.completions)
+        check_group_arrays(self.prompt_token_ids, self.completions)
         for field, values in (("timings", self.timings), ("metrics", self.metrics)):
             for name, value in values.items():
                 check_finite(f"{field}[{name!r}]", value)

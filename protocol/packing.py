@@ -56,9 +56,13 @@ def any_bad_logprob(lp: np.ndarray) -> bool:
     return not _MAX(lp) <= 0.0 or bool(_MIN(lp) == -math.inf)
 
 
-def check_token_ids(field: str, data: bytes) -> int:
+def check_whole_i32(field: str, data: bytes) -> None:
     if len(data) % 4:
         raise ProtocolError(f"{field}: {len(data)} bytes is not a whole number of int32 values")
+
+
+def check_token_ids(field: str, data: bytes) -> int:
+    check_whole_i32(field, data)
     ids = unpack_i32(data)
     if ids.size and any_negative(ids):
         raise ProtocolError(f"{field}: negative token id {int(ids.min())}")

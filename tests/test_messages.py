@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tracemalloc
 from collections.abc import Callable
 from typing import Any
@@ -120,6 +121,9 @@ REJECTIONS: list[tuple[str, Callable[[], protocol.Message], Callable[[dict[str, 
     ("no completions", lambda: group(batch()), _set(["completions"], []), "completions"),
     ("ragged token bytes", lambda: group(batch()), _set(["completions", 0, "token_ids"], b"\x01\x00\x00"), "token_ids"),
     ("negative token id", lambda: group(batch()), _set(["completions", 0, "token_ids"], pack_i32([1, -2, 3, 4])), "token_ids"),
+    ("negative prompt token id", lambda: group(batch()), _set(["prompt_token_ids"], pack_i32([1, -2])), "prompt_token_ids"),
+    ("ragged prompt token bytes", lambda: group(batch()), _set(["prompt_token_ids"], b"\x01\x00\x00"), "prompt_token_ids"),
+    ("+inf log-probability", lambda: group(batch()), _set(["completions", 1, "logprobs"], pack_f32([-0.1, float("inf"), -0.2, -0.3])), "completions[1].logprobs"),
     ("length mismatch", lambda: group(batch()), _set(["completions", 0, "logprobs"], pack_f32([-0.1] * 3)), "logprobs"),
     ("NaN log-probability", lambda: group(batch()), _set(["completions", 0, "logprobs"], NAN_LOGPROBS), "logprobs"),
     ("infinite log-probability", lambda: group(batch()), _set(["completions", 0, "logprobs"], INF_LOGPROBS), "logprobs"),
@@ -165,6 +169,27 @@ def test_limits(limits: Limits, make: Callable[[], protocol.Message], field: str
     data = encode(make())
     with pytest.raises(ProtocolError, match=field.replace("[", r"\[").replace("]", r"\]")):
         decode(data, limits)
+
+
+def test_a_groups_limits_hold_at_their_bounds_and_name_the_field_past_them() -> None:
+    """A group's sizes are checked longest-first and named only past the bound: exactly at
+    it passes, one past it is refused naming the completion (or the prompt)."""
+    def long(completion: int, tokens: int = 0, text: int = 0, prompt: int = 3) -> protocol.RolloutGroup:
+        g = group(batch(), completions=3)
+        cs = list(g.completions)
+        cs[completion] = msgspec.structs.replace(cs[completion], text="x" * text)
+        if tokens:
+            cs[completion] = msgspec.structs.replace(
+                cs[completion], token_ids=pack_i32([1] * tokens), logprobs=pack_f32([-0.5] * tokens))
+        return msgspec.structs.replace(g, completions=cs, prompt_token_ids=pack_i32([1] * prompt))
+
+    limits = Limits(max_tokens=16, max_text_chars=5)
+    for ok in (long(2, tokens=16), long(1, text=5), long(0, prompt=16)):
+        decode(encode(ok), limits)
+    for bad, field in ((long(2, tokens=17), "completions[2].token_ids"), (long(1, text=6), "completions[1].text"),
+                       (long(0, prompt=17), "prompt_token_ids")):
+        with pytest.raises(ProtocolError, match=re.escape(field)):
+            decode(encode(bad), limits)
 
 
 def test_hostile_length_prefix_allocates_nothing() -> None:

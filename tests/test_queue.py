@@ -270,6 +270,47 @@ def test_slow_worker_cannot_submit_a_lease_taken_over(make_queue) -> None:
     assert {d.group.actor_id for d in q.read_rollouts("learner", 100)} == {listed(q, "fast")}
 
 
+def test_a_blocked_reader_wakes_for_stored_groups_only_and_no_gate_outlives_a_submit(make_queue, backend) -> None:
+    """A submission stores its groups through a gate that renames the rollouts stream inside
+    one MULTI/EXEC (`protocol.redis_lua.SUBMIT`): a learner blocked on the stream is not
+    disturbed by a refused or a duplicate submission, wakes for a stored group, and nothing
+    of the gate is left after any kind of submission."""
+    q, learner = make_queue(), make_queue()
+    client = backend()
+    q.add_prompts([batch(0, prompts=3), batch(1)])
+    first, second = q.claim("w", 2)
+
+    def no_gate_left() -> bool:
+        return client.exists(q.keys.submit_gate, q.keys.submit_alias) == 0 and \
+            client.type(q.keys.rollouts) == b"stream" and client.type(q.keys.unscored) == b"stream"
+
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(learner.read_rollouts("learner", 10, block_s=8.0)))
+    reader.start()
+    time.sleep(0.3)
+    with pytest.raises(LeaseMismatch):
+        q.submit("w", first.lease_id, groups(second.batch))
+    assert no_gate_left()
+    time.sleep(0.3)
+    assert reader.is_alive() and got == []  # still blocked, nothing stored
+
+    part = q.submit("w", first.lease_id, groups(first.batch)[:1])
+    reader.join(5.0)
+    assert not reader.is_alive()
+    assert (part.stored, part.duplicates, part.finished, part.missing) == (1, 0, False, 2)
+    assert [d.group.prompt_id for d in got] == ["p0"]
+    assert no_gate_left()
+
+    rest = q.submit("w", first.lease_id, groups(first.batch))  # p0 again, with p1 and p2
+    assert (rest.stored, rest.duplicates, rest.finished) == (2, 1, True)
+    assert sorted(d.group.prompt_id for d in learner.read_rollouts("learner", 10)) == ["p1", "p2"]
+    assert no_gate_left()
+    again = q.submit("w", first.lease_id, groups(first.batch))  # a retry after the lease is done
+    assert (again.stored, again.duplicates, again.lease_held) == (0, 3, False)
+    assert learner.read_rollouts("learner", 10) == [] and no_gate_left()
+    assert q.stats().rollouts.pending == 3
+
+
 def test_submit_for_the_wrong_batch_changes_nothing(make_queue) -> None:
     q = make_queue()
     q.add_prompts([batch(0), batch(1)])
