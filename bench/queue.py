@@ -4,7 +4,8 @@ Starts its own redis-server on a free loopback port (never the machine's 6379), 
 groups of 8 completions x 512 tokens (about 32 KB encoded) measures, in one process:
 
 - raw:       redis-py XADD of the same bytes, then XREADGROUP + XACK (the floor)
-- transport: RedisQueue.submit (encode + validate + Lua: dedup, append, ack lease),
+- transport: RedisQueue.submit (encode + validate, then one MULTI/EXEC: the lease's checks
+             and dedup in Lua, the message in a plain XADD, the lease finished),
              then read_rollouts (decode + validate) + ack_rollouts
 
 Each round runs both, one after the other; the figures are the rounds' medians, and the

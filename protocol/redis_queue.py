@@ -2,8 +2,10 @@
 
 Prompt batches live in one stream read by the consumer group `actors`, rollout groups
 in another read by the group `learner`. Every step that touches more than one key is a
-Lua script (see `protocol.redis_lua`), so a crash between two commands cannot leave a
-lease acknowledged without its groups stored, or the other way round.
+Lua script (see `protocol.redis_lua`), or for a submission a MULTI/EXEC around one (its
+messages go in plain XADDs: Redis's Lua hashes every byte it is handed), so a crash
+between two commands cannot leave a lease acknowledged without its groups stored, or the
+other way round.
 """
 
 from __future__ import annotations
