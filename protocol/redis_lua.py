@@ -301,6 +301,10 @@ for i = 6, #ARGV, 4 do
   end
 end
 local into = field(entry[2], 's') == 'trusted' and KEYS[4] or KEYS[2]
+if redis.call('EXISTS', into) == 0 then
+  -- the stream (and its consumer group) is gone: the caller recreates both and tries again
+  return redis.error_reply('NOGROUP the stream ' .. into .. ' is missing')
+end
 redis.call('HSET', KEYS[5], 't', into, 's', 0, 'd', 0, 'l', lease, 'c', group, 'w', worker, 'e', expected)
 admit(ARGV[6])
 return 0

@@ -513,10 +513,13 @@ class RedisQueue(RedisAdapters, Queue):
 
     def _stream_stats(self, stream: str, group: str) -> StreamStats:
         length = int(self._call(lambda: self._r.xlen(stream)))
-        info = next(
-            (g for g in self._call(lambda: self._r.xinfo_groups(stream)) if text_of(g["name"]) == group),
-            None,
-        )
+        try:
+            groups = self._call(lambda: self._r.xinfo_groups(stream))
+        except QueueError as err:
+            if "no such key" not in str(err):
+                raise
+            groups = []  # the stream is gone (Redis restarted empty): nothing waits in it
+        info = next((g for g in groups if text_of(g["name"]) == group), None)
         if info is None:  # no reader ever came
             waiting, pending, last = length, 0, "0-0"
         else:

@@ -311,6 +311,18 @@ def test_a_blocked_reader_wakes_for_stored_groups_only_and_no_gate_outlives_a_su
     assert q.stats().rollouts.pending == 3
 
 
+def test_a_submission_to_a_stream_that_is_gone_recreates_it(make_queue, backend) -> None:
+    """The rollouts stream lost (deleted, expired before the rest of the run): the submission
+    stores nothing until the stream and its consumer group exist again, then stores once."""
+    q = make_queue()
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    backend().delete(q.keys.rollouts)
+    result = q.submit("w", lease.lease_id, groups(lease.batch))
+    assert (result.stored, result.finished) == (2, True)
+    assert sorted(d.group.prompt_id for d in q.read_rollouts("learner", 10)) == ["p0", "p1"]
+
+
 def test_submit_for_the_wrong_batch_changes_nothing(make_queue) -> None:
     q = make_queue()
     q.add_prompts([batch(0), batch(1)])
