@@ -13,7 +13,6 @@ validated on the way in and out, within size limits.
 from __future__ import annotations
 
 import contextlib
-import functools
 import re
 from collections.abc import Iterator
 
@@ -73,8 +72,6 @@ def _check_limits(msg: Message, limits: Limits) -> None:
     if isinstance(msg, RolloutGroup):
         _check_group_limits(msg, limits)
         return
-    tokens = functools.partial(_check_tokens, limits=limits)
-    text = functools.partial(_check_text, limits=limits)
     if isinstance(msg, PromptBatch):
         if len(msg.prompts) > limits.max_prompts:
             raise ProtocolError(
@@ -87,10 +84,10 @@ def _check_limits(msg: Message, limits: Limits) -> None:
         if msg.sampling.max_tokens > limits.max_tokens:
             raise ProtocolError(f"sampling.max_tokens: exceeds the limit of {limits.max_tokens}")
         for i, p in enumerate(msg.prompts):
-            tokens(f"prompts[{i}].token_ids", p.token_ids)
-            text(f"prompts[{i}].text", p.text)
+            _check_tokens(f"prompts[{i}].token_ids", p.token_ids, limits)
+            _check_text(f"prompts[{i}].text", p.text, limits)
             for j, turn in enumerate(p.messages or ()):
-                text(f"prompts[{i}].messages[{j}].content", turn.content)
+                _check_text(f"prompts[{i}].messages[{j}].content", turn.content, limits)
 
 
 def _check_group_limits(msg: RolloutGroup, limits: Limits) -> None:

@@ -204,29 +204,30 @@ SUBMIT = (
 --         its batch has its group (a partial submission keeps it, its idle time reset).
 --         Returns {stored, duplicates, held, finished, missing}, or nil after a refused open.
 local mode = ARGV[1]
-local function shut()
-  local into = redis.call('HGET', KEYS[5], 't')
+-- `into`: the stream the gate opens onto (the gate's field t; nil: no submission is open)
+local function shut(into)
   if into and redis.call('EXISTS', KEYS[6]) == 1 then redis.call('RENAME', KEYS[6], into) end
 end
-local function admit(gid)
+local function admit(gid, into)
   if redis.call('SADD', KEYS[3], gid) == 1 then
-    redis.call('RENAME', redis.call('HGET', KEYS[5], 't'), KEYS[6])
+    redis.call('RENAME', into, KEYS[6])
     redis.call('HINCRBY', KEYS[5], 's', 1)
   else
     redis.call('HINCRBY', KEYS[5], 'd', 1)
   end
 end
 if mode == 'next' then
-  if redis.call('HGET', KEYS[5], 't') then
-    shut()
-    admit(ARGV[2])
+  local into = redis.call('HGET', KEYS[5], 't')
+  if into then
+    shut(into)
+    admit(ARGV[2], into)
   end
   return 0
 end
 if mode == 'close' then
   local g = redis.call('HGETALL', KEYS[5])
   if #g == 0 then return nil end
-  shut()
+  shut(field(g, 't'))
   redis.call('DEL', KEYS[5])
   local stored, dups = tonumber(field(g, 's')), tonumber(field(g, 'd'))
   if field(g, 'r') then  -- nothing to do (see open)
@@ -244,7 +245,7 @@ if mode == 'close' then
   return {stored, dups, 1, missing == 0 and 1 or 0, missing}
 end
 -- open
-shut()  -- nothing is left from an earlier transaction, but a gate never outlives one
+shut(redis.call('HGET', KEYS[5], 't'))  -- nothing is left from an earlier transaction, but a gate never outlives one
 redis.call('DEL', KEYS[5])
 local group, worker, lease, batch = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local function all_stored()
@@ -306,7 +307,7 @@ if redis.call('EXISTS', into) == 0 then
   return redis.error_reply('NOGROUP the stream ' .. into .. ' is missing')
 end
 redis.call('HSET', KEYS[5], 't', into, 's', 0, 'd', 0, 'l', lease, 'c', group, 'w', worker, 'e', expected)
-admit(ARGV[6])
+admit(ARGV[6], into)
 return 0
 """
 )

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Self, TypeVar
 
-import hiredis
 import redis
 import redis.exceptions
 
@@ -32,12 +31,11 @@ from protocol.queue import (
     Lease,
     Queue,
     QueueConfig,
-    QueueStats,
-    StreamStats,
     SubmitResult,
     check_finished,
 )
 from protocol.redis_adapters import RedisAdapters
+from protocol.redis_calls import run_script, transaction
 from protocol.redis_client import cluster_client, connect
 from protocol.redis_fields import (
     check_ids,
@@ -49,6 +47,7 @@ from protocol.redis_fields import (
     split_private,
     text_of,
 )
+from protocol.redis_stats import RedisStats
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +56,7 @@ M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
 _ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
 
 
-class RedisQueue(RedisAdapters, Queue):
+class RedisQueue(RedisAdapters, RedisStats, Queue):
     """`Queue` on a redis-py client (a `fakeredis.FakeRedis` works too).
 
     The client must not decode responses (`decode_responses=False`): payloads are bytes.
@@ -149,60 +148,7 @@ class RedisQueue(RedisAdapters, Queue):
                 return fn()
 
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        """Run script `name` by its digest; a server that lost it (restarted, or its script
-        cache flushed) is given it again. `execute_command` directly: redis-py's `Script`
-        call reaches it through three more layers, a tenth of a cheap call's client time;
-        a cluster client routes EVALSHA by its keys all the same."""
-        script = self._scripts[name]
-
-        def run() -> Any:
-            try:
-                return self._r.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-            except redis.exceptions.NoScriptError:
-                self._r.script_load(script.script)
-                return self._r.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-
-        return self._call(run)
-
-    def _transaction(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """`commands` in one MULTI/EXEC: EXEC's replies, an error among them as an exception
-        instance, not raised. On a plain `redis.Redis` the commands go as one write on one
-        pooled connection (redis-py's pipeline cost a 33 KB submission ~80 us more of its
-        caller's time, measured); any other client (a cluster's, fakeredis) through its
-        pipeline. A dropped connection is tried once more on a new one, as redis-py's own
-        calls are: a transaction runs whole or not at all."""
-        if type(self._r) is not redis.Redis:
-            with self._r.pipeline(transaction=True) as pipe:
-                for command in commands:
-                    pipe.execute_command(*command)
-                return list(pipe.execute(raise_on_error=False))
-        pool = self._r.connection_pool
-        for attempt in (1, 2):
-            conn = pool.get_connection()
-            try:
-                # one buffer, one send (redis-py's packer sends a large argument on its own,
-                # and costs twice hiredis's own, which it calls)
-                conn.send_packed_command([b"".join([hiredis.pack_command(c) for c in [("MULTI",), *commands, ("EXEC",)]])])
-                refused: redis.exceptions.ResponseError | None = None
-                for _ in range(len(commands) + 1):  # MULTI's +OK, then +QUEUED or a command's refusal
-                    try:
-                        conn.read_response()
-                    except redis.exceptions.ResponseError as err:
-                        refused = refused or err
-                try:
-                    return list(conn.read_response())
-                except redis.exceptions.ExecAbortError:
-                    raise refused or QueueError("redis: transaction aborted") from None
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                conn.disconnect()
-                if attempt == 2:
-                    raise
-            except BaseException:
-                conn.disconnect()
-                raise
-            finally:
-                pool.release(conn)
-        raise AssertionError("unreachable")
+        return self._call(lambda: run_script(self._r, self._scripts[name], keys, args))
 
     def _block_ms(self, block_s: float) -> int | None:
         if block_s < 0 or block_s > self.config.max_block_s:
@@ -322,10 +268,7 @@ class RedisQueue(RedisAdapters, Queue):
         commands.append((*gate, "close"))
 
         def run() -> Any:
-            replies = self._transaction(commands)
-            if isinstance(replies[0], redis.exceptions.NoScriptError):  # one script: none of it ran
-                self._r.script_load(script.script)
-                replies = self._transaction(commands)
+            replies = transaction(self._r, commands, script)
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply  # the open's refusal (nothing written), or what Redis refused
@@ -508,49 +451,6 @@ class RedisQueue(RedisAdapters, Queue):
         if gone:  # forgotten: a worker that comes back reports again
             self._call(lambda: self._r.hdel(self.keys.workers, *gone))
         return live
-
-    # ------------------------------------------------------------------ stats
-
-    def _stream_stats(self, stream: str, group: str) -> StreamStats:
-        length = int(self._call(lambda: self._r.xlen(stream)))
-        try:
-            groups = self._call(lambda: self._r.xinfo_groups(stream))
-        except QueueError as err:
-            if "no such key" not in str(err):
-                raise
-            groups = []  # the stream is gone (Redis restarted empty): nothing waits in it
-        info = next((g for g in groups if text_of(g["name"]) == group), None)
-        if info is None:  # no reader ever came
-            waiting, pending, last = length, 0, "0-0"
-        else:
-            waiting, pending, last = info.get("lag"), int(info["pending"]), text_of(info["last-delivered-id"])
-            if waiting is None:  # Redis cannot tell after some deletions; count instead
-                waiting = self._script("COUNT_AFTER", [stream], [last])
-        oldest = None
-        if int(waiting):
-            first = self._call(lambda: self._r.xrange(stream, min=f"({last}", count=1))
-            if first:  # entry ids are Redis's clock in ms: compare with Redis's clock
-                seconds, micros = self._call(self._r.time)
-                oldest = max(0.0, seconds + micros / 1e6 - int(text_of(first[0][0]).split("-")[0]) / 1000)
-        return StreamStats(length=length, pending=pending, waiting=int(waiting), oldest_waiting_s=oldest)
-
-    def stats(self) -> QueueStats:
-        consumers = self._call(lambda: self._r.xinfo_consumers(self.keys.prompts, ACTORS_GROUP))
-        version = self._call(lambda: self._r.hget(self.keys.adapter_latest, "version"))
-        # upstream first (prompts -> unscored -> rollouts): work moving on while we count
-        # is counted twice, never missed
-        prompts = self._stream_stats(self.keys.prompts, ACTORS_GROUP)
-        unscored = self._stream_stats(self.keys.unscored, SCORERS_GROUP)
-        return QueueStats(
-            prompts=prompts,
-            rollouts=self._stream_stats(self.keys.rollouts, LEARNER_GROUP),
-            dead_letters=int(self._call(lambda: self._r.xlen(self.keys.dead_letters))),
-            leases_by_worker={
-                text_of(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
-            },
-            latest_adapter_version=int(version or 0),
-            unscored=unscored,
-        )
 
     def close(self) -> None:
         self._r.close()
