@@ -314,10 +314,11 @@ class Dispatcher(threading.Thread):
                         self.dispatch(reclaimed)
                     self.reject_failed()
                 backoff.reset()
-            except QueueUnavailable as err:
+            except (QueueUnavailable, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
+                # the run's queue says so itself; RQ's calls (enqueue, counts) raise redis-py's own
                 log.warning("redis unavailable, retrying in %.1fs: %s", backoff.next, err)
                 backoff.wait(self.stopping)
-            except Exception:  # RQ's own errors included: keep dispatching
+            except Exception:  # RQ's other errors included: keep dispatching
                 log.exception("dispatcher error; retrying in %.1fs", backoff.next)
                 backoff.wait(self.stopping)
 

@@ -456,3 +456,37 @@ def test_a_busy_tier_gets_fuller_jobs(queue: RedisQueue, run_name: str) -> None:
         dispatcher.stopping.set()
         dispatcher.join(5)
         sq.close()
+
+
+def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going(
+        queue: RedisQueue, caplog: pytest.LogCaptureFixture) -> None:
+    """RQ's own calls (the sweep's worker count, an enqueue) raise redis-py's errors, not the
+    queue's: the dispatcher takes them as the outage they are — a warning, a backoff, no
+    traceback (the embedded run's scorer logged one when its Redis ended first)."""
+    import logging
+    import socket
+    import threading
+
+    from rq import Queue as RQQueue
+    from rq.serializers import JSONSerializer
+
+    from learner.scoring import Dispatcher
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    sq = ScoringQueue.from_url(queue_url(queue), queue.config)
+    rq = RQQueue("gone", connection=redis.Redis(port=port, socket_connect_timeout=1), serializer=JSONSerializer)
+    dispatcher = Dispatcher(sq, rq, "d", lambda ids: "", job_timeout_s=1.0, retries=0, retry_backoff_s=0.1,
+                            sweep_s=0.1)
+    with caplog.at_level(logging.INFO, logger="learner.scoring"):
+        dispatcher.start()
+        deadline = time.monotonic() + 10
+        while "redis unavailable" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        dispatcher.stopping.set()
+        dispatcher.join(5)
+    sq.close()
+    assert not dispatcher.is_alive()
+    assert "redis unavailable" in caplog.text
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.exc_info]
