@@ -465,7 +465,6 @@ def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going
     traceback (the embedded run's scorer logged one when its Redis ended first)."""
     import logging
     import socket
-    import threading
 
     from rq import Queue as RQQueue
     from rq.serializers import JSONSerializer
