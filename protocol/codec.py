@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import msgspec
 
@@ -29,7 +29,9 @@ from protocol.messages import (
     PromptBatch,
     RolloutGroup,
     WorkerStatus,
+    check_groups_arrays,
     check_schema,
+    deferred_group_arrays,
 )
 
 # ---------------------------------------------------------------------------- limits
@@ -68,9 +70,11 @@ def same_bounds(a: Limits, b: Limits) -> bool:
     return msgspec.structs.replace(a, max_message_bytes=0) == msgspec.structs.replace(b, max_message_bytes=0)
 
 
-def _check_limits(msg: Message, limits: Limits) -> None:
+def _check_limits(msg: Message, limits: Limits, size: int) -> None:
+    """`msg`'s fields within `limits`; `size`: the bytes it was decoded from (a field
+    can be no longer than they are)."""
     if isinstance(msg, RolloutGroup):
-        _check_group_limits(msg, limits)
+        _check_group_limits(msg, limits, size)
         return
     if isinstance(msg, PromptBatch):
         if len(msg.prompts) > limits.max_prompts:
@@ -90,13 +94,17 @@ def _check_limits(msg: Message, limits: Limits) -> None:
                 _check_text(f"prompts[{i}].messages[{j}].content", turn.content, limits)
 
 
-def _check_group_limits(msg: RolloutGroup, limits: Limits) -> None:
-    """Every group a learner reads passes here: the longest first, then the culprit named."""
+def _check_group_limits(msg: RolloutGroup, limits: Limits, size: int) -> None:
+    """Every group a learner reads passes here: nothing to look at when the message is
+    shorter than the shortest field that could break a limit (a string of n characters
+    takes at least n bytes), else the longest first, then the culprit named."""
     if len(msg.completions) > limits.max_completions:
         raise ProtocolError(
             f"completions: {len(msg.completions)} completions exceed the limit of {limits.max_completions}"
         )
     most_bytes = (limits.max_tokens + 1) * 4 - 1  # `_check_tokens` refuses from (max_tokens + 1) * 4
+    if size <= most_bytes and size <= limits.max_text_chars:
+        return
     if len(msg.prompt_token_ids) > most_bytes or \
             max([len(c.token_ids) for c in msg.completions], default=0) > most_bytes or \
             max([len(c.text) for c in msg.completions], default=0) > limits.max_text_chars:
@@ -159,7 +167,11 @@ def _known_envelope(data: bytes | bytearray | memoryview) -> bool:
     second pass over the whole message, ~7% of a group's decode)."""
     head = data[0] if len(data) else 0
     start = 1 if 0x80 <= head <= 0x8F else 3 if head == 0xDE else 0
-    return bool(start) and bytes(data[start : start + 48]).startswith(_KNOWN_ENVELOPES)
+    if not start:
+        return False
+    if isinstance(data, memoryview):
+        return bytes(data[start : start + 48]).startswith(_KNOWN_ENVELOPES)
+    return data.startswith(_KNOWN_ENVELOPES, start)
 
 
 def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Message:
@@ -179,8 +191,31 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
         msg = _DECODER.decode(data)
     except (msgspec.MsgspecError, RecursionError) as err:
         raise _translated(err) from None
-    _check_limits(msg, limits)
+    _check_limits(msg, limits, len(data))
     return msg
+
+
+def decode_each(payloads: Sequence[bytes | bytearray | memoryview],
+                limits: Limits = DEFAULT_LIMITS) -> list[Message | ProtocolError]:
+    """`decode` of each payload, in order: the message, or what is wrong with that payload
+    as a `ProtocolError` in its place. The rollout groups' arrays are checked together,
+    one pass for all (`check_groups_arrays`)."""
+    out: list[Message | ProtocolError] = []
+    token = deferred_group_arrays.set(True)
+    try:
+        for data in payloads:
+            try:
+                out.append(decode(data, limits))
+            except ProtocolError as err:
+                out.append(err)
+    finally:
+        deferred_group_arrays.reset(token)
+    groups = [(i, m) for i, m in enumerate(out) if isinstance(m, RolloutGroup)]
+    if groups:
+        for (i, _group), problem in zip(groups, check_groups_arrays([g for _i, g in groups]), strict=True):
+            if problem is not None:
+                out[i] = problem
+    return out
 
 
 @contextlib.contextmanager

@@ -247,7 +247,7 @@ def decode_body(data: bytes, cls: type[Any], limits: Limits = DEFAULT_LIMITS) ->
     except RecursionError:
         raise ProtocolError("body: nested too deeply") from None
     for msg in _nested(body):
-        _check_limits(msg, limits)
+        _check_limits(msg, limits, len(data))
     return body
 
 

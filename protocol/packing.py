@@ -4,6 +4,7 @@ float32 bytes (never lists of Python numbers), and the value checks the messages
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ def pack_f32(values: Any) -> bytes:
     ).tobytes()
 
 
-def unpack_i32(data: bytes) -> np.ndarray:
+def unpack_i32(data: bytes | memoryview) -> np.ndarray:
     """A read-only int32 view of packed bytes (no copy)."""
     return np.frombuffer(data, dtype=_I32)
 
@@ -40,6 +41,7 @@ def unpack_f32(data: bytes) -> np.ndarray:
     return np.frombuffer(data, dtype=_F32)
 
 
+F32_MAX = float(np.finfo(np.float32).max)
 _MIN = np.minimum.reduce  # the ufuncs themselves: ndarray.min() adds a Python-level wrapper
 _MAX = np.maximum.reduce
 
@@ -54,6 +56,28 @@ def any_bad_logprob(lp: np.ndarray) -> bool:
     maximum propagates), positive, or infinite (+inf is positive; -inf is the minimum).
     Two float32 reductions: half the cost of a float64 sum's finiteness and a maximum."""
     return not _MAX(lp) <= 0.0 or bool(_MIN(lp) == -math.inf)
+
+
+_NEG_INF_BITS = -(1 << 23)
+"""float32's -inf read as an int32: every finite negative float32 (and -0.0) reads below it;
++0.0 reads 0, positives, +inf and NaNs of either sign at or above it."""
+
+
+def any_bad_logprob_bits(words: np.ndarray) -> bool:
+    """`any_bad_logprob` of a non-empty array of float32 log-probabilities read as int32:
+    one integer reduction where every value is finite and below zero (or -0.0), as sampled
+    log-probabilities almost always are; the float reductions only where one is not (a
+    +0.0, an episode's environment token, or a bad value)."""
+    return not _MAX(words) < _NEG_INF_BITS and any_bad_logprob(words.view(_F32))
+
+
+def all_finite(values: Iterable[float]) -> bool:
+    return all(map(math.isfinite, values))
+
+
+def all_f32(values: Iterable[float | None]) -> bool:
+    """Every value None or finite in float32 (`check_f32` passes it)."""
+    return all(v is None or -F32_MAX <= v <= F32_MAX for v in values)
 
 
 def check_whole_i32(field: str, data: bytes) -> None:
@@ -89,9 +113,6 @@ def check_json_like(field: str, value: Any, depth: int) -> None:
         raise ProtocolError(f"{field}: {type(value).__name__} is not a JSON value")
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
 def check_finite(field: str, value: float | None) -> None:
     if value is not None and not math.isfinite(value):
         raise ProtocolError(f"{field}: must be finite, got {value}")
@@ -99,5 +120,5 @@ def check_finite(field: str, value: float | None) -> None:
 
 def check_f32(field: str, value: float | None) -> None:
     """Finite in float32, where the learner computes: 1e39 is finite in float64 and inf there."""
-    if value is not None and not (math.isfinite(value) and abs(value) <= _F32_MAX):
-        raise ProtocolError(f"{field}: must be finite in float32 (|x| <= {_F32_MAX:.3g}), got {value}")
+    if value is not None and not (math.isfinite(value) and abs(value) <= F32_MAX):
+        raise ProtocolError(f"{field}: must be finite in float32 (|x| <= {F32_MAX:.3g}), got {value}")

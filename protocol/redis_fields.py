@@ -13,7 +13,7 @@ from typing import TypeVar
 
 import msgspec
 
-from protocol.codec import DEFAULT_LIMITS, Limits, decode
+from protocol.codec import DEFAULT_LIMITS, Limits, decode, decode_each
 from protocol.errors import ProtocolError
 from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus, group_id_for
 from protocol.queue import is_entry_id
@@ -32,7 +32,16 @@ def check_worker(worker: str) -> None:
         )
 
 
+_SHORT_IDS = re.compile(r"[0-9]{1,19}-[0-9]{1,19}(?: [0-9]{1,19}-[0-9]{1,19})*")
+"""Entry ids joined by spaces, each part short enough to fit in 64 bits: all of them, in
+one match (`is_entry_id` of each costs an acknowledgement of 16 groups ~12 us)."""
+
+
 def check_ids(field: str, ids: Sequence[str]) -> None:
+    if ids and all(type(i) is str for i in ids):
+        joined = " ".join(ids)
+        if joined.count(" ") == len(ids) - 1 and _SHORT_IDS.fullmatch(joined):  # no id holds a space
+            return
     for i in ids:
         if not is_entry_id(i):
             raise ValueError(f"{field}: {str(i)[:48]!r} is not a stream entry id")
@@ -80,6 +89,19 @@ def decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMI
     if not isinstance(msg, cls):
         raise ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
     return msg
+
+
+def decode_each_as(payloads: Sequence[bytes | None], cls: type[M], limits: Limits = DEFAULT_LIMITS) -> list[M | ProtocolError]:
+    """`decode_as` of each stored payload, in order, each one's `ProtocolError` in its place
+    (`protocol.codec.decode_each`: a read's rollout groups have their arrays checked together)."""
+    decoded = iter(decode_each([p for p in payloads if p is not None], limits))
+    out: list[M | ProtocolError] = []
+    for p in payloads:
+        msg = ProtocolError("message: entry payload is missing") if p is None else next(decoded)
+        if not isinstance(msg, ProtocolError | cls):
+            msg = ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
+        out.append(msg)
+    return out
 
 
 def decode_manifest(payload: bytes | None) -> AdapterManifest | None:

@@ -7,8 +7,9 @@ refusal's wire code in capitals (`LEASE_LOST ...`, see `protocol.errors.REFUSALS
 Trimming: on Redis 7.0 `XTRIM`/`MAXLEN` delete entries still pending in a consumer group,
 and trimming by `MINID` below the oldest pending entry lets one stuck lease hold the
 whole stream. So the scripts delete exactly the entries they acknowledge (`XACK` then
-`XDEL`, in one script): a stream holds its pending and undelivered entries and nothing
-else, and no unacknowledged entry is ever deleted.
+`XDEL`, in one script; the learner's acknowledgement in one MULTI/EXEC): a stream holds
+its pending and undelivered entries and nothing else, and no unacknowledged entry is ever
+deleted.
 """
 
 from __future__ import annotations
@@ -348,30 +349,6 @@ redis.call('XACK', KEYS[3], ARGV[1], ARGV[2])
 redis.call('XDEL', KEYS[3], ARGV[2])
 redis.call('HDEL', KEYS[4], ARGV[3])
 return stored
-"""
-
-ACK_ROLLOUTS = r"""
--- KEYS: rollouts, batches_seen, groups_seen, scored_seen
--- ARGV: group, n, id*n, (batch_id, k, group_id*k)*
--- Deletes exactly the entries it acknowledges (see the module docstring), then forgets
--- the deduplication records of the finished batches (`protocol.queue.FinishedBatch`).
-local n = tonumber(ARGV[2])
-local acked = 0
-if n > 0 then
-  acked = redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3, 2 + n))
-  redis.call('XDEL', KEYS[1], unpack(ARGV, 3, 2 + n))
-end
-local i = 3 + n
-while i <= #ARGV do
-  local k = tonumber(ARGV[i + 1])
-  redis.call('SREM', KEYS[2], ARGV[i])
-  for j = i + 2, i + 1 + k do
-    redis.call('SREM', KEYS[3], ARGV[j])
-    redis.call('SREM', KEYS[4], ARGV[j])
-  end
-  i = i + 2 + k
-end
-return acked
 """
 
 ANNOUNCE = r"""

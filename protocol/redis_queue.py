@@ -35,12 +35,13 @@ from protocol.queue import (
     check_finished,
 )
 from protocol.redis_adapters import RedisAdapters
-from protocol.redis_calls import run_script, transaction
+from protocol.redis_calls import Entry, read_group, run_script, transaction
 from protocol.redis_client import cluster_client, connect
 from protocol.redis_fields import (
     check_ids,
     check_worker,
     decode_as,
+    decode_each_as,
     expected_groups,
     fields_of,
     prompt_digest,
@@ -53,7 +54,7 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
-_ACK_CHUNK = 1000  # ids per script call, well inside Lua's stack limit
+_ACK_CHUNK = 1000  # ids per command of an acknowledgement
 
 
 class RedisQueue(RedisAdapters, RedisStats, Queue):
@@ -77,7 +78,6 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
                 "SUBMIT",
                 "STORE_SCORED",
                 "RELEASE",
-                "ACK_ROLLOUTS",
                 "ANNOUNCE",
                 "COUNT_AFTER",
                 "REPORT_STATUS",
@@ -292,35 +292,27 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
 
     # ------------------------------------------------------------------ rollouts
 
-    def _deliveries(
-        self, consumer: str, entries: list[tuple[bytes, dict[bytes, bytes] | None]]
-    ) -> list[Delivery]:
+    def _deliveries(self, consumer: str, entries: list[Entry]) -> list[Delivery]:
         out = []
         handed = self._handed_out.setdefault(consumer, set())
-        for raw_id, flat in entries:
+        payloads = [flat.get(b"m") if flat else None for _id, flat in entries]  # bytes (see the class)
+        for (raw_id, _flat), group in zip(entries, decode_each_as(payloads, RolloutGroup, self.config.limits),
+                                          strict=True):
             entry_id = text_of(raw_id)
-            payload = flat.get(b"m") if flat else None  # the client returns bytes (see the class)
-            try:
-                group = decode_as(payload, RolloutGroup, self.config.limits)
-            except ProtocolError as err:
-                log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, err)
+            if isinstance(group, ProtocolError):
+                log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, group)
                 self._script(
                     "DEAD_LETTER",
                     [self.keys.rollouts, self.keys.dead_letters],
-                    [LEARNER_GROUP, entry_id, "rollouts", f"malformed: {err}", time.time()],
+                    [LEARNER_GROUP, entry_id, "rollouts", f"malformed: {group}", time.time()],
                 )
                 continue
             handed.add(entry_id)
             out.append(Delivery(delivery_id=entry_id, group=group))
         return out
 
-    def _read_pending(self, consumer: str, count: int, after: str) -> list[tuple[bytes, Any]]:
-        resp = self._call(
-            lambda: self._r.xreadgroup(
-                LEARNER_GROUP, consumer, {self.keys.rollouts: after}, count=count
-            )
-        )
-        return [e for _stream, entries in resp or () for e in entries]
+    def _read_pending(self, consumer: str, count: int, after: str) -> list[Entry]:
+        return self._call(lambda: read_group(self._r, LEARNER_GROUP, consumer, self.keys.rollouts, after, count))
 
     def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
         check_worker(consumer)
@@ -337,15 +329,13 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
                 log.warning("recovered %d rollout entries whose read reply was lost", len(lost))
                 return self._deliveries(consumer, lost)
         try:
-            resp = self._call(
-                lambda: self._r.xreadgroup(
-                    LEARNER_GROUP, consumer, {self.keys.rollouts: ">"}, count=count, block=block_ms
-                )
+            entries = self._call(
+                lambda: read_group(self._r, LEARNER_GROUP, consumer, self.keys.rollouts, ">", count, block_ms)
             )
         except QueueUnavailable:
             self._resync.add(consumer)
             raise
-        return self._deliveries(consumer, [e for _stream, entries in resp or () for e in entries])
+        return self._deliveries(consumer, entries)
 
     def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
         check_worker(consumer)
@@ -354,22 +344,36 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         return self._deliveries(consumer, self._read_pending(consumer, count, after))
 
     def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
+        """One MULTI/EXEC of plain commands: `XACK` then `XDEL` of exactly those entries (see
+        the trimming note in `protocol.redis_lua`), and the finished batches' `SREM`s. No
+        script: Lua cost Redis a third more than the commands themselves (measured:
+        `EVALSHA` 164 us against `XACK` 25 + `XDEL` 87 for 16 groups)."""
         ids = list(delivery_ids)
         check_ids("delivery_ids", ids)
         batches = [check_finished(b) for b in finished]
-        keys = [self.keys.rollouts, self.keys.batches_seen, self.keys.groups_seen, self.keys.scored_seen]
-        acked = 0
+        if not ids and not batches:
+            return 0
+        k = self.keys
+        commands: list[tuple[Any, ...]] = []
         for i in range(0, len(ids), _ACK_CHUNK):
             chunk = ids[i : i + _ACK_CHUNK]
-            acked += int(self._script("ACK_ROLLOUTS", keys, [LEARNER_GROUP, len(chunk), *chunk]))
-            for handed in self._handed_out.values():
-                handed.difference_update(chunk)
-        args: list[str | int] = []
-        for j, b in enumerate(batches):
-            args += [b.batch_id, len(b.group_ids), *b.group_ids]
-            if len(args) >= _ACK_CHUNK or j == len(batches) - 1:
-                self._script("ACK_ROLLOUTS", keys, [LEARNER_GROUP, 0, *args])
-                args = []
+            commands += [("XACK", k.rollouts, LEARNER_GROUP, *chunk), ("XDEL", k.rollouts, *chunk)]
+        group_ids = [g for b in batches for g in b.group_ids]
+        for key, members in ((k.batches_seen, [b.batch_id for b in batches]),
+                             (k.groups_seen, group_ids), (k.scored_seen, group_ids)):
+            for i in range(0, len(members), _ACK_CHUNK):
+                commands.append(("SREM", key, *members[i : i + _ACK_CHUNK]))
+
+        def run() -> int:
+            replies = transaction(self._r, commands)
+            for reply in replies:
+                if isinstance(reply, Exception):
+                    raise reply  # NOGROUP (Redis restarted empty): `_call` recreates the groups
+            return sum(int(r) for r, c in zip(replies, commands, strict=True) if c[0] == "XACK")
+
+        acked = self._call(run)
+        for handed in self._handed_out.values():
+            handed.difference_update(ids)
         return acked
 
     def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:

@@ -153,6 +153,53 @@ def test_rejection_names_the_field(make: Callable[[], protocol.Message], mutate:
     assert field in str(info.value)
 
 
+GROUP_REJECTIONS = [r for r in REJECTIONS if r[1] not in (batch, manifest)]
+
+
+@pytest.mark.parametrize(("mutate", "field"), [r[2:] for r in GROUP_REJECTIONS], ids=[r[0] for r in GROUP_REJECTIONS])
+def test_a_read_of_many_groups_refuses_the_bad_one_alone_and_names_its_field(
+        mutate: Callable[[dict[str, Any]], None], field: str) -> None:
+    """`decode_each` checks the groups' arrays together (one pass for all): a bad group
+    among good ones is refused as `decode` refuses it, the others come through."""
+    from protocol.codec import decode_each
+
+    goods = [group(batch(i), completions=3) for i in range(4)]
+    bad = as_dict(group(batch(9)))
+    mutate(bad)
+    out = decode_each([encode(goods[0]), encode(goods[1]), raw(bad), encode(goods[2]), b"\xc1", encode(goods[3])])
+    assert [out[i] for i in (0, 1, 3, 5)] == goods
+    assert isinstance(out[2], ProtocolError) and field in str(out[2])
+    with pytest.raises(ProtocolError) as info:
+        decode(raw(bad))
+    assert str(out[2]) == str(info.value)  # the same words, found by the same checks
+    assert isinstance(out[4], ProtocolError)
+
+
+@pytest.mark.parametrize("logprob", [0.0, -0.0, -3.4e38, -1e-45, -88.0])
+def test_every_log_probability_at_or_below_zero_passes_on_either_path(logprob: float) -> None:
+    """The values a float32 log-probability may take, in a group alone and in a read of
+    several (where one integer reduction passes the usual ones and the rest are checked as
+    floats: +0.0 is one)."""
+    from protocol.codec import decode_each
+
+    g = group(batch())
+    d = as_dict(g)
+    d["completions"][1]["logprobs"] = pack_f32([-0.5, logprob, -0.25, -1.0])
+    assert decode(raw(d)).completions[1].logps[1] == np.float32(logprob)  # type: ignore[union-attr]
+    assert decode_each([encode(g), raw(d)])[1] == decode(raw(d))
+
+
+def test_a_negative_nan_log_probability_is_refused_on_either_path() -> None:
+    from protocol.codec import decode_each
+
+    d = as_dict(group(batch()))
+    d["completions"][0]["logprobs"] = pack_f32([-0.5, -0.5, -0.5]) + np.array([0xFFC00000], dtype="<u4").tobytes()
+    with pytest.raises(ProtocolError, match="logprobs"):
+        decode(raw(d))
+    out = decode_each([encode(group(batch(1))), raw(d)])
+    assert isinstance(out[1], ProtocolError) and "logprobs" in str(out[1])
+
+
 @pytest.mark.parametrize(
     ("limits", "make", "field"),
     [

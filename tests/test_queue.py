@@ -402,8 +402,9 @@ def test_bad_arguments_change_nothing(make_queue) -> None:
             q.claim("w", 1, block_s=3.0)
     with pytest.raises(ValueError, match="count"):
         q.read_rollouts("learner", 0)
-    with pytest.raises(ValueError, match="delivery_ids"):
-        q.ack_rollouts(["1-1", "$"])
+    for ids in (["1-1", "$"], ["1-1 2-2"], ["1-1", "2-2 3-3"], ["1-1", 7], ["18446744073709551616-0"]):
+        with pytest.raises(ValueError, match="delivery_ids"):  # checked in one match where it can be
+            q.ack_rollouts(ids)
     assert q.heartbeat("w", [lease.lease_id]) == [lease.lease_id]
 
 
