@@ -94,8 +94,9 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
     def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100) -> Self:
         """Connect to `redis://host:port/db` (or `rediss://` for TLS; any node of a Redis
         Cluster works as well, `protocol.redis_client`). A server that calls the queue
-        from many threads at once needs `max_connections` above its thread count: one
-        blocking read holds a connection for its whole wait."""
+        from many threads at once needs `max_connections` above its thread count, plus the
+        one the queue keeps checked out (`protocol.redis_calls`): one blocking read holds a
+        connection for its whole wait."""
         config = config or QueueConfig()
         client = connect(url, socket_timeout=config.max_block_s + 10.0, max_connections=max_connections)
         return cls(client, config)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 import redis
 from factories import batch, groups, manifest
@@ -68,3 +72,72 @@ def test_queue_recreates_its_groups_after_redis_restarts_empty(make_server, requ
     assert q.read_rollouts("learner", 1) == []
     q.add_prompts([batch(1)])
     assert [x.batch.batch_id for x in q.claim("w", 1)] == ["batch-1"]
+
+
+# The queue keeps one connection of its pool checked out for its reads and transactions
+# (`protocol.redis_calls`); these try to break what the pool did for it.
+
+def test_a_kept_connection_the_server_dropped_is_replaced_before_a_read_or_a_submit(
+        make_server, request: pytest.FixtureRequest) -> None:
+    """Dropped between calls (CLIENT KILL here; an idle timeout, a failover elsewhere), it is
+    found before the next use, as the pool finds its own: no call fails on it."""
+    server = make_server()
+    server.start()
+    q = RedisQueue.from_url(server.url, QueueConfig(run="dropped"))
+    request.addfinalizer(q.close)
+    admin = redis.Redis(port=server.port)
+    request.addfinalizer(admin.close)
+    q.add_prompts([batch(0), batch(1)])
+    first, second = q.claim("w", 2)
+    assert q.submit("w", first.lease_id, groups(first.batch)).stored == 2
+    assert len(q.read_rollouts("learner", 10)) == 2
+    assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+    assert q.submit("w", second.lease_id, groups(second.batch)).stored == 2  # a transaction
+    assert admin.client_kill_filter(_type="normal", skipme=True) >= 1
+    got = q.read_rollouts("learner", 10)  # a read: never retried, so only the check saves it
+    assert sorted(d.group.batch_id for d in got) == ["batch-1", "batch-1"]
+    assert q.ack_rollouts([d.delivery_id for d in got]) == 2
+
+
+def test_a_thread_blocked_in_a_read_leaves_the_others_their_connections(
+        make_server, request: pytest.FixtureRequest) -> None:
+    server = make_server()
+    server.start()
+    q = RedisQueue.from_url(server.url, QueueConfig(run="threads", max_block_s=5.0))
+    request.addfinalizer(q.close)
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    got: list[object] = []
+    reader = threading.Thread(target=lambda: got.extend(q.read_rollouts("learner", 10, block_s=4.0)))
+    reader.start()
+    time.sleep(0.3)  # blocked in XREADGROUP, on the kept connection
+    t0 = time.monotonic()
+    assert q.submit("w", lease.lease_id, groups(lease.batch)).stored == 2
+    reader.join(5.0)
+    assert len(got) == 2 and time.monotonic() - t0 < 2.0  # woken by the submission, not timed out
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_never_writes_on_its_parents_kept_connection(
+        make_server, request: pytest.FixtureRequest) -> None:
+    """The child blocks in a read while the parent submits: on one shared socket one of
+    them would read the other's reply."""
+    server = make_server()
+    server.start()
+    q = RedisQueue.from_url(server.url, QueueConfig(run="fork", max_block_s=5.0))
+    request.addfinalizer(q.close)
+    q.add_prompts([batch(0)])
+    (lease,) = q.claim("w", 1)
+    assert q.read_rollouts("learner", 10) == []  # the parent's kept connection, in use before the fork
+    pid = os.fork()
+    if pid == 0:  # the child
+        code = 2
+        try:
+            code = 0 if len(q.read_rollouts("learner-2", 10, block_s=4.0)) == 2 else 1
+        finally:
+            os._exit(code)
+    time.sleep(0.3)
+    result = q.submit("w", lease.lease_id, groups(lease.batch))
+    _pid, status = os.waitpid(pid, 0)
+    assert result.stored == 2 and result.finished
+    assert os.waitstatus_to_exitcode(status) == 0
