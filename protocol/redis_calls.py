@@ -113,7 +113,13 @@ def read_group(client: Any, group: str, consumer: str, stream: str, after: str, 
     if not resp:
         return []
     lists = resp.values() if isinstance(resp, dict) else [entries for _stream, entries in resp]
-    return [(i, None if f is None else dict(zip(f[::2], f[1::2], strict=False))) for entries in lists for i, f in entries]
+    return [(i, None if f is None else _pairs(f)) for entries in lists for i, f in entries]
+
+
+def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
+    """[k1, v1, k2, v2, ...] as a dict (one iterator zipped with itself: half the cost of two slices)."""
+    it = iter(flat)
+    return dict(zip(it, it, strict=False))
 
 
 class _Pinned:
