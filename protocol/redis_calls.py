@@ -55,7 +55,7 @@ def _exec(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
             return list(pipe.execute(raise_on_error=False))
     pool = client.connection_pool
     for attempt in (1, 2):
-        conn, pinned = _take(pool)
+        conn, pin = _take(pool)
         try:
             # one buffer, one send (redis-py's packer sends a large argument on its own,
             # and costs twice hiredis's own, which it calls)
@@ -78,7 +78,7 @@ def _exec(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
             conn.disconnect()
             raise
         finally:
-            _give(pool, conn, pinned)
+            _give(pool, conn, pin)
     raise AssertionError("unreachable")
 
 
@@ -101,7 +101,7 @@ def read_group(client: Any, group: str, consumer: str, stream: str, after: str, 
     if block_ms is not None:
         args += ("BLOCK", block_ms)
     pool = client.connection_pool
-    conn, pinned = _take(pool)
+    conn, pin = _take(pool)
     try:
         conn.send_packed_command([hiredis.pack_command((*args, "STREAMS", stream, after))])
         resp = conn.read_response()
@@ -109,7 +109,7 @@ def read_group(client: Any, group: str, consumer: str, stream: str, after: str, 
         conn.disconnect()
         raise
     finally:
-        _give(pool, conn, pinned)
+        _give(pool, conn, pin)
     if not resp:
         return []
     lists = resp.values() if isinstance(resp, dict) else [entries for _stream, entries in resp]
@@ -143,14 +143,14 @@ _PINNED: weakref.WeakKeyDictionary[Any, _Pinned] = weakref.WeakKeyDictionary()
 _PINNED_LOCK = threading.Lock()
 
 
-def _take(pool: Any) -> tuple[Any, bool]:
-    """A connection for one call, and whether it is the pool's pinned one (`_give` it back)."""
+def _take(pool: Any) -> tuple[Any, _Pinned | None]:
+    """A connection for one call, and the pin it came from (None: from the pool); `_give` both back."""
     pin = _PINNED.get(pool)
     if pin is None:
         with _PINNED_LOCK:
             pin = _PINNED.setdefault(pool, _Pinned())
     if not pin.lock.acquire(blocking=False):
-        return pool.get_connection(), False
+        return pool.get_connection(), None
     try:
         if pin.conn is None or pin.pid != os.getpid():
             pin.conn, pin.pid = pool.get_connection(), os.getpid()
@@ -163,11 +163,11 @@ def _take(pool: Any) -> tuple[Any, bool]:
     except BaseException:
         pin.lock.release()
         raise
-    return pin.conn, True
+    return pin.conn, pin
 
 
-def _give(pool: Any, conn: Any, pinned: bool) -> None:
-    if pinned:
-        _PINNED[pool].lock.release()
+def _give(pool: Any, conn: Any, pin: _Pinned | None) -> None:
+    if pin is not None:
+        pin.lock.release()
     else:
         pool.release(conn)

@@ -83,12 +83,7 @@ def fields_of(flat: dict[bytes, bytes] | None) -> dict[str, bytes]:
 
 def decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMITS) -> M:
     """Decode a stored payload that must be a `cls`; `ProtocolError` otherwise."""
-    if payload is None:
-        raise ProtocolError("message: entry payload is missing")
-    msg = decode(payload, limits)
-    if not isinstance(msg, cls):
-        raise ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
-    return msg
+    return _as(cls, None if payload is None else decode(payload, limits))
 
 
 def decode_each_as(payloads: Sequence[bytes | None], cls: type[M], limits: Limits = DEFAULT_LIMITS) -> list[M | ProtocolError]:
@@ -97,11 +92,21 @@ def decode_each_as(payloads: Sequence[bytes | None], cls: type[M], limits: Limit
     decoded = iter(decode_each([p for p in payloads if p is not None], limits))
     out: list[M | ProtocolError] = []
     for p in payloads:
-        msg = ProtocolError("message: entry payload is missing") if p is None else next(decoded)
-        if not isinstance(msg, ProtocolError | cls):
-            msg = ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
-        out.append(msg)
+        msg = None if p is None else next(decoded)
+        try:
+            out.append(msg if isinstance(msg, ProtocolError) else _as(cls, msg))
+        except ProtocolError as err:
+            out.append(err)
     return out
+
+
+def _as(cls: type[M], msg: object) -> M:
+    """`msg` (None: the entry had no payload) if it is a `cls`; `ProtocolError` otherwise."""
+    if msg is None:
+        raise ProtocolError("message: entry payload is missing")
+    if not isinstance(msg, cls):
+        raise ProtocolError(f"message: expected {cls.__name__}, got {type(msg).__name__}")
+    return msg
 
 
 def decode_manifest(payload: bytes | None) -> AdapterManifest | None:

@@ -77,17 +77,23 @@ def test_queue_recreates_its_groups_after_redis_restarts_empty(make_server, requ
 # The queue keeps one connection of its pool checked out for its reads and transactions
 # (`protocol.redis_calls`); these try to break what the pool did for it.
 
+def _queue_on_own_server(make_server, request: pytest.FixtureRequest, run: str, batches: int = 1) -> tuple[RedisQueue, int]:
+    """A queue on a private redis-server (and its port), `batches` prompt batches added."""
+    server = make_server()
+    server.start()
+    q = RedisQueue.from_url(server.url, QueueConfig(run=run, max_block_s=5.0))
+    request.addfinalizer(q.close)
+    q.add_prompts([batch(i) for i in range(batches)])
+    return q, server.port
+
+
 def test_a_kept_connection_the_server_dropped_is_replaced_before_a_read_or_a_submit(
         make_server, request: pytest.FixtureRequest) -> None:
     """Dropped between calls (CLIENT KILL here; an idle timeout, a failover elsewhere), it is
     found before the next use, as the pool finds its own: no call fails on it."""
-    server = make_server()
-    server.start()
-    q = RedisQueue.from_url(server.url, QueueConfig(run="dropped"))
-    request.addfinalizer(q.close)
-    admin = redis.Redis(port=server.port)
+    q, port = _queue_on_own_server(make_server, request, "dropped", batches=2)
+    admin = redis.Redis(port=port)
     request.addfinalizer(admin.close)
-    q.add_prompts([batch(0), batch(1)])
     first, second = q.claim("w", 2)
     assert q.submit("w", first.lease_id, groups(first.batch)).stored == 2
     assert len(q.read_rollouts("learner", 10)) == 2
@@ -101,11 +107,7 @@ def test_a_kept_connection_the_server_dropped_is_replaced_before_a_read_or_a_sub
 
 def test_a_thread_blocked_in_a_read_leaves_the_others_their_connections(
         make_server, request: pytest.FixtureRequest) -> None:
-    server = make_server()
-    server.start()
-    q = RedisQueue.from_url(server.url, QueueConfig(run="threads", max_block_s=5.0))
-    request.addfinalizer(q.close)
-    q.add_prompts([batch(0)])
+    q, _port = _queue_on_own_server(make_server, request, "threads")
     (lease,) = q.claim("w", 1)
     got: list[object] = []
     reader = threading.Thread(target=lambda: got.extend(q.read_rollouts("learner", 10, block_s=4.0)))
@@ -117,16 +119,11 @@ def test_a_thread_blocked_in_a_read_leaves_the_others_their_connections(
     assert len(got) == 2 and time.monotonic() - t0 < 2.0  # woken by the submission, not timed out
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_forked_child_never_writes_on_its_parents_kept_connection(
         make_server, request: pytest.FixtureRequest) -> None:
     """The child blocks in a read while the parent submits: on one shared socket one of
     them would read the other's reply."""
-    server = make_server()
-    server.start()
-    q = RedisQueue.from_url(server.url, QueueConfig(run="fork", max_block_s=5.0))
-    request.addfinalizer(q.close)
-    q.add_prompts([batch(0)])
+    q, _port = _queue_on_own_server(make_server, request, "fork")
     (lease,) = q.claim("w", 1)
     assert q.read_rollouts("learner", 10) == []  # the parent's kept connection, in use before the fork
     pid = os.fork()
