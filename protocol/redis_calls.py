@@ -1,10 +1,11 @@
 """Three ways of calling Redis that redis-py's own calls make slower than they need be: a Lua
-script by its digest, a MULTI/EXEC sent as one write, and a consumer group's read of one
-stream. All take any client `protocol.redis_client.connect` returns (a cluster's and
+script by its digest, a MULTI/EXEC sent as one write (also from an event loop), and a
+consumer group's read of one stream. All take any client `protocol.redis_client.connect` returns (a cluster's and
 fakeredis included)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import weakref
@@ -42,6 +43,65 @@ def transaction(client: Any, commands: list[tuple[Any, ...]], script: Script | N
     return replies
 
 
+async def aio_transaction(aclient: Any, commands: list[tuple[Any, ...]], script: Script | None = None, *,
+                          timeout_s: float = 30.0) -> list[Any]:
+    """`transaction` on a `redis.asyncio.Redis` (`protocol.redis_client.connect_async`): the
+    same one write, the same replies, a dropped connection tried once more; each exchange
+    bounded by `timeout_s` (redis.exceptions.TimeoutError past it)."""
+    replies = await _aio_exec(aclient, commands, timeout_s)
+    if script is not None and isinstance(replies[0], redis.exceptions.NoScriptError):
+        await aclient.script_load(script.script)
+        replies = await _aio_exec(aclient, commands, timeout_s)
+    return replies
+
+
+async def _aio_exec(aclient: Any, commands: list[tuple[Any, ...]], timeout_s: float) -> list[Any]:
+    pool = aclient.connection_pool
+    data = _multi_exec(commands)
+    for attempt in (1, 2):
+        conn = None
+        try:
+            async with asyncio.timeout(timeout_s):  # a (re)connection too
+                conn = await pool.get_connection()
+                await conn.send_packed_command([data], check_health=False)
+                return await _exec_replies(conn, len(commands))
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, TimeoutError) as err:
+            if conn is not None:
+                await conn.disconnect()
+            if attempt == 2:
+                if isinstance(err, redis.exceptions.RedisError):
+                    raise
+                raise redis.exceptions.TimeoutError(f"no reply from redis within {timeout_s:g}s") from None
+        except BaseException:  # a refusal, or the caller cancelled: the reply may be half read
+            if conn is not None:
+                await conn.disconnect()
+            raise
+        finally:
+            if conn is not None:
+                await pool.release(conn)
+    raise AssertionError("unreachable")
+
+
+async def _exec_replies(conn: Any, n: int) -> list[Any]:
+    """MULTI's +OK and `n` +QUEUED (or a command's refusal), then EXEC's replies."""
+    refused: redis.exceptions.ResponseError | None = None
+    for _ in range(n + 1):
+        try:
+            await conn.read_response()
+        except redis.exceptions.ResponseError as err:
+            refused = refused or err
+    try:
+        return list(await conn.read_response())
+    except redis.exceptions.ExecAbortError:
+        raise refused or QueueError("redis: transaction aborted") from None
+
+
+def _multi_exec(commands: list[tuple[Any, ...]]) -> bytes:
+    """MULTI, `commands`, EXEC as one buffer for one send (redis-py's packer sends a large
+    argument on its own, and costs twice hiredis's own, which it calls)."""
+    return b"".join([hiredis.pack_command(c) for c in [("MULTI",), *commands, ("EXEC",)]])
+
+
 def _exec(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     """On a plain `redis.Redis` the commands go as one write on one pooled connection
     (redis-py's pipeline cost a 33 KB submission ~80 us more of its caller's time,
@@ -57,9 +117,7 @@ def _exec(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
     for attempt in (1, 2):
         conn, pin = _take(pool)
         try:
-            # one buffer, one send (redis-py's packer sends a large argument on its own,
-            # and costs twice hiredis's own, which it calls)
-            conn.send_packed_command([b"".join([hiredis.pack_command(c) for c in [("MULTI",), *commands, ("EXEC",)]])])
+            conn.send_packed_command([_multi_exec(commands)])
             refused: redis.exceptions.ResponseError | None = None
             for _ in range(len(commands) + 1):  # MULTI's +OK, then +QUEUED or a command's refusal
                 try:

@@ -14,6 +14,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import redis
+import redis.asyncio
 from redis.cluster import RedisCluster
 
 from protocol.errors import QueueUnavailable
@@ -53,6 +54,16 @@ def connect(url: str, *, socket_timeout: float, max_connections: int = 100) -> A
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
             redis.exceptions.RedisClusterException) as err:
         raise QueueUnavailable(f"redis cluster unreachable: {err}") from err
+
+
+def connect_async(url: str, *, max_connections: int = 64, wait_s: float = 10.0) -> Any:
+    """A `redis.asyncio` client of the plain Redis `url` names (not a cluster node), for an
+    event loop's calls (`protocol.redis_calls.aio_transaction`). At most `max_connections`
+    at once; a call past them waits up to `wait_s` for one. No socket timeout of its own
+    (redis-py's would start a task for every write): its callers bound each exchange whole."""
+    pool = redis.asyncio.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=wait_s, socket_connect_timeout=5.0)
+    return redis.asyncio.Redis.from_pool(pool)
 
 
 def cluster_client(client: Any) -> bool:

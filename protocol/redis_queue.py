@@ -14,10 +14,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Self, TypeVar
 
 import redis
 import redis.exceptions
+from redis.commands.core import Script
 
 from protocol import redis_lua
 from protocol.codec import Limits, encode, same_bounds
@@ -35,7 +37,7 @@ from protocol.queue import (
     check_finished,
 )
 from protocol.redis_adapters import RedisAdapters
-from protocol.redis_calls import Entry, read_group, run_script, transaction
+from protocol.redis_calls import Entry, aio_transaction, read_group, run_script, transaction
 from protocol.redis_client import cluster_client, connect
 from protocol.redis_fields import (
     check_ids,
@@ -55,6 +57,28 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", PromptBatch, RolloutGroup, AdapterManifest, WorkerStatus)
 _ACK_CHUNK = 1000  # ids per command of an acknowledgement
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A submit's MULTI/EXEC, built and checked, not yet sent (`RedisQueue.prepare_submit`)."""
+
+    commands: list[tuple[Any, ...]]
+    script: Script
+
+    @staticmethod
+    def result(replies: list[Any]) -> SubmitResult:
+        """The submission's outcome from EXEC's replies; a refusal among them raised."""
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply  # the open's refusal (nothing written), or what Redis refused
+        if replies[-1] is None:
+            raise QueueError("redis: the submission's gate was not open at its close")
+        stored, dups, held, finished, missing = replies[-1]
+        return SubmitResult(
+            stored=int(stored), duplicates=int(dups), lease_held=bool(held), finished=bool(finished),
+            missing=int(missing),
+        )
 
 
 class RedisQueue(RedisAdapters, RedisStats, Queue):
@@ -230,6 +254,32 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         """`decoded_with`: the groups came out of `decode` with these limits (the proxy's
         request bodies) and changed since only in `actor_id`, set to `worker` (checked
         here): where they are this queue's limits, they are not validated again."""
+        sub = self.prepare_submit(worker, lease_id, groups, decoded_with=decoded_with)
+        return self._call(lambda: sub.result(transaction(self._r, sub.commands, sub.script)))
+
+    async def submit_async(self, aclient: Any, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
+                           decoded_with: Limits | None = None) -> SubmitResult:
+        """`submit` from an event loop: its transaction sent on `aclient`, a `redis.asyncio`
+        client of this queue's server (`protocol.redis_client.connect_async`; the proxy's, so
+        that a submission costs it no hand-off to a thread and back). Consumer groups lost
+        with the server's data are recreated (a blocking call, once) and the submission sent
+        again, as `submit` does."""
+        sub = self.prepare_submit(worker, lease_id, groups, decoded_with=decoded_with)
+        timeout_s = self.config.max_block_s + 10.0  # the blocking client's socket timeout (from_url)
+        with self._errors():
+            for attempt in (1, 2):
+                try:
+                    return sub.result(await aio_transaction(aclient, sub.commands, sub.script, timeout_s=timeout_s))
+                except redis.exceptions.ResponseError as err:
+                    if "NOGROUP" not in str(err) or attempt == 2:
+                        raise
+                    log.warning("consumer groups missing (redis restarted empty?); recreating them")
+                    self._ensure_groups()
+        raise AssertionError("unreachable")
+
+    def prepare_submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
+                       decoded_with: Limits | None = None) -> Submission:
+        """A submit's transaction, its arguments checked and its groups encoded, not yet sent."""
         check_worker(worker)
         check_ids("lease_id", [lease_id])
         if not groups:
@@ -267,21 +317,7 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
                 commands.append((*gate, "next", g.group_id))
             commands.append(("XADD", k.submit_alias, "NOMKSTREAM", "*", "g", g.group_id, "b", batch_id, "m", payload))
         commands.append((*gate, "close"))
-
-        def run() -> Any:
-            replies = transaction(self._r, commands, script)
-            for reply in replies:
-                if isinstance(reply, Exception):
-                    raise reply  # the open's refusal (nothing written), or what Redis refused
-            if replies[-1] is None:
-                raise QueueError("redis: the submission's gate was not open at its close")
-            return replies[-1]
-
-        stored, dups, held, finished, missing = self._call(run)
-        return SubmitResult(
-            stored=int(stored), duplicates=int(dups), lease_held=bool(held), finished=bool(finished),
-            missing=int(missing),
-        )
+        return Submission(commands, script)
 
     def release(self, worker: str, lease_id: str) -> bool:
         check_worker(worker)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import inspect
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -93,6 +94,8 @@ def build_app(ctx: Context) -> Starlette:
         yield
         await ctx.hub.stop()
         await ctx.rate.aclose()
+        if ctx.aredis is not None:
+            await ctx.aredis.aclose()
 
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(MetricsMiddleware, metrics=ctx.metrics)])
     app.state.ctx = ctx
@@ -101,6 +104,8 @@ def build_app(ctx: Context) -> Starlette:
 
 def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Callable[..., Any] | None,
               ) -> Callable[[Request], Any]:
+    on_loop = inspect.iscoroutinefunction(handler)
+
     async def endpoint(request: Request) -> Response:
         ctx: Context = request.app.state.ctx
         try:
@@ -112,6 +117,8 @@ def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Calla
             if token is not None and _waits(body, params):
                 with _hold(ctx, token, "long-poll"):
                     result = await in_thread(handler, ctx, token, body, params)  # type: ignore[arg-type]
+            elif on_loop:
+                result = await handler(ctx, token, body, params)  # type: ignore[misc]
             else:
                 result = await in_thread(handler, ctx, token, body, params)  # type: ignore[arg-type]
             return Response(encode_body(result), media_type=CONTENT_TYPE)

@@ -96,6 +96,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
+    from protocol.redis_client import connect_async
     from protocol.store import StoreError
     from proxy.app import build_app
     from proxy.auth import TokenError, Tokens
@@ -153,6 +154,8 @@ def serve(args: argparse.Namespace) -> int:
     )
     ctx = Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
                   rate_storage=rate_storage)
+    if args.redis != "memory://" and not queue.on_cluster:  # submissions from the event loop (proxy.handlers)
+        ctx.aredis = connect_async(args.redis)
     HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
     log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
              args.host, args.port, len(tokens.tokens))

@@ -1,5 +1,6 @@
 """The proxy's endpoints as plain functions: (context, token, decoded body, parameters) ->
-the endpoint's response type, run in a worker thread; `HANDLERS` binds each to its
+the endpoint's response type, run in a worker thread (a coroutine function, `submit`, on
+the event loop itself); `HANDLERS` binds each to its
 endpoint of `protocol.api`. The HTTP machinery around them (auth, limits, bodies,
 errors, streams) is `proxy.app`'s."""
 
@@ -9,6 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -58,6 +60,7 @@ from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub
 from proxy.fairness import Holds, SharedRateLimit
 from proxy.metrics import ProxyMetrics, behind_first
+from proxy.threads import in_thread
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +118,9 @@ class Context:
     hub: AdapterEventHub = field(init=False)
     body_limits: Limits = field(init=False)
     """The wire limits with this proxy's body size: what every request body is decoded with."""
+    aredis: Any = None
+    """A `redis.asyncio` client of the queue's server where it is a plain Redis (closed with
+    the app): submissions go from the event loop (`RedisQueue.submit_async`)."""
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
@@ -136,13 +142,19 @@ class Context:
             self._backlog = (time.monotonic(), value)
         return value
 
+    async def backlog_async(self) -> int:
+        """`backlog` from the event loop: re-read in a worker thread when it is due."""
+        at, value = self._backlog
+        return value if time.monotonic() - at <= 1.0 else await in_thread(self.backlog)
+
     def check_count(self, what: str, n: int) -> None:
         if n > self.limits.max_messages:
             raise ApiError(413, f"{what}: {n} entries exceed this proxy's limit of {self.limits.max_messages}")
 
 
 # --------------------------------------------------------------------- handlers
-# Plain functions run in a worker thread: (ctx, token, body, request params) -> response body.
+# Plain functions run in a worker thread, coroutine functions on the event loop:
+# (ctx, token, body, request params) -> response body.
 
 
 def worker_name(token: Token, worker: str) -> str:
@@ -164,16 +176,25 @@ def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[s
     return HeartbeatResponse(lease_ids=ctx.queue.heartbeat(worker_name(token, body.worker), body.lease_ids))
 
 
-def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, str]) -> SubmitResponse:
+async def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, str]) -> SubmitResponse:
+    """On the event loop: the door's busiest call, whose hand-off to a worker thread and back
+    cost the proxy more CPU than the rest of the request (measured, bench/proxy.py). Its
+    transaction goes on `ctx.aredis`; without one (fakeredis, a cluster) in a worker thread."""
     ctx.check_count("groups", len(body.groups))
     worker = worker_name(token, body.worker)
-    if ctx.backlog() > ctx.limits.backlog_limit:
+    if await ctx.backlog_async() > ctx.limits.backlog_limit:
         ctx.metrics.backpressure.inc()
         raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
     for g in body.groups:  # the proxy's own copies, just decoded: named after the token, not validated again
         if g.actor_id != worker:
             msgspec.structs.force_setattr(g, "actor_id", worker)
-    return SubmitResponse(result=ctx.queue.submit(worker, body.lease_id, body.groups, decoded_with=ctx.body_limits))
+    if ctx.aredis is None:
+        result = await in_thread(partial(ctx.queue.submit, worker, body.lease_id, body.groups,
+                                         decoded_with=ctx.body_limits))
+    else:
+        result = await ctx.queue.submit_async(ctx.aredis, worker, body.lease_id, body.groups,
+                                              decoded_with=ctx.body_limits)
+    return SubmitResponse(result=result)
 
 
 def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, str]) -> ReleaseResponse:
@@ -291,6 +312,7 @@ HANDLERS: dict[Endpoint, Callable[..., Any]] = {
     api.ADD_PROMPTS: add_prompts, api.READ_ROLLOUTS: read_rollouts, api.ACK: ack, api.EXPIRE_RUN: expire_run,
     api.ANNOUNCE: announce, api.DEAD_LETTERS: dead_letters, api.STATS: stats,
 }
-"""Plain handlers: (ctx, token, decoded body, params) -> the endpoint's response type, in a worker thread."""
+"""Handlers: (ctx, token, decoded body, params) -> the endpoint's response type, in a worker thread
+(a coroutine function on the event loop)."""
 
 

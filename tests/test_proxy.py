@@ -504,6 +504,36 @@ def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> Non
 
 @pytest.mark.slow
 @pytest.mark.long
+def test_a_submission_while_redis_is_down_is_told_503_and_lands_when_it_returns(make_proxy, make_server) -> None:
+    """The proxy sends submissions on its event loop's Redis client: with Redis gone the
+    client is told to retry, and a patient client's retries store the groups once, when
+    Redis is back (with its data: the lease survived)."""
+    server = make_server(persistent=True)
+    server.start()
+    proxy = make_proxy(redis_url=server.url)
+    learner = proxy.queue("learner")
+    learner.add_prompts([batch(0), batch(1)])
+    impatient, patient = proxy.queue("actor"), proxy.queue("actor")
+    impatient.retry_s = 1.0
+    first, second = patient.claim("w", 2)
+    assert patient.submit("w", first.lease_id, groups(first.batch, actor="w")).stored == 2  # the loop's client connected
+    server.kill()
+    with pytest.raises(QueueUnavailable, match="503"):
+        impatient.submit("w", second.lease_id, groups(second.batch, actor="w"))
+    results: list[object] = []
+    sender = threading.Thread(target=lambda: results.append(
+        patient.submit("w", second.lease_id, groups(second.batch, actor="w"))))
+    sender.start()
+    time.sleep(1.5)  # retrying against 503s
+    server.start()
+    sender.join(60)
+    assert [(r.stored, r.lease_held) for r in results] == [(2, True)]  # type: ignore[attr-defined]
+    got = learner.read_rollouts("l", 10)
+    assert sorted(d.group.batch_id for d in got) == ["batch-0"] * 2 + ["batch-1"] * 2
+    for q in (learner, impatient, patient):
+        q.close()
+
+
 def test_proxy_killed_mid_traffic_loses_no_submitted_group(make_proxy) -> None:
     proxy = make_proxy()
     learner = proxy.queue("learner")

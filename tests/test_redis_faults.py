@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import signal
 import threading
 import time
 
 import pytest
 import redis
+import redis.exceptions
 from factories import batch, groups, manifest
 
-from protocol import QueueConfig, QueueUnavailable, RedisQueue
-from protocol.keys import LEARNER_GROUP
+from protocol import (
+    LeaseLost,
+    LeaseMismatch,
+    ProtocolError,
+    QueueConfig,
+    QueueUnavailable,
+    RedisQueue,
+    SubmitResult,
+)
+from protocol.keys import ACTORS_GROUP, LEARNER_GROUP
+from protocol.redis_calls import aio_transaction
+from protocol.redis_client import connect_async
 
 pytestmark = pytest.mark.redis
 
@@ -138,3 +151,105 @@ def test_a_forked_child_never_writes_on_its_parents_kept_connection(
     _pid, status = os.waitpid(pid, 0)
     assert result.stored == 2 and result.finished
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# The proxy sends submissions from its event loop (`RedisQueue.submit_async`, on a
+# `redis.asyncio` client): the same faults must end as they do for the blocking call.
+
+def test_a_submission_from_an_event_loop_meets_the_faults_the_blocking_one_does(
+        make_server, request: pytest.FixtureRequest) -> None:
+    q, port = _queue_on_own_server(make_server, request, "aio", batches=4)
+    admin = redis.Redis(port=port)
+    request.addfinalizer(admin.close)
+    leases = q.claim("w", 4)
+
+    async def scenario() -> list[SubmitResult]:
+        aclient = connect_async(f"redis://127.0.0.1:{port}/0")
+        try:
+            out = [await q.submit_async(aclient, "w", leases[0].lease_id, groups(leases[0].batch))]
+            out.append(await q.submit_async(aclient, "w", leases[0].lease_id, groups(leases[0].batch)))  # again
+            with pytest.raises(LeaseMismatch):  # another batch's groups under this lease: refused, nothing stored
+                await q.submit_async(aclient, "w", leases[1].lease_id, groups(leases[2].batch))
+            with pytest.raises(ProtocolError):  # refused before anything is sent
+                await q.submit_async(aclient, "w", leases[1].lease_id, [])
+            assert admin.client_kill_filter(_type="normal", skipme=True) >= 1  # its connection dropped
+            out.append(await q.submit_async(aclient, "w", leases[1].lease_id, groups(leases[1].batch)))
+            admin.script_flush()  # the server forgot the script
+            out.append(await q.submit_async(aclient, "w", leases[2].lease_id, groups(leases[2].batch)))
+            return out
+        finally:
+            await aclient.aclose()
+
+    first, again, after_kill, after_flush = asyncio.run(scenario())
+    assert (first.stored, first.lease_held, first.finished) == (2, True, True)
+    assert (again.stored, again.duplicates, again.lease_held) == (0, 2, False)
+    assert after_kill.stored == 2 and after_flush.stored == 2
+    got = q.read_rollouts("learner", 20)
+    assert sorted(d.group.batch_id for d in got) == ["batch-0"] * 2 + ["batch-1"] * 2 + ["batch-2"] * 2
+    assert q.stats().prompts.pending == 1  # the fourth lease, still held
+
+
+def test_a_submission_from_an_event_loop_to_a_dead_or_emptied_redis(make_server, request: pytest.FixtureRequest) -> None:
+    """Redis down: QueueUnavailable (the proxy answers 503). Back without its data: the late
+    submission is answered as the blocking call answers it (its lease went with the data);
+    a consumer group lost alone is recreated, as the blocking call recreates it."""
+    server = make_server(persistent=False)
+    server.start()
+    q = RedisQueue.from_url(server.url, QueueConfig(run="aio-gone", max_block_s=5.0))
+    request.addfinalizer(q.close)
+    q.add_prompts([batch(0), batch(1)])
+    first, second = q.claim("w", 2)
+
+    async def submit(lease) -> SubmitResult:
+        aclient = connect_async(server.url)
+        try:
+            return await q.submit_async(aclient, "w", lease.lease_id, groups(lease.batch))
+        finally:
+            await aclient.aclose()
+
+    server.kill()
+    with pytest.raises(QueueUnavailable):
+        asyncio.run(submit(first))
+    server.start()  # empty: no streams, no groups, no leases
+    with pytest.raises(LeaseLost):
+        asyncio.run(submit(first))
+    with pytest.raises(LeaseLost):  # as the blocking call answers
+        q.submit("w", second.lease_id, groups(second.batch))
+    assert q.read_rollouts("learner", 10) == []
+    q.add_prompts([batch(2)])
+    (third,) = q.claim("w", 1)
+    admin = redis.Redis(port=server.port)
+    request.addfinalizer(admin.close)
+    admin.xgroup_destroy(q.keys.prompts, ACTORS_GROUP)  # the group alone lost, with its leases
+    with pytest.raises(LeaseLost):
+        asyncio.run(submit(third))
+    assert [g["name"] for g in admin.xinfo_groups(q.keys.prompts)] == [ACTORS_GROUP.encode()]  # recreated
+
+
+def test_an_event_loop_transaction_that_times_out_leaves_no_reply_for_the_next(
+        make_server, request: pytest.FixtureRequest) -> None:
+    """A server that stops answering (SIGSTOP: a stalled host) past the timeout: the call
+    fails in bounded time, and its connection is not reused, or the next call would read
+    the late reply as its own."""
+    server = make_server()
+    server.start()
+
+    async def scenario() -> tuple[float, list[object]]:
+        aclient = connect_async(server.url)
+        try:
+            await aclient.set("k", b"before")
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(redis.exceptions.TimeoutError):
+                    await aio_transaction(aclient, [("SET", "k", b"during"), ("GET", "k")], timeout_s=0.3)
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            waited = time.monotonic() - t0
+            return waited, await aio_transaction(aclient, [("INCR", "n"), ("GET", "k")], timeout_s=5.0)
+        finally:
+            await aclient.aclose()
+
+    waited, replies = asyncio.run(scenario())
+    assert waited < 2.0
+    assert replies[0] == 1 and replies[1] in (b"before", b"during")  # this call's replies, not the stale ones
