@@ -60,9 +60,10 @@ def connect_async(url: str, *, max_connections: int = 64, wait_s: float = 10.0) 
     """A `redis.asyncio` client of the plain Redis `url` names (not a cluster node), for an
     event loop's calls (`protocol.redis_calls.aio_transaction`). At most `max_connections`
     at once; a call past them waits up to `wait_s` for one. No socket timeout of its own
-    (redis-py's would start a task for every write): its callers bound each exchange whole."""
+    (redis-py's, 5 s unless told, starts a task for every write and a timer for every
+    reply read): its callers bound each exchange whole."""
     pool = redis.asyncio.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=wait_s, socket_connect_timeout=5.0)
+        url, max_connections=max_connections, timeout=wait_s, socket_timeout=None, socket_connect_timeout=5.0)
     return redis.asyncio.Redis.from_pool(pool)
 
 
