@@ -1,6 +1,7 @@
 """The queue over HTTPS, through `proxy serve`: the same `Queue` as Redis direct.
 
-httpx with keep-alive and timeouts. Connection errors, 429 and 503 are retried with
+The API's calls go through urllib3 (keep-alive, timeouts, the environment's HTTP proxy),
+the event stream and proxied adapter files through httpx. Connection errors, 429 and 503 are retried with
 capped exponential backoff (honouring Retry-After) for up to `retry_s`; after that the
 call raises `QueueUnavailable`, like the Redis transport, and the caller's own backoff
 takes over. Every route is idempotent or safe to repeat (groups and batches are stored
@@ -37,6 +38,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx
+import urllib3
+import urllib3.exceptions
 
 from protocol import api
 from protocol.api import Endpoint
@@ -111,7 +114,7 @@ __all__ = ["HttpQueue", "QueueForbidden", "QueueNotFound", "SseSubscription", "w
 
 
 def _tls_failure(err: BaseException) -> ssl.SSLCertVerificationError | None:
-    """The certificate-verification error somewhere behind an httpx error, if any."""
+    """The certificate-verification error somewhere behind an httpx or urllib3 error, if any."""
     seen: BaseException | None = err
     while seen is not None:
         if isinstance(seen, ssl.SSLCertVerificationError):
@@ -143,20 +146,17 @@ class HttpQueue(Queue):
             verify = os.environ.get("SPOTGRPO_CA_CERT") or True
         if isinstance(verify, str):
             verify = _ca_context(verify)
-        self._verify = verify
+        self._verify = verify if isinstance(verify, ssl.SSLContext) else httpx.create_ssl_context(verify=verify)
         headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
-        timeout = httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0)
-        self.transport = httpx.HTTPTransport(  # every byte of every call goes through it
-            verify=verify, limits=httpx.Limits(max_connections=32, max_keepalive_connections=16),
-            proxy=environment_proxy(self.url),
-        )
-        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, transport=self.transport,
+        proxy = environment_proxy(self.url)
+        self.pool = _api_pool(self._verify, proxy, read_s=timeout_s + self.config.max_block_s)
+        """Every byte of every API call (`_call`) goes through it."""
+        self.client = httpx.Client(base_url=self.url, headers=headers, verify=self._verify, proxy=proxy,
+                                   timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
                                    trust_env=False)
-        """For the event stream and proxied adapter files; the API's calls go to the
-        transport itself (`_call`)."""
+        """For the event stream and proxied adapter files."""
         self._headers = headers
         self._body_headers = {**headers, "Content-Type": CONTENT_TYPE}
-        self._extensions = {"timeout": timeout.as_dict()}
         self.retried = False
         """Whether the last call needed more than one attempt."""
         self._received: dict[str, set[str]] = {}
@@ -175,32 +175,27 @@ class HttpQueue(Queue):
         headers = self._headers if content is None else self._body_headers
         self.retried = False
 
+        target = self.url + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
+
         def attempt() -> Any:
-            # The transport itself, not `httpx.Client.request`: the client's cookie jar,
-            # URL merging, auth and redirect steps were a quarter of an actor's CPU per
-            # call (py-spy, bench/proxy.py), for a proxy that sets no cookie and never redirects.
-            request = httpx.Request(method, self.url + path, params=params, headers=headers, content=content,
-                                    extensions=self._extensions)
+            # urllib3, not httpx: httpx's request and response machinery cost an actor ~0.5 ms
+            # of CPU a call on 2 cores, urllib3 half that (bench/proxy.py, its clients' CPU).
             try:
-                r = self.transport.handle_request(request)
-                try:
-                    r.read()
-                finally:
-                    r.close()
-            except httpx.TransportError as err:
+                r = self.pool.urlopen(method, target, body=content, headers=headers, redirect=False)
+            except urllib3.exceptions.HTTPError as err:
                 if (bad := _tls_failure(err)) is not None:
                     raise QueueTLSError(
                         f"{self.url}: the certificate does not verify ({bad.verify_message}); "
                         "give the proxy's CA with SPOTGRPO_CA_CERT"
                     ) from None
                 raise _Transient(f"{type(err).__name__}: {err}") from None
-            if r.status_code == 200:
+            if r.status == 200:
                 assert response is not None, f"{path} answers no MessagePack body"
-                return decode_body(r.content, response)
-            code, message = _error_text(r)
-            if r.status_code in (429, 502, 503, 504):
-                raise _Transient(f"{r.status_code} {message}", _retry_after(r))
-            raise from_response(r.status_code, code, message, path)
+                return decode_body(r.data, response)
+            code, message = _error_text(r.data)
+            if r.status in (429, 502, 503, 504):
+                raise _Transient(f"{r.status} {message}", _retry_after(r.headers.get("retry-after")))
+            raise from_response(r.status, code, message, path)
 
         def before_wait(err: BaseException, delay: float) -> None:
             log.debug("%s %s: %s; retrying in %.2fs", method, path, err, delay)
@@ -339,6 +334,7 @@ class HttpQueue(Queue):
     def close(self) -> None:
         for sub in self._subscriptions:
             sub.close()
+        self.pool.clear()
         self.client.close()
 
 
@@ -353,12 +349,27 @@ def environment_proxy(url: str) -> str | None:
     return None
 
 
-def _error_text(r: httpx.Response) -> tuple[str, str]:
-    """(code, one-line message) of an error answer."""
+def _api_pool(context: ssl.SSLContext, proxy: str | None, read_s: float) -> urllib3.PoolManager:
+    """Connections for the API's calls: kept alive (16 a host), never retried by urllib3
+    (`_call` retries), through `proxy` where the environment names one (a CONNECT tunnel;
+    credentials in its URL sent as Proxy-Authorization)."""
+    options: dict[str, Any] = {"maxsize": 16, "retries": False, "ssl_context": context,
+                               "timeout": urllib3.Timeout(connect=10.0, read=read_s)}
+    if proxy is None:
+        return urllib3.PoolManager(**options)
+    auth = urllib.parse.urlsplit(proxy)
+    if auth.username is not None:
+        credentials = f"{urllib.parse.unquote(auth.username)}:{urllib.parse.unquote(auth.password or '')}"
+        options["proxy_headers"] = urllib3.make_headers(proxy_basic_auth=credentials)
+    return urllib3.ProxyManager(proxy, **options)
+
+
+def _error_text(data: bytes) -> tuple[str, str]:
+    """(code, one-line message) of an error answer's body."""
     with contextlib.suppress(ProtocolError):
-        body = decode_body(r.content, ErrorResponse)
+        body = decode_body(data, ErrorResponse)
         return body.code, body.error
-    return "", r.text[:200]
+    return "", data[:200].decode("utf-8", "replace")
 
 
 def _ca_context(path: str) -> ssl.SSLContext:
@@ -380,10 +391,9 @@ class _Transient(Exception):
         self.wait = wait
 
 
-def _retry_after(r: httpx.Response) -> float | None:
-    """The proxy's Retry-After in seconds (0.05 to 30), or None if it gave none."""
+def _retry_after(value: str | None) -> float | None:
+    """The proxy's Retry-After header in seconds (0.05 to 30), or None if it gave none."""
     try:
-        value = r.headers.get("retry-after")
         return None if value is None else min(30.0, max(0.05, float(value)))
     except ValueError:
         return None

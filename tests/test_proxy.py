@@ -314,7 +314,7 @@ def test_the_client_goes_through_the_environments_http_proxy(make_proxy, monkeyp
     assert environment_proxy(proxy.url) == nowhere
     actor = proxy.queue("actor")
     actor.retry_s = 0.5
-    with pytest.raises(QueueUnavailable, match="ConnectError"):
+    with pytest.raises(QueueUnavailable, match="ProxyError"):
         actor.claim("w", 1)
     actor.close()
 
@@ -323,6 +323,18 @@ def test_the_client_goes_through_the_environments_http_proxy(make_proxy, monkeyp
     actor = proxy.queue("actor")
     assert actor.claim("w", 1) == []
     actor.close()
+
+
+def test_an_http_proxy_named_with_credentials_is_sent_them() -> None:
+    import base64
+    import ssl
+
+    from protocol.http_queue import _api_pool
+
+    context = ssl.create_default_context()
+    pool = _api_pool(context, "http://fleet:p%40ss@127.0.0.1:3128", read_s=5.0)
+    assert pool.proxy_headers == {"proxy-authorization": "Basic " + base64.b64encode(b"fleet:p@ss").decode()}
+    assert _api_pool(context, "http://127.0.0.1:3128", read_s=5.0).proxy_headers == {}
 
 
 # ----------------------------------------------------------------- adapters

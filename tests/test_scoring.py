@@ -60,14 +60,14 @@ def test_private_columns_never_reach_an_actor_on_the_wire(make_proxy, run_name: 
     proxy = make_proxy()
     learner, actor = proxy.queue("learner"), proxy.queue("actor")
     wire: list[bytes] = []
-    receive = actor.transport.handle_request
+    receive = actor.pool.urlopen
 
-    def recorded(request):  # every byte the actor's calls receive, as they arrive
-        response = receive(request)
-        wire.append(response.read())
+    def recorded(*args, **kwargs):  # every byte the actor's calls receive, as they arrive
+        response = receive(*args, **kwargs)
+        wire.append(response.data)
         return response
 
-    actor.transport.handle_request = recorded
+    actor.pool.urlopen = recorded
     try:
         learner.add_prompts([trusted_batch(0), factories.batch(1)])
         leases = actor.claim("w", 2)
