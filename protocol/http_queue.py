@@ -149,8 +149,12 @@ class HttpQueue(Queue):
         self._verify = verify if isinstance(verify, ssl.SSLContext) else httpx.create_ssl_context(verify=verify)
         headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
         proxy = environment_proxy(self.url)
-        self.pool = _api_pool(self._verify, proxy, read_s=timeout_s + self.config.max_block_s)
-        """Every byte of every API call (`_call`) goes through it."""
+        self._pools = _api_pool(self._verify, proxy, read_s=timeout_s + self.config.max_block_s)
+        self.pool = self._pools.connection_from_url(self.url)
+        """Every byte of every API call (`_call`) goes through it (the manager's own `urlopen`
+        would parse each call's URL again)."""
+        self._absolute = proxy is not None and self.url.startswith("http://")
+        """Plain HTTP through a proxy: it is sent the absolute URL (HTTPS goes through a tunnel)."""
         self.client = httpx.Client(base_url=self.url, headers=headers, verify=self._verify, proxy=proxy,
                                    timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
                                    trust_env=False)
@@ -175,13 +179,14 @@ class HttpQueue(Queue):
         headers = self._headers if content is None else self._body_headers
         self.retried = False
 
-        target = self.url + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        target = (self.url if self._absolute else "") + path + (f"?{urllib.parse.urlencode(params)}" if params else "")
 
         def attempt() -> Any:
             # urllib3, not httpx: httpx's request and response machinery cost an actor ~0.5 ms
             # of CPU a call on 2 cores, urllib3 half that (bench/proxy.py, its clients' CPU).
             try:
-                r = self.pool.urlopen(method, target, body=content, headers=headers, redirect=False)
+                r = self.pool.urlopen(method, target, body=content, headers=headers, redirect=False,
+                                      assert_same_host=False)
             except urllib3.exceptions.HTTPError as err:
                 if (bad := _tls_failure(err)) is not None:
                     raise QueueTLSError(
@@ -334,7 +339,7 @@ class HttpQueue(Queue):
     def close(self) -> None:
         for sub in self._subscriptions:
             sub.close()
-        self.pool.clear()
+        self._pools.clear()
         self.client.close()
 
 
