@@ -1,7 +1,7 @@
 """Three ways of calling Redis that redis-py's own calls make slower than they need be: a Lua
 script by its digest, a MULTI/EXEC sent as one write (also from an event loop), and a
-consumer group's read of one stream. All take any client `protocol.redis_client.connect` returns (a cluster's and
-fakeredis included)."""
+consumer group's read of one stream. All take any client `protocol.redis_client.connect`
+returns (a cluster's and fakeredis included)."""
 
 from __future__ import annotations
 
