@@ -166,11 +166,15 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
             try:
                 return fn()
             except redis.exceptions.ResponseError as err:
-                if "NOGROUP" not in str(err):
-                    raise
-                log.warning("consumer groups missing (redis restarted empty?); recreating them")
-                self._ensure_groups()
+                self._regroup(err)
                 return fn()
+
+    def _regroup(self, err: redis.exceptions.ResponseError) -> None:
+        """After a refusal: recreate the consumer groups if Redis lost them, else raise it."""
+        if "NOGROUP" not in str(err):
+            raise err
+        log.warning("consumer groups missing (redis restarted empty?); recreating them")
+        self._ensure_groups()
 
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
         return self._call(lambda: run_script(self._r, self._scripts[name], keys, args))
@@ -267,15 +271,11 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         sub = self.prepare_submit(worker, lease_id, groups, decoded_with=decoded_with)
         timeout_s = self.config.max_block_s + 10.0  # the blocking client's socket timeout (from_url)
         with self._errors():
-            for attempt in (1, 2):
-                try:
-                    return sub.result(await aio_transaction(aclient, sub.commands, sub.script, timeout_s=timeout_s))
-                except redis.exceptions.ResponseError as err:
-                    if "NOGROUP" not in str(err) or attempt == 2:
-                        raise
-                    log.warning("consumer groups missing (redis restarted empty?); recreating them")
-                    self._ensure_groups()
-        raise AssertionError("unreachable")
+            try:
+                return sub.result(await aio_transaction(aclient, sub.commands, sub.script, timeout_s=timeout_s))
+            except redis.exceptions.ResponseError as err:
+                self._regroup(err)
+                return sub.result(await aio_transaction(aclient, sub.commands, sub.script, timeout_s=timeout_s))
 
     def prepare_submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
                        decoded_with: Limits | None = None) -> Submission:

@@ -134,18 +134,13 @@ class Context:
     def block(self, requested: float) -> float:
         return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)
 
-    def backlog(self) -> int:
-        """Waiting rollout groups, re-read at most once a second."""
+    async def backlog(self) -> int:
+        """Waiting rollout groups, re-read (in a worker thread) at most once a second."""
         at, value = self._backlog
         if time.monotonic() - at > 1.0:
-            value = self.queue.stats().rollouts.waiting
+            value = (await in_thread(self.queue.stats)).rollouts.waiting
             self._backlog = (time.monotonic(), value)
         return value
-
-    async def backlog_async(self) -> int:
-        """`backlog` from the event loop: re-read in a worker thread when it is due."""
-        at, value = self._backlog
-        return value if time.monotonic() - at <= 1.0 else await in_thread(self.backlog)
 
     def check_count(self, what: str, n: int) -> None:
         if n > self.limits.max_messages:
@@ -182,7 +177,7 @@ async def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[s
     transaction goes on `ctx.aredis`; without one (fakeredis, a cluster) in a worker thread."""
     ctx.check_count("groups", len(body.groups))
     worker = worker_name(token, body.worker)
-    if await ctx.backlog_async() > ctx.limits.backlog_limit:
+    if await ctx.backlog() > ctx.limits.backlog_limit:
         ctx.metrics.backpressure.inc()
         raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
     for g in body.groups:  # the proxy's own copies, just decoded: named after the token, not validated again
