@@ -33,6 +33,7 @@ from typing import Any, Literal
 import msgspec
 
 from protocol import Prompt, SamplingParams, unpack_i32
+from protocol.chat import END_OF_TURN_PROBE, stop_token_ids  # noqa: F401 - re-exported: the engines import them here
 
 
 class EngineError(RuntimeError):
@@ -179,39 +180,6 @@ class Engine(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - most engines hold nothing to release
         """Release the model (and the GPU)."""
-
-
-END_OF_TURN_PROBE = "\x1fspotgrpo-end-of-turn-probe\x1f"
-
-
-def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
-    """What ends a completion: the tokenizer's EOS, the generation config's EOS ids
-    (`generation_config.json`: Llama 3 lists several), and the chat template's end-of-turn
-    token (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...), found by rendering an
-    assistant turn and taking the special token that closes it."""
-    ids: list[int] = []
-
-    def add(value: Any) -> None:
-        for v in value if isinstance(value, list | tuple) else [value]:
-            if isinstance(v, int) and v >= 0 and v not in ids:
-                ids.append(v)
-
-    add(getattr(tokenizer, "eos_token_id", None))
-    add(getattr(generation_config, "eos_token_id", None))
-    if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": END_OF_TURN_PROBE}],
-                tokenize=False)
-        except Exception:  # a template that wants other turns: EOS is what we have
-            text = ""
-        after = text.split(END_OF_TURN_PROBE, 1)[1] if END_OF_TURN_PROBE in text else ""
-        following = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-        special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(
-            getattr(tokenizer, "added_tokens_decoder", {}) or {})
-        if following and following[0] in special:
-            add(following[0])
-    return tuple(ids)
 
 
 def open_engine(kind: str, model: str, **options: object) -> Engine:

@@ -34,7 +34,7 @@ import msgspec
 
 from actors.engine import Engine, GroupRequest, Sample
 from actors.tools import Toolbox, ToolResult
-from protocol.chat import parse_turn, tool_result_ids
+from protocol.chat import model_turn_calls, tool_result_ids
 
 _TURN = "episode-turn"
 
@@ -180,8 +180,8 @@ class EpisodeEngine(Engine):
             self._end(episode, sample.finish_reason)
             return
         assert group.request.tool_turns is not None
-        parsed = parse_turn(self.tokenizer, episode.tokens[start:], episode.prompt + episode.tokens[:start],
-                            self.template)
+        # read on its own tokens, as the trusted side reads it (`protocol.transcript`)
+        parsed = model_turn_calls(self.tokenizer, episode.tokens[start:], self.template)
         if not parsed.calls and parsed.error is None:
             self._end(episode, "stop")
             return

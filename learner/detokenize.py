@@ -80,3 +80,14 @@ def load_tokenizer(model: str) -> Any:
         return AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as err:
         raise OSError(f"--model {model}: cannot load its tokenizer: {err}") from None
+
+
+def load_generation_config(model: str) -> Any:
+    """The model's `generation_config.json` (its end-of-sequence ids), if it has one: the
+    actors' engines stop on them, and the tier reads episodes' turns by them."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model)
+    except (OSError, ValueError):
+        return None

@@ -237,6 +237,8 @@ class LocalSystem:
                    "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
             for spec in self.cfg.reward_specs:
                 cmd += ["--reward", spec]
+            for spec in self.cfg.tools:  # not run by the tier: its episodes' masks are checked with the tokenizer
+                cmd += ["--tools", spec]
             if self.cfg.environment and owns_reward(load_environment(self.cfg.environment)):
                 cmd += ["--environment", self.cfg.environment]  # it owns a reward: the tier replays it
             self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log", self.lifeline))

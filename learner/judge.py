@@ -32,6 +32,8 @@ class Bounds:
     num_generations: int
     max_tokens: int
     max_staleness: int
+    episodes: bool = False
+    """The run offers tools (`--tools`, `--environment`): a completion may carry a mask."""
 
 
 def judge(group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict[str, bytes | None] | None) -> str | None:
@@ -43,6 +45,8 @@ def judge(group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict
     rewards = group.rewards
     if bounds.scoring_mode == "trusted" and group.scored_by is None:
         return "rejected_unscored"  # only the scoring tier writes trusted groups to the rollouts stream
+    if not bounds.episodes and any(c.mask is not None for c in group.completions):
+        return "rejected_mask"  # the learner trains mask-1 tokens, rewards score all: no tools, every token counts
     if group.error is not None and group.scored_by is not None:
         return "rejected_scoring"  # the tier gave up on it (a reward that hung or kept raising)
     if group.error is not None or any(r is None for r in rewards):

@@ -92,7 +92,7 @@ class Learner(Evaluations):
         self.bounds = Bounds(
             scoring_mode=cfg.scoring_mode, max_abs_reward=cfg.max_abs_reward, vocab_size=self.policy.vocab_size,
             context=self.policy.context, num_generations=cfg.num_generations, max_tokens=cfg.max_tokens,
-            max_staleness=cfg.max_staleness)
+            max_staleness=cfg.max_staleness, episodes=bool(cfg.tools or cfg.environment))
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1

@@ -33,6 +33,9 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a("--environment", default=None, metavar="MODULE:CLASS",
       help="the learner's --environment, when it owns a reward (get_reward): each episode is replayed in a fresh "
            "instance with every column and its get_reward() added, weight 1 (it may stand without --reward)")
+    a("--tools", action="append", default=None, metavar="MODULE:FUNCTION",
+      help="the learner's --tools, when its batches offer tools: they are not run here, but the run's tokenizer is "
+           "then loaded once, to check each episode's mask against its model turns (else in each job that meets one)")
     a("--reward-timeout-s", type=float, default=60.0,
       help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
            "not retried, and the job goes on with the lease's other groups")
@@ -63,10 +66,11 @@ which never leave the trusted side. Start as many as you like; SIGTERM stops one
 def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     from learner.detokenize import load_decode, load_tokenizer
     from learner.scoring import NameTaken, free_name, serve
+    from learner.tier_episodes import EpisodeReader
     from protocol import QueueConfig, QueueUnavailable, check_model_path
-    from protocol.chat import environment_reward
     from protocol.rewards import RewardError, Scorer, load_reward
     from protocol.scoring import ScoringQueue
+    from protocol.transcript import environment_reward
 
     if not args.redis.startswith(("redis://", "rediss://", "unix://")):
         print(f"{prog}: --queue {args.redis!r}: expected redis://, rediss:// or unix:// "
@@ -75,8 +79,9 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
     try:
         check_model_path(args.model)
-        # episodes' environment needs transformers' tokenizer; plain scoring only decodes
-        tokenizer = load_tokenizer(args.model) if args.environment else None
+        # episodes need transformers' tokenizer (loaded here, once, where the run offers tools or an
+        # environment; else on the first episode in a work horse); plain scoring only decodes
+        tokenizer = load_tokenizer(args.model) if args.environment or args.tools else None
         decode = load_decode(args.model, tokenizer)
         environment = environment_reward(args.environment, tokenizer) if args.environment else None
         scorer = Scorer([load_reward(spec) for spec in args.reward or []], timeout_s=None, reraise=True,
@@ -106,7 +111,8 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
               retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
               abandon_after_s=args.abandon_after_s,
               monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
-              redispatch_s=args.redispatch_s, burst=args.burst, environment=environment)
+              redispatch_s=args.redispatch_s, burst=args.burst, environment=environment,
+              episodes=EpisodeReader(args.model, tokenizer))
     except QueueUnavailable as err:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1

@@ -65,12 +65,13 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
-from protocol import ProtocolError, QueueUnavailable, RolloutGroup
-from protocol.chat import EnvironmentReward
+from learner.tier_episodes import EpisodeReader, read_episodes, recounted, single_turns
+from protocol import Completion, ProtocolError, QueueUnavailable, RolloutGroup
 from protocol.retry import Backoff, retry
 from protocol.rewards import Scorer, Scores
 from protocol.scoring import ScoringQueue, UnscoredEntry, UnscoredGroup
 from protocol.text import printable
+from protocol.transcript import EnvironmentReward, TranscriptError
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class Tier:
     """Per group."""
     environment: EnvironmentReward | None = None
     """Episodes' environment, when it owns a reward: replayed per completion."""
+    episodes: EpisodeReader | None = None
+    """Reads episodes' masks against their model turns (`learner.tier_episodes`)."""
 
 
 _TIER: Tier | None = None
@@ -109,15 +112,18 @@ ERROR_CHARS = 300
 """A completion's error as the tier writes it (the group's error says it whole)."""
 
 
-def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_by: str, score_s: float) -> RolloutGroup:
+def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_by: str, score_s: float,
+                 completions: Sequence[Completion] | None = None) -> RolloutGroup:
     """The actor's group with the tier's rewards in place of whatever it sent, and the
-    text the tier scored (decoded from the token ids) in place of the actor's."""
+    text the tier scored (decoded from the token ids) in place of the actor's;
+    `completions`: the group's with the tier's episode counts (`recounted`)."""
     group = item.group
     error = printable(scores.error, 2000) if scores.error is not None else None
     short = printable(scores.error, ERROR_CHARS) if scores.error is not None else None
     completions = [
         msgspec.structs.replace(c, text=t, reward=r, reward_components=comp, error=short)
-        for c, t, r, comp in zip(group.completions, texts, scores.rewards, scores.components, strict=True)
+        for c, t, r, comp in zip(completions or group.completions, texts, scores.rewards, scores.components,
+                                 strict=True)
     ]
     submitted = entry_time(item.entry_id)
     timings = {k: v for k, v in group.timings.items() if k not in ("score_s", "scored_at", "submitted_at")}
@@ -169,12 +175,22 @@ def _score_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | 
         group = rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode)
     else:
         started = time.monotonic()
-        ids = [c.tokens.tolist() for c in item.group.completions]
-        texts = [tier.decode(i) for i in ids]
-        extra = (None if tier.environment is None else
-                 tier.environment.of(item.prompt.columns, item.group.prompt_tokens.tolist(), item.group.completions))
-        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
-        group = scored_group(item, scores, texts, tier.name, time.monotonic() - started)
+        completions = item.group.completions
+        try:
+            transcripts = read_episodes(tier.episodes, completions, item.tools, item.max_tool_calling_iterations)
+        except TranscriptError as err:
+            group = rejected_group(item, f"episode refused: {err}", tier.name, tier.decode)
+            log.warning("group %s of worker %s rejected: %s", item.group.group_id, item.group.actor_id,
+                        printable(str(err), 300))
+        else:
+            ids = [c.tokens.tolist() for c in completions]
+            texts = [tier.decode(i) for i in ids]
+            extra = (None if tier.environment is None else
+                     tier.environment.of(item.prompt.columns,
+                                         transcripts if transcripts is not None else single_turns(completions)))
+            scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
+            group = scored_group(item, scores, texts, tier.name, time.monotonic() - started,
+                                 recounted(completions, transcripts))
     stored = store_or_dead_letter(tier.queue, entry_id, group)
     return {"entry": entry_id, "group": group.group_id, "stored": stored, "error": group.error}
 
@@ -424,13 +440,15 @@ def free_name(queue: ScoringQueue, name: str, chosen: bool) -> str:
 def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job_timeout_s: float, retries: int = 2,
           retry_backoff_s: float = 1.0, groups_per_job: int = 8, abandon_after_s: int = 60,
           monitoring_interval_s: int = 30, maintenance_interval_s: int = 30, redispatch_s: float = 30.0,
-          burst: bool = False, outage_s: float = 300.0, environment: EnvironmentReward | None = None) -> bool:
+          burst: bool = False, outage_s: float = 300.0, environment: EnvironmentReward | None = None,
+          episodes: EpisodeReader | None = None) -> bool:
     """Run one scoring worker (and its dispatcher) until SIGTERM (RQ's warm shutdown).
     RQ's worker quits when Redis goes away; this one waits for Redis (up to `outage_s`,
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     global _TIER
-    _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s, environment=environment)
+    _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s, environment=environment,
+                 episodes=episodes)
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
     dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)

@@ -17,11 +17,9 @@ so. Any other template without tools is refused with what to do.
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import functools
 import json
 import logging
-import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -221,6 +219,39 @@ def load_episode_tools(specs: list[str], environment: str | None) -> tuple[list[
     return tools, cls
 
 
+END_OF_TURN_PROBE = "\x1fspotgrpo-end-of-turn-probe\x1f"
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, ...]:
+    """What ends a completion: the tokenizer's EOS, the generation config's EOS ids
+    (`generation_config.json`: Llama 3 lists several), and the chat template's end-of-turn
+    token (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...), found by rendering an
+    assistant turn and taking the special token that closes it."""
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(v, int) and v >= 0 and v not in ids:
+                ids.append(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(generation_config, "eos_token_id", None))
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": END_OF_TURN_PROBE}],
+                tokenize=False)
+        except Exception:  # a template that wants other turns: EOS is what we have
+            text = ""
+        after = text.split(END_OF_TURN_PROBE, 1)[1] if END_OF_TURN_PROBE in text else ""
+        following = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+        special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(
+            getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        if following and following[0] in special:
+            add(following[0])
+    return tuple(ids)
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
@@ -234,18 +265,21 @@ class ParsedTurn:
     """Why the turn's tool calls could not be read (answered to the model as a tool error)."""
 
 
-def parse_turn(tokenizer: Any, ids: Sequence[int], prefix: Sequence[int], template: str | None) -> ParsedTurn:
+def parse_turn(tokenizer: Any, ids: Sequence[int], prefix: str | Sequence[int], template: str | None) -> ParsedTurn:
     """The tool calls of one model turn (`ids`, after `prefix`), by transformers' parser with
     the tokenizer's response template (or `HERMES_RESPONSE` with the fallback template, or
     when the tokenizer has none). A turn without a call has none; one whose call cannot
-    be read says why."""
+    be read says why. Callers pass `assistant_header` as the prefix (`model_turn_calls`):
+    the parser keeps the regions the prefix closes, so a longer prefix would let calls
+    written anywhere before the turn count as the turn's."""
     schema = None if template is None and getattr(tokenizer, "response_template", None) else HERMES_RESPONSE
     text = tokenizer.decode(list(ids), skip_special_tokens=False)
     try:
-        parsed = tokenizer.parse_response(list(ids), schema=schema, prefix=list(prefix))
-    except (ValueError, TypeError, KeyError) as err:
+        parsed = tokenizer.parse_response(list(ids), schema=schema,
+                                          prefix=prefix if isinstance(prefix, str) else list(prefix))
+    except (ValueError, TypeError, KeyError, RecursionError) as err:
         if TOOL_CALL_OPEN in text:
-            return ParsedTurn([], f"the tool call could not be read: {str(err).splitlines()[0]}")
+            return ParsedTurn([], f"the tool call could not be read: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
         return ParsedTurn([])
     calls, errors = [], []
     for call in (parsed or {}).get("tool_calls") or []:
@@ -255,7 +289,7 @@ def parse_turn(tokenizer: Any, ids: Sequence[int], prefix: Sequence[int], templa
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # a 1,000-deep argument is as unreadable as a broken one
                 arguments = None
         if not isinstance(name, str) or not isinstance(arguments, dict | None):
             errors.append("a tool call needs a name and an object of arguments")
@@ -265,6 +299,26 @@ def parse_turn(tokenizer: Any, ids: Sequence[int], prefix: Sequence[int], templa
         errors.append("the tool call could not be read: expected <tool_call>{\"name\": ..., \"arguments\": {...}}"
                       "</tool_call>")
     return ParsedTurn(calls, errors[0] if errors else None)
+
+
+@functools.lru_cache(maxsize=16)
+def assistant_header(tokenizer: Any, template: str | None) -> str:
+    """What the template writes before a model turn (`<|im_start|>assistant\n`, and any
+    prefill such as an opening `<think>`): the generation prompt, found by rendering one user
+    turn with and without it."""
+    turn = [{"role": "user", "content": "hi"}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bare = tokenizer.apply_chat_template(turn, tokenize=False, chat_template=template)
+        headed = tokenizer.apply_chat_template(turn, tokenize=False, chat_template=template, add_generation_prompt=True)
+    return str(headed[len(bare):]) if headed.startswith(bare) else ""
+
+
+def model_turn_calls(tokenizer: Any, ids: Sequence[int], template: str | None) -> ParsedTurn:
+    """The tool calls of one model turn read from its own tokens alone (after the assistant
+    header): what the actor runs and what the trusted side checks and replays. Its cost is
+    linear in the turn's tokens, whatever came before it."""
+    return parse_turn(tokenizer, ids, assistant_header(tokenizer, template), template)
 
 
 def tool_result_ids(tokenizer: Any, template: str | None, results: Sequence[tuple[str, str]],
@@ -305,70 +359,6 @@ def model_turns(mask: Sequence[int] | None, n: int) -> list[tuple[int, int]]:
     return runs
 
 
-def replay_reward(environment: type, columns: dict[str, Any], prompt: Sequence[int], tokens: Sequence[int],
-                  mask: Sequence[int] | None, tokenizer: Any, template: str | None) -> float:
-    """An environment's own reward (TRL's `get_reward`) for an episode, on the trusted side:
-    a fresh instance, `reset` with every column of the prompt (the private ones too), the
-    calls of the model's turns (its tokens alone, as the learner trains them: what the
-    actor says the tools returned plays no part) made again in order, until one sets
-    `done`; then `get_reward()`. The environment must be deterministic given its columns
-    and the calls (seed any randomness from a column). A call that raises is skipped, as
-    the model was told of it; `reset` or `get_reward` raising is the caller's error."""
-    instance = environment()
-    if callable(getattr(instance, "reset", None)):
-        instance.reset(**columns)
-    methods = {fn.__name__ for fn in environment_methods(instance)}
-    for start, end in model_turns(mask, len(tokens)):
-        parsed = parse_turn(tokenizer, list(tokens[start:end]), [*prompt, *tokens[:start]], template)
-        for call in parsed.calls:
-            if call.name in methods and not getattr(instance, "done", False):
-                try:
-                    value = getattr(instance, call.name)(**call.arguments)
-                    if inspect.isawaitable(value):
-                        asyncio.run(_awaited(value))
-                except Exception:  # the episode's model was answered with the error
-                    pass
-        if getattr(instance, "done", False):
-            break
-    value = instance.get_reward()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ValueError(f"{environment.__name__}.get_reward() returned {value!r}: not a finite number")
-    return float(value)
-
-
-async def _awaited(value: Any) -> Any:
-    return await value
-
-
-@dataclass(frozen=True)
-class EnvironmentReward:
-    """An environment's own reward (`get_reward`), replayed on the trusted side for each
-    completion of a group (`replay_reward`); a reward named after its class, weight 1."""
-
-    environment: type
-    tokenizer: Any
-    template: str | None
-
-    @property
-    def name(self) -> str:
-        return self.environment.__name__
-
-    def of(self, columns: dict[str, Any], prompt: Sequence[int], completions: Sequence[Any]) -> Callable[[], list[float]]:
-        """The group's rewards, computed when called (`completions`: protocol `Completion`s)."""
-        return lambda: [replay_reward(self.environment, columns, prompt, c.tokens.tolist(),
-                                      None if c.mask is None else list(c.mask), self.tokenizer, self.template)
-                        for c in completions]
-
-
 def owns_reward(environment: type) -> bool:
     """Whether an environment scores its episodes itself (TRL's `get_reward`)."""
     return callable(getattr(environment, "get_reward", None))
-
-
-def environment_reward(spec: str, tokenizer: Any) -> EnvironmentReward:
-    """`--environment` on the scoring tier: a class with `get_reward`, and the run's template."""
-    cls = load_environment(spec)
-    if not owns_reward(cls):
-        raise ToolError(f"--environment {spec!r}: {cls.__name__} has no get_reward(); the tier scores with "
-                        "--reward functions alone")
-    return EnvironmentReward(cls, tokenizer, tool_template(tokenizer))

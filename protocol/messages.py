@@ -177,6 +177,17 @@ class PromptBatch(_Struct, frozen=True, tag="prompt_batch", tag_field="type", kw
             raise ProtocolError("prompts: prompt ids must be unique within a batch")
 
 
+class PrivatePrompt(_Struct, frozen=True):
+    """What the trusted side keeps of an issued prompt for the scoring tier (never sent to
+    an actor): the prompt with every dataset column, and its batch's episode rules, which
+    the tier checks each episode's mask against (`protocol.transcript`)."""
+
+    prompt: Prompt
+    tools: Annotated[list[Label], msgspec.Meta(max_length=64)] = []
+    """The batch's tools; empty: its completions are single turns and carry no mask."""
+    max_tool_calling_iterations: NonNegInt | None = None
+
+
 FinishReason = Literal["stop", "length", "abort"]
 
 

@@ -15,7 +15,14 @@ import msgspec
 
 from protocol.codec import DEFAULT_LIMITS, Limits, decode, decode_each
 from protocol.errors import ProtocolError
-from protocol.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus, group_id_for
+from protocol.messages import (
+    AdapterManifest,
+    PrivatePrompt,
+    PromptBatch,
+    RolloutGroup,
+    WorkerStatus,
+    group_id_for,
+)
 from protocol.queue import is_entry_id
 from protocol.text import UNSAFE
 
@@ -64,11 +71,13 @@ def expected_groups(b: PromptBatch) -> str:
 def split_private(b: PromptBatch) -> tuple[PromptBatch, dict[str, bytes]]:
     """A batch as the actors may see it, and what stays on the trusted side. A batch
     scored by the actors travels whole. A trusted-scoring batch loses its prompts'
-    dataset columns, which are kept per group id (the full `Prompt`, MessagePack) for
-    the scoring tier."""
+    dataset columns, which are kept per group id (the full `Prompt` and the batch's
+    episode rules, a `PrivatePrompt` in MessagePack) for the scoring tier."""
     if b.scoring != "trusted":
         return b, {}
-    private = {group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(p) for p in b.prompts}
+    private = {group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(
+        PrivatePrompt(prompt=p, tools=b.tools, max_tool_calling_iterations=b.max_tool_calling_iterations))
+        for p in b.prompts}
     public = msgspec.structs.replace(b, prompts=[msgspec.structs.replace(p, columns={}) for p in b.prompts])
     return public, private
 

@@ -25,7 +25,7 @@ import msgspec
 from protocol.codec import encode
 from protocol.errors import ProtocolError
 from protocol.keys import SCORERS_GROUP
-from protocol.messages import Prompt, RolloutGroup
+from protocol.messages import PrivatePrompt, Prompt, RolloutGroup
 from protocol.queue import QueueConfig
 from protocol.redis_client import cluster_client, connect
 from protocol.redis_fields import check_ids, check_worker, decode_as, fields_of, text_of
@@ -49,6 +49,9 @@ class UnscoredGroup:
     was scored meanwhile, or the run's Redis lost it)."""
     scored: bool = False
     """Its group was stored scored already (by an earlier attempt of its job)."""
+    tools: tuple[str, ...] = ()
+    """Its batch's tools: empty, its completions may carry no mask (single turns)."""
+    max_tool_calling_iterations: int | None = None
 
 
 class ScoringQueue(RedisQueue):
@@ -154,11 +157,14 @@ class ScoringQueue(RedisQueue):
                 continue
             record, scored = next(replies), next(replies)
             try:
-                prompt = None if record is None else msgspec.msgpack.decode(record, type=Prompt)
+                private = None if record is None else _private(record)
             except (msgspec.MsgspecError, ProtocolError) as err:
                 out.append(ProtocolError(f"private prompt of group {group.group_id}: {err}"))
                 continue
-            out.append(UnscoredGroup(entry_id=entry_id, group=group, prompt=prompt, scored=bool(scored)))
+            out.append(UnscoredGroup(
+                entry_id=entry_id, group=group, prompt=private.prompt if private else None, scored=bool(scored),
+                tools=tuple(private.tools) if private else (),
+                max_tool_calling_iterations=private.max_tool_calling_iterations if private else None))
         return out
 
     def store_scored(self, entry_id: str, group: RolloutGroup) -> bool:
@@ -180,3 +186,12 @@ class ScoringQueue(RedisQueue):
         check_ids("entry_id", [entry_id])
         return bool(self._script("DEAD_LETTER_UNSCORED", [self.keys.unscored, self.keys.dead_letters, self.keys.private],
                                  [SCORERS_GROUP, entry_id, reason, time.time()]))
+
+
+def _private(record: bytes) -> PrivatePrompt:
+    """A private record: a `PrivatePrompt`, or a bare `Prompt` as records written before
+    batches' episode rules were kept (no tools: no mask is accepted)."""
+    try:
+        return msgspec.msgpack.decode(record, type=PrivatePrompt)
+    except msgspec.ValidationError:
+        return PrivatePrompt(prompt=msgspec.msgpack.decode(record, type=Prompt))

@@ -99,6 +99,10 @@ CASES = [
     ("trusted run, no scorer", GOOD, 5, ISSUED, "rejected_unscored"),
     ("the tier gave up", _with(GOOD, error="hung", scored_by="tier"), 5, ISSUED, "rejected_scoring"),
     ("a reward missing", _rewards(GOOD, 0.0, None, 1.0, 1.0), 5, ISSUED, "rejected_reward_error"),
+    # the learner trains mask-1 tokens, the rewards score every token: without tools, no mask
+    ("a mask in a run without tools", _with(GOOD, completions=[
+        msgspec.structs.replace(c, mask=b"\x01" + b"\x00" * (c.tokens.size - 1)) for c in GOOD.completions]),
+     5, ISSUED, "rejected_mask"),
     ("a reward too large", _rewards(GOOD, 0.0, 11.0, 1.0, 1.0), 5, ISSUED, "rejected_bad_reward"),
     ("no prompt", _with(GOOD, prompt_token_ids=pack_i32([])), 5, ISSUED, "rejected_empty_prompt"),
     ("a token past the vocabulary", _with(GOOD, prompt_token_ids=pack_i32([1, 200])), 5, ISSUED, "rejected_bad_vocab"),
@@ -124,6 +128,12 @@ CASES = [
 def test_judge(group_, version: int, issued, reason: str | None) -> None:
     bounds = Bounds(**{**asdict(BOUNDS), "scoring_mode": "trusted"}) if reason == "rejected_unscored" else BOUNDS
     assert judge(group_, bounds, version, issued) == reason
+
+
+def test_a_mask_is_judged_by_the_rest_of_the_rules_in_a_run_with_tools() -> None:
+    masked = _with(GOOD, completions=[msgspec.structs.replace(c, mask=b"\x01" + b"\x00" * (c.tokens.size - 1))
+                                      for c in GOOD.completions])
+    assert judge(masked, Bounds(**{**asdict(BOUNDS), "episodes": True}), 5, ISSUED) is None
 
 
 def test_step_groups_keep_the_verdicts_in_order() -> None:
