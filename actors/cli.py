@@ -114,18 +114,9 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
 def confirm_identity(queue: object, run: str | None) -> str:
     """Through a proxy: the token must be an actor's and `run` (if given) the proxy's run.
     Returns the run. Raises ValueError with what to change."""
-    from protocol.http_queue import HttpQueue
+    from protocol.http_queue import confirm_identity as confirm
 
-    if not isinstance(queue, HttpQueue):
-        return run or "default"
-    who = queue.whoami()
-    if who.role != "actor":
-        raise ValueError(f"the token {who.name!r} has role {who.role}; a rollout worker needs a token with role actor "
-                         "(--token or SPOTGRPO_TOKEN)")
-    if run is not None and run != who.run:
-        raise ValueError(f"--run {run}: the proxy serves run {who.run!r}; give --run {who.run} (or leave --run out), "
-                         "or point --queue at the proxy of run " + repr(run))
-    return who.run
+    return confirm(queue, "actor", run, "a rollout worker")
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:

@@ -21,13 +21,13 @@ secret() { openssl rand -hex 24; }
 if [ -e "$here/.env" ]; then
   echo "kept $here/.env"
 else
-  sed -e "s|^MINIO_ROOT_PASSWORD=.*|MINIO_ROOT_PASSWORD=$(secret)|" \
+  # secrets are born private: umask 077 before the file exists, not a chmod after it was readable
+  (umask 077 && sed -e "s|^MINIO_ROOT_PASSWORD=.*|MINIO_ROOT_PASSWORD=$(secret)|" \
       -e "s|^ACTOR_TOKEN=.*|ACTOR_TOKEN=$(secret)|" \
       -e "s|^LEARNER_TOKEN=.*|LEARNER_TOKEN=$(secret)|" \
       -e "s|^ADMIN_TOKEN=.*|ADMIN_TOKEN=$(secret)|" \
       -e "s|^PRESIGN_ENDPOINT=.*|PRESIGN_ENDPOINT=http://$host:9000|" \
-      "$here/.env.example" > "$here/.env.tmp"
-  chmod 600 "$here/.env.tmp"
+      "$here/.env.example" > "$here/.env.tmp")
   mv "$here/.env.tmp" "$here/.env"
   echo "wrote $here/.env (fresh secrets; edit RUN, MODEL, DATASET, REWARD, GPUs there)"
 fi
@@ -37,11 +37,11 @@ if [ -e "$root/certs/cert.pem" ]; then
   echo "kept $root/certs/cert.pem"
 else
   if [[ $host =~ ^[0-9.]+$ || $host == *:* ]]; then san="IP:$host"; else san="DNS:$host"; fi
-  openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days "$days" \
+  (umask 077 && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days "$days" \
       -subj "/CN=spotgrpo proxy" -addext "subjectAltName=DNS:proxy,DNS:localhost,IP:127.0.0.1,$san" \
       -addext "basicConstraints=critical,CA:TRUE" \
-      -keyout "$root/certs/key.pem" -out "$root/certs/cert.pem" 2>/dev/null
-  chmod 600 "$root/certs/key.pem"
+      -keyout "$root/certs/key.pem" -out "$root/certs/cert.pem" 2>/dev/null)
+  chmod 644 "$root/certs/cert.pem"  # the certificate is public: every container reads it
   echo "wrote $root/certs/cert.pem and key.pem for proxy, localhost and $host;" \
        "it expires on $(openssl x509 -enddate -noout -in "$root/certs/cert.pem" | cut -d= -f2)"
 fi

@@ -244,6 +244,7 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
         connect_queue,
         open_store,
     )
+    from protocol.http_queue import confirm_identity
     from protocol.store import StoreError
 
     stop = threading.Event()
@@ -254,6 +255,11 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
         check_trackers(cfg.trackers)
         store = open_store(cfg.store)
         queue = connect_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, cfg.startup_timeout_s, stop)
+        try:  # a wrong token is said now, not after the model has loaded and the first call is refused
+            confirm_identity(queue, "learner", cfg.run, "the learner")
+        except (ValueError, QueueRefused):
+            queue.close()
+            raise
     except QueueUnavailable as err:  # before OSError: it is a ConnectionError
         print(f"learner run: {err}", file=sys.stderr)
         return 1

@@ -17,6 +17,7 @@ as TRL's callbacks write them.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import math
@@ -126,17 +127,28 @@ class RewardNames:
     configured functions' (`--reward module:function[=weight]`), or, for a run that does
     not know them (actors scoring with their own), the first `limit` met. Whatever the
     groups carry, no worker can add metric keys step after step. (Also the names of what
-    reward functions log with `log_metric`: none fixed, the first met.)"""
+    reward functions log with `log_metric`: none fixed, the first met.) A name met first
+    is admitted for its source (`source_of`: the token a worker's name is prefixed with
+    through the proxy), at most `per_source` from each, so one token cannot take every
+    slot with names of its own before honest workers report theirs."""
 
-    def __init__(self, specs: list[str], limit: int = 16) -> None:
+    def __init__(self, specs: list[str], limit: int = 16, per_source: int = 4) -> None:
         self.fixed = bool(specs)
         self.names = {spec.split(":", 1)[-1].split("=", 1)[0] for spec in specs}
-        self.limit = limit
+        self.limit, self.per_source = limit, per_source
+        self._introduced: collections.Counter[str] = collections.Counter()
 
-    def keep(self, name: str) -> bool:
-        if not self.fixed and name not in self.names and len(self.names) < self.limit:
+    def keep(self, name: str, source: str = "") -> bool:
+        if (not self.fixed and name not in self.names and len(self.names) < self.limit
+                and self._introduced[source] < self.per_source):
             self.names.add(name)
+            self._introduced[source] += 1
         return name in self.names
+
+
+def source_of(actor_id: str) -> str:
+    """Who answers for a group's names: the proxy names a worker `<token>/<worker>`."""
+    return actor_id.split("/", 1)[0]
 
 
 def samples(groups: list[RolloutGroup], advantages_N: list[float], decode: Callable[..., Any],
@@ -169,17 +181,19 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
     by_name: dict[str, list[float]] = {}
     for g in groups:
         for key, figure in g.metrics.items():
-            if logged is not None and logged.keep(key):
+            if logged is not None and logged.keep(key, source_of(g.actor_id)):
                 by_name.setdefault(key, []).append(figure)
     staleness = [trained_with - g.adapter_version for g in groups]
     completions = [c for g in groups for c in g.completions]
     lengths = [c.tokens.size for c in completions]
     ended = [c.tokens.size for c in completions if c.finish_reason != "length"] or [0]
     components: dict[str, list[float]] = {}
-    for c in completions:
-        for name, value in c.reward_components.items():
-            if value is not None and names.keep(name):
-                components.setdefault(name, []).append(value)
+    for g in groups:
+        source = source_of(g.actor_id)
+        for c in g.completions:
+            for name, value in c.reward_components.items():
+                if value is not None and names.keep(name, source):
+                    components.setdefault(name, []).append(value)
     consumed = len(groups) + len(step.dropped)
     # the policy's reward: every scored completion consumed this step, the flat and
     # stale groups included (the trained groups alone overstate it early on)

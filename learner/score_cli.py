@@ -36,6 +36,11 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     a("--tools", action="append", default=None, metavar="MODULE:FUNCTION",
       help="the learner's --tools, when its batches offer tools: they are not run here, but the run's tokenizer is "
            "then loaded once, to check each episode's mask against its model turns (else in each job that meets one)")
+    a("--tool-timeout-s", type=float, default=10.0,
+      help="the environment's replay: time limit per call, reset and get_reward included (default 10, the actors'); "
+           "past it the group is rejected with that reason")
+    a("--tool-memory-mb", type=int, default=2048,
+      help="the environment's replay: address space it may add (default 2048); past it the group is rejected")
     a("--reward-timeout-s", type=float, default=60.0,
       help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
            "not retried, and the job goes on with the lease's other groups")
@@ -65,6 +70,7 @@ which never leave the trusted side. Start as many as you like; SIGTERM stops one
 
 def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     from learner.detokenize import load_decode, load_tokenizer
+    from learner.replay import ReplayLimits
     from learner.scoring import NameTaken, free_name, serve
     from learner.tier_episodes import EpisodeReader
     from protocol import QueueConfig, QueueUnavailable, check_model_path
@@ -112,7 +118,8 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
               abandon_after_s=args.abandon_after_s,
               monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
               redispatch_s=args.redispatch_s, burst=args.burst, environment=environment,
-              episodes=EpisodeReader(args.model, tokenizer))
+              episodes=EpisodeReader(args.model, tokenizer),
+              replay_limits=ReplayLimits(args.tool_timeout_s, args.tool_memory_mb))
     except QueueUnavailable as err:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1

@@ -52,7 +52,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
@@ -65,13 +65,14 @@ from rq.job import Job
 from rq.registry import FailedJobRegistry
 from rq.serializers import JSONSerializer
 
+from learner import replay
 from learner.tier_episodes import EpisodeReader, read_episodes, recounted, single_turns
 from protocol import Completion, ProtocolError, QueueUnavailable, RolloutGroup
 from protocol.retry import Backoff, retry
-from protocol.rewards import Scorer, Scores
+from protocol.rewards import RewardRefused, Scorer, Scores
 from protocol.scoring import ScoringQueue, UnscoredEntry, UnscoredGroup
 from protocol.text import printable
-from protocol.transcript import EnvironmentReward, TranscriptError
+from protocol.transcript import EnvironmentReward, Transcript, TranscriptError, answered_calls
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class Tier:
     """Episodes' environment, when it owns a reward: replayed per completion."""
     episodes: EpisodeReader | None = None
     """Reads episodes' masks against their model turns (`learner.tier_episodes`)."""
+    replay_limits: replay.ReplayLimits = field(default_factory=replay.ReplayLimits)
+    """Per call and memory, for the environment's replay (`learner.replay`)."""
 
 
 _TIER: Tier | None = None
@@ -159,12 +162,50 @@ def score_job(*entry_ids: str) -> list[dict[str, Any]]:
 
 
 def score_entries(tier: Tier, entry_ids: Sequence[str]) -> list[dict[str, Any]]:
-    """`score_job`'s work on `tier`: what each entry became."""
+    """`score_job`'s work on `tier`: what each entry became. Every group's episodes are
+    read first; the environment's replays of all the job's groups then start at once, each
+    in its own process (`learner.replay`, forked before this process starts a thread); each
+    group is scored and stored as soon as its replay is in, so a slow one delays only its own."""
     items = tier.queue.fetch_unscored_many(entry_ids)  # two round trips for the job's groups, not three each
-    return [_score_one(tier, entry_id, item) for entry_id, item in zip(entry_ids, items, strict=True)]
+    out: dict[str, dict[str, Any]] = {}
+    ready: list[_Ready] = []
+    for entry_id, item in zip(entry_ids, items, strict=True):
+        done = _read_one(tier, entry_id, item)
+        if isinstance(done, dict):
+            out[entry_id] = done
+        else:
+            ready.append(done)
+    running = [r.running for r in ready if r.running is not None]
+    owner = {id(r.running): r for r in ready if r.running is not None}
+    try:
+        for r in ready:
+            if r.running is None:
+                out[r.entry_id] = _score_ready(tier, r)
+        waiting = list(running)
+        while waiting:
+            for finished in replay.wait(waiting, timeout_s=1.0):
+                waiting.remove(finished)
+                r = owner[id(finished)]
+                out[r.entry_id] = _score_ready(tier, r)
+    finally:
+        replay.close(running)
+    return [out[e] for e in entry_ids]
 
 
-def _score_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | None) -> dict[str, Any]:
+@dataclass
+class _Ready:
+    """A group read and checked, to be scored (its environment's replay running, if any)."""
+
+    entry_id: str
+    item: UnscoredGroup
+    transcripts: list[Transcript] | None
+    started: float
+    running: replay.Replay | None = None
+    """The environment's replay of its episodes."""
+
+
+def _read_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | None) -> dict[str, Any] | _Ready:
+    """What became of an entry that needs no scoring, or the group ready to score."""
     if isinstance(item, ProtocolError):
         reason = printable(f"malformed: {item}", 2000)
         tier.queue.dead_letter_unscored(entry_id, reason)
@@ -172,25 +213,44 @@ def _score_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | 
     if item is None or item.scored:
         return {"entry": entry_id, "stored": False}
     if item.prompt is None:
-        group = rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode)
-    else:
-        started = time.monotonic()
-        completions = item.group.completions
-        try:
-            transcripts = read_episodes(tier.episodes, completions, item.tools, item.max_tool_calling_iterations)
-        except TranscriptError as err:
-            group = rejected_group(item, f"episode refused: {err}", tier.name, tier.decode)
-            log.warning("group %s of worker %s rejected: %s", item.group.group_id, item.group.actor_id,
-                        printable(str(err), 300))
-        else:
-            ids = [c.tokens.tolist() for c in completions]
-            texts = [tier.decode(i) for i in ids]
-            extra = (None if tier.environment is None else
-                     tier.environment.of(item.prompt.columns,
-                                         transcripts if transcripts is not None else single_turns(completions)))
-            scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
-            group = scored_group(item, scores, texts, tier.name, time.monotonic() - started,
-                                 recounted(completions, transcripts))
+        return _stored(tier, entry_id,
+                       rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode))
+    started = time.monotonic()
+    completions = item.group.completions
+    try:
+        transcripts = read_episodes(tier.episodes, completions, item.tools, item.max_tool_calling_iterations)
+    except TranscriptError as err:
+        log.warning("group %s of worker %s rejected: %s", item.group.group_id, item.group.actor_id,
+                    printable(str(err), 300))
+        return _stored(tier, entry_id, rejected_group(item, f"episode refused: {err}", tier.name, tier.decode))
+    ready = _Ready(entry_id, item, transcripts, started)
+    if tier.environment is not None:
+        episodes = [answered_calls(t) for t in (transcripts if transcripts is not None else single_turns(completions))]
+        ready.running = replay.start(tier.environment.environment, item.prompt.columns, episodes, tier.replay_limits,
+                                    tier.timeout_s)
+    return ready
+
+
+def _score_ready(tier: Tier, r: _Ready) -> dict[str, Any]:
+    item, completions = r.item, r.item.group.completions
+    assert item.prompt is not None
+    extra = None
+    if r.running is not None:
+        outcome = r.running.result
+
+        def extra() -> list[float]:
+            if isinstance(outcome, str) or outcome is None:
+                raise RewardRefused(outcome or "the environment's replay gave no answer")
+            return outcome
+    ids = [c.tokens.tolist() for c in completions]
+    texts = [tier.decode(i) for i in ids]
+    scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
+    group = scored_group(item, scores, texts, tier.name, time.monotonic() - r.started,
+                         recounted(completions, r.transcripts))
+    return _stored(tier, r.entry_id, group)
+
+
+def _stored(tier: Tier, entry_id: str, group: RolloutGroup) -> dict[str, Any]:
     stored = store_or_dead_letter(tier.queue, entry_id, group)
     return {"entry": entry_id, "group": group.group_id, "stored": stored, "error": group.error}
 
@@ -441,14 +501,14 @@ def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job
           retry_backoff_s: float = 1.0, groups_per_job: int = 8, abandon_after_s: int = 60,
           monitoring_interval_s: int = 30, maintenance_interval_s: int = 30, redispatch_s: float = 30.0,
           burst: bool = False, outage_s: float = 300.0, environment: EnvironmentReward | None = None,
-          episodes: EpisodeReader | None = None) -> bool:
+          episodes: EpisodeReader | None = None, replay_limits: replay.ReplayLimits | None = None) -> bool:
     """Run one scoring worker (and its dispatcher) until SIGTERM (RQ's warm shutdown).
     RQ's worker quits when Redis goes away; this one waits for Redis (up to `outage_s`,
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     global _TIER
     _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s, environment=environment,
-                 episodes=episodes)
+                 episodes=episodes, replay_limits=replay_limits or replay.ReplayLimits())
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
     dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
                             retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)

@@ -85,6 +85,15 @@ class SubmitRequest(_Body, frozen=True, tag="submit"):
     groups: Annotated[list[RolloutGroup], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
 
 
+class SubmitHead(msgspec.Struct, frozen=True):
+    """A submission's worker and lease alone, read without decoding its groups (msgspec
+    skips unknown fields by their lengths): the proxy checks the lease of a big body before
+    it pays for the rest."""
+
+    worker: str
+    lease_id: str
+
+
 class SubmitResponse(_Body, frozen=True, tag="submitted"):
     result: SubmitResult
 

@@ -475,3 +475,19 @@ def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
             event_id = line[3:].strip()
         elif line.startswith("data:"):
             data.append(line[5:].strip())
+
+
+def confirm_identity(queue: object, role: str, run: str | None, what: str) -> str:
+    """Through a proxy, before anything costly: the token must have `role` and `run` (if
+    given) must be the proxy's run (`what`: who needs it, for the message). Returns the
+    run. Raises ValueError with what to change. Any other queue is the caller's to trust."""
+    if not isinstance(queue, HttpQueue):
+        return run or "default"
+    who = queue.whoami()
+    if who.role != role:
+        raise ValueError(f"the token {who.name!r} has role {who.role}; {what} needs a token with role {role} "
+                         "(--token or SPOTGRPO_TOKEN)")
+    if run is not None and run != who.run:
+        raise ValueError(f"--run {run}: the proxy serves run {who.run!r}; give --run {who.run} (or leave --run out), "
+                         "or point --queue at the proxy of run " + repr(run))
+    return who.run

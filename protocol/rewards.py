@@ -61,6 +61,11 @@ TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric")
 """The keyword arguments TRL adds to the data set's columns for a reward function."""
 
 
+class RewardRefused(Exception):
+    """A reward that cannot be computed for this group and would fail the same way again
+    (an environment's replay past its limits): the group fails at once, never retried."""
+
+
 @dataclass(frozen=True)
 class RewardFn:
     name: str
@@ -180,6 +185,8 @@ class Scorer:
         if extra is not None and self.extra is not None:
             try:
                 per_fn[self.extra] = [float(v) for v in extra()]
+            except RewardRefused as err:
+                return Scores.failed(n, f"reward {self.extra}: {err} (the group is rejected, not retried)")
             except Exception as err:  # the user's environment
                 if self.reraise:
                     raise

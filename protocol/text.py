@@ -5,7 +5,8 @@ timing keys. Any of them may end up in a log line, a terminal table, a Prometheu
 or a metric key, so the wire refuses the characters that can rewrite what a person sees
 (`UNSAFE`): C0 and C1 controls and DEL (escape sequences, carriage returns, window
 titles), and the Unicode format characters that reorder or hide text (bidi overrides and
-isolates, zero-width characters, line and paragraph separators). Code that makes such a
+isolates, zero-width characters, line and paragraph separators, and the characters that
+render as nothing: tag characters, variation selectors, fillers, the soft hyphen). Code that makes such a
 string from text it did not choose (an exception's message) passes it through
 `printable` first, which escapes those characters instead of refusing them.
 """
@@ -16,7 +17,11 @@ import re
 
 UNSAFE = (
     "\x00-\x1f\x7f-\x9f"  # C0, DEL, C1 (CSI is \x9b)
-    "\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff"  # bidi marks, zero-width, separators, overrides, isolates
+    "\u061c\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff"  # bidi marks, zero-width, separators, overrides, isolates
+    # invisible or blank: soft hyphen, grapheme joiner, Hangul fillers, Khmer and Mongolian
+    # vowel marks and selectors, variation selectors, interlinear annotations, tag characters
+    "\u00ad\u034f\u115f\u1160\u17b4\u17b5\u180b-\u180f\u3164\ufe00-\ufe0f\uffa0\ufff9-\ufffb"
+    "\U0001d173-\U0001d17a\U000e0000-\U000e007f\U000e0100-\U000e01ef"
 )
 """A regular-expression character class body: the characters no actor-written label may hold."""
 
@@ -41,4 +46,4 @@ def printable(text: str, limit: int = 500) -> str:
 
 def _escape(char: str) -> str:
     code = ord(char)
-    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}"
+    return f"\\x{code:02x}" if code <= 0xFF else f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"

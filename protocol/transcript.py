@@ -29,7 +29,7 @@ import inspect
 import math
 import re
 import signal
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,7 +219,8 @@ async def _awaited(value: Any) -> Any:
 @dataclass(frozen=True)
 class EnvironmentReward:
     """An environment's own reward (`get_reward`), replayed on the trusted side for each
-    episode of a group (`replay_reward`); a reward named after its class, weight 1."""
+    episode of a group (`replay_reward`, in `learner.replay`'s sandbox); a reward named
+    after its class, weight 1."""
 
     environment: type
     tokenizer: Any
@@ -228,11 +229,6 @@ class EnvironmentReward:
     @property
     def name(self) -> str:
         return self.environment.__name__
-
-    def of(self, columns: dict[str, Any], transcripts: Sequence[Transcript]) -> Callable[[], list[float]]:
-        """The group's rewards, computed when called (`transcripts`: its episodes as the
-        tier read them)."""
-        return lambda: [replay_reward(self.environment, columns, answered_calls(t)) for t in transcripts]
 
 
 def environment_reward(spec: str, tokenizer: Any) -> EnvironmentReward:

@@ -40,6 +40,7 @@ import re
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
@@ -56,12 +57,13 @@ from protocol import (
     is_entry_id,
 )
 from protocol.api import Endpoint
-from protocol.errors import status_of
+from protocol.errors import LeaseLost, status_of
 from protocol.http import (
     ACCEPTED_CONTENT_TYPES,
     CONTENT_TYPE,
     ClaimRequest,
     ReadRolloutsRequest,
+    SubmitHead,
     decode_body,
     encode_body,
     schema_components,
@@ -69,7 +71,15 @@ from protocol.http import (
 from protocol.store import FileStore, StoreError, StoreMissing, adapter_key
 from proxy.auth import Token
 from proxy.fairness import OverCap
-from proxy.handlers import HANDLERS, ApiError, Context, error_response, parse_version
+from proxy.handlers import (
+    HANDLERS,
+    OFF_LOOP_BYTES,
+    ApiError,
+    Context,
+    error_response,
+    parse_version,
+    worker_name,
+)
 from proxy.metrics import MetricsMiddleware
 from proxy.threads import in_thread
 
@@ -108,11 +118,12 @@ def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Calla
 
     async def endpoint(request: Request) -> Response:
         ctx: Context = request.app.state.ctx
+        token: Token | None = None
         try:
             token = await _authorise(ctx, spec, request)
             if special is not None:
                 return await special(ctx, token, request)
-            body = await _read_body(ctx, spec, request) if spec.request is not None else None
+            body = await _read_body(ctx, token, spec, request) if spec.request is not None else None
             params = {**request.query_params, **request.path_params}
             if token is not None and _waits(body, params):
                 with _hold(ctx, token, "long-poll"):
@@ -143,6 +154,9 @@ def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Calla
         except Exception:  # the HTTP boundary: a bug still answers in the API's own shape
             log.exception("%s %s failed", spec.method, spec.path)
             return error_response(500, "internal error (logged by the proxy)")
+        finally:  # the body's bytes are the request's until it is answered
+            if token is not None:
+                ctx.bodies.give(token.name, getattr(request.state, "body_bytes", 0))
 
     endpoint.__name__ = spec.path
     return endpoint
@@ -190,7 +204,10 @@ async def _authorise(ctx: Context, spec: Endpoint, request: Request) -> Token | 
     return token
 
 
-async def _read_body(ctx: Context, spec: Endpoint, request: Request) -> Any:
+async def _read_body(ctx: Context, token: Token | None, spec: Endpoint, request: Request) -> Any:
+    """The request's body, decoded. Its bytes count against the token's and everyone's
+    bodies in flight as they arrive (`request.state.body_bytes`, given back when the
+    request is answered); a big one is decoded in a worker thread."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media not in ACCEPTED_CONTENT_TYPES:
         raise ApiError(415, f"content type must be {CONTENT_TYPE}, got {media or 'none'}")
@@ -198,16 +215,43 @@ async def _read_body(ctx: Context, spec: Endpoint, request: Request) -> Any:
     if declared is not None and (not declared.isdigit() or int(declared) > ctx.limits.max_body_bytes):
         raise ApiError(413, f"body over the limit of {ctx.limits.max_body_bytes} bytes")
     chunks, size = [], 0
+    request.state.body_bytes = 0
     try:
         async with asyncio.timeout(ctx.limits.body_timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > ctx.limits.max_body_bytes:
                     raise ApiError(413, f"body over the limit of {ctx.limits.max_body_bytes} bytes")
+                if token is not None:
+                    ctx.bodies.take(token.name, len(chunk))
+                    request.state.body_bytes += len(chunk)
                 chunks.append(chunk)
     except TimeoutError:
         raise ApiError(408, f"the body took longer than {ctx.limits.body_timeout_s:g}s to arrive") from None
-    return decode_body(b"".join(chunks), spec.request, ctx.body_limits)  # type: ignore[arg-type]
+    except OverCap as err:
+        ctx.metrics.rate_limited.labels(token=token.name if token else "").inc()
+        raise ApiError(503 if err.everyone else 429, str(err), {"Retry-After": "2"}) from None
+    data = b"".join(chunks)
+    if len(data) > OFF_LOOP_BYTES:
+        if spec is api.SUBMIT and token is not None:
+            await _lease_first(ctx, token, data)
+        return await in_thread(decode_body, data, spec.request, ctx.body_limits)
+    return decode_body(data, spec.request, ctx.body_limits)  # type: ignore[arg-type]
+
+
+async def _lease_first(ctx: Context, token: Token, data: bytes) -> None:
+    """A big submission's lease, checked before its groups are decoded: one that this
+    token's worker does not hold is refused for the price of reading two fields and one
+    Redis call (a heartbeat: for the holder, the submission is a sign of life anyway)."""
+    try:
+        head = msgspec.msgpack.decode(data, type=SubmitHead)
+    except msgspec.DecodeError as err:
+        raise ApiError(400, f"malformed body: {err}") from None
+    except msgspec.ValidationError:
+        return  # the full decode says what is wrong, with the schema's words
+    held = await in_thread(ctx.queue.heartbeat, worker_name(token, head.worker), [head.lease_id])
+    if head.lease_id not in held:
+        raise LeaseLost(f"lease {head.lease_id} is not held by worker {head.worker}: nothing was stored")
 
 
 # ---------------------------------------------------------------- special routes

@@ -65,6 +65,15 @@ def build_parser() -> argparse.ArgumentParser:
       help="s3:// store: the public address presigned URLs name, when workers reach the bucket elsewhere than "
            "AWS_ENDPOINT_URL (compose's http://minio:9000); or SPOTGRPO_PRESIGN_ENDPOINT")
     a("--body-timeout-s", type=float, default=30.0, help="408 when a request body takes longer than this to arrive")
+    a("--max-body-bytes-per-token", type=int, default=64 * 1024 * 1024,
+      help="request-body bytes one token may have in flight at once (default 64 MiB: four full bodies); 429 past it")
+    a("--max-body-bytes-in-flight", type=int, default=512 * 1024 * 1024,
+      help="request-body bytes in flight over every token (default 512 MiB); 503 past it")
+    a("--handshake-timeout-s", type=float, default=10.0,
+      help="close a connection whose TLS handshake takes longer than this (asyncio's own limit is 60 s)")
+    a("--max-connections", type=int, default=4096,
+      help="connections served at once; a request past it is answered 503 (uvicorn's limit_concurrency). The "
+           "proxy raises its open-files limit to the hard limit at start")
     add_logging_flags(serve)
 
     cert = sub.add_parser("selfsigned", help="Write a self-signed certificate and key for local runs.",
@@ -103,7 +112,7 @@ def serve(args: argparse.Namespace) -> int:
     from proxy.fairness import HeaderTimeoutProtocol
     from proxy.handlers import Context, ProxyLimits
     from proxy.metrics import ProxyMetrics
-    from proxy.server import ProxyServer
+    from proxy.server import ProxyServer, raise_open_files_limit
     from proxy.threads import THREADS
 
     if args.insecure_http == bool(args.tls_cert or args.tls_key):
@@ -151,6 +160,7 @@ def serve(args: argparse.Namespace) -> int:
         rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,
         body_timeout_s=args.body_timeout_s, max_long_polls_per_token=args.max_long_polls_per_token,
         max_streams_per_token=args.max_streams_per_token, max_workers_per_token=args.max_workers_per_token,
+        max_body_bytes_per_token=args.max_body_bytes_per_token, max_body_bytes_in_flight=args.max_body_bytes_in_flight,
     )
     ctx = Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
                   rate_storage=rate_storage)
@@ -164,8 +174,14 @@ def serve(args: argparse.Namespace) -> int:
         ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
         ssl_keyfile=str(args.tls_key) if args.tls_key else None,
         timeout_keep_alive=30, timeout_graceful_shutdown=2, http=HeaderTimeoutProtocol,
+        limit_concurrency=args.max_connections,
     )
-    ProxyServer(server_config, on_exit=ctx.hub.close_soon).run()  # a port it cannot bind: uvicorn says so, exit 3
+    files = raise_open_files_limit()
+    if files < args.max_connections + 64:
+        log.warning("open-files limit %d is below --max-connections %d: connections past it fail at accept "
+                    "(raise the hard limit: ulimit -Hn, or the container's nofile)", files, args.max_connections)
+    # a port it cannot bind: uvicorn says so, exit 3
+    ProxyServer(server_config, on_exit=ctx.hub.close_soon, handshake_timeout_s=args.handshake_timeout_s).run()
     queue.close()
     return 0
 

@@ -114,7 +114,12 @@ class SharedRateLimit:
 
 
 class OverCap(Exception):
-    """A token already holds as many connections of this kind as it may."""
+    """A token already holds as many connections (or body bytes) of this kind as it may;
+    `everyone`: the cap over all tokens was reached, not this token's."""
+
+    def __init__(self, message: str, everyone: bool = False) -> None:
+        super().__init__(message)
+        self.everyone = everyone
 
 
 class Holds:
@@ -144,6 +149,37 @@ class Holds:
             yield
         finally:
             self.release(token, kind)
+
+
+class BodyBytes:
+    """Request-body bytes held in memory at once, per token and in all: a body's bytes are
+    counted as they arrive and given back when its request is answered. Past a cap the
+    request is refused (`OverCap`, `.everyone` says which cap), so 64 bodies trickled at
+    once cannot take the proxy's memory. The event loop is one thread: no lock."""
+
+    def __init__(self, per_token: int, in_all: int) -> None:
+        self.per_token, self.in_all = per_token, in_all
+        self.held: dict[str, int] = {}
+        self.total = 0
+
+    def take(self, token: str, n: int) -> None:
+        if self.held.get(token, 0) + n > self.per_token:
+            raise OverCap(f"token {token} has {self.per_token} bytes of request bodies in flight already; "
+                          "retry when one is answered")
+        if self.total + n > self.in_all:
+            raise OverCap(f"the proxy holds {self.in_all} bytes of request bodies already; retry later", everyone=True)
+        self.held[token] = self.held.get(token, 0) + n
+        self.total += n
+
+    def give(self, token: str, n: int) -> None:
+        if not n:
+            return
+        left = self.held.get(token, 0) - n
+        if left > 0:
+            self.held[token] = left
+        else:
+            self.held.pop(token, None)
+        self.total -= n
 
 
 class HeaderTimeoutProtocol(HttpToolsProtocol):

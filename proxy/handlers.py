@@ -58,7 +58,7 @@ from protocol.http import (
 from protocol.store import FileStore, Store, StoreMissing, adapter_key
 from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub
-from proxy.fairness import Holds, SharedRateLimit
+from proxy.fairness import BodyBytes, Holds, SharedRateLimit
 from proxy.metrics import ProxyMetrics, behind_first
 from proxy.threads import in_thread
 
@@ -88,6 +88,15 @@ class ProxyLimits:
     max_workers_per_token: int = 256
     """Live worker statuses one token may have in the fleet view; a new worker's report past
     it is refused (409), so one token cannot grow the view, the learner's log or /metrics."""
+    max_body_bytes_per_token: int = 64 * 1024 * 1024
+    """Request-body bytes one token may have in flight at once (429 past it)."""
+    max_body_bytes_in_flight: int = 512 * 1024 * 1024
+    """Request-body bytes in flight over every token (503 past it)."""
+
+
+OFF_LOOP_BYTES = 1 << 20
+"""A request body (or a submission's arrays) past this is decoded (or encoded) in a worker
+thread, not on the event loop, where it would hold up every other request."""
 
 
 class ApiError(Exception):
@@ -115,6 +124,7 @@ class Context:
     wire_limits: Limits = DEFAULT_LIMITS
     rate: SharedRateLimit = field(init=False)
     holds: Holds = field(init=False)
+    bodies: BodyBytes = field(init=False)
     hub: AdapterEventHub = field(init=False)
     body_limits: Limits = field(init=False)
     """The wire limits with this proxy's body size: what every request body is decoded with."""
@@ -129,6 +139,7 @@ class Context:
         self.holds = Holds({"long-poll": self.limits.max_long_polls_per_token,
                             "event stream": self.limits.max_streams_per_token})
         self.hub = AdapterEventHub(self.queue)
+        self.bodies = BodyBytes(self.limits.max_body_bytes_per_token, self.limits.max_body_bytes_in_flight)
         self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
 
     def block(self, requested: float) -> float:
@@ -183,7 +194,10 @@ async def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[s
     for g in body.groups:  # the proxy's own copies, just decoded: named after the token, not validated again
         if g.actor_id != worker:
             msgspec.structs.force_setattr(g, "actor_id", worker)
-    if ctx.aredis is None:
+    # a big submission is encoded for Redis in a worker thread: 14.5 MB on the loop held every other request
+    # 50-90 ms, for a lease the queue may refuse anyway
+    big = sum(len(c.token_ids) + len(c.logprobs) for g in body.groups for c in g.completions) > OFF_LOOP_BYTES
+    if ctx.aredis is None or big:
         result = await in_thread(partial(ctx.queue.submit, worker, body.lease_id, body.groups,
                                          decoded_with=ctx.body_limits))
     else:

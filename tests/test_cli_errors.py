@@ -66,6 +66,23 @@ def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Pa
 
 
 @pytest.mark.redis
+def test_a_learner_with_an_actor_token_is_told_before_its_model_loads(make_proxy, tiny_model: Path,
+                                                                      tmp_path: Path) -> None:
+    """Finding 14 of the fourth red team: `learner run` with an actor's token was refused
+    7.4 s in, after its model loaded, by the first learner-only call. It asks who it is
+    first, as the actors do."""
+    proxy = make_proxy()
+    rc, err, _ = _run(_learner(tmp_path, proxy.url, tiny_model, "--token", TOKENS["actor"]), SPOTGRPO_CA_CERT=proxy.ca)
+    assert rc == 2
+    _one_line(err, "learner run:", "has role actor", "role learner")
+    assert "loading" not in err.lower()
+    rc, err, _ = _run(_learner(tmp_path, proxy.url, tiny_model, "--token", TOKENS["learner"], "--run", "not-its-run"),
+                      SPOTGRPO_CA_CERT=proxy.ca)
+    assert rc == 2
+    _one_line(err, "learner run:", "the proxy serves run")
+
+
+@pytest.mark.redis
 def test_a_certificate_that_does_not_verify_is_not_retried(make_proxy, tiny_model: Path) -> None:
     proxy = make_proxy()  # self-signed: the system's CAs do not know it
     rc, err, took = _run(_actor(proxy.url, tiny_model, "--token", TOKENS["actor"]))

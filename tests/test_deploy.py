@@ -243,6 +243,27 @@ def _compose_config(compose_dir: Path) -> subprocess.CompletedProcess[str]:
                           capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
 
 
+def test_setup_never_writes_a_secret_others_can_read_even_for_a_moment(tmp_path: Path) -> None:
+    """Finding 12 of the fourth red team: the fresh secrets went to `.env.tmp` with mode
+    0644 before a chmod. A `sed` and an `openssl` on PATH record the mode of each file they
+    write as they write it, under the usual umask 022."""
+    clone = tmp_path / "clone"
+    shutil.copytree(REPO / "compose", clone / "compose", ignore=shutil.ignore_patterns(".env", "tokens.toml"))
+    spy, modes = tmp_path / "bin", tmp_path / "modes"
+    spy.mkdir()
+    (spy / "sed").write_text(f'#!/bin/bash\nstat -L -c "sed %a" /proc/$$/fd/1 >> {modes}\nexec /usr/bin/sed "$@"\n')
+    (spy / "openssl").write_text(
+        f'#!/bin/bash\nreal=$(PATH=/usr/bin:/bin command -v openssl)\n"$real" "$@"; code=$?\n'
+        f'for f in "$@"; do case "$f" in *key.pem) stat -c "key %a" "$f" >> {modes};; esac; done\nexit $code\n')
+    for tool in ("sed", "openssl"):
+        (spy / tool).chmod(0o755)
+    subprocess.run(["bash", "-c", f'umask 022 && bash {clone / "compose" / "setup.sh"} proxy.example.com'],
+                   capture_output=True, text=True, timeout=60, check=True,
+                   env={**os.environ, "PATH": f"{spy}:{os.environ['PATH']}"})
+    seen = modes.read_text().split("\n")
+    assert "sed 600" in seen and "key 600" in seen, seen
+
+
 def test_compose_comes_up_from_a_fresh_clone_by_its_setup_as_docker_compose_reads_it(tmp_path: Path) -> None:
     """A fresh clone (no .env, no certs/), `compose/setup.sh <host>`, then Docker's compose
     reads the file (`docker compose config`: the compose specification's schema, every

@@ -136,6 +136,27 @@ def test_reward_names_are_the_configured_ones_or_a_bounded_few() -> None:
     assert learnt.keep("f0") and not learnt.keep("f4")
 
 
+def test_one_token_cannot_take_every_logged_metric_name() -> None:
+    """Fourth red team, finding 11: with `--scoring actors`, one actor filled all 16
+    `log_metric` names of the run before honest workers reported theirs. Names met first are
+    admitted at most 4 per token (the prefix the proxy gives every worker name)."""
+    import msgspec
+    from factories import batch, group
+
+    from learner.judge import StepGroups
+    from learner.metrics import RewardNames, group_figures
+
+    b = batch(0, prompts=2)
+    forged = msgspec.structs.replace(group(b, 0, actor="mallory/w1"), metrics={f"junk{i}": 1.0 for i in range(16)})
+    more = msgspec.structs.replace(group(b, 0, actor="mallory/w2"), metrics={f"junk{i}": 1.0 for i in range(8, 16)})
+    honest = msgspec.structs.replace(group(b, 1, actor="fleet-a/gpu-7"), metrics={"format_ok": 0.5})
+    logged = RewardNames([])
+    figures = group_figures([forged, more, honest], StepGroups(), [0.0, 1.0], 0, RewardNames(["m:acc"]),
+                            logged=logged)
+    assert figures["format_ok"] == 0.5
+    assert sorted(k for k in figures if k.startswith("junk")) == ["junk0", "junk1", "junk2", "junk3"]
+
+
 def test_the_learner_escapes_what_it_logs_of_a_worker(caplog: pytest.LogCaptureFixture) -> None:
     """Statuses read straight from Redis were validated on decode; the log escapes anyway."""
     watch = FleetWatch()

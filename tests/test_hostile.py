@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -28,6 +29,7 @@ from protocol import (
     LeaseMismatch,
     ProtocolError,
     QueueConfig,
+    SamplingParams,
     SubmissionRejected,
     WorkerStatus,
 )
@@ -445,7 +447,9 @@ def test_the_metrics_keep_at_most_a_hundred_worker_series(proxy) -> None:
     assert text.count("spotgrpo_worker_adapter_version{") == 100 and "spotgrpo_workers_live 130.0" in text
 
 
-UNSAFE_SAMPLES = ["\x1b]0;owned\x07", "\r", "\x7f", "\x9b31m", "\u202e", "\u2066", "\u200b", "\u2028"]
+UNSAFE_SAMPLES = ["\x1b]0;owned\x07", "\r", "\x7f", "\x9b31m", "\u202e", "\u2066", "\u200b", "\u2028",
+                  # invisible (fourth red team, finding 13): tags, soft hyphen, grapheme joiner, selectors, fillers
+                  "\U000e0041\U000e0042", "\u00ad", "\u034f", "\ufe0f", "\u3164", "\u180e"]
 
 
 @pytest.mark.parametrize("bad", UNSAFE_SAMPLES, ids=[repr(s) for s in UNSAFE_SAMPLES])
@@ -504,6 +508,7 @@ def test_printable_escapes_what_the_wire_refuses() -> None:
     assert printable("a\x1b[31mb\r\u202ec\x9b") == "a\\x1b[31mb\\x0d\\u202ec\\x9b"
     assert printable("x" * 600, 10) == "x" * 9 + "…"
     assert is_safe(printable("".join(chr(c) for c in range(0x2100))))
+    assert printable("a\U000e0041\u00adb") == "a\\U000e0041\\xadb" and is_safe(printable("\U000e0041"))
 
 
 def _actors(p: ProxyProcess, *args: str, token: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -614,3 +619,186 @@ def test_calls_in_the_environments_tokens_get_no_reward(proxy, scorers, tiny_cha
     (got,) = read_all(learner, 1)
     assert got.error is not None and "called no tool" in got.error, got.error
     assert got.rewards == [None] * 4
+
+
+def _one_call_episode(tok, call: str, result: str, answer: str) -> tuple[list[int], list[int]]:
+    """(tokens, mask) of an episode: a turn making `call`, its `result` as the template
+    renders it, and a last turn saying `answer`."""
+    return _episode(tok, [(call, result)], answer)
+
+
+def _episode(tok, turns: list[tuple[str, str]], answer: str) -> tuple[list[int], list[int]]:
+    """(tokens, mask) of an episode as an honest actor renders it: each (call, result) a
+    turn and the result after it, then a last turn saying `answer`."""
+    from protocol.chat import stop_token_ids, tool_result_ids, tool_template
+
+    stop = stop_token_ids(tok)
+    tokens: list[int] = []
+    mask: list[int] = []
+    for call, result in turns:
+        turn = [*tok.encode(call, add_special_tokens=False), stop[0]]
+        name = call.split('"name": "')[1].split('"')[0] if '"name": "' in call else "tool"
+        glue = tool_result_ids(tok, tool_template(tok), [(name, result)], stop)
+        tokens += [*turn, *glue]
+        mask += [1] * len(turn) + [0] * len(glue)
+    last = [*tok.encode(answer, add_special_tokens=False), stop[0]]
+    return [*tokens, *last], [*mask, *[1] * len(last)]
+
+
+def test_a_stalling_replay_holds_up_no_other_group(proxy, scorers, tiny_chatml_model: Path) -> None:
+    """Finding 3: the test environment's `stall(1e5)` in one group of a job kept the job's
+    honest groups waiting 120 s. Now the replay runs in a process per group with a limit
+    per call: the honest groups are stored first, and the staller is rejected with its
+    call's name."""
+    from scripted import tool_call
+    from transformers import AutoTokenizer
+
+    p = proxy()
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    b = msgspec.structs.replace(trusted(batch(0, prompts=6), secret=4), tools=["guess", "stall"],
+                                environment="ScoredGuess", max_tool_calling_iterations=4)
+    learner.add_prompts([b])
+    (lease,) = actor.claim("w", 1)
+    tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
+    stall = _one_call_episode(tok, tool_call("stall", seconds=100000), "done thinking", "ok")
+    honest = _one_call_episode(tok, tool_call("guess", number=4), "correct", "found it")
+    assert actor.submit("w", lease.lease_id, [_masked(lease.batch, i, *(stall if i == 0 else honest))
+                                              for i in range(6)]).finished
+    scorers("--environment", "toy_tools:ScoredGuess", "--tool-timeout-s", "2", "--reward-timeout-s", "30",
+            reward="toy_rewards:found_it", model=tiny_chatml_model)
+    got = read_all(learner, 6, timeout_s=90)
+    assert [g.prompt_id for g in got][-1] == "p0", [g.prompt_id for g in got]  # the staller comes last
+    assert all(g.error is None and g.rewards == [2.0] * 4 for g in got[:-1]), [(g.error, g.rewards) for g in got]
+    assert "stall ran past its time limit of 2s" in (got[-1].error or ""), got[-1].error
+
+
+def test_connections_that_never_say_hello_are_closed_at_the_handshake_limit(proxy) -> None:
+    """Finding 5: a TLS slow-loris needs no token. 2,000 connections that never send a
+    ClientHello were held for asyncio's 60 s handshake timeout (the header timer starts
+    after the handshake). Now the handshake has `--handshake-timeout-s`, and honest calls
+    are answered meanwhile."""
+    import selectors
+
+    p = proxy("--handshake-timeout-s", "2")
+    learner = _queue(p, TOKENS["learner"])
+    idle = [socket.create_connection(("127.0.0.1", p.port), timeout=10) for _ in range(2000)]
+    try:
+        started = time.monotonic()
+        for _ in range(5):
+            learner.stats()  # honest calls through the crowd
+        assert time.monotonic() - started < 5
+        selector = selectors.DefaultSelector()
+        for s in idle:
+            s.setblocking(False)
+            selector.register(s, selectors.EVENT_READ)
+        closed: set[socket.socket] = set()
+        deadline = time.monotonic() + 20
+        while len(closed) < len(idle) and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=1):
+                sock = key.fileobj
+                assert isinstance(sock, socket.socket)
+                try:
+                    data = sock.recv(1)
+                except ConnectionResetError:
+                    data = b""
+                if data == b"":
+                    closed.add(sock)
+                    selector.unregister(sock)
+        took = time.monotonic() - started
+        assert len(closed) == len(idle) and took < 20, (len(closed), took)  # 60 s each before
+    finally:
+        for s in idle:
+            s.close()
+    learner.stats()
+
+
+def test_bodies_in_flight_are_capped_per_token(proxy) -> None:
+    """Finding 6: 64 trickled 16 MB bodies took the proxy from 399 MB to 1,113 MB. Now a
+    token's bodies in flight are capped (`--max-body-bytes-per-token`): past it 429, and
+    the bytes are given back when a request is answered."""
+    p = proxy("--max-body-bytes-per-token", str(3 * 1024 * 1024), "--rate-per-s", "10000")
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    learner.add_prompts([batch(0)])
+    (lease,) = actor.claim("w", 1)
+
+    async def trickle() -> list[int]:
+        headers = {"Authorization": f"Bearer {MALLORY}", "Content-Type": CONTENT_TYPE}
+        async with httpx.AsyncClient(base_url=p.url, verify=p.ssl(), timeout=30) as client:
+            async def slow_body() -> AsyncIterator[bytes]:
+                for _ in range(4):  # 4 MiB a body, a MiB at a time, never finished quickly
+                    yield b"\x00" * (1024 * 1024)
+                    await asyncio.sleep(1.0)
+
+            async def post() -> int:
+                r = await client.post("/v1/leases/submit", content=slow_body(), headers=headers)
+                return r.status_code
+
+            return list(await asyncio.gather(*[post() for _ in range(4)]))
+
+    codes = asyncio.run(trickle())
+    assert codes.count(429) >= 3, codes  # at most one body's first megabytes fit under 3 MiB with the others'
+    assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished  # the budget came back
+
+
+def test_a_big_submission_for_a_made_up_lease_is_decoded_off_the_event_loop(proxy) -> None:
+    """Finding 7: a 14.5 MiB submission naming a lease that does not exist was decoded and
+    encoded again on the event loop before the lease was checked (honest p50 3 -> 57-87 ms).
+    It is refused as before, nothing changes, and honest calls are answered meanwhile."""
+    p = proxy("--rate-per-s", "10000")
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    learner.add_prompts([batch(0, prompts=1)])
+    (lease,) = actor.claim("w", 1)
+    g = group(lease.batch, 0)
+    n = 237_500
+    big = msgspec.structs.replace(g, completions=[Completion.of([5] * n, [-0.5] * n, finish_reason="length")
+                                                  for _ in range(8)])
+    body = encode_body(SubmitRequest(worker="w", lease_id="1-0", groups=[big]))
+    assert 14 * 1024 * 1024 < len(body) < 16 * 1024 * 1024
+    before = _ledger(learner)
+    with _raw(p, MALLORY) as client:
+        r = client.post("/v1/leases/submit", content=body)
+    assert r.status_code == 409 and "is not held by worker w" in _error(r).error, r.text[:300]  # read before decoding
+    assert _ledger(learner) == before
+    body = encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[big]))  # its own lease: decoded
+    with _raw(p, MALLORY) as client:
+        r = client.post("/v1/leases/submit", content=body)
+    assert r.status_code == 422 and "not held" not in _error(r).error, r.text[:300]  # not the batch's shape
+    assert actor.submit("w", lease.lease_id, [g]).finished
+
+
+def test_the_tier_reads_each_episode_before_it_scores_it(proxy, scorers, tiny_chatml_model: Path) -> None:
+    """Findings 4, 8, 9 and 10, one group each, in one lease: an alternating mask over 9,600
+    tokens (7.7 s of replay before; refused at its first environment token now), eight tool
+    turns against a limit of three (scored 1.0 before; refused now), an honest episode whose
+    actor claims 4.6e18 turns (the run's `turns_mean` before; the tier's count now), and a
+    call with a 1,100-deep argument answered as an error (a RecursionError retried three
+    times before; scored now)."""
+    from scripted import tool_call
+    from transformers import AutoTokenizer
+
+    p = proxy()
+    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
+    b = msgspec.structs.replace(trusted(batch(0, prompts=4), secret=4), tools=["guess", "stall"],
+                                environment="ScoredGuess", max_tool_calling_iterations=3,
+                                sampling=SamplingParams(max_tokens=12_000))
+    learner.add_prompts([b])
+    (lease,) = actor.claim("w", 1)
+    tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
+    alternating = (tok.encode("ab" * 4800, add_special_tokens=False), [1, 0] * 4800)
+    eight = _episode(tok, [(tool_call("guess", number=n), "lower") for n in range(9, 1, -1)], "found it")
+    honest = _episode(tok, [(tool_call("guess", number=4), "correct")], "found it")
+    deep = '<tool_call>\n{"name": "guess", "arguments": {"number": ' + "[" * 1100 + "]" * 1100 + '}}\n</tool_call>'
+    error = str({"error": "the tool call could not be read: a tool call needs a name and an object of arguments"})
+    deep_episode = _episode(tok, [(deep, error), (tool_call("guess", number=4), "correct")], "found it")
+    made = [_masked(lease.batch, i, *e) for i, e in enumerate([alternating, eight, honest, deep_episode])]
+    made[2] = msgspec.structs.replace(made[2], completions=[
+        msgspec.structs.replace(c, turns=4_600_000_000_000_000_000, tool_calls=10**9) for c in made[2].completions])
+    assert actor.submit("w", lease.lease_id, made).finished
+    scorers("--environment", "toy_tools:ScoredGuess", reward="toy_rewards:found_it", model=tiny_chatml_model)
+    got = {g.prompt_id: g for g in read_all(learner, 4, timeout_s=90)}
+    assert "tokens 1-2 after model turn 1: that turn called no tool" in (got["p0"].error or ""), got["p0"].error
+    assert "past max_tool_calling_iterations=3" in (got["p1"].error or ""), got["p1"].error
+    assert got["p2"].error is None and got["p2"].rewards == [2.0] * 4  # found_it and the replay: 1 + 1
+    assert {(c.turns, c.tool_calls, c.tool_errors) for c in got["p2"].completions} == {(2, 1, 0)}
+    assert got["p3"].error is None, got["p3"].error
+    assert {(c.turns, c.tool_calls, c.tool_errors) for c in got["p3"].completions} == {(3, 2, 1)}

@@ -186,6 +186,16 @@ def test_the_replay_runs_only_the_calls_the_environment_answered(tokenizer) -> N
     assert replay_reward(ScoredGuess, {"secret": 5}, answered_calls(t)) == 0.0  # 5 was written, never answered
 
 
+def test_an_alternating_mask_is_refused_at_its_first_environment_token(tokenizer) -> None:
+    """Finding 4: 9,600 tokens under an alternating mask cost the replay 7.7 s, each model
+    run parsed with the whole transcript before it. Each turn is now read on its own
+    tokens, and the first environment token after a turn that called nothing ends the
+    reading."""
+    tokens = ids(tokenizer, "ab" * 4800)
+    with pytest.raises(TranscriptError, match="tokens 1-2 after model turn 1: that turn called no tool"):
+        read(tokenizer, tokens, [1, 0] * 4800)
+
+
 # ---------------------------------------------------------------- finding 10
 
 

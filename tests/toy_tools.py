@@ -108,3 +108,24 @@ class ScoredGuess(GuessNumber):
 
     def get_reward(self) -> float:
         return 1.0 if self.done else 0.0
+
+
+class Hungry(ScoredGuess):
+    """ScoredGuess with methods that eat memory and spin in C (the replay's sandbox tests)."""
+
+    def eat(self, megabytes: int) -> int:
+        """Allocate memory and keep it.
+
+        Args:
+            megabytes: How much.
+        """
+        self.kept = bytearray(megabytes * 1024 * 1024)
+        return len(self.kept)
+
+    def spin(self, n: int) -> int:
+        """Sum a long range in one C call (no signal handler runs until it ends).
+
+        Args:
+            n: How far.
+        """
+        return sum(range(n))
