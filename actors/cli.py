@@ -281,6 +281,9 @@ def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from protocol.rewards import working_folder_on_path
+
+    working_folder_on_path()  # user code (--reward, --tools, --environment) imports from here
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)

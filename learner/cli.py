@@ -313,6 +313,9 @@ def stop_on_signals(stop_requested: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from protocol.rewards import working_folder_on_path
+
+    working_folder_on_path()  # user code (--reward, --tools, --environment) imports from here
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

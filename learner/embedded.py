@@ -29,7 +29,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +180,18 @@ def _example(cfg: LearnerConfig, run_dir: Path) -> dict[str, Any]:
     return updates
 
 
+def import_user_code(cfg: LearnerConfig) -> None:
+    """Every `--reward`, `--tools` and `--environment` imported here, before any process
+    starts, with `learner check`'s messages (the children import them again)."""
+    from protocol.chat import load_episode_tools
+    from protocol.rewards import load_reward
+
+    for spec in cfg.reward_specs:
+        load_reward(spec)
+    if cfg.tools or cfg.environment:
+        load_episode_tools(list(cfg.tools), cfg.environment)
+
+
 def read_secrets(tokens: Path) -> dict[str, str]:
     import tomllib
 
@@ -210,6 +224,10 @@ class LocalSystem:
         self.scorers: list[subprocess.Popen[bytes]] = []
         self.lifeline = Lifeline()
         """Held open while this process lives: the children stop when it dies, even by SIGKILL."""
+        self.stopping = False
+        """The system is being stopped: children that exit now were told to."""
+        self._restarts = [0] * actors
+        self._actor_env: dict[str, str] = {}
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -220,7 +238,7 @@ class LocalSystem:
                 self.redis = subprocess.Popen(
                     [self.redis_server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
                      "--appendonly", "no", "--dir", str(data)],
-                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_stop_with_parent)
+                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_group_stopping_with_parent)
         redis = "memory://" if self.redis is None else f"redis://127.0.0.1:{self.redis_port}/0"
         self.proxy = _spawn(
             [sys.executable, "-m", "proxy.cli", "serve", "--redis", redis, "--store", self.cfg.store,
@@ -242,19 +260,73 @@ class LocalSystem:
             if self.cfg.environment and owns_reward(load_environment(self.cfg.environment)):
                 cmd += ["--environment", self.cfg.environment]  # it owns a reward: the tier replays it
             self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log", self.lifeline))
-        actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),
-                     "OMP_NUM_THREADS": "1"}  # several processes share the cores
+        self._actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),
+                           "OMP_NUM_THREADS": "1"}  # several processes share the cores
         for i in range(self.n_actors):
-            cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
-                   "--engine", self.cfg.actor_engine, "--model", self.cfg.model, "--worker-id", f"local-{i}",
-                   "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
-            for spec in ([] if self.trusted else self.cfg.reward_specs):
-                cmd += ["--reward", spec]
-            for spec in self.cfg.tools:
-                cmd += ["--tools", spec]
-            if self.cfg.environment:
-                cmd += ["--environment", self.cfg.environment]
-            self.workers.append(_spawn(cmd, actor_env, self.logs / f"actor-{i}.log", self.lifeline))
+            self.workers.append(self._start_actor(i, f"local-{i}"))
+
+    def _start_actor(self, i: int, worker_id: str) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
+               "--engine", self.cfg.actor_engine, "--model", self.cfg.model, "--worker-id", worker_id,
+               "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
+        for spec in ([] if self.trusted else self.cfg.reward_specs):
+            cmd += ["--reward", spec]
+        for spec in self.cfg.tools:
+            cmd += ["--tools", spec]
+        if self.cfg.environment:
+            cmd += ["--environment", self.cfg.environment]
+        return _spawn(cmd, self._actor_env, self.logs / f"actor-{i}.log", self.lifeline)
+
+    # ------------------------------------------------------------------ watching the children
+    RESTARTS = 3
+    """An actor that exits is started again (under a new worker id) this many times."""
+
+    def check_children(self) -> str | None:
+        """Called every half second while the learner runs (`watch`): an actor that exited is
+        started again, up to `RESTARTS` times each (a lost worker loses nothing: its lease
+        goes to another); a scorer, the proxy or redis-server that exited ends the run, and
+        this says why, with the last lines of its log."""
+        if self.stopping:
+            return None
+        for name, proc, log_name in self._essential():
+            if proc.poll() is not None:
+                return f"{name} exited (status {proc.returncode}); the last lines of {self.logs / log_name}:\n" \
+                       + _tail(self.logs / log_name)
+        for i, proc in enumerate(self.workers):
+            if proc.poll() is None:
+                continue
+            if self._restarts[i] >= self.RESTARTS:
+                continue
+            self._restarts[i] += 1
+            log.warning("actor %d exited (status %s): starting it again (%d of %d); its log: %s\n%s", i,
+                        proc.returncode, self._restarts[i], self.RESTARTS, self.logs / f"actor-{i}.log",
+                        _tail(self.logs / f"actor-{i}.log", 3))
+            self.workers[i] = self._start_actor(i, f"local-{i}-r{self._restarts[i]}")
+        if self.workers and all(p.poll() is not None for p in self.workers):
+            return (f"every actor exited, each started again {self.RESTARTS} times; the last lines of "
+                    f"{self.logs / 'actor-0.log'}:\n" + _tail(self.logs / "actor-0.log"))
+        return None
+
+    def _essential(self) -> list[tuple[str, subprocess.Popen[bytes], str]]:
+        out = [("the proxy", self.proxy, "proxy.log")] if self.proxy is not None else []
+        out += [("the scoring worker", p, "scorer-0.log") for p in self.scorers]
+        out += [("redis-server", self.redis, "redis.log")] if self.redis is not None else []
+        return out
+
+    def watch(self, on_failure: Callable[[str], None]) -> threading.Thread:
+        """A thread that runs `check_children` until the system stops; the first failure goes
+        to `on_failure` (once)."""
+        def loop() -> None:
+            while not self.stopping:
+                why = self.check_children()
+                if why is not None:
+                    on_failure(why)
+                    return
+                time.sleep(0.5)
+
+        thread = threading.Thread(target=loop, name="watch-children", daemon=True)
+        thread.start()
+        return thread
 
     def _wait_healthy(self) -> None:
         from protocol import QueueUnavailable
@@ -270,6 +342,7 @@ class LocalSystem:
 
     def stop_workers(self) -> None:
         """Actors and scorers, so the queue holds still for the final count."""
+        self.stopping = True
         for proc in self.workers:  # SIGTERM: they hand their leases back and exit 0
             if proc.poll() is None:
                 proc.terminate()
@@ -282,6 +355,7 @@ class LocalSystem:
             _wait_or_kill(proc, 15)
 
     def stop(self) -> None:
+        self.stopping = True
         self.stop_workers()
         if self.proxy is not None and self.proxy.poll() is None:
             self.proxy.terminate()
@@ -314,9 +388,11 @@ def redis_server_binary(choice: str) -> str | None:
     return binary
 
 
-def _stop_with_parent() -> None:
-    """In the child, before exec: SIGTERM when the process that started it ends, however
-    it ends (prctl PR_SET_PDEATHSIG, Linux)."""
+def _own_group_stopping_with_parent() -> None:
+    """In the child, before exec: a process group of its own (Ctrl-C at the terminal reaches
+    the learner alone, which stops the children in order after its checkpoint), and SIGTERM
+    when the process that started it ends, however it ends (prctl PR_SET_PDEATHSIG, Linux)."""
+    os.setpgid(0, 0)
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
 
 
@@ -327,10 +403,24 @@ def _free_port() -> int:
 
 
 def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, lifeline: Lifeline) -> subprocess.Popen[bytes]:
-    """A child that stops (SIGTERM) when this process ends, however it ends."""
+    """A child in a process group of its own (Ctrl-C at the terminal reaches the learner
+    alone, which stops the children in order after its checkpoint) that stops (SIGTERM)
+    when this process ends, however it ends."""
     with log_path.open("ab") as out:
         return subprocess.Popen(cmd, env={**env, **lifeline.env()}, stdout=out, stderr=subprocess.STDOUT,
-                                pass_fds=lifeline.pass_fds)
+                                pass_fds=lifeline.pass_fds, process_group=0)
+
+
+def _tail(path: Path, lines: int = 8) -> str:
+    """The last lines of a child's log, indented."""
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            text = f.read().decode(errors="replace")
+    except OSError as err:
+        return f"    (unreadable: {err})"
+    return "\n".join("    " + line for line in text.strip().splitlines()[-lines:])
 
 
 def _wait_or_kill(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -386,6 +476,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     started = time.monotonic()
     try:
         cfg, tokens = prepare(cfg)
+        import_user_code(cfg)  # a typo in --reward is said now, not in a child's log while the run waits
         sources = open_sources_for(cfg)  # a data set that cannot be used is said before anything starts
         redis_binary = redis_server_binary(cfg.embedded_redis)
     except (ValueError, OSError, subprocess.CalledProcessError) as err:
@@ -402,6 +493,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     stats = None
     state = None
     eval_in_queue = 0
+    failure: list[str] = []
     try:
         system.start()
         if "OMP_NUM_THREADS" not in os.environ:  # the user's own choice stands
@@ -412,6 +504,14 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         cfg = cfg.model_copy(update={"queue": system.url, "token": system.secrets["learner"]})
         learner = Learner(cfg, queue, open_store(cfg.store), sources=sources)
         on_learner(learner)
+
+        def child_failed(why: str, queue: Any = queue, stop: Any = learner.stop_requested) -> None:
+            failure.append(why)
+            log.error("stopping the run: %s", why.splitlines()[0])
+            stop.set()
+            queue.stop_retrying()  # a call waiting on a dead proxy fails now, not after its retries
+
+        system.watch(child_failed)
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         if console.is_terminal:  # a live table; without a terminal (nohup, CI, docker logs) a line per step
             for chatty in ("learner.loop", "learner.publish"):
@@ -428,12 +528,16 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         except Exception as err:  # the summary can do without it
             log.warning("no final queue statistics: %s", err)
     except (LearnerError, RuntimeError, OSError, ValueError) as err:
-        print(f"learner run: {err}", file=sys.stderr)
-        return 2
+        if not failure:
+            print(f"learner run: {err}", file=sys.stderr)
+            return 2
     finally:
         system.stop()
         if queue is not None:
             queue.close()
+    if failure:
+        print(f"learner run: {failure[0]}", file=sys.stderr)
+        return 1
     curve = plot(cfg.resolved_run_dir)
     summary = summarise(cfg.resolved_run_dir, time.monotonic() - started, {
         "accounting": accounting(state, cfg, stats, eval_in_queue) if state is not None else {},

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 AdvantageScale = Literal["group", "batch", "none"]
@@ -184,16 +185,43 @@ def aggregate(
     raise ValueError(f"aggregation {mode!r}: use token_mean, seq_mean or constant")
 
 
+CHUNK_ELEMENTS = 1 << 25
+"""Positions x vocabulary of one chunk of the log-softmax (128 MB in float32): SmolLM2's
+49,152-token vocabulary, 682 positions a chunk; Qwen2.5's 151,936, 220."""
+
+
 def token_logps(logits_BTV: Tensor, targets_BT: Tensor, temperature: float) -> Tensor:
-    """log softmax(logits / temperature) at the target tokens, without materialising
-    the full log-softmax."""
-    scaled = logits_BTV.float() / temperature
-    picked = scaled.gather(-1, targets_BT.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(scaled, dim=-1)
+    """log softmax(logits / temperature) at the target tokens, chunk by chunk of positions
+    (`CHUNK_ELEMENTS`): the float32 copy, its log-sum-exp and, in backward, its softmax
+    exist for one chunk at a time (each chunk is recomputed in backward,
+    `torch.utils.checkpoint`), never for the whole (B, T, V). Same values and gradients
+    as the whole-tensor form to float32 rounding (tested)."""
+    B, T, V = logits_BTV.shape
+    flat_NV, targets_N = logits_BTV.reshape(B * T, V), targets_BT.reshape(B * T)
+    step = max(1, CHUNK_ELEMENTS // max(V, 1))
+    grad = torch.is_grad_enabled() and logits_BTV.requires_grad
+    parts = [
+        torch.utils.checkpoint.checkpoint(_picked_logp, flat_NV[i : i + step], targets_N[i : i + step], temperature,
+                                          use_reentrant=False)
+        if grad else _picked_logp(flat_NV[i : i + step], targets_N[i : i + step], temperature)
+        for i in range(0, B * T, step)
+    ]
+    return (torch.cat(parts) if parts else flat_NV.new_zeros(0, dtype=torch.float32)).reshape(B, T)
+
+
+def _picked_logp(logits_NV: Tensor, targets_N: Tensor, temperature: float) -> Tensor:
+    scaled = logits_NV.float() / temperature
+    return scaled.gather(-1, targets_N.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
 
 
 def entropy(logits_BTV: Tensor, temperature: float) -> Tensor:
-    """Entropy of the sampling distribution per position (no gradient)."""
+    """Entropy of the sampling distribution per position (no gradient), chunk by chunk."""
+    B, T, V = logits_BTV.shape
+    flat_NV = logits_BTV.reshape(B * T, V)
+    step = max(1, CHUNK_ELEMENTS // max(V, 1))
     with torch.no_grad():
-        logp = torch.log_softmax(logits_BTV.float() / temperature, dim=-1)
-        return -(logp.exp() * logp).sum(-1)
+        parts = []
+        for i in range(0, B * T, step):
+            logp = torch.log_softmax(flat_NV[i : i + step].float() / temperature, dim=-1)
+            parts.append(-(logp.exp() * logp).sum(-1))
+        return (torch.cat(parts) if parts else flat_NV.new_zeros(0, dtype=torch.float32)).reshape(B, T)

@@ -141,11 +141,27 @@ class Policy:
     def forward_logps(
         self, seqs: Sequences, temperature: float, *, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """Log-probabilities (B, T) of each next token at `temperature`, and entropies."""
-        out = self.model(input_ids=seqs.input_ids_BL, attention_mask=seqs.attention_mask_BL, use_cache=False)
-        logits = out.logits[:, :-1]
-        logps = token_logps(logits, seqs.targets_BT, temperature)
+        """Log-probabilities (B, T) of each next token at `temperature`, and entropies (0
+        before the first completion token of any row). The LM head runs only from the
+        earliest position a completion occupies (transformers' `logits_to_keep`: the
+        prompts before it are never projected to the vocabulary, which with 700-token
+        prompts was most of the learner's memory), and the log-softmax over those
+        positions runs in chunks (`learner.loss.token_logps`)."""
+        T = seqs.mask_BT.shape[1]
+        active = seqs.mask_BT.any(0).nonzero()
+        start = min(int(active[0]) if len(active) else T, max(T - 1, 0))  # an empty pass keeps one position
+        keep = torch.arange(start, T, device=seqs.input_ids_BL.device)
+        out = self.model(input_ids=seqs.input_ids_BL, attention_mask=seqs.attention_mask_BL, use_cache=False,
+                         logits_to_keep=keep)
+        logits = out.logits  # (B, T - start, V)
+        if logits.shape[1] != T - start:  # a model that ignores logits_to_keep: every position came back
+            logits = logits[:, start:T]
+        logps = token_logps(logits, seqs.targets_BT[:, start:], temperature)
         ent = entropy(logits, temperature) if with_entropy else None
+        if start:
+            pad = logps.new_zeros(logps.shape[0], start)
+            logps = torch.cat([pad, logps], dim=1)
+            ent = None if ent is None else torch.cat([pad, ent], dim=1)
         return logps, ent
 
     @contextlib.contextmanager

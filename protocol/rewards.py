@@ -35,7 +35,9 @@ import importlib
 import inspect
 import math
 import numbers
+import os
 import re
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -91,6 +93,15 @@ class TrainerState:
     global_step: int
     max_steps: int
     epoch: float
+
+
+def working_folder_on_path() -> None:
+    """The folder a command runs in, first on the module path, as `python -m` puts it:
+    `--reward my_rewards:correct`, `--tools` and `--environment` import from there under
+    every subcommand (a console script's path starts at its own folder instead)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def load_reward(spec: str) -> RewardFn:

@@ -298,3 +298,95 @@ def test_the_reference_documents_every_learner_flag() -> None:
     reference = (REPO / "docs" / "reference.md").read_text()
     missing = [n for n in LearnerConfig.model_fields if f"`--{n.replace('_', '-')}`" not in reference]
     assert not missing, f"docs/reference.md's configuration reference lacks {missing}"
+
+
+def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    path = run_dir / "metrics.jsonl"
+    while not (path.exists() and len(path.read_text().splitlines()) >= n):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run stalled"
+        time.sleep(0.1)
+
+
+def _child(proc: subprocess.Popen, *words: str):
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        line = " ".join(_cmdline(child))
+        if all(w in line for w in words):
+            return child
+    raise AssertionError(f"no child running {words}")
+
+
+def test_a_reward_that_cannot_be_imported_is_said_before_anything_starts(tmp_path: Path, tiny_model: Path) -> None:
+    """No silent waits (issue 37): `--reward my_rewardz:correct` (a typo) showed the header
+    and waited for ever; the import error was in the scorer's log alone. And the working
+    folder is on the module path for every subcommand, as `python -m` has it."""
+    (tmp_path / "my_rewards.py").write_text("def correct(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n")
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}", "answer": "1"}) + "\n" for i in range(8)))
+    started = time.monotonic()
+    done = subprocess.run([_learner_exe(), "run", "--run-dir", str(tmp_path / "run"), "--dataset", str(data),
+                           "--reward", "my_rewardz:correct"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "cannot import my_rewardz" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 60 and not (tmp_path / "run" / "logs" / "proxy.log").exists()
+    # the same module, spelled right, imports from the working folder under `learner score` too
+    score = subprocess.run([_learner_exe(), "score", "--queue", "redis://127.0.0.1:1/0", "--model", str(tiny_model),
+                            "--reward", "my_rewards:correct"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert "unreachable" in score.stderr and "cannot import" not in score.stderr, score.stderr[-2000:]  # got past it
+
+
+@pytest.mark.slow
+def test_a_scorer_that_dies_ends_the_run_with_its_last_lines(tmp_path: Path) -> None:
+    """A child the run cannot do without (here the scoring worker, SIGKILLed) ends the run
+    at once with the last lines of its log; an actor that dies is started again."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        _wait_for_steps(proc, run_dir, 2)
+        _child(proc, "actors.cli", "local-1").kill()
+        _wait_for_steps(proc, run_dir, 4)
+        _child(proc, "actors.cli", "local-1-r1")  # started again, under a new worker id
+        _child(proc, "learner.cli score").kill()
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - killed
+    finally:
+        kill_process(proc)
+    assert proc.returncode == 1, out[-3000:]
+    assert "the scoring worker exited (status -9); the last lines of" in out and "scorer-0.log" in out, out[-3000:]
+    assert "actor 1 exited" in out and "starting it again" in out, out[-3000:]
+    assert took < 60, took
+
+
+@pytest.mark.slow
+def test_ctrl_c_at_the_terminal_stops_the_run_in_seconds_with_a_checkpoint(tmp_path: Path) -> None:
+    """Ctrl-C reaches a terminal's whole foreground process group. The children used to
+    share the learner's, so the proxy, redis-server and the scorer died with the keypress
+    and the learner waited 57 s for its dead proxy. Now they have groups of their own: the
+    learner checkpoints, stops them in order and ends."""
+    import psutil
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+                            process_group=0)
+    children: list[psutil.Process] = []
+    try:
+        _wait_for_steps(proc, run_dir, 3)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal does
+        pressed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - pressed
+    finally:
+        kill_process(proc)
+        for child in children:
+            if _running(child):
+                child.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert took < 20, took  # 57 s before
+    assert (run_dir / "store" / "checkpoints" / "latest.json").exists() and (run_dir / "summary.json").exists()
+    assert not [c for c in children if _running(c)]
+    assert "Traceback" not in (run_dir / "logs" / "proxy.log").read_text()

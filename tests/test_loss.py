@@ -105,6 +105,27 @@ def test_token_logps_match_log_softmax_at_temperature() -> None:
     assert torch.allclose(token_logps(logits, targets, 0.7), expected, atol=1e-6)
 
 
+def test_token_logps_in_chunks_give_the_whole_tensors_values_and_gradients(monkeypatch) -> None:
+    """The log-softmax runs chunk by chunk of positions, each recomputed in backward: the
+    same values, gradients and entropies as on the whole (B, T, V) tensor."""
+    import learner.loss as loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11, requires_grad=True)
+    targets = torch.randint(0, 11, (3, 5))
+    weights = torch.randn(3, 5)
+    whole = torch.log_softmax(logits / 0.7, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    (whole * weights).sum().backward()
+    expected_grad, logits.grad = logits.grad.clone(), None
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 4 * 11)  # 4 positions a chunk: 4 chunks, the last one short
+    chunked = token_logps(logits, targets, 0.7)
+    (chunked * weights).sum().backward()
+    assert torch.allclose(chunked, whole, atol=1e-6)
+    assert torch.allclose(logits.grad, expected_grad, atol=1e-7)
+    p = torch.softmax(logits.detach() / 0.7, -1)
+    assert torch.allclose(loss.entropy(logits.detach(), 0.7), -(p * p.log()).sum(-1), atol=1e-5)
+
+
 # ---------------------------------------------------------------- on a real model
 
 
@@ -134,6 +155,40 @@ def _grads(policy: Policy) -> dict[str, torch.Tensor]:
     out = {n.removeprefix("base_model.model."): p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     policy.model.zero_grad(set_to_none=True)
     return out
+
+
+def test_the_head_runs_only_from_the_first_completion_and_the_gradient_is_unchanged(tiny_model, monkeypatch) -> None:
+    """`forward_logps` projects to the vocabulary only from the earliest completion
+    position (`logits_to_keep`) and takes the log-softmax in chunks: its log-probabilities
+    and the adapter's gradient are those of the whole-logits computation."""
+    import learner.loss as loss
+
+    policy = _policy(tiny_model)
+    batch, _, _ = _on_policy_batch(policy)
+    seqs, mask = batch.seqs, batch.seqs.mask_BT
+    logits = policy.model(input_ids=seqs.input_ids_BL, attention_mask=seqs.attention_mask_BL, use_cache=False).logits
+    whole = torch.log_softmax(logits[:, :-1].float() / 0.8, -1).gather(-1, seqs.targets_BT.unsqueeze(-1)).squeeze(-1)
+    (whole * mask).sum().backward()
+    expected = _grads(policy)
+    monkeypatch.setattr(loss, "CHUNK_ELEMENTS", 3 * policy.vocab_size)
+    seen: list[int] = []
+    original = policy.model.forward
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out.logits.shape[1])
+        return out
+
+    monkeypatch.setattr(policy.model, "forward", spy)
+    logps, ent = policy.forward_logps(seqs, 0.8, with_entropy=True)
+    (logps * mask).sum().backward()
+    got = _grads(policy)
+    first = int(mask.any(0).nonzero()[0])
+    assert first == 2 and seen == [mask.shape[1] - first]  # the shortest prompt is 3 tokens: two positions skipped
+    assert torch.allclose(logps * mask, whole.detach() * mask, atol=1e-5)
+    assert ent is not None and ent.shape == mask.shape
+    for name, grad in expected.items():
+        assert torch.allclose(grad, got[name], atol=1e-6, rtol=1e-4), name
 
 
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
