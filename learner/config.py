@@ -94,6 +94,7 @@ class LearnerConfig(BaseModel):
     max_staleness: int = Field(4, ge=0, description="Drop groups generated more than this many adapter versions ago.")
     sync_every: int = Field(1, ge=1, description="Publish a new adapter version every this many steps.")
     checkpoint_every: int = Field(10, ge=1, description="Checkpoint (and acknowledge consumed rollouts) every this many steps.")
+    stall_warning_s: float = Field(60.0, gt=0, description="With no step for this long, one line says why (groups read and all flat, with their rewards; nothing arriving, with the queue's depths), again at doubling intervals.")
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store.")
     keep_queue: bool = Field(False, description="Keep the run's Redis keys when the run completes (default: they expire after queue_ttl_s).")
     queue_ttl_s: float = Field(86400.0, gt=0, description="A completed run's Redis keys expire this long after its last step (late workers and a --resume find them until then).")

@@ -445,6 +445,9 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         "dropped": dropped,
         "dead_lettered": dead,
         "duplicates_skipped": totals.get("rejected_duplicate", 0),
+        # every group the learner read, by verdict, those of a collection a stop cut short too
+        # (they stay pending in the queue, so `dropped` leaves them out)
+        "read": {k.removeprefix("read/"): v for k, v in sorted(totals.items()) if k.startswith("read/")},
     }
     if cfg.scoring_mode == "trusted":
         out["scored"] = totals.get("scored_groups", 0)

@@ -32,6 +32,7 @@ from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
 from learner.train import StepBatch, build_step_batch
 from learner.trainer import Trainer
+from learner.watchdog import ProgressWatch
 from protocol import (
     Delivery,
     Progress,
@@ -105,6 +106,8 @@ class Learner(Evaluations):
         self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
         self._logged_names = RewardNames([])
         self._rejections = RepeatedWarnings(log)
+        self.watch = ProgressWatch(cfg.stall_warning_s)
+        """Says why, when no step has happened for a while (`learner.watchdog`)."""
         # the floor holds one whole lease too: only whole batches are issued, so a window
         # narrower than prompts_per_batch would never issue one (the config keeps both <= max_inflight)
         self.admission = Admission(ceiling=cfg.max_inflight, floor=max(cfg.groups_per_step, cfg.prompts_per_batch),
@@ -127,6 +130,7 @@ class Learner(Evaluations):
                 groups = self.collect(cfg.groups_per_step)  # feeds prompts while it waits
                 if groups is None:
                     break  # asked to stop; the partial collection stays pending in the queue
+                self.watch.stepped()
                 wait_s, started = time.monotonic() - waited, time.monotonic()
                 batch = build_step_batch(groups, cfg, self.policy.pad_id)
                 stats = self.trainer.step(batch)
@@ -307,6 +311,8 @@ class Learner(Evaluations):
                 log.warning("queue unavailable, retrying in %.1fs: %s", backoff.next, err)
                 backoff.wait(self.stop_requested)
                 continue
+            if self.watch.due():
+                self.explain_wait(n)
             for d in deliveries:
                 self.state.unacked[d.group.group_id] = d.delivery_id
                 if self.evaluator is not None and self.evaluator.is_eval(d.group.batch_id):
@@ -323,11 +329,21 @@ class Learner(Evaluations):
                     self.state.count("scored_groups")
                 reason = self.judge(d.group)
                 step.add(d.group, reason)
+                self.state.count(f"read/{reason or 'kept'}")  # every group read, never taken back (summary)
                 if reason is not None:
                     self.state.count(reason)
                     if reason == "dropped_stale":
                         self._stale_drops[d.group.actor_id] += 1
         return list(step.kept)
+
+    def explain_wait(self, wanted: int) -> None:
+        """No step for a while: one line says why (`learner.watchdog`)."""
+        try:
+            stats = None if self._step_groups.dropped else self.queue.stats()
+        except (QueueError, ProtocolError):
+            stats = None
+        names = [spec.split(":", 1)[-1].split("=", 1)[0] for spec in self.cfg.reward]
+        log.warning("%s", self.watch.explain(self._step_groups, wanted, names, stats))
 
     def check_fleet(self, every_s: float = 15.0) -> None:
         """Every `every_s`: name the workers that lag or refuse adapters, and the streams

@@ -5,11 +5,13 @@ train every rollout group exactly once)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -580,3 +582,30 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
     assert state.totals["dead_letter_entries_unscored"] == 1 and state.totals["dead_lettered_prompts"] == 1
     assert dl.batch_id not in state.ledger.outstanding
     assert state.step == 3
+
+
+def test_a_run_whose_groups_are_all_flat_says_so_within_its_warning_time(tmp_path: Path, tiny_model: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """No silent waits (issue 37): every group flat, so no step ever happens. The learner
+    names the cause, the rewards the groups had and the reward function, and says it again
+    later; the groups it consumed are counted as flat."""
+    cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2, stall_warning_s=2.0,
+                       reward=["toy_rewards:nothing"], scoring="actors")
+    make = fake_queue_factory("flat")
+    store = open_store(cfg.store)
+    actor = SyntheticActor(make(), store, tiny_model, lambda _p, _t, _text: 0.0).start()
+    learner = Learner(cfg, make(), store)
+    runner = threading.Thread(target=learner.run)
+    with caplog.at_level(logging.WARNING, logger="learner.loop"):
+        runner.start()
+        deadline = time.monotonic() + 60
+        while sum("no step for" in r.getMessage() for r in caplog.records) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        learner.stop_requested.set()
+        runner.join(60)
+    actor.close()
+    lines = [r.getMessage() for r in caplog.records if "no step for" in r.getMessage()]
+    assert len(lines) >= 2, [r.getMessage() for r in caplog.records]
+    assert "were dropped" in lines[0] and "flat" in lines[0] and "0 in" in lines[0] and "nothing" in lines[0], lines[0]
+    # a stop hands the uncounted collection back to the queue; what was read is still told
+    assert learner.state.step == 0 and learner.state.totals.get("read/dropped_flat", 0) >= 1
