@@ -10,6 +10,7 @@ can run while training continues) and `adapter_files()` renders it as the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import logging
 import warnings
@@ -110,9 +111,13 @@ class Policy:
             task_type="CAUSAL_LM",
         )
         if cfg.gradient_checkpointing:
-            # transformers 5 renamed it; 4.x only has the old name
-            enable = getattr(base, "activation_checkpointing_enable", None) or base.gradient_checkpointing_enable
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers 5.2x: activation_checkpointing_enable(activation_checkpointing_kwargs=...), the old
+            # name deprecated; before it, gradient_checkpointing_enable(gradient_checkpointing_kwargs=...)
+            enable = getattr(base, "activation_checkpointing_enable", None)
+            if enable is not None and "activation_checkpointing_kwargs" in inspect.signature(enable).parameters:
+                enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             base.enable_input_require_grads()
         with warnings.catch_warnings():
             # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing`

@@ -191,6 +191,20 @@ def test_the_head_runs_only_from_the_first_completion_and_the_gradient_is_unchan
         assert torch.allclose(grad, got[name], atol=1e-6, rtol=1e-4), name
 
 
+def test_gradient_checkpointing_gives_the_same_gradient(tiny_model) -> None:
+    """`--gradient-checkpointing` (activations recomputed in backward, to fit long sequences)
+    changes memory, not the gradient; it failed to start under transformers 5.2x."""
+    grads = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)  # the same LoRA A in both
+        policy = _policy(tiny_model, gradient_checkpointing=checkpointing)
+        batch, _, _ = _on_policy_batch(policy)
+        accumulate(policy, batch, policy.cfg, None, _Sums())
+        grads.append(_grads(policy))
+    for name, grad in grads[0].items():
+        assert torch.allclose(grad, grads[1][name], atol=1e-6, rtol=1e-4), name
+
+
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean", "constant"])
 def test_micro_batches_give_the_full_batch_gradient(tiny_model, mode) -> None:
     policy = _policy(tiny_model, loss_agg=mode)
