@@ -24,7 +24,7 @@ from torch import Tensor
 from learner.config import LearnerConfig
 from learner.data import context_of
 from learner.dist import Dist, fill_from_rank0, full_tensor, resolve_device, shard_model
-from learner.loss import entropy, token_logps
+from learner.loss import ACTIVATION_FLOATS_PER_LAYER_WIDTH, entropy, token_logps
 from protocol.store import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,13 @@ class Policy:
         # (name, parameter) of the adapter, in one order on every rank (gathers pair up)
         self._trainable = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.vocab_size = int(base.config.vocab_size)
+        text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+        layers, width = int(getattr(text, "num_hidden_layers", 0) or 0), int(getattr(text, "hidden_size", 0) or 0)
+        self.activation_bytes_per_token = layers * width * _DTYPES[cfg.dtype].itemsize * ACTIVATION_FLOATS_PER_LAYER_WIDTH
+        """Activations kept for backward per token, by the rule in `learner.train` (0: unknown)."""
+        self.activation_budget = (torch.cuda.get_device_properties(self.device).total_memory // 4
+                                  if self.device.type == "cuda" else 2 << 30)
+        """What one micro-batch's activations may take: 2 GiB on a CPU, a quarter of a GPU."""
         self.context = context_of(cfg.max_seq_len, base.config)
         self.base_model_name = cfg.model
 

@@ -194,25 +194,30 @@ class _Sums:
 
 LOGITS_BYTES = 1 << 30
 """What one micro-batch's float32 logits may take when `max_tokens_per_microbatch` is not
-set. A pass keeps several copies of them (the temperature-scaled logits, their softmax in
-backward, the entropy's): at 16,384 tokens SmolLM2's 49,152-token vocabulary ran the
-learner out of a 24 GiB machine (prompts of 700 tokens with tool schemas; measured)."""
+set: the LM head runs from a micro-batch's earliest completion position on, so a budget of
+whole-sequence tokens bounds them with room to spare."""
 
-
-def token_budget(cfg: LearnerConfig, vocab_size: int) -> int:
-    """Tokens per micro-batch: `max_tokens_per_microbatch`, or 16,384 cut so that the
-    logits stay near `LOGITS_BYTES` (SmolLM2: 5,461; Qwen2.5's 151,936: 1,766)."""
+def token_budget(cfg: LearnerConfig, vocab_size: int, bytes_per_token: int = 0, activation_bytes: int = 2 << 30) -> int:
+    """Tokens per micro-batch: `max_tokens_per_microbatch`, or the fewest of 16,384, what
+    keeps the logits near `LOGITS_BYTES` (SmolLM2's 49,152-word vocabulary: 5,461), and
+    what keeps the activations near `activation_bytes` (`Policy.activation_budget`: 2 GiB on
+    a CPU, a quarter of a GPU) at `bytes_per_token` (`Policy.activation_bytes_per_token`;
+    SmolLM2 in float32: 970 tokens). The calculator example's step of 16 x 796 tokens peaked
+    at 17.7 GB in micro-batches of 5,461 tokens and at 3.4 GB in micro-batches of one
+    sequence (bench/learner_memory.py)."""
     if cfg.max_tokens_per_microbatch is not None:
         return cfg.max_tokens_per_microbatch
-    return max(256, min(16384, LOGITS_BYTES // (4 * vocab_size)))
+    by_activations = activation_bytes // bytes_per_token if bytes_per_token else 16384
+    return max(256, min(16384, LOGITS_BYTES // (4 * vocab_size), by_activations))
 
 
-def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist, vocab_size: int
+def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist, policy: Policy
           ) -> list[list[int] | None]:
     """This rank's micro-batches of `rows`, padded with None (an empty pass) to as many
     as the rank with the most has: under FSDP every rank runs the same passes."""
     plan: list[list[int] | None] = list(
-        plan_micro_batches(batch.lengths(), rows, token_budget(cfg, vocab_size), cfg.micro_batch_size))
+        plan_micro_batches(batch.lengths(), rows, token_budget(cfg, policy.vocab_size, policy.activation_bytes_per_token,
+                                                               policy.activation_budget), cfg.micro_batch_size))
     most = int(dist.all_reduce([float(len(plan))], op="max")[0])
     return plan + [None] * (most - len(plan))
 
@@ -229,7 +234,7 @@ def accumulate(
     device = policy.device
     dist = dist or Dist(device=device)
     if plan is None:  # the whole batch, in one process
-        plan = _plan(batch, list(range(len(batch))), cfg, dist, policy.vocab_size)
+        plan = _plan(batch, list(range(len(batch))), cfg, dist, policy)
         num_seqs, num_tokens = len(batch), int(batch.seqs.mask_BT.sum().item())
     assert num_seqs is not None and num_tokens is not None
     for rows in plan:
@@ -281,7 +286,7 @@ def proximal_logps(policy: Policy, batch: StepBatch, cfg: LearnerConfig, rows: l
     CPU, in the batch's layout): the proximal policy of decoupled PPO."""
     out = torch.zeros_like(batch.behav_logp_BT)
     with torch.no_grad():
-        for mb_rows in _plan(batch, rows, cfg, dist, policy.vocab_size):
+        for mb_rows in _plan(batch, rows, cfg, dist, policy):
             mb = empty_batch(policy.device) if mb_rows is None else batch.take(mb_rows, policy.device)
             logp, _ = policy.forward_logps(mb.seqs, cfg.temperature)
             if mb_rows is not None:
@@ -310,7 +315,7 @@ def train_on(
         loss_before = sums.v["loss"]
         rows = [i for i in mine if i in part]
         num_tokens = int(batch.seqs.mask_BT[part.start : part.stop].sum().item())
-        accumulate(policy, batch, cfg, prox_BT, sums, plan=_plan(batch, rows, cfg, dist, policy.vocab_size), num_seqs=len(part),
+        accumulate(policy, batch, cfg, prox_BT, sums, plan=_plan(batch, rows, cfg, dist, policy), num_seqs=len(part),
                    num_tokens=num_tokens, dist=dist)
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm)))
         loss = dist.all_reduce([sums.v["loss"] - loss_before])[0]

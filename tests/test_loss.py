@@ -312,3 +312,6 @@ def test_the_token_budget_shrinks_with_the_vocabulary() -> None:
     assert token_budget(cfg, 49152) == 5461  # SmolLM2
     assert token_budget(cfg, 151936) == 1766  # Qwen2.5
     assert token_budget(cfg.model_copy(update={"max_tokens_per_microbatch": 20000}), 151936) == 20000
+    smollm2 = 30 * 576 * 4 * 32  # the activation rule: layers x hidden x float32 x 32
+    assert token_budget(cfg, 49152, smollm2) == 970  # activations, not logits, bind (2 GiB on a CPU)
+    assert token_budget(cfg, 49152, smollm2, 80 << 30) == 5461  # a quarter of an 80 GB GPU: the logits bind
