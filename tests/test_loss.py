@@ -187,8 +187,8 @@ def test_the_head_runs_only_from_the_first_completion_and_the_gradient_is_unchan
     assert first == 2 and seen == [mask.shape[1] - first]  # the shortest prompt is 3 tokens: two positions skipped
     assert torch.allclose(logps * mask, whole.detach() * mask, atol=1e-5)
     assert ent is not None and ent.shape == mask.shape
-    for name, grad in expected.items():
-        assert torch.allclose(grad, got[name], atol=1e-6, rtol=1e-4), name
+    for name, grad in expected.items():  # to float32 rounding at the gradient's scale (other matmul shapes)
+        assert torch.allclose(grad, got[name], atol=1e-5 * float(grad.abs().max()), rtol=1e-4), name
 
 
 def test_gradient_checkpointing_gives_the_same_gradient(tiny_model) -> None:
