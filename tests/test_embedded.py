@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import kill_process
 
-from learner.embedded import LEASE_TIMEOUT_S
+from learner.local_system import LEASE_TIMEOUT_S
 from learner.progress import read_evals
 
 REPO = Path(__file__).resolve().parents[1]
