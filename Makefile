@@ -55,6 +55,7 @@ $(DEPLOY_VENV)/.installed: Makefile
 lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 # every test but the real model's (SmolLM2, minutes each on 2 cores) and the long ones (marker long)
 test: test-main test-deploy test-vllm

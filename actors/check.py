@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from protocol.checks import CheckFailed, Checks
+from protocol.util.checks import CheckFailed, Checks
 
 
 def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
-    from actors.watcher import ProxySource, StoreSource
+    from actors.watcher import ProxySource
     from protocol import (
         AdapterManifest,
         QueueConfig,
@@ -35,16 +35,14 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         check_model_path,
         fingerprint_of_model,
         open_queue,
-        open_store,
     )
-    from protocol.errors import ProtocolError
-    from protocol.rewards import RewardError, Scorer, load_reward
-    from protocol.store import StoreMissing, verify
+    from protocol.usercode.rewards import RewardError, Scorer, load_reward
+    from protocol.wire.errors import ProtocolError
+    from protocol.wire.files import StoreMissing, verify
 
     checks = Checks()
     worker = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     state: dict[str, Any] = {}
-    https = args.queue.startswith(("https://", "http://"))
 
     def queue() -> str:
         from actors.cli import confirm_identity
@@ -65,11 +63,12 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
                                         "(--token or SPOTGRPO_TOKEN)") from None
         except QueueUnavailable as err:
             raise CheckFailed(str(err), f"is {args.queue} reachable from here (host, port, firewall)? "
-                                        "Is `proxy serve` (or Redis) running?") from None
+                                        "Is `proxy serve` running?") from None
         except ValueError as err:
-            raise CheckFailed(str(err), "--queue takes https://proxy:port or redis://host:port/db") from None
+            raise CheckFailed(str(err), "--queue takes the proxy's https://proxy:port") from None
         state["queue"] = q
-        return f"{args.queue} answers; this token may act as a worker" + (" (TLS verified)" if https else "")
+        return f"{args.queue} answers; this token may act as a worker" + (
+            " (TLS verified)" if args.queue.startswith("https://") else "")
 
     def run_live() -> str:
         latest = state["queue"].latest_adapter()
@@ -127,7 +126,12 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
             return "none given: fine unless the learner runs --tools"
         from transformers import AutoTokenizer
 
-        from protocol.chat import ToolError, ToolTemplateError, load_episode_tools, tool_template
+        from protocol.usercode.chat import (
+            ToolError,
+            ToolTemplateError,
+            load_episode_tools,
+            tool_template,
+        )
 
         try:
             names = [fn.__name__ for fn in load_episode_tools(args.tools or [], args.environment)[0]]
@@ -144,9 +148,7 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         """The newest version now (a fast learner prunes old ones while the checks before
         this ran), again if it is pruned mid-download."""
         q = state["queue"]
-        source = StoreSource(open_store(args.store)) if args.store else ProxySource(q) if https else None
-        if source is None:
-            raise CheckFailed("--store is needed with a redis:// queue", "give --store file:///dir or s3://bucket/prefix")
+        source = ProxySource(q)
         folder = Path(tempfile.mkdtemp(prefix="spotgrpo-check-"))
         latest: AdapterManifest | None = None
         for _ in range(3):

@@ -1,14 +1,12 @@
-"""The `actors` command: rollout workers, and the trusted side's scoring workers.
+"""The `actors` command: rollout workers.
 
-`actors run --queue https://proxy:8443 --token … --engine vllm --model …` (or `--queue
-redis://… --store …`): one rollout worker. Start as many as you like; SIGTERM hands the
-batch in hand back and exits 0. With `--reward mod:fn` it also scores, for a learner
-that runs `--scoring actors`.
+`actors run --queue https://proxy:8443 --token … --engine vllm --model …`: one rollout
+worker. Start as many as you like; SIGTERM hands the batch in hand back and exits 0.
+With `--reward mod:fn` it also scores, for a learner that runs `--scoring actors`.
 
-The trusted scoring tier is `learner score` (`learner/scoring.py`): it reads the run's
-Redis and the data set's private columns, so it belongs to the trusted side; `actors
-score` is the same command under its earlier name. Nothing a rollout worker runs imports
-it, Redis or RQ.
+A worker reaches its run only through `proxy serve`, with an actor token: it holds no
+Redis or bucket credentials and imports neither client. The trusted scoring tier is
+`learner score`, on the trusted side; `actors score` only says so.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import threading
 import uuid
 from pathlib import Path
 
-from protocol.logs import add_logging_flags
+from protocol.util.logs import add_logging_flags
 
 log = logging.getLogger("actors")
 
@@ -37,13 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                            description=CHECK_HELP)
     add_worker_flags(check)
     check.add_argument("--skip-engine", action="store_true", help="do not load the engine (the slowest check)")
-    # the trusted tier's command lives with the trusted side (`learner score`); this name for it is kept
-    # for deployments that start it so, and imports nothing of it until it is run
-    from learner.score_cli import SCORE_HELP, add_score_flags
-
-    add_score_flags(sub.add_parser("score", help="= `learner score`, the trusted scoring tier (on the trusted side).",
-                                   description=f"The same command as `learner score`. {SCORE_HELP}"))
+    # the trusted tier's command lives with the trusted side: this name for it only says so
+    sub.add_parser("score", help="moved: the trusted scoring tier is `learner score`.", description=MOVED_SCORE)
     return parser
+
+
+MOVED_SCORE = ("the trusted scoring tier is `learner score` (same flags), run on the trusted side beside the "
+               "run's Redis: a worker's package holds no Redis client")
 
 
 CHECK_HELP = """Run every check `actors run` with the same flags depends on, before a worker spends
@@ -56,13 +54,10 @@ with what to do about it."""
 
 def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a = run.add_argument
-    a("--queue", required=True, help="redis://host:port/db (or https://proxy:port with --token)")
-    a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="bearer token for an https:// queue (or SPOTGRPO_TOKEN)")
-    a("--store", help="object store to download adapters from, for a redis:// queue: file:///dir or s3://bucket/prefix "
-                      "(through an https:// proxy the worker needs none)")
+    a("--queue", required=True, help="the proxy: https://proxy:port (with --token); adapters download through it")
+    a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="the proxy's actor token (or SPOTGRPO_TOKEN)")
     a("--run", default=None,
-      help="run name: the learner's --run (default: through a proxy, the run it serves, and a --run that differs "
-           "is refused; with redis://, 'default')")
+      help="run name: the learner's --run (default: the run the proxy serves; a --run that differs is refused)")
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
     a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
@@ -114,7 +109,7 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
 def confirm_identity(queue: object, run: str | None) -> str:
     """Through a proxy: the token must be an actor's and `run` (if given) the proxy's run.
     Returns the run. Raises ValueError with what to change."""
-    from protocol.http_queue import confirm_identity as confirm
+    from protocol.client.http_queue import confirm_identity as confirm
 
     return confirm(queue, "actor", run, "a rollout worker")
 
@@ -137,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.metrics import WorkerMetrics
     from actors.rewards import ScoringPool
     from actors.tools import Toolbox
-    from actors.watcher import AdapterSource, AdapterWatcher, ProxySource, StoreSource
+    from actors.watcher import AdapterWatcher, ProxySource
     from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
     from protocol import (
         AdapterManifest,
@@ -147,10 +142,9 @@ def run(args: argparse.Namespace) -> int:
         QueueUnavailable,
         check_model_path,
         connect_queue,
-        open_store,
     )
-    from protocol.chat import ToolTemplateError, say_template, tool_template
-    from protocol.rewards import RewardError, Scorer, load_reward
+    from protocol.usercode.chat import ToolTemplateError, say_template, tool_template
+    from protocol.usercode.rewards import RewardError, Scorer, load_reward
 
     worker_id = args.worker_id or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     stopping = threading.Event()
@@ -177,12 +171,7 @@ def run(args: argparse.Namespace) -> int:
         config = QueueConfig(run=args.run or "default", lease_timeout_s=args.lease_timeout_s)
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
-        if args.store is not None:
-            source: AdapterSource = StoreSource(open_store(args.store))
-        elif args.queue.startswith(("https://", "http://")):
-            source = ProxySource(queue)  # presigned downloads: no bucket credentials here
-        else:
-            raise ValueError("--store is needed with a redis:// queue (the proxy hands out downloads for https://)")
+        source = ProxySource(queue)  # presigned downloads: no bucket credentials here
     except (RewardError, ValueError, FileNotFoundError, QueueRefused) as err:
         print(f"actors run: {err}", file=sys.stderr)
         return 2
@@ -281,19 +270,22 @@ def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from protocol.rewards import working_folder_on_path
+    from protocol.usercode.rewards import working_folder_on_path
 
     working_folder_on_path()  # user code (--reward, --tools, --environment) imports from here
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["score"]:  # whatever its flags: the command is not here
+        print(f"actors score: {MOVED_SCORE}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
     if args.command == "run" and args.gpus is not None:
         return run_per_gpu(args, argv)
-    from protocol.lifeline import follow_lifeline
-    from protocol.logs import setup_logging
+    from protocol.util.lifeline import follow_lifeline
+    from protocol.util.logs import setup_logging
 
     setup_logging(args, libraries=("huggingface_hub",))
     follow_lifeline()  # started by the embedded default: end with it
@@ -301,10 +293,6 @@ def main(argv: list[str] | None = None) -> int:
         from actors.check import check
 
         return check(args, engine_options(args))
-    if args.command == "score":
-        from learner.score_cli import score
-
-        return score(args, prog="actors score")
     return run(args)
 
 

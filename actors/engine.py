@@ -33,7 +33,7 @@ from typing import Any, Literal
 import msgspec
 
 from protocol import Prompt, SamplingParams, unpack_i32
-from protocol.chat import END_OF_TURN_PROBE, stop_token_ids  # noqa: F401 - re-exported: the engines import them here
+from protocol.usercode.chat import END_OF_TURN_PROBE, stop_token_ids  # noqa: F401 - re-exported: the engines import them here
 
 
 class EngineError(RuntimeError):

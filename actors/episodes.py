@@ -34,7 +34,7 @@ import msgspec
 
 from actors.engine import Engine, GroupRequest, Sample
 from actors.tools import Toolbox, ToolResult
-from protocol.chat import model_turn_calls, tool_result_ids
+from protocol.usercode.chat import model_turn_calls, tool_result_ids
 
 _TURN = "episode-turn"
 
@@ -74,7 +74,7 @@ class _Group:
 
 class EpisodeEngine(Engine):
     """See the module docstring. `template`: the chat template episodes are rendered with
-    (`protocol.chat.tool_template`: None for the tokenizer's own)."""
+    (`protocol.usercode.chat.tool_template`: None for the tokenizer's own)."""
 
     def __init__(self, inner: Engine, toolbox: Toolbox, template: str | None) -> None:
         self.inner, self.toolbox, self.template = inner, toolbox, template
@@ -180,7 +180,7 @@ class EpisodeEngine(Engine):
             self._end(episode, sample.finish_reason)
             return
         assert group.request.tool_turns is not None
-        # read on its own tokens, as the trusted side reads it (`protocol.transcript`)
+        # read on its own tokens, as the trusted side reads it (`protocol.usercode.transcript`)
         parsed = model_turn_calls(self.tokenizer, episode.tokens[start:], self.template)
         if not parsed.calls and parsed.error is None:
             self._end(episode, "stop")

@@ -1,6 +1,6 @@
 """Rewards in worker processes beside an actor's engine (`ScoringPool`).
 
-The reward functions themselves, their loading and calling, are `protocol.rewards` (the
+The reward functions themselves, their loading and calling, are `protocol.usercode.rewards` (the
 scoring tier and `learner check` use them too). Here they run in pebble's
 `ProcessPool`, spawned, not forked from a process holding a model, so the generation
 loop never waits for a reward, and a reward past its limit is killed with its process,
@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 
 from protocol import Prompt
-from protocol.rewards import Scorer, Scores, load_reward
+from protocol.usercode.rewards import Scorer, Scores, load_reward
 
 
 class ScoringPool:

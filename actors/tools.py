@@ -36,8 +36,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.chat import load_environment, load_episode_tools, load_tool
-from protocol.text import printable
+from protocol.usercode.chat import load_environment, load_episode_tools, load_tool
+from protocol.wire.text import printable
 
 
 @dataclass(frozen=True)

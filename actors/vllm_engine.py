@@ -46,7 +46,7 @@ from pathlib import Path
 
 from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample, stop_token_ids
 from protocol import SamplingParams
-from protocol.machine import usable_cores
+from protocol.util.machine import usable_cores
 
 log = logging.getLogger(__name__)
 

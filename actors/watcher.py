@@ -15,7 +15,6 @@ and their files deleted once no queued or running request names them.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import functools
 import logging
@@ -28,33 +27,10 @@ from typing import Any
 
 from actors.engine import Engine, EngineError
 from protocol import AdapterManifest, ProtocolError, Queue, QueueError
-from protocol.store import Store, StoreError, adapter_key, verify
+from protocol.client.adapters import AdapterSource
+from protocol.wire.files import StoreError, verify
 
 log = logging.getLogger(__name__)
-
-
-class AdapterSource(abc.ABC):
-    """Where an actor downloads adapter files from."""
-
-    @abc.abstractmethod
-    def fetch(self, manifest: AdapterManifest, name: str) -> bytes: ...
-
-    @abc.abstractmethod
-    def manifest(self, version: int) -> AdapterManifest:
-        """The manifest of a published version (an older one, for an evaluation)."""
-
-
-class StoreSource(AdapterSource):
-    """Straight from the object store (file://, or s3:// with credentials)."""
-
-    def __init__(self, store: Store) -> None:
-        self.store = store
-
-    def fetch(self, manifest: AdapterManifest, name: str) -> bytes:
-        return self.store.get(adapter_key(manifest.version, name))
-
-    def manifest(self, version: int) -> AdapterManifest:
-        return self.store.read_manifest(version)
 
 
 class ProxySource(AdapterSource):

@@ -56,9 +56,9 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
-from protocol.retry import Backoff
-from protocol.rewards import Scores, unscored
-from protocol.text import printable
+from protocol.usercode.rewards import Scores, unscored
+from protocol.util.retry import Backoff
+from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
 

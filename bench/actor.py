@@ -28,13 +28,14 @@ import fakeredis
 import torch
 
 from actors.hf_engine import TransformersEngine
-from actors.watcher import AdapterWatcher, StoreSource
+from actors.watcher import AdapterWatcher
 from learner.config import LearnerConfig
 from learner.policy import Policy
 from learner.publish import Publisher, PublishJob
 from learner.tiny import QWEN25_05B_SHAPE, save_tiny
-from protocol import QueueConfig, RedisQueue, SamplingParams
-from protocol.store import open_store
+from protocol import QueueConfig, SamplingParams
+from protocol.trusted import RedisQueue
+from protocol.trusted.store import StoreSource, open_store
 
 
 def fake_queue_factory():

@@ -46,20 +46,14 @@ def main() -> None:
     from vllm.lora.request import LoRARequest
 
     from actors.vllm_engine import VLLMEngine
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterWatcher
     from actors.worker import Worker
     from learner.policy import adapter_files
     from learner.tiny import save_tiny
-    from protocol import (
-        Prompt,
-        PromptBatch,
-        QueueConfig,
-        RedisQueue,
-        SamplingParams,
-        open_store,
-        pack_i32,
-    )
-    from protocol.rewards import Scorer, load_reward
+    from protocol import Prompt, PromptBatch, QueueConfig, SamplingParams, pack_i32
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
+    from protocol.usercode.rewards import Scorer, load_reward
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from rollouts import perturbed_policy

@@ -157,13 +157,13 @@ class Soak:
             base, self.logs / "proxy.log")
         self.scorer = Proc("scorer", [
             sys.executable, "-m", "learner.cli", "score", "--queue", self.redis_url, "--run", RUN, "--model", str(self.model),
-            "--reward", "actors.tasks:next_digit", "--abandon-after-s", "5", "--monitoring-interval-s", "2",
+            "--reward", "protocol.usercode.tasks:next_digit", "--abandon-after-s", "5", "--monitoring-interval-s", "2",
             "--maintenance-interval-s", "5", "--redispatch-s", "10"], base, self.logs / "scorer.log")
         self.actor_env = {**base, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert)}
         self.learner = Proc("learner", [
             sys.executable, "-m", "learner.cli", "run", "--queue", self.proxy_url, "--store", self.store,
             "--run", RUN, "--run-dir", str(self.work / "run"), "--model", str(self.model), "--dataset", str(self.data),
-            "--reward", "actors.tasks:next_digit", "--steps", "1000000", "--checkpoint-every", "4",
+            "--reward", "protocol.usercode.tasks:next_digit", "--steps", "1000000", "--checkpoint-every", "4",
             "--groups-per-step", "8", "--prompts-per-batch", str(PPB), "--num-generations", "8",
             "--max-inflight", "32", "--max-staleness", "4", "--max-tokens", "2", "--lora-rank", "8",
             "--learning-rate", "3e-3", "--micro-batch-size", "64", "--startup-timeout-s", "600", "--no-tensorboard"],
@@ -186,7 +186,7 @@ class Soak:
         client.close()
 
     def start_proxy(self) -> None:
-        from protocol.http_queue import wait_for_proxy
+        from protocol.client.http_queue import wait_for_proxy
 
         self.proxy.start()
         wait_for_proxy(self.proxy_url, str(self.cert), self.proxy.popen, timeout_s=60)
@@ -332,8 +332,9 @@ class Soak:
 def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The exact ledger of the run (see the module docstring); `problems` lists every breach.
     `rows` replaces consumed.jsonl (the self-test plants breaches in a copy)."""
-    from protocol import QueueConfig, RedisQueue, group_id_for, open_store
-    from protocol.store import CHECKPOINT_POINTER, checkpoint_key
+    from protocol import QueueConfig, group_id_for
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import CHECKPOINT_POINTER, checkpoint_key
 
     store = open_store(store_url)
     pointer = json.loads(store.get(CHECKPOINT_POINTER))

@@ -48,7 +48,7 @@ def main() -> None:
     from actors.vllm_engine import VLLMEngine
     from learner.tiny import save_tiny
     from protocol import SamplingParams
-    from protocol.chat import load_tools, tool_result_ids, tool_template
+    from protocol.usercode.chat import load_tools, tool_result_ids, tool_template
 
     class Engine(FirstTurnCalls, VLLMEngine):
         FIRST_CALL = '<tool_call>\n{"name": "slow_add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'

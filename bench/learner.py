@@ -45,7 +45,7 @@ from learner.policy import (
 from learner.publish import Publisher, PublishJob
 from learner.tiny import QWEN25_05B_SHAPE, build_tokenizer, save_tiny, synthetic_batch
 from learner.train import train_on
-from protocol.store import open_store
+from protocol.trusted.store import open_store
 
 
 class NullAnnounce:

@@ -40,14 +40,14 @@ from protocol import (
     Prompt,
     PromptBatch,
     QueueConfig,
-    RedisQueue,
     RolloutGroup,
     SamplingParams,
     encode,
     group_id_for,
     pack_i32,
 )
-from protocol.http_queue import HttpQueue, wait_for_proxy
+from protocol.client.http_queue import HttpQueue, wait_for_proxy
+from protocol.trusted import RedisQueue
 from proxy.tls import write_self_signed
 
 TOKENS = {"actor": "a" * 40, "learner": "l" * 40}

@@ -34,6 +34,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import redis
@@ -43,13 +44,13 @@ from protocol import (
     Prompt,
     PromptBatch,
     QueueConfig,
-    RedisQueue,
     RolloutGroup,
     SamplingParams,
     encode,
     group_id_for,
     pack_i32,
 )
+from protocol.trusted import RedisQueue
 
 
 def make_group(batch_id: str, completions: int = 8, tokens: int = 512) -> RolloutGroup:
@@ -102,6 +103,35 @@ def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], in
             time.sleep(0.01)
     client.close()
     return proc, port
+
+
+def start_proxy(work: Path, redis_url: str, store: str, run: str, prefix: Sequence[str] = (),
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
+    """`proxy serve` over TLS on a free loopback port (a self-signed certificate and role
+    tokens written under `work`), answering when this returns: (process, URL, the
+    environment a worker needs: SPOTGRPO_TOKEN and SPOTGRPO_CA_CERT). Workers reach a run
+    only through a proxy."""
+    from protocol.client.http_queue import wait_for_proxy
+
+    repo = Path(__file__).resolve().parents[1]
+    tls = work / "tls"
+    subprocess.run([sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"), "--key",
+                    str(tls / "key.pem"), "--host", "127.0.0.1"], check=True, cwd=repo, stdout=subprocess.DEVNULL)
+    secrets = {role: f"{role}-bench-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
+    (work / "tokens.toml").write_text("".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n'
+                                              for r, s in secrets.items()))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"https://127.0.0.1:{port}"
+    with (work / "proxy.log").open("ab") as log:
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_url, "--store", store, "--run", run,
+             "--tokens", str(work / "tokens.toml"), "--port", str(port), "--tls-cert", str(tls / "cert.pem"),
+             "--tls-key", str(tls / "key.pem"), "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, cwd=repo, env={**(env or os.environ), "PYTHONPATH": str(repo)})
+    wait_for_proxy(url, str(tls / "cert.pem"), proc, timeout_s=60)
+    return proc, url, {"SPOTGRPO_TOKEN": secrets["actor"], "SPOTGRPO_CA_CERT": str(tls / "cert.pem")}
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:

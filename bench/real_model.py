@@ -10,7 +10,7 @@ the learner's dtype costs, and what each engine generates.
   bfloat16) on 16 arithmetic prompts x 8 samples of up to 32 tokens at temperature 0.8.
 - trl: the arithmetic example against TRL's `GRPOTrainer` (synchronous: generate, score,
   step, on the same 2 cores) on the same model, LoRA (r=16, alpha 32), data, reward
-  (`actors.math_reward:accuracy`) and settings (2 prompts x 8 completions of <= 32 tokens
+  (`protocol.usercode.math_reward:accuracy`) and settings (2 prompts x 8 completions of <= 32 tokens
   a step, temperature 0.8, lr 3e-4, token-mean loss, no KL). spotgrpo runs first
   (`learner run --example arithmetic --steps N`); TRL then trains for the same wall time.
   Each reports steps, steps/s, and the held-out greedy pass@1 (48 problems) of its final
@@ -91,8 +91,8 @@ def bench_engine(model: Path) -> None:
 def held_out_pass_at_1(model: Path, adapter: Path | None, rows: list[dict]) -> float:
     """Greedy pass@1 on `rows` with the math reward, as spotgrpo's evaluation computes it."""
     from actors.hf_engine import TransformersEngine
-    from actors.math_reward import accuracy
     from protocol import SamplingParams
+    from protocol.usercode.math_reward import accuracy
 
     engine = TransformersEngine(str(model))
     version = 0
@@ -116,7 +116,7 @@ def bench_trl(model: Path, steps: int) -> None:
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    from actors.math_reward import accuracy
+    from protocol.usercode.math_reward import accuracy
 
     work = Path(tempfile.mkdtemp(prefix="bench-real-"))
     run_dir = work / "spotgrpo"

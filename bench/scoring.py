@@ -44,13 +44,13 @@ from protocol import (
     Prompt,
     PromptBatch,
     QueueConfig,
-    RedisQueue,
     RolloutGroup,
     SamplingParams,
     group_id_for,
     pack_i32,
 )
-from protocol.rewards import Scorer, load_reward
+from protocol.trusted import RedisQueue
+from protocol.usercode.rewards import Scorer, load_reward
 
 
 def batch(run: str, i: int, scoring: str = "trusted") -> PromptBatch:

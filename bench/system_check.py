@@ -87,18 +87,22 @@ def main() -> None:
              "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         time.sleep(0.5)
         queue, store = f"redis://127.0.0.1:{port}/0", (work / "store").as_uri()
+        from bench.queue import start_proxy
+
+        proxy, proxy_url, worker_env = start_proxy(work, queue, store, "check")
+        procs.append(proxy)
         engine = ["--engine", args.engine]
         if args.engine == "vllm":
             engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", "256",
                        "--max-lora-rank", "16", "--dtype", args.dtype]
         with (work / "actor.log").open("wb") as log:
             procs.append(subprocess.Popen(
-                [args.actor_python, "-m", "actors.cli", "run", "--queue", queue, "--store", store, "--run", "check",
-                 "--model", str(model), *engine, "--reward", "actors.tasks:next_digit", "--metrics-port",
-                 str(metrics_port), "--lease-timeout-s", "30"], env=env, stdout=log, stderr=subprocess.STDOUT))
+                [args.actor_python, "-m", "actors.cli", "run", "--queue", proxy_url, "--run", "check",
+                 "--model", str(model), *engine, "--reward", "protocol.usercode.tasks:next_digit", "--metrics-port",
+                 str(metrics_port), "--lease-timeout-s", "30"], env={**env, **worker_env}, stdout=log, stderr=subprocess.STDOUT))
         learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "learner", "run",
                    "--run-name", "check", "--queue", queue, "--store", store, "--model", str(model),
-                   "--dataset", str(data), "--reward", "actors.tasks:next_digit", "--scoring", "actors",
+                   "--dataset", str(data), "--reward", "protocol.usercode.tasks:next_digit", "--scoring", "actors",
                    "--run-dir", str(work / "run"), "--device", args.device, "--dtype", args.dtype,
                    "--steps", str(args.steps), "--max-tokens", "2", "--learning-rate", "3e-3", "--lora-rank", "8",
                    "--groups-per-step", "16", "--prompts-per-batch", "4", "--num-generations", "8",

@@ -51,13 +51,13 @@ REWARD = "bench.vs_trl:digits"
 
 
 def digits(prompts: list, completions: list, answer: list, **_: Any) -> list[float]:
-    """The next-digit task's reward (`actors.tasks:next_digit`: 1 for the right digit first)
+    """The next-digit task's reward (`protocol.usercode.tasks:next_digit`: 1 for the right digit first)
     plus a dense part, half the share of digits in the completion. With the sparse reward
     alone most groups of an untrained model score all 0: spotgrpo drops such groups (no
     advantage, no gradient) and fills its step with others, where TRL trains on them, so a
     step would not be the same work. Takes TRL's completions too (an empty one parses to
     no message)."""
-    from actors.tasks import next_digit
+    from protocol.usercode.tasks import next_digit
 
     texts = [c if isinstance(c, str) else (c[0].get("content", "") if c and isinstance(c[0], dict) else "")
              for c in completions]
@@ -151,18 +151,22 @@ def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> di
 
 # ---------------------------------------------------------------------- spotgrpo
 def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) -> dict[str, Any]:
-    from bench.queue import start_redis, stop
+    from bench.queue import start_proxy, start_redis, stop
 
     redis, rport = start_redis(pinned(LEARNER_CORE, []))
     procs = [redis]
     queue = f"redis://127.0.0.1:{rport}/0"
     run_dir = work / "spotgrpo"
     try:
-        actor_argv = [str(args.vllm_python), "-m", "actors.cli", "run", "--queue", queue, "--run", "vs-trl",
-                      "--store", (work / "store").as_uri(), "--engine", "vllm", "--model", str(model), "--max-lora-rank", "8", "--max-model-len", "256",
+        # the worker reaches the run through the proxy, as every worker does (TRL's reaches vllm serve over HTTP)
+        proxy, proxy_url, worker_env = start_proxy(work, queue, (work / "store").as_uri(), "vs-trl",
+                                                   pinned(LEARNER_CORE, []))
+        procs.append(proxy)
+        actor_argv = [str(args.vllm_python), "-m", "actors.cli", "run", "--queue", proxy_url, "--run", "vs-trl",
+                      "--engine", "vllm", "--model", str(model), "--max-lora-rank", "8", "--max-model-len", "256",
                       "--dtype", "float32", "--reward", REWARD, "--worker-id", "actor-0"]
         with (work / "actor.log").open("wb") as log:  # the child keeps its own copy of the file
-            actor = subprocess.Popen(pinned(GENERATOR_CORE, actor_argv), env=vllm_env(), stdout=log,
+            actor = subprocess.Popen(pinned(GENERATOR_CORE, actor_argv), env={**vllm_env(), **worker_env}, stdout=log,
                                      stderr=subprocess.STDOUT, cwd=work)
         procs.append(actor)
         learner_argv = [

@@ -15,7 +15,7 @@ import msgspec
 
 from learner.config import LearnerConfig
 from protocol import Progress
-from protocol.checks import CheckFailed, Checks
+from protocol.util.checks import CheckFailed, Checks
 
 
 def check(cfg: LearnerConfig) -> int:
@@ -27,9 +27,8 @@ def check(cfg: LearnerConfig) -> int:
         StoreError,
         check_model_path,
         fingerprint_of_model,
-        open_queue,
-        open_store,
     )
+    from protocol.trusted import open_queue, open_store
 
     state: dict[str, Any] = {}
 
@@ -120,7 +119,7 @@ def check(cfg: LearnerConfig) -> int:
         nobody passes, fails now, not on every group of the run."""
         if not cfg.reward:
             return "none given: the actors score with their own (--scoring actors)"
-        from protocol.rewards import RewardError, Scorer, load_reward
+        from protocol.usercode.rewards import RewardError, Scorer, load_reward
 
         try:
             scorer = Scorer([load_reward(spec) for spec in cfg.reward_specs], timeout_s=60.0)

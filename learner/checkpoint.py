@@ -29,7 +29,7 @@ import torch
 
 from learner.ledger import PromptLedger
 from learner.policy import read_adapter_weights
-from protocol.store import (
+from protocol.trusted.store import (
     ADAPTER_WEIGHTS,
     CHECKPOINT_POINTER,
     Store,

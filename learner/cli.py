@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from learner.config import _LOSS_TYPES, SECTIONS, TRL_NAMES, ConfigError, LearnerConfig, load_config
-from protocol.logs import add_logging_flags, setup_logging
+from protocol.util.logs import add_logging_flags, setup_logging
 
 if TYPE_CHECKING:
     from learner.dist import Dist
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
     add_logging_flags(check)
     add_config_flags(check)
-    from learner.score_cli import SCORE_HELP, add_score_flags
+    from learner.scoring.cli import SCORE_HELP, add_score_flags
 
     add_score_flags(sub.add_parser("score", help="Start one worker of the trusted scoring tier (RQ, CPUs only).",
                                    description=SCORE_HELP))
@@ -236,16 +236,10 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
     from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
     from learner.trackers import check_trackers
-    from protocol import (
-        QueueConfig,
-        QueueRefused,
-        QueueUnavailable,
-        check_model_path,
-        connect_queue,
-        open_store,
-    )
-    from protocol.http_queue import confirm_identity
-    from protocol.store import StoreError
+    from protocol import QueueConfig, QueueRefused, QueueUnavailable, check_model_path
+    from protocol.client.http_queue import confirm_identity
+    from protocol.trusted import connect_queue, open_store
+    from protocol.trusted.store import StoreError
 
     stop = threading.Event()
     stop_on_signals(stop)
@@ -313,7 +307,7 @@ def stop_on_signals(stop_requested: threading.Event) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from protocol.rewards import working_folder_on_path
+    from protocol.usercode.rewards import working_folder_on_path
 
     working_folder_on_path()  # user code (--reward, --tools, --environment) imports from here
     parser = build_parser()
@@ -322,8 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if args.command == "score":
-        from learner.score_cli import score
-        from protocol.lifeline import follow_lifeline
+        from learner.scoring.cli import score
+        from protocol.util.lifeline import follow_lifeline
 
         setup_logging(args, libraries=("huggingface_hub",))
         follow_lifeline()  # started by the embedded default: end with it

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from protocol import ChatTurn, Prompt, pack_i32
-from protocol.logs import own_handlers_off
+from protocol.util.logs import own_handlers_off
 
 
 class DataError(ValueError):
@@ -125,7 +125,7 @@ def episode_tools(cfg: Any, tokenizer: Any) -> Tools | None:
     template that offers them (None: single completions). Raises `DataError` with what to do."""
     if not cfg.tools and not cfg.environment:
         return None
-    from protocol.chat import (
+    from protocol.usercode.chat import (
         ToolError,
         ToolTemplateError,
         load_episode_tools,
@@ -171,7 +171,7 @@ class Tools:
 
     functions: list[Callable[..., Any]]
     template: str | None
-    """`protocol.chat.tool_template`: None for the tokenizer's own."""
+    """`protocol.usercode.chat.tool_template`: None for the tokenizer's own."""
     environment: str | None = None
     """The environment's class name (its methods are among `functions`)."""
     max_iterations: int | None = None

@@ -33,7 +33,7 @@ from typing import Any
 from learner.config import LearnerConfig
 from learner.local_system import LocalSystem
 from learner.tasks import REWARD, write_next_digit_dataset
-from protocol.machine import usable_cores
+from protocol.util.machine import usable_cores
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +176,8 @@ def _example(cfg: LearnerConfig, run_dir: Path) -> dict[str, Any]:
 def import_user_code(cfg: LearnerConfig) -> None:
     """Every `--reward`, `--tools` and `--environment` imported here, before any process
     starts, with `learner check`'s messages (the children import them again)."""
-    from protocol.chat import load_episode_tools
-    from protocol.rewards import load_reward
+    from protocol.usercode.chat import load_episode_tools
+    from protocol.usercode.rewards import load_reward
 
     for spec in cfg.reward_specs:
         load_reward(spec)
@@ -248,8 +248,9 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
     from learner.progress import LiveProgress, plot, summarise
-    from protocol import QueueConfig, open_store
-    from protocol.http_queue import HttpQueue
+    from protocol import QueueConfig
+    from protocol.client.http_queue import HttpQueue
+    from protocol.trusted import open_store
 
     console = Console(stderr=True, soft_wrap=True)  # a long line stays one line in a log file
     started = time.monotonic()

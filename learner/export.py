@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from protocol import ProtocolError, open_store
-from protocol.store import (
+from protocol import ProtocolError
+from protocol.trusted import open_store
+from protocol.trusted.store import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     MANIFEST,

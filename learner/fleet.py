@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping, Sequence
 
 from protocol import QueueStats, WorkerStatus
-from protocol.text import printable
+from protocol.wire.text import printable
 
 log = logging.getLogger("learner.fleet")
 

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from learner.config import LearnerConfig
-from protocol.chat import load_environment, owns_reward
-from protocol.lifeline import Lifeline
+from protocol.usercode.chat import load_environment, owns_reward
+from protocol.util.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class LocalSystem:
 
     def _wait_healthy(self) -> None:
         from protocol import QueueUnavailable
-        from protocol.http_queue import wait_for_proxy
+        from protocol.client.http_queue import wait_for_proxy
 
         try:
             wait_for_proxy(self.url, str(self.cert), self.proxy)

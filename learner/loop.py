@@ -45,9 +45,9 @@ from protocol import (
     SamplingParams,
     fingerprint_of_model,
 )
-from protocol.retry import Backoff, retry
-from protocol.store import Store, StoreError
-from protocol.text import printable
+from protocol.trusted.store import Store, StoreError
+from protocol.util.retry import Backoff, retry
+from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from learner.policy import adapter_files
 from protocol import AdapterManifest, Queue, QueueError, QueueUnavailable, to_json
-from protocol.store import (
+from protocol.trusted.store import (
     MANIFEST,
     Store,
     StoreError,

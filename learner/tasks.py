@@ -6,7 +6,7 @@ Next digit.
 A prompt is a run of 3 to 6 consecutive digits counting up, wrapping after 9 ("7890");
 the answer is the digit that comes next ("1"). An untrained model almost never says it
 (about 1 in 60 tokens is that digit), and GRPO with LoRA learns it within a few minutes
-on two CPU cores. The reward (`actors.tasks:next_digit`, run by the actors) gives 1 for
+on two CPU cores. The reward (`protocol.usercode.tasks:next_digit`, run by the actors) gives 1 for
 the right digit first and 0 otherwise; groups that all score the same carry no
 advantage and are dropped (`dropped_flat`), so the learner trains on the others.
 
@@ -23,7 +23,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-REWARD = "actors.tasks:next_digit"
+REWARD = "protocol.usercode.tasks:next_digit"
 
 
 def next_digit_rows(n: int = 2000, seed: int = 0) -> list[dict[str, str]]:
@@ -44,7 +44,7 @@ def write_next_digit_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
 
 # ------------------------------------------------------------------ arithmetic
 
-ARITHMETIC_REWARD = "actors.math_reward:accuracy"
+ARITHMETIC_REWARD = "protocol.usercode.math_reward:accuracy"
 """Scored on the trusted tier: the `answer` column never leaves the trusted side."""
 
 _NAMES = ("Ana", "Ben", "Chen", "Dara", "Eli", "Fatima", "Gus", "Hana", "Ivo", "Jia", "Kofi", "Lena")

@@ -34,7 +34,7 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 """Plain ChatML with no tools section, as SmolLM2-Instruct's (episodes fall back to
-`protocol.chat.HERMES_CHATML` for it)."""
+`protocol.usercode.chat.HERMES_CHATML` for it)."""
 
 
 def build_tokenizer(chatml: bool = False):  # -> PreTrainedTokenizerFast

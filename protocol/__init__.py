@@ -1,23 +1,45 @@
-"""The wire protocol and the queue: the only package the learner, actors and proxy share.
+"""The wire protocol: the only package the learner, actors and proxy share.
 
-Public API: the messages, `encode`/`decode` (MessagePack), `ProtocolError`, the
-`Queue` interface and its Redis transport, `open_queue(url)`, and the object store
-(`open_store(url)`).
+It is split by who may run it (DESIGN.md, "The tree shows the trust boundary"; the
+import contracts in pyproject.toml, checked by `make lint`, hold it there):
 
-`RedisQueue` is imported on first use (PEP 562), not with the package: a spot worker,
-which reaches its queue through the proxy, never imports a Redis client.
+- `protocol.wire`: the messages and their MessagePack codec, errors, key names and the
+  adapter files' layout and digests. msgspec and numpy only.
+- `protocol.client`: the `Queue` interface, the HTTP API's table and the workers' HTTPS
+  client (`HttpQueue`, `open_queue`). What a worker anywhere runs.
+- `protocol.trusted`: the Redis implementation of the queue, the scoring tier's queue
+  and the object store's writers. Only the learner, its tier and the proxy import it;
+  only it imports `redis` or `rq`.
+- `protocol.usercode`: loading user code (rewards, tools, environments, chat
+  templates), the episode transcript, and the built-in tasks and rewards both tiers run.
+- `protocol.util`: logging, the lifeline, the preflight runner, retries, paths, the
+  model fingerprint. The standard library, transformers' config at most.
 
-Besides the protocol, three small modules every command uses live here because this is
-the one package all parts share (the top-level layout is fixed): `logs` (one logging
-set-up and its flags), `lifeline` (children of the embedded run end with it) and
-`checks` (the preflight runner of `learner check` and `actors check`). None imports
-more than the standard library.
+This module re-exports what every part uses: the messages, `encode`/`decode`,
+`ProtocolError` and the queue errors, the `Queue` interface, and the worker's
+`open_queue`/`connect_queue` (https:// only). The trusted side's `RedisQueue`,
+`open_store` and Redis-capable `open_queue` are `protocol.trusted`'s.
 """
 
-from typing import TYPE_CHECKING, Any
-
-from protocol.codec import DEFAULT_LIMITS, Limits, decode, encode, from_json, to_json
-from protocol.errors import (
+from protocol.client.queue import (
+    AdapterEvent,
+    AdapterSubscription,
+    DeadLetter,
+    Delivery,
+    FinishedBatch,
+    Lease,
+    Queue,
+    QueueConfig,
+    QueueStats,
+    StreamStats,
+    SubmitResult,
+    is_entry_id,
+)
+from protocol.client.urls import connect_queue, open_queue
+from protocol.util.fingerprint import fingerprint_of_model, model_fingerprint
+from protocol.util.paths import check_model_path
+from protocol.wire.codec import DEFAULT_LIMITS, Limits, decode, encode, from_json, to_json
+from protocol.wire.errors import (
     LeaseLost,
     LeaseMismatch,
     ProtocolError,
@@ -29,9 +51,9 @@ from protocol.errors import (
     SubmissionRejected,
     VersionConflict,
 )
-from protocol.fingerprint import fingerprint_of_model, model_fingerprint
-from protocol.keys import Keys
-from protocol.messages import (
+from protocol.wire.files import StoreError, StoreMissing
+from protocol.wire.keys import Keys
+from protocol.wire.messages import (
     SCHEMA_VERSION,
     AdapterFile,
     AdapterManifest,
@@ -50,33 +72,6 @@ from protocol.messages import (
     unpack_f32,
     unpack_i32,
 )
-from protocol.queue import (
-    AdapterEvent,
-    AdapterSubscription,
-    DeadLetter,
-    Delivery,
-    FinishedBatch,
-    Lease,
-    Queue,
-    QueueConfig,
-    QueueStats,
-    StreamStats,
-    SubmitResult,
-    is_entry_id,
-)
-from protocol.store import FileStore, S3Store, Store, StoreError, StoreMissing, open_store
-from protocol.urls import check_model_path, connect_queue, open_queue
-
-if TYPE_CHECKING:
-    from protocol.redis_queue import RedisQueue
-
-
-def __getattr__(name: str) -> Any:
-    if name == "RedisQueue":
-        from protocol.redis_queue import RedisQueue
-
-        return RedisQueue
-    raise AttributeError(f"module 'protocol' has no attribute {name!r}")
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -89,7 +84,6 @@ __all__ = [
     "Completion",
     "DeadLetter",
     "Delivery",
-    "FileStore",
     "FinishedBatch",
     "Keys",
     "Lease",
@@ -109,11 +103,8 @@ __all__ = [
     "QueueStats",
     "QueueTLSError",
     "QueueUnavailable",
-    "RedisQueue",
     "RolloutGroup",
-    "S3Store",
     "SamplingParams",
-    "Store",
     "StoreError",
     "StoreMissing",
     "StreamStats",
@@ -131,7 +122,6 @@ __all__ = [
     "is_entry_id",
     "model_fingerprint",
     "open_queue",
-    "open_store",
     "pack_f32",
     "pack_i32",
     "to_json",

@@ -4,7 +4,7 @@ Stateless: every request is served from Redis and the store, so any number of pr
 can run behind a load balancer and a restarted one loses nothing. Leases are taken over
 and poison batches dead-lettered inside the queue's claim, so no janitor is needed.
 
-Each endpoint is declared once in `protocol.api` with the roles that may call it and its
+Each endpoint is declared once in `protocol.client.api` with the roles that may call it and its
 request and response bodies, shared with the HTTPS client; `HANDLERS` binds a handler to
 each, and the app, the auth checks and `/openapi.json` are generated from that table, so
 a route cannot exist without its roles (nor an endpoint without its handler).
@@ -52,13 +52,12 @@ from protocol import (
     QueueError,
     QueueRefused,
     QueueUnavailable,
-    api,
     encode,
     is_entry_id,
 )
-from protocol.api import Endpoint
-from protocol.errors import LeaseLost, status_of
-from protocol.http import (
+from protocol.client import api
+from protocol.client.api import Endpoint
+from protocol.client.http import (
     ACCEPTED_CONTENT_TYPES,
     CONTENT_TYPE,
     ClaimRequest,
@@ -68,7 +67,8 @@ from protocol.http import (
     encode_body,
     schema_components,
 )
-from protocol.store import FileStore, StoreError, StoreMissing, adapter_key
+from protocol.trusted.store import FileStore, StoreError, StoreMissing, adapter_key
+from protocol.wire.errors import LeaseLost, status_of
 from proxy.auth import Token
 from proxy.fairness import OverCap
 from proxy.handlers import (

@@ -13,13 +13,14 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
-from protocol.logs import add_logging_flags, level_of, setup_logging
+from protocol.util.logs import add_logging_flags, level_of, setup_logging
 
 if TYPE_CHECKING:
-    from protocol import QueueConfig, RedisQueue
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue
 
 log = logging.getLogger("proxy")
 
@@ -104,9 +105,10 @@ def check_tls(cert: Path, key: Path) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from protocol import QueueConfig, QueueUnavailable, RedisQueue, open_store
-    from protocol.redis_client import connect_async
-    from protocol.store import StoreError
+    from protocol import QueueConfig, QueueUnavailable
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.redis_client import connect_async, memory_redis
+    from protocol.trusted.store import StoreError
     from proxy.app import build_app
     from proxy.auth import TokenError, Tokens
     from proxy.fairness import HeaderTimeoutProtocol
@@ -132,13 +134,8 @@ def serve(args: argparse.Namespace) -> int:
             raise TokenError("give --tokens FILE or set SPOTGRPO_TOKENS")
         config = QueueConfig(run=args.run, lease_timeout_s=args.lease_timeout_s, max_deliveries=args.max_deliveries)
         if args.redis == "memory://":  # the embedded default: no Redis to install
-            import fakeredis
-
-            server = fakeredis.FakeServer(version=(7, 0))
-            queue = RedisQueue(fakeredis.FakeRedis(server=server), config)
+            queue = RedisQueue(memory_redis(args.memory_redis_port), config)
             rate_storage = "async+memory://"
-            if args.memory_redis_port is not None:
-                share_memory_redis(server, args.memory_redis_port)
         elif args.memory_redis_port is not None:
             raise ValueError("--memory-redis-port: only with --redis memory://")
         else:
@@ -189,11 +186,9 @@ def serve(args: argparse.Namespace) -> int:
 def wait_for_redis(url: str, config: QueueConfig, max_connections: int, timeout_s: float) -> RedisQueue:
     """The run's Redis, waited for up to `timeout_s` (it may start after the proxy, as in
     compose): the learner and the actors wait the same way. Raises QueueUnavailable."""
-    from protocol import (  # the proxy's own Redis: imported where it is used
-        QueueUnavailable,
-        RedisQueue,
-    )
-    from protocol.retry import retry
+    from protocol import QueueUnavailable
+    from protocol.trusted import RedisQueue
+    from protocol.util.retry import retry
 
     def connect() -> RedisQueue:
         queue = RedisQueue.from_url(url, config, max_connections=max_connections)
@@ -214,26 +209,6 @@ def rate_storage_url(redis_url: str, cluster: bool) -> str:
         return "async+" + redis_url
     parts = urlparse(redis_url)
     return f"async+redis+cluster://{parts.netloc}"
-
-
-def share_memory_redis(server: Any, port: int) -> None:
-    """Serve an in-process fakeredis server on loopback (fakeredis's own TCP server)."""
-    import threading
-
-    from fakeredis import TcpFakeServer
-    from fakeredis._clients._tcp_server import TCPFakeRequestHandler
-
-    class NoDelayHandler(TCPFakeRequestHandler):
-        # replies go out one small write each: without TCP_NODELAY a pipelined
-        # transaction waits ~40 ms on the client's delayed ACK (Nagle's algorithm)
-        disable_nagle_algorithm = True
-
-    tcp = TcpFakeServer(("127.0.0.1", port), server_type="redis", server_version=(7, 0))
-    tcp.RequestHandlerClass = NoDelayHandler
-    tcp.fake_server = server  # the proxy's own data, not a second, empty server
-    tcp.daemon_threads = True
-    threading.Thread(target=tcp.serve_forever, name="memory-redis", daemon=True).start()
-    log.info("in-process redis also on redis://127.0.0.1:%d (loopback, for trusted local tools)", port)
 
 
 def selfsigned(args: argparse.Namespace) -> int:
@@ -257,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     setup_logging(args)
-    from protocol.lifeline import follow_lifeline
+    from protocol.util.lifeline import follow_lifeline
 
     follow_lifeline()  # started by the embedded default: end with it
     return serve(args) if args.command == "serve" else selfsigned(args)

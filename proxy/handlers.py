@@ -1,7 +1,7 @@
 """The proxy's endpoints as plain functions: (context, token, decoded body, parameters) ->
 the endpoint's response type, run in a worker thread (a coroutine function, `submit`, on
 the event loop itself); `HANDLERS` binds each to its
-endpoint of `protocol.api`. The HTTP machinery around them (auth, limits, bodies,
+endpoint of `protocol.client.api`. The HTTP machinery around them (auth, limits, bodies,
 errors, streams) is `proxy.app`'s."""
 
 from __future__ import annotations
@@ -16,14 +16,10 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from protocol import (
-    RedisQueue,
-    api,
-    is_entry_id,
-)
-from protocol.api import Endpoint
-from protocol.codec import DEFAULT_LIMITS, Limits
-from protocol.http import (
+from protocol import is_entry_id
+from protocol.client import api
+from protocol.client.api import Endpoint
+from protocol.client.http import (
     CONTENT_TYPE,
     AckRequest,
     AckResponse,
@@ -55,7 +51,9 @@ from protocol.http import (
     WorkersResponse,
     encode_body,
 )
-from protocol.store import FileStore, Store, StoreMissing, adapter_key
+from protocol.trusted import RedisQueue
+from protocol.trusted.store import FileStore, Store, StoreMissing, adapter_key
+from protocol.wire.codec import DEFAULT_LIMITS, Limits
 from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub
 from proxy.fairness import BodyBytes, Holds, SharedRateLimit

@@ -18,7 +18,8 @@ import fakeredis
 import pytest
 import redis
 
-from protocol import Queue, QueueConfig, RedisQueue, RolloutGroup
+from protocol import Queue, QueueConfig, RolloutGroup
+from protocol.trusted import RedisQueue
 
 
 def free_port() -> int:
@@ -349,6 +350,11 @@ TOKENS = {
 }
 
 
+def through_proxy(worker: str, role: str = "actor") -> str:
+    """The name the proxy lists a worker under: its token's name, then the worker's own."""
+    return f"{role}-token/{worker}"
+
+
 @pytest.fixture(scope="session")
 def tls_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from proxy.tls import write_self_signed
@@ -389,7 +395,7 @@ class ProxyProcess:
 
     def start(self) -> ProxyProcess:
         from protocol import QueueUnavailable
-        from protocol.http_queue import wait_for_proxy
+        from protocol.client.http_queue import wait_for_proxy
 
         with self.log.open("ab") as log:  # a file, not a pipe nobody reads (it would fill and block)
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -411,7 +417,7 @@ class ProxyProcess:
         stop_process(self.proc)
 
     def queue(self, role: str, **config: object):
-        from protocol.http_queue import HttpQueue
+        from protocol.client.http_queue import HttpQueue
 
         run = self.cmd[self.cmd.index("--run") + 1]
         return HttpQueue(self.url, TOKENS[role], QueueConfig(run=run, **config), verify=self.ca)

@@ -20,10 +20,12 @@ def main(redis_url: str, run: str, worker_id: str, store: str, model: str) -> No
     from actors.episodes import EpisodeEngine
     from actors.hf_engine import TransformersEngine
     from actors.tools import Toolbox
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterWatcher
     from actors.worker import Worker
-    from protocol import QueueConfig, RedisQueue, open_store
-    from protocol.chat import tool_template
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
+    from protocol.usercode.chat import tool_template
 
     class Engine(FirstTurnCalls, TransformersEngine):
         FIRST_CALL = tool_call("hang", seconds=60)

@@ -24,14 +24,14 @@ from protocol import (
     PromptBatch,
     Queue,
     QueueStats,
-    RedisQueue,
     RolloutGroup,
     SubmitResult,
     WorkerStatus,
 )
-from protocol.http_queue import HttpQueue
-from protocol.queue import AdapterEvent
-from protocol.store import FileStore
+from protocol.client.http_queue import HttpQueue
+from protocol.client.queue import AdapterEvent
+from protocol.trusted import RedisQueue
+from protocol.trusted.store import FileStore
 from proxy.app import build_app
 from proxy.auth import Tokens
 from proxy.handlers import Context, ProxyLimits

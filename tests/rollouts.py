@@ -21,14 +21,14 @@ from protocol import (
     PromptBatch,
     Queue,
     QueueUnavailable,
-    RedisQueue,
     RolloutGroup,
     encode,
     group_id_for,
     unpack_i32,
 )
-from protocol.keys import ACTORS_GROUP
-from protocol.store import Store, adapter_key
+from protocol.trusted import RedisQueue
+from protocol.trusted.store import Store, adapter_key
+from protocol.wire.keys import ACTORS_GROUP
 
 Reward = Callable[[list[int], list[int], str], float]
 

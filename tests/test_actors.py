@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 import torch
 import toy_rewards
-from conftest import kill_process
+from conftest import TOKENS, ProxyProcess, kill_process, through_proxy
 from rollouts import perturbed_policy
 
 from actors.engine import Engine, EngineError
 from actors.hf_engine import TransformersEngine
-from actors.watcher import AdapterWatcher, StoreSource
+from actors.watcher import AdapterWatcher
 from actors.worker import Worker
 from learner.policy import Policy, pack_sequences
 from learner.publish import Publisher, PublishJob
@@ -31,13 +31,12 @@ from protocol import (
     Prompt,
     PromptBatch,
     QueueConfig,
-    RedisQueue,
     SamplingParams,
-    open_store,
     pack_i32,
 )
-from protocol.rewards import RewardError, RewardFn, Scorer, load_reward
-from protocol.store import Store, adapter_key
+from protocol.trusted import RedisQueue, open_store
+from protocol.trusted.store import Store, StoreSource, adapter_key
+from protocol.usercode.rewards import RewardError, RewardFn, Scorer, load_reward
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -332,21 +331,24 @@ def test_a_failing_reward_is_reported_and_the_worker_goes_on(tmp_path: Path, tin
     queue.close()
 
 
-def _actor_cmd(tiny_model: Path, redis_url: str, run: str, store: Path, worker: str, *extra: str) -> list[str]:
+def _actor_cmd(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *extra: str) -> list[str]:
+    """A worker as a user starts one: through the proxy, with an actor token (the proxy's
+    store holds the adapters)."""
     return [
-        sys.executable, "-m", "actors.cli", "run", "--queue", redis_url, "--run", run, "--store", store.as_uri(),
+        sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run,
         "--engine", "transformers", "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
         "--worker-id", worker, "--lease-timeout-s", "2", "--claim-block-s", "0.5", *extra,
     ]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+def _env(proxy: ProxyProcess | None = None) -> dict[str, str]:
+    through = {} if proxy is None else {"SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **through}
 
 
 def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, timeout: float = 90) -> None:
     deadline = time.monotonic() + timeout
-    while queue.stats().leases_by_worker.get(worker, 0) == 0:
+    while queue.stats().leases_by_worker.get(through_proxy(worker), 0) == 0:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "the worker never claimed the batch"
         time.sleep(0.05)
@@ -354,10 +356,12 @@ def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, time
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
+                                                       make_proxy) -> None:
+    proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "2"))
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=4)])
-    victim = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "victim"), cwd=REPO, env=_env(),
+    victim = subprocess.Popen(_actor_cmd(tiny_model, proxy, run_name, "victim"), cwd=REPO, env=_env(proxy),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_lease(queue, "victim", victim)
@@ -366,7 +370,7 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
     finally:
         kill_process(victim)
     assert queue.stats().rollouts.length == 0
-    rescuer = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "rescuer"), cwd=REPO, env=_env(),
+    rescuer = subprocess.Popen(_actor_cmd(tiny_model, proxy, run_name, "rescuer"), cwd=REPO, env=_env(proxy),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -381,7 +385,7 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
         kill_process(rescuer)
     groups = [d.group for d in queue.read_rollouts("t", 100)]
     assert len(groups) == len(PROMPTS) == len({g.group_id for g in groups})
-    assert {g.actor_id for g in groups} == {"rescuer"}
+    assert {g.actor_id for g in groups} == {through_proxy("rescuer")}
     stats = queue.stats()
     assert stats.prompts.length == 0 and stats.dead_letters == 0
     queue.close()
@@ -389,11 +393,13 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
+                                                         make_proxy) -> None:
+    proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "600"))
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=8, max_tokens=200)])
-    proc = subprocess.Popen(_actor_cmd(tiny_model, redis_server.url, run_name, tmp_path, "spot", "--lease-timeout-s", "600"),
-                            cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(_actor_cmd(tiny_model, proxy, run_name, "spot", "--lease-timeout-s", "600"),
+                            cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_lease(queue, "spot", proc)
         sent = time.monotonic()

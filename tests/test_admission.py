@@ -14,7 +14,7 @@ from test_learner import fake_queue_factory, metrics, small_config
 from learner.admission import Admission
 from learner.loop import Learner
 from learner.trainer import Trainer
-from protocol.store import open_store
+from protocol.trusted.store import open_store
 
 
 def test_the_window_moves_with_the_staleness_of_what_arrives() -> None:

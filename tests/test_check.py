@@ -13,7 +13,8 @@ from conftest import TOKENS, kill_process
 from rollouts import perturbed_policy
 
 from learner.publish import Publisher, PublishJob
-from protocol import fingerprint_of_model, open_store
+from protocol import fingerprint_of_model
+from protocol.trusted import open_store
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[1]

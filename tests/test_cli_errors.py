@@ -16,7 +16,8 @@ import pytest
 from conftest import TOKENS, free_port, kill_process
 from factories import batch, write_dataset
 
-from protocol import QueueConfig, RedisQueue, pack_i32
+from protocol import QueueConfig, pack_i32
+from protocol.trusted import RedisQueue
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -91,8 +92,8 @@ def test_a_certificate_that_does_not_verify_is_not_retried(make_proxy, tiny_mode
 
 
 def test_an_unreachable_queue_is_given_up_after_the_start_up_time(tiny_model: Path, tmp_path: Path) -> None:
-    dead = f"redis://127.0.0.1:{free_port()}/0"
-    rc, err, took = _run(_actor(dead, tiny_model, "--store", tmp_path.as_uri(), "--startup-timeout-s", "2"))
+    dead = f"https://127.0.0.1:{free_port()}"
+    rc, err, took = _run(_actor(dead, tiny_model, "--token", "x" * 40, "--startup-timeout-s", "2"))
     assert rc == 1 and took < 30
     _one_line(err, "actors run:", "unreachable")
     rc, err, took = _run(_learner(tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40,
@@ -133,9 +134,13 @@ def test_sigterm_ends_a_learner_waiting_for_its_queue(tiny_model: Path, tmp_path
 
 
 def test_missing_local_models_and_bad_run_dirs_are_named(tiny_model: Path, tmp_path: Path) -> None:
-    rc, err, _ = _run(_actor("redis://127.0.0.1:1/0", tmp_path / "no-model", "--store", tmp_path.as_uri()))
+    rc, err, _ = _run(_actor("https://127.0.0.1:1", tmp_path / "no-model"))
     assert rc == 2
     _one_line(err, "actors run:", "no-model", "no such directory")
+    # a worker never holds the run's Redis: it is told to go through the proxy, before its model loads
+    rc, err, _ = _run(_actor("redis://127.0.0.1:1/0", tiny_model))
+    assert rc == 2
+    _one_line(err, "actors run:", "redis://127.0.0.1:1/0", "through `proxy serve`")
     rc, err, _ = _run(_learner(tmp_path, "redis://127.0.0.1:1/0", "./models/missing"))
     assert rc == 2
     _one_line(err, "learner run:", "./models/missing", "no such directory")

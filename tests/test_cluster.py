@@ -18,10 +18,11 @@ import pytest
 from conftest import TOKENS, RedisClusterNodes, RedisServer, kill_process
 from redis.cluster import RedisCluster
 
-from protocol import QueueConfig, RedisQueue
-from protocol.keys import Keys
-from protocol.redis_client import is_cluster_node
-from protocol.scoring import ScoringQueue
+from protocol import QueueConfig
+from protocol.trusted import RedisQueue
+from protocol.trusted.redis_client import is_cluster_node
+from protocol.trusted.scoring import ScoringQueue
+from protocol.wire.keys import Keys
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}

@@ -59,7 +59,7 @@ def test_anything_else_is_left_to_transformers(change: dict[str, object], tiny_m
 
 def test_a_scorer_does_not_import_torch(tiny_model: Path) -> None:
     # what makes a work horse's fork cheap: 25-37 ms per fork with torch loaded, 9 without
-    code = ("import sys; from learner.detokenize import load_decode; import learner.scoring, learner.score_cli; "
+    code = ("import sys; from learner.detokenize import load_decode; import learner.scoring.tier, learner.scoring.cli; "
             f"d = load_decode({str(tiny_model)!r}); d([5, 6, 7]); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

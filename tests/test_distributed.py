@@ -24,7 +24,8 @@ from learner.config import LearnerConfig
 from learner.loop import CONSUMER
 from learner.policy import Policy
 from learner.train import build_step_batch, plan_micro_batches, train_on
-from protocol import QueueConfig, RedisQueue, open_store
+from protocol import QueueConfig
+from protocol.trusted import RedisQueue, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]

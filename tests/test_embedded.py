@@ -103,7 +103,7 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, 
 @pytest.mark.slow
 def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp_path: Path) -> None:
     """SIGKILL gives the learner no chance to stop what it started: the children follow
-    its lifeline (`protocol.lifeline`) and stop by themselves, the actors handing back;
+    its lifeline (`protocol.util.lifeline`) and stop by themselves, the actors handing back;
     the run's redis-server is told by the kernel (PR_SET_PDEATHSIG)."""
     import psutil
 

@@ -17,7 +17,7 @@ from actors.episodes import EpisodeEngine, episode_request
 from actors.tools import Toolbox
 from learner.tiny import build_tokenizer
 from protocol import ProtocolError, SamplingParams, decode, encode
-from protocol.chat import HERMES_CHATML, ToolError, load_tools, tool_template
+from protocol.usercode.chat import HERMES_CHATML, ToolError, load_tools, tool_template
 
 TOOLS = ["toy_tools:add", "toy_tools:slow_add", "toy_tools:hang", "toy_tools:hog", "toy_tools:divide"]
 
@@ -222,7 +222,7 @@ def test_tools_must_be_typed_and_documented_and_uniquely_named() -> None:
 
 
 def test_a_template_without_tools_falls_back_to_chatml_or_is_refused(tokenizer) -> None:
-    from protocol.chat import ToolTemplateError
+    from protocol.usercode.chat import ToolTemplateError
 
     assert tool_template(tokenizer) is HERMES_CHATML  # plain ChatML, as SmolLM2's
     tokenizer_with_tools = build_tokenizer(chatml=True)
@@ -336,9 +336,11 @@ def test_a_worker_without_the_batchs_tools_hands_it_back_and_stops(tokenizer, re
     import msgspec
     from factories import batch
 
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterWatcher
     from actors.worker import Worker, WorkerRefused
-    from protocol import QueueConfig, RedisQueue, open_store
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=60))
     queue.add_prompts([msgspec.structs.replace(batch(), tools=["add"], scoring="trusted")])
@@ -461,10 +463,11 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
     the episodes end when the environment says so or at the turn limit."""
     import json
 
-    from actors.watcher import StoreSource
     from learner.config import LearnerConfig
-    from protocol import QueueConfig, RedisQueue, open_store
-    from protocol.rewards import Scorer, load_reward
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
+    from protocol.usercode.rewards import Scorer, load_reward
 
     rows = [{"prompt": [{"role": "user", "content": "guess my number"}], "secret": 4 + i % 4} for i in range(8)]
     (tmp_path / "guess.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -506,9 +509,11 @@ def test_the_tier_replays_the_environment_with_the_private_columns_for_its_rewar
     from conftest import read_all
     from factories import batch, trusted
 
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterWatcher
     from actors.worker import Worker
-    from protocol import QueueConfig, RedisQueue, open_store
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=60))
     episodes_batch = msgspec.structs.replace(trusted(batch(), secret=4), tools=["guess", "stall"],
@@ -549,9 +554,11 @@ def test_a_worker_killed_mid_episode_loses_nothing(tmp_path: Path, tiny_chatml_m
     from scripted import FirstTurnCalls
 
     from actors.hf_engine import TransformersEngine
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterWatcher
     from actors.worker import Worker
-    from protocol import QueueConfig, RedisQueue, open_store
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
 
     repo = Path(__file__).resolve().parents[1]
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=2))
@@ -585,7 +592,7 @@ def test_a_worker_killed_mid_episode_loses_nothing(tmp_path: Path, tiny_chatml_m
         Worker(queue, engine, watcher, None, "rescuer", claim_block_s=0.5).work(max_batches=1)
     finally:
         engine.close()
-    from protocol.scoring import ScoringQueue
+    from protocol.trusted.scoring import ScoringQueue
 
     tier = ScoringQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     entries = queue._r.xrange(queue.keys.unscored)  # trusted: the groups wait for the tier

@@ -13,13 +13,15 @@ from factories import write_dataset
 from with_worker import run_with_a_worker
 
 from actors.hf_engine import TransformersEngine
-from actors.watcher import AdapterWatcher, StoreSource
+from actors.watcher import AdapterWatcher
 from actors.worker import Worker
 from learner.config import LearnerConfig
 from learner.evaluate import Evaluator, pass_at_k
 from learner.progress import read_evals
-from protocol import QueueConfig, RedisQueue, open_store
-from protocol.rewards import Scorer, load_reward
+from protocol import QueueConfig
+from protocol.trusted import RedisQueue, open_store
+from protocol.trusted.store import StoreSource
+from protocol.usercode.rewards import Scorer, load_reward
 
 
 def _config(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, **overrides: object) -> LearnerConfig:

@@ -19,7 +19,8 @@ from rollouts import perturbed_policy
 
 from actors.hf_engine import TransformersEngine
 from learner.publish import Publisher, PublishJob
-from protocol import SamplingParams, open_store
+from protocol import SamplingParams
+from protocol.trusted import open_store
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -57,8 +57,9 @@ def test_streams_nobody_reads_are_named_from_the_real_queue(redis_server, run_na
     from factories import batch, groups
 
     from learner.fleet import stalls
-    from protocol import QueueConfig, RedisQueue
-    from protocol.scoring import ScoringQueue
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue
+    from protocol.trusted.scoring import ScoringQueue
 
     q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     assert stalls(q.stats(), run_name, 0, stall_s=0.5) == {}  # nothing issued yet
@@ -108,7 +109,8 @@ def test_a_fleet_view_that_fails_never_stops_the_learner(tmp_path, tiny_model) -
     from test_learner import small_config
 
     from learner.loop import Learner
-    from protocol import ProtocolError, QueueConfig, QueueUnavailable, RedisQueue, open_store
+    from protocol import ProtocolError, QueueConfig, QueueUnavailable
+    from protocol.trusted import RedisQueue, open_store
 
     class Failing(RedisQueue):
         error: Exception = ProtocolError("message: 20971520 bytes exceed the limit of 16777216")

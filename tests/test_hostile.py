@@ -33,8 +33,7 @@ from protocol import (
     SubmissionRejected,
     WorkerStatus,
 )
-from protocol.errors import TooManyWorkers
-from protocol.http import (
+from protocol.client.http import (
     CONTENT_TYPE,
     ErrorResponse,
     SubmitRequest,
@@ -42,8 +41,9 @@ from protocol.http import (
     decode_body,
     encode_body,
 )
-from protocol.http_queue import HttpQueue
-from protocol.text import is_safe, printable
+from protocol.client.http_queue import HttpQueue
+from protocol.wire.errors import TooManyWorkers
+from protocol.wire.text import is_safe, printable
 
 pytestmark = pytest.mark.redis
 
@@ -197,7 +197,7 @@ def test_stream_ids_past_64_bits_are_a_400_not_a_500(proxy) -> None:
 
 
 def _heartbeat():
-    from protocol.http import HeartbeatRequest
+    from protocol.client.http import HeartbeatRequest
 
     return HeartbeatRequest
 
@@ -262,7 +262,7 @@ def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:
 
 
 def _claim():
-    from protocol.http import ClaimRequest
+    from protocol.client.http import ClaimRequest
 
     return ClaimRequest
 
@@ -552,7 +552,7 @@ def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, to
         time.sleep(3)
         assert p.proc.poll() is None, p.log.read_text()[-2000:]
         server.start()
-        from protocol.http_queue import wait_for_proxy
+        from protocol.client.http_queue import wait_for_proxy
 
         wait_for_proxy(p.url, p.ca, p.proc, timeout_s=30)
         assert "redis unreachable, retrying" in p.log.read_text()
@@ -630,7 +630,7 @@ def _one_call_episode(tok, call: str, result: str, answer: str) -> tuple[list[in
 def _episode(tok, turns: list[tuple[str, str]], answer: str) -> tuple[list[int], list[int]]:
     """(tokens, mask) of an episode as an honest actor renders it: each (call, result) a
     turn and the result after it, then a last turn saying `answer`."""
-    from protocol.chat import stop_token_ids, tool_result_ids, tool_template
+    from protocol.usercode.chat import stop_token_ids, tool_result_ids, tool_template
 
     stop = stop_token_ids(tok)
     tokens: list[int] = []

@@ -16,24 +16,24 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import free_port, kill_process
+from conftest import TOKENS, ProxyProcess, free_port, kill_process, through_proxy
 
 from actors.hf_engine import TransformersEngine
 from actors.rewards import ScoringPool
-from actors.watcher import AdapterWatcher, StoreSource
+from actors.watcher import AdapterWatcher
 from actors.worker import Worker
 from protocol import (
     LeaseLost,
     Prompt,
     PromptBatch,
     QueueConfig,
-    RedisQueue,
     RolloutGroup,
     SamplingParams,
     SubmitResult,
-    open_store,
     pack_i32,
 )
+from protocol.trusted import RedisQueue, open_store
+from protocol.trusted.store import StoreSource
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 5]]
@@ -70,7 +70,7 @@ def test_many_leases_in_flight_and_groups_streamed_as_they_finish(tmp_path: Path
     queue.add_prompts([_batch(f"b{i}") for i in range(6)])
     engine = TransformersEngine(str(tiny_model), max_batch_sequences=4)  # one group per generate call
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
-    from protocol.rewards import Scorer, load_reward
+    from protocol.usercode.rewards import Scorer, load_reward
 
     worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
                     claim_block_s=0.2, max_num_seqs=3 * len(PROMPTS) * 4)  # room for three leases
@@ -134,22 +134,25 @@ def test_a_partial_submission_racing_a_takeover_stores_each_group_once(redis_ser
     q.close()
 
 
-def _actor(tiny_model: Path, redis_url: str, run: str, store: Path, worker: str, *extra: str) -> list[str]:
+def _actor(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *extra: str) -> list[str]:
+    """A worker as a user starts one: through the proxy, with an actor token (the proxy's
+    store holds the adapters)."""
     return [
-        sys.executable, "-m", "actors.cli", "run", "--queue", redis_url, "--run", run, "--store", store.as_uri(),
+        sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run,
         "--engine", "transformers", "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
         "--worker-id", worker, "--lease-timeout-s", "2", "--claim-block-s", "0.2", "--max-batch-sequences", "4",
         "--max-num-seqs", str(3 * len(PROMPTS) * 4), *extra,
     ]
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
+def _env(proxy: ProxyProcess | None = None) -> dict[str, str]:
+    through = {} if proxy is None else {"SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **through}
 
 
 def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Popen) -> None:
     deadline = time.monotonic() + 120
-    while queue.stats().leases_by_worker.get(worker, 0) < n:
+    while queue.stats().leases_by_worker.get(through_proxy(worker), 0) < n:
         assert proc.poll() is None, proc.communicate()[0][-3000:]
         assert time.monotonic() < deadline, "the worker never held the leases"
         time.sleep(0.05)
@@ -158,15 +161,16 @@ def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Po
 @pytest.mark.redis
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
 def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
-                                                      signum: int) -> None:
+                                                      signum: int, make_proxy) -> None:
     """SIGKILL: the leases expire and another worker finishes them. SIGTERM: they are
     handed back at once (the other worker needs no lease timeout). Either way every
     group is stored exactly once."""
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600 if signum == signal.SIGTERM else 2))
     queue.add_prompts([_batch(f"b{i}", max_tokens=4) for i in range(4)])
     timeout = "600" if signum == signal.SIGTERM else "2"
-    victim = subprocess.Popen(_actor(tiny_model, redis_server.url, run_name, tmp_path, "victim", "--lease-timeout-s", timeout),
-                              cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", timeout))
+    victim = subprocess.Popen(_actor(tiny_model, proxy, run_name, "victim", "--lease-timeout-s", timeout),
+                              cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for_leases(queue, "victim", 3, victim)
         sent = time.monotonic()
@@ -178,8 +182,8 @@ def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model
             # handed back, not expired: the rescuer below gets them at once despite the 600 s lease
     finally:
         kill_process(victim)
-    rescuer = subprocess.Popen(_actor(tiny_model, redis_server.url, run_name, tmp_path, "rescuer", "--lease-timeout-s", timeout),
-                               cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rescuer = subprocess.Popen(_actor(tiny_model, proxy, run_name, "rescuer", "--lease-timeout-s", timeout),
+                               cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180
         while queue.stats().prompts.length:
@@ -213,7 +217,7 @@ class DyingEngine(TransformersEngine):
 @pytest.mark.redis
 def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     from actors.worker import WorkerEngineDead
-    from protocol.rewards import Scorer, load_reward
+    from protocol.usercode.rewards import Scorer, load_reward
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([_batch(f"b{i}") for i in range(3)])
@@ -230,17 +234,17 @@ def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: 
 
 @pytest.mark.redis
 def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp_path: Path, redis_server,
-                                                           run_name: str) -> None:
+                                                           run_name: str, make_proxy) -> None:
+    proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "600"))
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([_batch(f"b{i}", max_tokens=200) for i in range(4)])
-    cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", redis_server.url, "--run", run_name,
-           "--store", tmp_path.as_uri(), "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
+    cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run_name, "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
            "--worker-id", "box", "--lease-timeout-s", "600", "--claim-block-s", "0.2", "--max-num-seqs", "16",
            "--metrics-port", str(port := free_port()), "--gpus", "0,1"]
-    parent = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    parent = subprocess.Popen(cmd, cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
-        while set(queue.stats().leases_by_worker) != {"box-gpu0", "box-gpu1"}:
+        while set(queue.stats().leases_by_worker) != {through_proxy("box-gpu0"), through_proxy("box-gpu1")}:
             assert parent.poll() is None, parent.communicate()[0][-3000:]
             assert time.monotonic() < deadline, queue.stats()
             time.sleep(0.1)
@@ -254,7 +258,7 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp
     assert parent.returncode == 0, out[-3000:]
     assert len(queue.claim("other", 10)) == 4  # both handed their leases back
     queue.close()
-    bad = subprocess.run([*cmd[:-1], "0,x"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*cmd[:-1], "0,x"], cwd=REPO, env=_env(proxy), capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--gpus" in bad.stderr
 
 
@@ -263,7 +267,7 @@ def test_prompts_sent_as_text_are_tokenized_by_the_actor(tmp_path: Path, tiny_mo
                                                          run_name: str) -> None:
     from factories import batch
 
-    from protocol.rewards import Scorer, load_reward
+    from protocol.usercode.rewards import Scorer, load_reward
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     queue.add_prompts([batch(0)])  # text only, no token ids

@@ -32,15 +32,14 @@ from protocol import (
     Completion,
     PromptBatch,
     QueueConfig,
-    RedisQueue,
     RolloutGroup,
     SamplingParams,
     group_id_for,
-    open_store,
     pack_i32,
     unpack_i32,
 )
-from protocol.store import MANIFEST, adapter_key, verify
+from protocol.trusted import RedisQueue, open_store
+from protocol.trusted.store import MANIFEST, adapter_key, verify
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -501,7 +500,7 @@ def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Pat
 def test_store_failures_are_retried_and_training_goes_on(tmp_path: Path, tiny_model: Path) -> None:
     """The store refuses the first writes of each checkpoint (as S3 does with 503 Slow
     Down): the writes are retried with backoff and every checkpoint lands."""
-    from protocol.store import FileStore, StoreError
+    from protocol.trusted.store import FileStore, StoreError
 
     class FlakyStore(FileStore):
         def __init__(self, root: Path) -> None:
@@ -535,9 +534,9 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
 
     from transformers import AutoTokenizer
 
-    from learner import scoring
-    from protocol.rewards import Scorer, load_reward
-    from protocol.scoring import ScoringQueue
+    from learner.scoring import tier as scoring
+    from protocol.trusted.scoring import ScoringQueue
+    from protocol.usercode.rewards import Scorer, load_reward
 
     cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2, reward=["toy_rewards:digit_first"])
     server = fakeredis.FakeServer(version=(7, 0))

@@ -161,7 +161,7 @@ def test_a_read_of_many_groups_refuses_the_bad_one_alone_and_names_its_field(
         mutate: Callable[[dict[str, Any]], None], field: str) -> None:
     """`decode_each` checks the groups' arrays together (one pass for all): a bad group
     among good ones is refused as `decode` refuses it, the others come through."""
-    from protocol.codec import decode_each
+    from protocol.wire.codec import decode_each
 
     goods = [group(batch(i), completions=3) for i in range(4)]
     bad = as_dict(group(batch(9)))
@@ -180,7 +180,7 @@ def test_every_log_probability_at_or_below_zero_passes_on_either_path(logprob: f
     """The values a float32 log-probability may take, in a group alone and in a read of
     several (where one integer reduction passes the usual ones and the rest are checked as
     floats: +0.0 is one)."""
-    from protocol.codec import decode_each
+    from protocol.wire.codec import decode_each
 
     g = group(batch())
     d = as_dict(g)
@@ -190,7 +190,7 @@ def test_every_log_probability_at_or_below_zero_passes_on_either_path(logprob: f
 
 
 def test_a_negative_nan_log_probability_is_refused_on_either_path() -> None:
-    from protocol.codec import decode_each
+    from protocol.wire.codec import decode_each
 
     d = as_dict(group(batch()))
     d["completions"][0]["logprobs"] = pack_f32([-0.5, -0.5, -0.5]) + np.array([0xFFC00000], dtype="<u4").tobytes()

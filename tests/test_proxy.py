@@ -25,12 +25,11 @@ from protocol import (
     ProtocolError,
     QueueConfig,
     QueueUnavailable,
-    RedisQueue,
     encode,
     to_json,
 )
-from protocol.api import ENDPOINTS
-from protocol.http import (
+from protocol.client.api import ENDPOINTS
+from protocol.client.http import (
     CONTENT_TYPE,
     AckRequest,
     ClaimRequest,
@@ -38,8 +37,9 @@ from protocol.http import (
     SubmitRequest,
     encode_body,
 )
-from protocol.http_queue import QueueForbidden
-from protocol.store import StoreMissing, adapter_key, file_entry, open_store
+from protocol.client.http_queue import QueueForbidden
+from protocol.trusted import RedisQueue
+from protocol.trusted.store import StoreMissing, adapter_key, file_entry, open_store
 from proxy.auth import TokenError, Tokens
 
 pytestmark = pytest.mark.redis
@@ -302,7 +302,7 @@ def test_the_client_goes_through_the_environments_http_proxy(make_proxy, monkeyp
     """Actors behind a firewall reach the proxy through HTTPS_PROXY, less NO_PROXY, as
     httpx's own client would: here an HTTP proxy that is not there, so a call can only
     succeed where NO_PROXY names the host."""
-    from protocol.http_queue import environment_proxy
+    from protocol.client.http_queue import environment_proxy
 
     proxy = make_proxy()
     with socket.socket() as s:
@@ -329,7 +329,7 @@ def test_an_http_proxy_named_with_credentials_is_sent_them() -> None:
     import base64
     import ssl
 
-    from protocol.http_queue import _api_pool
+    from protocol.client.http_queue import _api_pool
 
     context = ssl.create_default_context()
     pool = _api_pool(context, "http://fleet:p%40ss@127.0.0.1:3128", read_s=5.0)
@@ -370,7 +370,7 @@ def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_ser
     _manifest(store, 2)
     actor = proxy.queue("actor")
     with _client(proxy, "actor") as client:
-        from protocol.http import AdapterDownload, decode_body
+        from protocol.client.http import AdapterDownload, decode_body
 
         download = decode_body(client.get("/v1/adapters/2").content, AdapterDownload)
     assert not download.proxied and all("Signature" in u for u in download.urls.values())
@@ -457,8 +457,8 @@ def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(mak
     learner.announce(_manifest(store, 1))
     assert sub.get(10).version == 1
     proxy.kill()  # the event stream drops
-    direct = __import__("protocol").RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1],
-                                                         __import__("protocol").QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1]))
+    direct = RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1],
+                                 QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1]))
     direct.announce(_manifest(store, 2))  # announced while the proxy is down
     direct.announce(_manifest(store, 3))
     proxy.start()  # same port

@@ -18,11 +18,11 @@ from protocol import (
     LeaseLost,
     LeaseMismatch,
     QueueConfig,
-    RedisQueue,
     VersionConflict,
     WorkerStatus,
     encode,
 )
+from protocol.trusted import RedisQueue
 
 LEASE_S = 0.3
 
@@ -272,7 +272,7 @@ def test_slow_worker_cannot_submit_a_lease_taken_over(make_queue) -> None:
 
 def test_a_blocked_reader_wakes_for_stored_groups_only_and_no_gate_outlives_a_submit(make_queue, backend) -> None:
     """A submission stores its groups through a gate that renames the rollouts stream inside
-    one MULTI/EXEC (`protocol.redis_lua.SUBMIT`): a learner blocked on the stream is not
+    one MULTI/EXEC (`protocol.trusted.redis_lua.SUBMIT`): a learner blocked on the stream is not
     disturbed by a refused or a duplicate submission, wakes for a stored group, and nothing
     of the gate is left after any kind of submission."""
     q, learner = make_queue(), make_queue()

@@ -19,12 +19,12 @@ from protocol import (
     ProtocolError,
     QueueConfig,
     QueueUnavailable,
-    RedisQueue,
     SubmitResult,
 )
-from protocol.keys import ACTORS_GROUP, LEARNER_GROUP
-from protocol.redis_calls import aio_transaction
-from protocol.redis_client import connect_async
+from protocol.trusted import RedisQueue
+from protocol.trusted.redis_calls import aio_transaction
+from protocol.trusted.redis_client import connect_async
+from protocol.wire.keys import ACTORS_GROUP, LEARNER_GROUP
 
 pytestmark = pytest.mark.redis
 
@@ -88,7 +88,7 @@ def test_queue_recreates_its_groups_after_redis_restarts_empty(make_server, requ
 
 
 # The queue keeps one connection of its pool checked out for its reads and transactions
-# (`protocol.redis_calls`); these try to break what the pool did for it.
+# (`protocol.trusted.redis_calls`); these try to break what the pool did for it.
 
 def _queue_on_own_server(make_server, request: pytest.FixtureRequest, run: str, batches: int = 1) -> tuple[RedisQueue, int]:
     """A queue on a private redis-server (and its port), `batches` prompt batches added."""

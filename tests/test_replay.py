@@ -8,8 +8,8 @@ import time
 
 from toy_tools import Hungry, ScoredGuess
 
-from learner import replay
-from protocol.chat import ToolCall
+from learner.scoring import replay
+from protocol.usercode.chat import ToolCall
 
 LIMITS = replay.ReplayLimits(call_timeout_s=0.5, memory_mb=256)
 

@@ -1,4 +1,4 @@
-"""The one retry policy (`protocol.retry`): what every loop that waits out an outage uses."""
+"""The one retry policy (`protocol.util.retry`): what every loop that waits out an outage uses."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from protocol.retry import Backoff, retry
+from protocol.util.retry import Backoff, retry
 
 
 def test_backoff_doubles_to_its_cap_and_resets() -> None:

@@ -6,8 +6,8 @@ import factories
 import msgspec
 import pytest
 
-from actors.math_reward import accuracy
-from protocol.rewards import Scorer, load_reward
+from protocol.usercode.math_reward import accuracy
+from protocol.usercode.rewards import Scorer, load_reward
 
 
 def test_math_accuracy_on_gsm8k_style_answers() -> None:
@@ -23,7 +23,7 @@ def test_math_accuracy_on_gsm8k_style_answers() -> None:
 
 
 def test_math_accuracy_loads_as_a_reward_and_scores_a_group() -> None:
-    scorer = Scorer([load_reward("actors.math_reward:accuracy")], timeout_s=5.0)  # a thread: no SIGALRM
+    scorer = Scorer([load_reward("protocol.usercode.math_reward:accuracy")], timeout_s=5.0)  # a thread: no SIGALRM
     prompt = factories.batch(0, 1).prompts[0]  # columns: answer "1"
     scores = scorer.score(prompt, "", ["it is 1", "it is 2"], [[1], [2]])
     assert scores.error is None and scores.rewards == [1.0, 0.0]
@@ -60,8 +60,8 @@ def test_trl_extras_reach_a_reward_that_takes_them_and_only_such_a_one() -> None
 
 
 def test_logged_metrics_are_bounded_and_named_safely() -> None:
-    from protocol.messages import MAX_LOGGED_METRICS
-    from protocol.rewards import RewardFn
+    from protocol.usercode.rewards import RewardFn
+    from protocol.wire.messages import MAX_LOGGED_METRICS
 
     def noisy(prompts, completions, log_metric, **_):
         for i in range(40):

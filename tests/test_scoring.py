@@ -16,10 +16,11 @@ import factories
 import msgspec
 import pytest
 import redis
-from conftest import RedisServer, kill_process, read_all
+from conftest import TOKENS, RedisServer, kill_process, read_all
 
-from protocol import FinishedBatch, PromptBatch, QueueConfig, RedisQueue
-from protocol.scoring import ScoringQueue
+from protocol import FinishedBatch, PromptBatch, QueueConfig
+from protocol.trusted import RedisQueue
+from protocol.trusted.scoring import ScoringQueue
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
@@ -211,12 +212,14 @@ def test_a_dead_lettered_trusted_batch_drops_its_private_prompts(redis_server: R
 
 
 def test_an_actor_without_rewards_refuses_a_batch_the_actors_must_score(queue: RedisQueue, tiny_model: Path,
-                                                                         tmp_path: Path) -> None:
+                                                                         make_proxy) -> None:
+    proxy = make_proxy()
     queue.add_prompts([factories.batch(0)])
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "run", "--queue", queue_url(queue), "--run", queue.config.run,
-         "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model), "--claim-block-s", "1"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+        [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", queue.config.run,
+         "--model", str(tiny_model), "--claim-block-s", "1"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca})
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "start this worker with --reward" in proc.stderr
     # and the lease went back at once, for a worker that can score it
@@ -234,11 +237,11 @@ def test_learner_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServ
                               capture_output=True, text=True,
                               timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
 
-    proc = score("--redis", "https://proxy:8443", "--reward", "actors.tasks:next_digit")
+    proc = score("--redis", "https://proxy:8443", "--reward", "protocol.usercode.tasks:next_digit")
     assert proc.returncode == 2 and "never through the proxy" in proc.stderr
-    # the earlier name of the command is the same command
-    proc = score("--queue", "https://proxy:8443", "--reward", "actors.tasks:next_digit", cli="actors.cli")
-    assert proc.returncode == 2 and proc.stderr.startswith("actors score: --queue") and "never through" in proc.stderr
+    # the command's earlier name only says where it went: a worker's package holds no Redis client
+    proc = score("--queue", "https://proxy:8443", "--reward", "protocol.usercode.tasks:next_digit", cli="actors.cli")
+    assert proc.returncode == 2 and proc.stderr.startswith("actors score: the trusted scoring tier is `learner score`")
     proc = score("--redis", redis_server.url, "--reward", "no_such_module:f")
     assert proc.returncode == 2 and "cannot import no_such_module" in proc.stderr
     proc = score("--redis", redis_server.url)
@@ -281,8 +284,8 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     """A scored copy past the wire's limits (here: a tokenizer whose text outgrows what the
     actor sent) leaves the unscored stream for the dead letters with its reason and its
     group, at once and never again; the job's other group is stored."""
-    from learner import scoring
-    from protocol.rewards import Scorer, load_reward
+    from learner.scoring import tier as scoring
+    from protocol.usercode.rewards import Scorer, load_reward
 
     gids = submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
@@ -314,7 +317,7 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
 def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: RedisQueue, run_name: str,
                                                                         redis_server: RedisServer,
                                                                         tiny_model: Path) -> None:
-    from learner.scoring import NameTaken, free_name
+    from learner.scoring.tier import NameTaken, free_name
 
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
     key = f"rq:worker:spotgrpo:{run_name}:scorer-h-1"
@@ -351,7 +354,7 @@ def test_a_scheduler_that_ignores_sigterm_does_not_hold_the_warm_shutdown_foreve
 
     import fakeredis
 
-    from learner.scoring import ScoringWorker
+    from learner.scoring.tier import ScoringWorker
 
     worker = ScoringWorker(["q"], connection=fakeredis.FakeRedis())
     worker.SCHEDULER_STOP_S = 1.0
@@ -369,7 +372,7 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
     worker and scheduler say so in one line each (they printed tracebacks)."""
     import logging
 
-    from learner.scoring import RedisGoneInOneLine, _scheduler_run
+    from learner.scoring.tier import RedisGoneInOneLine, _scheduler_run
 
     class Scheduler:
         log = logging.getLogger("rq.scheduler")
@@ -399,9 +402,9 @@ def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_r
     from with_worker import run_with_a_worker
 
     from actors.hf_engine import TransformersEngine
-    from actors.watcher import StoreSource
     from learner.config import LearnerConfig
-    from protocol import open_store
+    from protocol.trusted import open_store
+    from protocol.trusted.store import StoreSource
 
     scorers(reward="toy_rewards:scheduled")
     cfg = LearnerConfig(
@@ -427,7 +430,7 @@ def test_a_busy_tier_gets_fuller_jobs(queue: RedisQueue, run_name: str) -> None:
     from rq import Queue as RQQueue
     from rq.serializers import JSONSerializer
 
-    from learner import scoring
+    from learner.scoring import tier as scoring
 
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
     rq = RQQueue(scoring.rq_queue_name(run_name), connection=sq.client, serializer=JSONSerializer)
@@ -469,7 +472,7 @@ def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going
     from rq import Queue as RQQueue
     from rq.serializers import JSONSerializer
 
-    from learner.scoring import Dispatcher
+    from learner.scoring.tier import Dispatcher
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -478,7 +481,7 @@ def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going
     rq = RQQueue("gone", connection=redis.Redis(port=port, socket_connect_timeout=1), serializer=JSONSerializer)
     dispatcher = Dispatcher(sq, rq, "d", lambda ids: "", job_timeout_s=1.0, retries=0, retry_backoff_s=0.1,
                             sweep_s=0.1)
-    with caplog.at_level(logging.INFO, logger="learner.scoring"):
+    with caplog.at_level(logging.INFO, logger="learner.scoring.tier"):
         dispatcher.start()
         deadline = time.monotonic() + 10
         while "redis unavailable" not in caplog.text and time.monotonic() < deadline:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from protocol import AdapterManifest, ProtocolError, from_json
-from protocol.store import (
+from protocol.trusted.store import (
     MANIFEST,
     FileStore,
     Store,

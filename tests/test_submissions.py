@@ -176,11 +176,12 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     )
     from toy_rewards import digit_first
 
-    from learner import scoring
-    from protocol import Limits, ProtocolError, QueueConfig, QueueRefused, RedisQueue, group_id_for
-    from protocol.keys import ACTORS_GROUP
-    from protocol.rewards import RewardFn, Scorer
-    from protocol.scoring import ScoringQueue
+    from learner.scoring import tier as scoring
+    from protocol import Limits, ProtocolError, QueueConfig, QueueRefused, group_id_for
+    from protocol.trusted import RedisQueue
+    from protocol.trusted.scoring import ScoringQueue
+    from protocol.usercode.rewards import RewardFn, Scorer
+    from protocol.wire.keys import ACTORS_GROUP
 
     # small messages, so an oversized group is cheap to make: 56,320 bytes for 4 completions
     limits = Limits(max_message_bytes=64 * 1024, scoring_room_bytes=8 * 1024, scoring_room_per_completion=256)
@@ -372,7 +373,7 @@ def test_only_groups_decoded_with_the_queues_bounds_skip_validation(make_queue) 
     validated twice. Anything else is: a group built in code with a bound msgspec checks
     only on decoding, one decoded with other bounds, or one named after another worker."""
     from protocol import Limits, ProtocolError
-    from protocol.codec import DEFAULT_LIMITS
+    from protocol.wire.codec import DEFAULT_LIMITS
 
     q = make_queue()
     q.add_prompts([batch(0)])

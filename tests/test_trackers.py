@@ -17,7 +17,8 @@ from rollouts import SyntheticActor
 
 from learner.config import ConfigError, load_config
 from learner.trackers import TrackerError, check_trackers
-from protocol import QueueConfig, RedisQueue, open_store
+from protocol import QueueConfig
+from protocol.trusted import RedisQueue, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,11 +12,22 @@ from scripted import LOGP, ScriptedEngine, tool_call
 
 from actors.episodes import EpisodeEngine
 from actors.tools import Toolbox
-from learner.tier_episodes import EpisodeReader, read_episodes, recounted
+from learner.scoring.episodes import EpisodeReader, read_episodes, recounted
 from learner.tiny import build_tokenizer
 from protocol import Completion
-from protocol.chat import HERMES_CHATML, model_turn_calls, parse_turn, stop_token_ids, tool_template
-from protocol.transcript import TranscriptError, answered_calls, read_transcript, replay_reward
+from protocol.usercode.chat import (
+    HERMES_CHATML,
+    model_turn_calls,
+    parse_turn,
+    stop_token_ids,
+    tool_template,
+)
+from protocol.usercode.transcript import (
+    TranscriptError,
+    answered_calls,
+    read_transcript,
+    replay_reward,
+)
 
 TOOLS = ["toy_tools:add", "toy_tools:hang"]
 
@@ -43,7 +54,7 @@ def ids(tokenizer, text: str) -> list[int]:
 
 
 def prompt(tokenizer) -> list[int]:
-    from protocol.chat import load_tools
+    from protocol.usercode.chat import load_tools
 
     text = tokenizer.apply_chat_template([{"role": "user", "content": "what is 2+3"}], add_generation_prompt=True,
                                          tokenize=False, chat_template=HERMES_CHATML, tools=load_tools(TOOLS))

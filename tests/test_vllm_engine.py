@@ -176,10 +176,12 @@ def test_the_worker_keeps_several_leases_in_the_vllm_engine(
     from test_inflight import PROMPTS as LEASE_PROMPTS
     from test_inflight import RecordingQueue, _batch
 
-    from actors.watcher import AdapterWatcher, StoreSource
+    from actors.watcher import AdapterWatcher
     from actors.worker import Worker
-    from protocol import QueueConfig, RedisQueue, open_store
-    from protocol.rewards import Scorer, load_reward
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+    from protocol.trusted.store import StoreSource
+    from protocol.usercode.rewards import Scorer, load_reward
 
     for leftover in engine.loaded_versions():
         engine.evict_adapter(leftover)

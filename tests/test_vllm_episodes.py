@@ -26,7 +26,7 @@ from actors.tools import Toolbox  # noqa: E402
 from actors.vllm_engine import VLLMEngine  # noqa: E402
 from learner.policy import adapter_files  # noqa: E402
 from protocol import SamplingParams  # noqa: E402
-from protocol.chat import HERMES_CHATML, load_tools, tool_template  # noqa: E402
+from protocol.usercode.chat import HERMES_CHATML, load_tools, tool_template  # noqa: E402
 
 
 class Engine(FirstTurnCalls, VLLMEngine):

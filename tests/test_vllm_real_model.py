@@ -26,7 +26,8 @@ from actors.vllm_engine import VLLMEngine  # noqa: E402
 from learner.models import make_model  # noqa: E402
 from learner.policy import adapter_files  # noqa: E402
 from learner.publish import Publisher, PublishJob  # noqa: E402
-from protocol import SamplingParams, open_store  # noqa: E402
+from protocol import SamplingParams  # noqa: E402
+from protocol.trusted import open_store  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

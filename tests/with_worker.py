@@ -14,7 +14,8 @@ from actors.watcher import AdapterSource, AdapterWatcher
 from actors.worker import Scoring, Worker
 from learner.config import LearnerConfig
 from learner.loop import Learner
-from protocol import QueueConfig, RedisQueue, open_store
+from protocol import QueueConfig
+from protocol.trusted import RedisQueue, open_store
 
 
 def run_with_a_worker(cfg: LearnerConfig, actor_queue: Any, source: AdapterSource, engine: Engine,

@@ -1,0 +1,302 @@
+"""Reward functions with TRL's signature, loaded from `module:function[=weight]`.
+
+`fn(prompts, completions, **columns) -> list[float | None]` (or an `async def`, awaited
+in an event loop of its own: a reward that calls an HTTP service), called once per group:
+`prompts` has the prompt once per completion (a string, or the list of chat messages
+for conversational data), `completions` the completion texts (for conversational data,
+`[{"role": "assistant", "content": text}]` each, as TRL passes them), plus
+`completion_ids` and the data set's other columns, each as a list aligned with the
+completions. So TRL's own reward helpers (`trl.rewards:accuracy_reward`, ...) and a TRL
+user's functions work unchanged. A function that takes them (by name, or `**kwargs`) also
+gets TRL's `trainer_state` (`global_step`, `max_steps`, `epoch`: where the learner stood
+when it issued the prompt, at most `max_staleness` steps before it trains on the group;
+`None` where that is unknown), `log_metric(name, value)` (the value, averaged over the
+step's groups, is a metric of the step under that name) and `log_extra(column, values)`
+(accepted, and not shown: the learner draws its completions table from the tokens it
+trains on, and these columns do not travel).
+
+`None` from a function means it abstains for that completion (TRL's convention); the
+total is the weighted sum of the others. A function that raises, returns the wrong
+shape or a non-finite value, or runs past its time limit fails the whole group with
+the error text: such a group is never recorded as reward 0.
+
+Where rewards run: the trusted scoring tier (`learner score`, an RQ job per group), an
+actor's `actors.rewards.ScoringPool` (worker processes beside the engine), or
+`Scorer.submit` inline (a thread per call; a hung reward's thread is abandoned, not
+killed). `learner check` calls them here on a row of the data set. This module needs
+nothing beyond the standard library and the protocol, so all three can use it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import importlib
+import inspect
+import math
+import numbers
+import os
+import re
+import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from protocol import Prompt
+from protocol.wire.messages import MAX_LOGGED_METRICS
+from protocol.wire.text import printable
+
+_SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*?)[:.](?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
+"""`module:function[=weight]`, or TRL's dotted `module.function`."""
+
+
+T = TypeVar("T")
+
+
+class RewardError(ValueError):
+    """A reward specification cannot be loaded."""
+
+
+TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric")
+"""The keyword arguments TRL adds to the data set's columns for a reward function."""
+
+
+class RewardRefused(Exception):
+    """A reward that cannot be computed for this group and would fail the same way again
+    (an environment's replay past its limits): the group fails at once, never retried."""
+
+
+@dataclass(frozen=True)
+class RewardFn:
+    name: str
+    fn: Callable[..., Any]
+    weight: float = 1.0
+
+    @functools.cached_property
+    def extras(self) -> frozenset[str]:
+        """Which of TRL's extra keyword arguments the function accepts (by name, or all of
+        them through `**kwargs`): read from its signature once, not per group."""
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or a C function: nothing extra
+            return frozenset()
+        return frozenset(k for k in TRL_EXTRAS if any(
+            p.kind is p.VAR_KEYWORD or (p.name == k and p.kind is not p.POSITIONAL_ONLY) for p in params))
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """The part of TRL's `TrainerState` a reward function reads (from `Progress`)."""
+
+    global_step: int
+    max_steps: int
+    epoch: float
+
+
+def working_folder_on_path() -> None:
+    """The folder a command runs in, first on the module path, as `python -m` puts it:
+    `--reward my_rewards:correct`, `--tools` and `--environment` import from there under
+    every subcommand (a console script's path starts at its own folder instead)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+MOVED = {"actors.tasks": "protocol.usercode.tasks", "actors.math_reward": "protocol.usercode.math_reward"}
+"""The built-in rewards' earlier modules: both tiers run them, so they live with the user-code
+loading now, and a spec that names the old module still loads (runs and scripts that
+started before the move)."""
+
+
+def load_reward(spec: str) -> RewardFn:
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        raise RewardError(f"--reward {spec!r}: expected module:function (or module.function), with =weight if wanted")
+    try:
+        module = importlib.import_module(MOVED.get(match["module"], match["module"]))
+    except ImportError as err:
+        raise RewardError(f"--reward {spec!r}: cannot import {match['module']}: {err}") from err
+    fn = getattr(module, match["attr"], None)
+    if not callable(fn):
+        raise RewardError(f"--reward {spec!r}: {match['module']} has no function {match['attr']}")
+    weight = float(match["weight"]) if match["weight"] else 1.0
+    if not math.isfinite(weight):
+        raise RewardError(f"--reward {spec!r}: weight must be finite")
+    return RewardFn(name=match["attr"], fn=fn, weight=weight)
+
+
+@dataclass(frozen=True)
+class Scores:
+    rewards: list[float | None]
+    components: list[dict[str, float | None]]
+    error: str | None
+    """Set when the group failed; then every reward is None. One printable line (it comes
+    from a user's exception and is logged and sent on the wire)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the functions logged with `log_metric`, averaged per name over this group's calls."""
+
+    @classmethod
+    def failed(cls, n: int, error: str, components: list[dict[str, float | None]] | None = None) -> Scores:
+        return cls([None] * n, components or [{} for _ in range(n)], printable(error, 2000))
+
+
+def unscored(n: int) -> Future[Scores]:
+    """No rewards, no error: a group for the trusted scoring tier to score."""
+    future: Future[Scores] = Future()
+    future.set_result(Scores([None] * n, [{} for _ in range(n)], None))
+    return future
+
+
+class Scorer:
+    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False,
+                 extra: str | None = None) -> None:
+        """`timeout_s`: per reward call, enforced by a thread; None calls rewards directly
+        (inside a `ScoringPool` process or an RQ job, whose own timeout kills the process).
+        `reraise`: an exception from a reward function propagates (an RQ job, which RQ
+        retries) instead of failing the group. `extra`: the name of a reward `score` is
+        handed per call (an environment's own, weight 1), which may stand alone."""
+        if not functions and extra is None:
+            raise RewardError("at least one --reward is needed")
+        self.extra = extra
+        self.functions = functions
+        self.timeout_s = timeout_s
+        self.reraise = reraise
+
+    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
+        """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
+        future: Future[Scores] = Future()
+        future.set_result(self.score(prompt, prompt_text, texts, completion_ids))
+        return future
+
+    def close(self) -> None:
+        return None
+
+    def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]],
+              extra: Callable[[], list[float]] | None = None) -> Scores:
+        """`extra`: the `extra` reward's values, computed when called (an environment's)."""
+        n = len(texts)
+        if prompt.messages is not None:
+            messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
+            prompts: list[Any] = [messages] * n
+            completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
+        else:
+            prompts, completions = [prompt.text if prompt.text is not None else prompt_text] * n, list(texts)
+        columns = {k: [v] * n for k, v in prompt.columns.items()}
+        logged: dict[str, list[float]] = {}
+        trl = {
+            "trainer_state": None if prompt.progress is None else TrainerState(
+                prompt.progress.global_step, prompt.progress.max_steps, prompt.progress.epoch),
+            "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
+            "log_extra": lambda column, values: None,
+        }
+        per_fn: dict[str, list[float | None]] = {}
+        for rf in self.functions:
+            extras = {k: v for k, v in trl.items() if k not in columns and k in rf.extras}
+            values, error = self._call(rf, prompts, completions, completion_ids, {**columns, **extras}, n)
+            if error is not None:
+                return Scores.failed(n, error)
+            per_fn[rf.name] = values
+        weights = {rf.name: rf.weight for rf in self.functions}
+        if extra is not None and self.extra is not None:
+            try:
+                per_fn[self.extra] = [float(v) for v in extra()]
+            except RewardRefused as err:
+                return Scores.failed(n, f"reward {self.extra}: {err} (the group is rejected, not retried)")
+            except Exception as err:  # the user's environment
+                if self.reraise:
+                    raise
+                return Scores.failed(n, f"reward {self.extra} raised {type(err).__name__}: {err}")
+            weights[self.extra] = 1.0
+        rewards: list[float | None] = []
+        components = []
+        for i in range(n):
+            parts = {name: values[i] for name, values in per_fn.items()}
+            scored = [(w, parts[name]) for name, w in weights.items() if parts[name] is not None]
+            rewards.append(sum(w * float(v) for w, v in scored if v is not None) if scored else None)
+            components.append(parts)
+        if any(r is None for r in rewards):
+            return Scores.failed(n, "every reward function abstained for some completion", components)
+        return Scores(rewards, components, None, _logged_metrics(logged))
+
+    def score_within(self, timeout_s: float, prompt: Prompt, prompt_text: str, texts: list[str],
+                     completion_ids: list[list[int]], extra: Callable[[], list[float]] | None = None) -> Scores:
+        """`score` under one time limit for the whole group, on a thread: past it the
+        group fails with that reason, and its thread is abandoned (in an RQ work horse it
+        ends with the job's process). An exception `reraise` lets through is raised here."""
+        try:
+            return within(timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids, extra),
+                          "score-group")
+        except PastLimit:
+            return Scores.failed(len(texts), f"the rewards exceeded the group's time limit of {timeout_s:g}s "
+                                             "(the group is rejected, not retried)")
+
+    def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):
+        def call() -> Any:
+            value = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+            if inspect.isawaitable(value):  # an `async def` reward (an HTTP judge, a sandbox)
+                value = asyncio.run(_awaited(value))
+            return value
+
+        try:
+            values = call() if self.timeout_s is None else within(self.timeout_s, call, f"reward-{rf.name}")
+        except PastLimit:
+            return None, f"reward {rf.name} exceeded its time limit of {self.timeout_s:g}s"
+        except Exception as err:  # a user's function: any failure is reported, not fatal
+            if self.reraise:
+                raise
+            return None, f"reward {rf.name} raised {type(err).__name__}: {err}"
+        if not isinstance(values, list | tuple) or len(values) != n:
+            return None, f"reward {rf.name} returned {type(values).__name__} of the wrong length (expected {n} values)"
+        clean: list[float | None] = []
+        for v in values:
+            if v is None:
+                clean.append(None)
+            elif not isinstance(v, numbers.Real) or not math.isfinite(v):
+                return None, f"reward {rf.name} returned {v!r}: not a finite number or None"
+            else:
+                clean.append(float(v))
+        return clean, None
+
+
+def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:
+    """`log_metric`'s values, averaged per name: names made printable and at most 64
+    characters, non-finite values left out, the first MAX_LOGGED_METRICS names kept."""
+    out: dict[str, float] = {}
+    for name, values in logged.items():
+        finite = [v for v in values if math.isfinite(v)]
+        label = printable(name, 64).strip()
+        if finite and label and len(out) < MAX_LOGGED_METRICS:
+            out[label] = sum(finite) / len(finite)
+    return out
+
+
+class PastLimit(Exception):
+    """`within`'s function ran past its time limit (and was left to finish alone)."""
+
+
+def within(timeout_s: float, fn: Callable[[], T], name: str) -> T:
+    """`fn()` on a daemon thread we can stop waiting for: its value, or its exception raised
+    here, or `PastLimit` after `timeout_s` (the thread is abandoned: a process of its own
+    ends it, a `ScoringPool` process or an RQ work horse)."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as err:  # handed to the caller's thread as it is
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise PastLimit(name)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
+async def _awaited(value: Any) -> Any:
+    return await value

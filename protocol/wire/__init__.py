@@ -1,0 +1,2 @@
+"""The wire types: messages, their MessagePack codec, errors, key names and the adapter
+files' layout. msgspec and numpy only; every side imports these."""
