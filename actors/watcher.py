@@ -28,6 +28,7 @@ from typing import Any
 from actors.engine import Engine, EngineError
 from protocol import AdapterManifest, ProtocolError, Queue, QueueError
 from protocol.client.adapters import AdapterSource
+from protocol.util.retry import Backoff
 from protocol.wire.files import StoreError, verify
 
 log = logging.getLogger(__name__)
@@ -96,12 +97,14 @@ class AdapterWatcher:
     def _run(self) -> None:
         subscription = None
         synced = time.monotonic()
+        backoff = Backoff(first=0.5, cap=10.0)  # an outage: 0.5, 1, 2 ... 10 s between tries
         while not self._stop.is_set():
             try:
                 if subscription is None:
                     subscription = self.queue.subscribe_adapters()
                     self.sync()  # whatever was announced before we listened
                     synced = time.monotonic()
+                    backoff.reset()
                 # short waits, so that close() is answered within a second
                 manifest = subscription.get(timeout_s=min(self.poll_s, 1.0))
                 if manifest is not None:
@@ -114,7 +117,7 @@ class AdapterWatcher:
                 if subscription is not None:
                     subscription.close()
                 subscription = None
-                self._stop.wait(min(self.poll_s, 2.0))
+                backoff.wait(self._stop)
         if subscription is not None:
             subscription.close()
 

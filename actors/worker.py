@@ -466,11 +466,12 @@ class Worker:
         self.scoring.clear()
         self.samples.clear()
         deadline = time.monotonic() + max(self.grace_s, 1.0)
+        backoff = Backoff(first=0.2, cap=2.0)
         while self._ready_to_send() and time.monotonic() < deadline:
             try:
                 self._submit_ready()
             except QueueUnavailable:
-                time.sleep(0.2)
+                backoff.wait(delay=min(backoff.failed(), max(0.0, deadline - time.monotonic())))
             except (QueueForbidden, QueueTLSError):
                 break
         self._hand_back_all()

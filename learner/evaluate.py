@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 from learner.config import LearnerConfig
 from learner.data import PromptSource
 from protocol import PromptBatch, Queue, QueueUnavailable, RolloutGroup, SamplingParams
+from protocol.util.retry import Backoff
 
 if TYPE_CHECKING:
     from learner.checkpoint import LearnerState
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
     from learner.metrics import MetricsLog
     from learner.publish import Publisher
 
-log = logging.getLogger("learner.loop")
+log = logging.getLogger(__name__)
 
 
 def _mean(values: list[float]) -> float:
@@ -250,14 +251,16 @@ class Evaluations:
         if ev.due or ev.runs:
             log.info("the run is over; evaluating v%s before it ends (at most %.0fs)",
                      ", v".join(str(v) for v in sorted({*ev.due, *ev.runs})), self.cfg.eval_final_timeout_s)
+        backoff = Backoff(first=0.5, cap=5.0)
         while (ev.due or ev.runs) and time.monotonic() < deadline and not self.stop_requested.is_set():
             try:
                 self.poll_dead_letters()
                 self.issue_evals()
                 deliveries = self.queue.read_rollouts(self.consumer, 64, block_s=1.0)
+                backoff.reset()
             except QueueUnavailable as err:
                 log.warning("queue unavailable during the final evaluations: %s", err)
-                self.stop_requested.wait(1.0)
+                backoff.wait(self.stop_requested)
                 continue
             for d in deliveries:
                 if ev.is_eval(d.group.batch_id):

@@ -1,6 +1,8 @@
 """The learner loop: feed prompts, collect scored rollout groups, step, publish,
-checkpoint. `Learner.run` is the whole algorithm on one screen; the rest of this
-module is its plumbing (what to drop and why, resume, acknowledgement).
+checkpoint. `Learner.run` is the whole algorithm on one screen. The rest of this module
+is what it calls: issuing and re-issuing prompts (`feed`, dead letters), reading and
+judging groups (`collect`, `judge`, the wait's explanation), resume, publishing,
+checkpoints with their acknowledgements, and the per-step report.
 
 Exactly-once training: a rollout group is acknowledged in the queue only after the
 checkpoint that holds its effect is written (see `learner.checkpoint`).

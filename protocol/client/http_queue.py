@@ -97,6 +97,7 @@ def wait_for_proxy(
     when it does not within `timeout_s`, or at once when its process `proc` has exited."""
     verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
     deadline = time.monotonic() + timeout_s
+    backoff = Backoff(first=0.05, cap=1.0)
     while True:
         try:
             if httpx.get(f"{url.rstrip('/')}/healthz", verify=verify, timeout=1).status_code == 200:
@@ -107,7 +108,7 @@ def wait_for_proxy(
             raise QueueUnavailable(f"the proxy for {url} exited with status {proc.returncode}")
         if time.monotonic() > deadline:
             raise QueueUnavailable(f"the proxy at {url} did not answer within {timeout_s:g}s")
-        time.sleep(0.1)
+        backoff.wait()
 
 
 __all__ = ["HttpQueue", "QueueForbidden", "QueueNotFound", "SseSubscription", "wait_for_proxy"]

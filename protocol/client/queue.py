@@ -2,7 +2,9 @@
 
 Two transports implement it: `RedisQueue` (Redis streams, direct; also over fakeredis
 for the embedded default; `protocol.trusted.redis_queue`) and HTTPS through the proxy (`protocol.client.http_queue`).
-Code above this interface never imports `redis`.
+Code above this interface imports no Redis client: only `protocol.trusted` and the scoring
+tier (`learner.scoring`, which runs RQ on the run's Redis) do, and the import contracts in
+pyproject.toml (`make lint`) hold that.
 
 Semantics every transport keeps:
 - Prompt batches are leased, not popped: a claimed batch stays pending until its
