@@ -54,6 +54,7 @@ $(DEPLOY_VENV)/.installed: Makefile
 
 lint: install
 	$(BIN)/ruff check protocol learner actors proxy tests bench
+	$(BIN)/ruff format --check protocol learner actors proxy tests bench
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

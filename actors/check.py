@@ -48,34 +48,43 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         from actors.cli import confirm_identity
 
         try:
-            q = open_queue(args.queue, QueueConfig(run=args.run or "default"), args.token, retry_s=5.0,
-                           stop=threading.Event())
+            q = open_queue(
+                args.queue, QueueConfig(run=args.run or "default"), args.token, retry_s=5.0, stop=threading.Event()
+            )
             try:
                 args.run = confirm_identity(q, args.run)
             except ValueError as err:
                 raise CheckFailed(str(err), "use the token and --run the proxy's operator gave for this run") from None
             q.report_status(WorkerStatus(worker=f"{worker}-check", engine="check", reported_at=time.time()))
         except QueueTLSError as err:
-            raise CheckFailed(str(err), "give the proxy's CA certificate: SPOTGRPO_CA_CERT=cert.pem "
-                                        "(the one `proxy selfsigned` wrote, or your CA's)") from None
+            raise CheckFailed(
+                str(err),
+                "give the proxy's CA certificate: SPOTGRPO_CA_CERT=cert.pem "
+                "(the one `proxy selfsigned` wrote, or your CA's)",
+            ) from None
         except QueueForbidden as err:
-            raise CheckFailed(str(err), "use a token with role actor from the proxy's tokens file "
-                                        "(--token or SPOTGRPO_TOKEN)") from None
+            raise CheckFailed(
+                str(err), "use a token with role actor from the proxy's tokens file (--token or SPOTGRPO_TOKEN)"
+            ) from None
         except QueueUnavailable as err:
-            raise CheckFailed(str(err), f"is {args.queue} reachable from here (host, port, firewall)? "
-                                        "Is `proxy serve` running?") from None
+            raise CheckFailed(
+                str(err), f"is {args.queue} reachable from here (host, port, firewall)? Is `proxy serve` running?"
+            ) from None
         except ValueError as err:
             raise CheckFailed(str(err), "--queue takes the proxy's https://proxy:port") from None
         state["queue"] = q
         return f"{args.queue} answers; this token may act as a worker" + (
-            " (TLS verified)" if args.queue.startswith("https://") else "")
+            " (TLS verified)" if args.queue.startswith("https://") else ""
+        )
 
     def run_live() -> str:
         latest = state["queue"].latest_adapter()
         state["latest"] = latest
         if latest is None:
-            return (f"run {args.run!r}: no adapter announced yet (fine at the very start of a run; "
-                    "if its learner has been running a while, check --run)")
+            return (
+                f"run {args.run!r}: no adapter announced yet (fine at the very start of a run; "
+                "if its learner has been running a while, check --run)"
+            )
         age = time.time() - latest.created_at
         return f"run {args.run!r}: adapter v{latest.version} announced, made {age:.0f}s ago"
 
@@ -84,16 +93,18 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
             check_model_path(args.model)
             ours = fingerprint_of_model(args.model)
         except (OSError, ValueError) as err:
-            raise CheckFailed(f"--model {args.model}: {err}", "give the learner's base model: the same hub id "
-                                                               "or a copy of its folder") from None
+            raise CheckFailed(
+                f"--model {args.model}: {err}", "give the learner's base model: the same hub id or a copy of its folder"
+            ) from None
         latest: AdapterManifest | None = state.get("latest")
         if latest is None or latest.fingerprint is None:
             return f"{args.model} loads (config, tokenizer); nothing published to compare it with yet"
         if latest.fingerprint != ours:
             raise CheckFailed(
-                f"--model {args.model} is not the learner's base model {latest.base_model} (config or tokenizer differ: "
-                f"{ours} against {latest.fingerprint})",
-                f"start the worker with --model {latest.base_model} (or that model's files)")
+                f"--model {args.model} is not the learner's base model {latest.base_model} (config or "
+                f"tokenizer differ: {ours} against {latest.fingerprint})",
+                f"start the worker with --model {latest.base_model} (or that model's files)",
+            )
         return f"{args.model} matches the learner's base model {latest.base_model}"
 
     def rank() -> str:
@@ -101,9 +112,13 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         if latest is None:
             return "nothing published yet"
         if args.engine == "vllm" and latest.rank > args.max_lora_rank:
-            raise CheckFailed(f"the learner's LoRA rank is {latest.rank}, above --max-lora-rank {args.max_lora_rank}",
-                              f"start the worker with --max-lora-rank {latest.rank} or more")
-        return f"LoRA rank {latest.rank}" + (f" <= --max-lora-rank {args.max_lora_rank}" if args.engine == "vllm" else "")
+            raise CheckFailed(
+                f"the learner's LoRA rank is {latest.rank}, above --max-lora-rank {args.max_lora_rank}",
+                f"start the worker with --max-lora-rank {latest.rank} or more",
+            )
+        return f"LoRA rank {latest.rank}" + (
+            f" <= --max-lora-rank {args.max_lora_rank}" if args.engine == "vllm" else ""
+        )
 
     def rewards() -> str:
         if not args.reward:
@@ -116,8 +131,10 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
 
         sample = scorer.score(Prompt(id="check", text="What is 1 + 1?"), "What is 1 + 1?", ["2", "3"], [[17], [18]])
         if sample.error is not None and "missing" not in sample.error and "required" not in sample.error:
-            raise CheckFailed(f"scoring a sample failed: {sample.error}", "fix the reward function (it runs as in TRL: "
-                                                                          "fn(prompts, completions, **columns))")
+            raise CheckFailed(
+                f"scoring a sample failed: {sample.error}",
+                "fix the reward function (it runs as in TRL: fn(prompts, completions, **columns))",
+            )
         note = " (it needs data set columns, so the sample could not be scored)" if sample.error else ""
         return f"{', '.join(args.reward)} import and score a sample{note}"
 
@@ -137,8 +154,11 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
             names = [fn.__name__ for fn in load_episode_tools(args.tools or [], args.environment)[0]]
             template = tool_template(AutoTokenizer.from_pretrained(args.model))
         except ToolError as err:
-            raise CheckFailed(str(err), "install the tool's package here (or put its module on PYTHONPATH); a tool "
-                                        "is a typed function whose docstring documents every argument") from None
+            raise CheckFailed(
+                str(err),
+                "install the tool's package here (or put its module on PYTHONPATH); a tool "
+                "is a typed function whose docstring documents every argument",
+            ) from None
         except ToolTemplateError as err:
             raise CheckFailed(str(err), "use the learner's --model") from None
         offered = "the model's chat template" if template is None else "the ChatML tool template"
@@ -156,8 +176,10 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
             if newest is None:
                 return "nothing published yet"
             if latest is not None and newest.version == latest.version:
-                raise CheckFailed(f"adapter v{latest.version} is announced but not in the store",
-                                  "the learner's store lost it: check the learner's log and --store") from None
+                raise CheckFailed(
+                    f"adapter v{latest.version} is announced but not in the store",
+                    "the learner's store lost it: check the learner's log and --store",
+                ) from None
             latest = newest
             try:
                 size = 0
@@ -172,12 +194,16 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
                 continue
             except (StoreError, ProtocolError, OSError) as err:
                 shutil.rmtree(folder, ignore_errors=True)
-                raise CheckFailed(f"adapter v{latest.version}: {err}",
-                                  "the download URLs must be reachable from here: the proxy's --presign-endpoint "
-                                  "names the bucket's public address (compose: PRESIGN_ENDPOINT)") from None
+                raise CheckFailed(
+                    f"adapter v{latest.version}: {err}",
+                    "the download URLs must be reachable from here: the proxy's --presign-endpoint "
+                    "names the bucket's public address (compose: PRESIGN_ENDPOINT)",
+                ) from None
         shutil.rmtree(folder, ignore_errors=True)
-        raise CheckFailed("each newest adapter was pruned before it could be downloaded",
-                          "the learner publishes faster than this machine downloads: raise its --keep-adapters")
+        raise CheckFailed(
+            "each newest adapter was pruned before it could be downloaded",
+            "the learner publishes faster than this machine downloads: raise its --keep-adapters",
+        )
 
     def engine() -> str:
         if args.skip_engine:
@@ -187,8 +213,10 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
         try:
             eng = open_engine(args.engine, args.model, **engine_options)
         except (EngineError, OSError, ValueError, RuntimeError) as err:
-            raise CheckFailed(f"the {args.engine} engine cannot load {args.model}: {err}",
-                              "check the GPU (nvidia-smi), --gpu-memory-utilization and --max-model-len") from None
+            raise CheckFailed(
+                f"the {args.engine} engine cannot load {args.model}: {err}",
+                "check the GPU (nvidia-smi), --gpu-memory-utilization and --max-model-len",
+            ) from None
         try:
             if "adapter" in state:
                 version, folder = state["adapter"]
@@ -202,9 +230,19 @@ def check(args: argparse.Namespace, engine_options: dict[str, object]) -> int:
             eng.close()
 
     try:
-        return checks.run_all([("queue", queue), ("run", run_live), ("model", model), ("rank", rank),
-                               ("rewards", rewards), ("tools", tools), ("download", download), ("engine", engine)],
-                              "`actors run` with these flags is ready")
+        return checks.run_all(
+            [
+                ("queue", queue),
+                ("run", run_live),
+                ("model", model),
+                ("rank", rank),
+                ("rewards", rewards),
+                ("tools", tools),
+                ("download", download),
+                ("engine", engine),
+            ],
+            "`actors run` with these flags is ready",
+        )
     finally:
         if "queue" in state:
             state["queue"].close()

@@ -31,8 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="actors", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_worker_flags(sub.add_parser("run", help="Start one rollout worker.", description=__doc__.split("\n\n")[1]))
-    check = sub.add_parser("check", help="Check, before spending GPU time, that `actors run` with these flags would work.",
-                           description=CHECK_HELP)
+    check = sub.add_parser(
+        "check",
+        help="Check, before spending GPU time, that `actors run` with these flags would work.",
+        description=CHECK_HELP,
+    )
     add_worker_flags(check)
     check.add_argument("--skip-engine", action="store_true", help="do not load the engine (the slowest check)")
     # the trusted tier's command lives with the trusted side: this name for it only says so
@@ -40,8 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-MOVED_SCORE = ("the trusted scoring tier is `learner score` (same flags), run on the trusted side beside the "
-               "run's Redis: a worker's package holds no Redis client")
+MOVED_SCORE = (
+    "the trusted scoring tier is `learner score` (same flags), run on the trusted side beside the "
+    "run's Redis: a worker's package holds no Redis client"
+)
 
 
 CHECK_HELP = """Run every check `actors run` with the same flags depends on, before a worker spends
@@ -56,50 +61,117 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a = run.add_argument
     a("--queue", required=True, help="the proxy: https://proxy:port (with --token); adapters download through it")
     a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="the proxy's actor token (or SPOTGRPO_TOKEN)")
-    a("--run", default=None,
-      help="run name: the learner's --run (default: the run the proxy serves; a --run that differs is refused)")
+    a(
+        "--run",
+        default=None,
+        help="run name: the learner's --run (default: the run the proxy serves; a --run that differs is refused)",
+    )
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
-    a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
-      help="reward function with TRL's signature; repeat for several (weighted sum). Needed only when the "
-           "learner runs --scoring actors; with trusted scoring the worker only generates")
-    a("--reward-timeout-s", type=float, default=60.0,
-      help="time limit per reward call (default 60); past it the scoring process is killed and replaced")
-    a("--reward-workers", type=int, default=1,
-      help="processes scoring beside the engine (default 1; 0: score in the worker, where a hung reward cannot be killed)")
-    a("--tools", action="append", default=None, metavar="MODULE:FUNCTION",
-      help="a tool episodes may call (TRL's tools=[...]: a typed, documented function, sync or async); repeat for "
-           "several. Needed when the learner runs --tools: the same functions")
-    a("--environment", default=None, metavar="MODULE:CLASS",
-      help="stateful episodes (TRL's environment_factory): one instance per episode, its public methods are tools. "
-           "Needed when the learner runs --environment: the same class")
-    a("--tool-timeout-s", type=float, default=10.0,
-      help="time limit per tool call (default 10); past it the call's process is killed and the model told so")
-    a("--tool-memory-mb", type=int, default=2048,
-      help="address-space limit of each tool process (default 2048); a call past it fails and the model is told so")
-    a("--tool-workers", type=int, default=8,
-      help="processes running tool calls beside the engine, and hosts of --environment instances (default 8): "
-           "calls in flight past this wait, so an I/O-bound tool wants one per call in flight")
+    a(
+        "--reward",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION[=WEIGHT]",
+        help="reward function with TRL's signature; repeat for several (weighted sum). Needed only when the "
+        "learner runs --scoring actors; with trusted scoring the worker only generates",
+    )
+    a(
+        "--reward-timeout-s",
+        type=float,
+        default=60.0,
+        help="time limit per reward call (default 60); past it the scoring process is killed and replaced",
+    )
+    a(
+        "--reward-workers",
+        type=int,
+        default=1,
+        help=(
+            "processes scoring beside the engine (default 1; 0: score in the worker, where a hung reward cannot be "
+            "killed)"
+        ),
+    )
+    a(
+        "--tools",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="a tool episodes may call (TRL's tools=[...]: a typed, documented function, sync or async); repeat for "
+        "several. Needed when the learner runs --tools: the same functions",
+    )
+    a(
+        "--environment",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="stateful episodes (TRL's environment_factory): one instance per episode, its public methods are tools. "
+        "Needed when the learner runs --environment: the same class",
+    )
+    a(
+        "--tool-timeout-s",
+        type=float,
+        default=10.0,
+        help="time limit per tool call (default 10); past it the call's process is killed and the model told so",
+    )
+    a(
+        "--tool-memory-mb",
+        type=int,
+        default=2048,
+        help="address-space limit of each tool process (default 2048); a call past it fails and the model is told so",
+    )
+    a(
+        "--tool-workers",
+        type=int,
+        default=8,
+        help="processes running tool calls beside the engine, and hosts of --environment instances (default 8): "
+        "calls in flight past this wait, so an I/O-bound tool wants one per call in flight",
+    )
     a("--worker-id", default=None, help="consumer name (default host-pid-random)")
     a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
     a("--lease-timeout-s", type=float, default=60.0, help="a lease not heartbeated for this long is taken over")
     a("--claim-block-s", type=float, default=5.0, help="long-poll wait for a batch (default 5)")
-    a("--startup-timeout-s", type=float, default=300.0,
-      help="give up (one line, exit 1) when the queue stays unreachable this long at start-up (default 300)")
-    a("--grace-s", type=float, default=0.0,
-      help="on SIGTERM, let the batch in hand finish for this long before handing it back (default 0: at once)")
+    a(
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="give up (one line, exit 1) when the queue stays unreachable this long at start-up (default 300)",
+    )
+    a(
+        "--grace-s",
+        type=float,
+        default=0.0,
+        help="on SIGTERM, let the batch in hand finish for this long before handing it back (default 0: at once)",
+    )
     a("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    a("--report-every-s", type=float, default=10.0,
-      help="report this worker's status (adapter loaded, last error, throughput) on the queue this often (default 10)")
-    a("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="model dtype (default: float32 for transformers, auto for vllm)")
-    a("--max-num-seqs", type=int, default=None,
-      help="sequences kept in the engine at once, across leases (default: vLLM's scheduler limit for the GPU; "
-           "transformers: --max-batch-sequences)")
+    a(
+        "--report-every-s",
+        type=float,
+        default=10.0,
+        help=(
+            "report this worker's status (adapter loaded, last error, throughput) on the queue this often (default 10)"
+        ),
+    )
+    a(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="model dtype (default: float32 for transformers, auto for vllm)",
+    )
+    a(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="sequences kept in the engine at once, across leases (default: vLLM's scheduler limit for the GPU; "
+        "transformers: --max-batch-sequences)",
+    )
     a("--max-batch-sequences", type=int, default=64, help="transformers engine: sequences per generate call")
     a("--tensor-parallel-size", type=int, default=1, help="vllm engine: GPUs one model is split across")
-    a("--gpus", default=None, metavar="0,1,...",
-      help="start one worker per listed GPU (CUDA_VISIBLE_DEVICES), each with these flags; SIGTERM reaches all")
+    a(
+        "--gpus",
+        default=None,
+        metavar="0,1,...",
+        help="start one worker per listed GPU (CUDA_VISIBLE_DEVICES), each with these flags; SIGTERM reaches all",
+    )
     a("--max-lora-rank", type=int, default=64, help="vllm engine: largest LoRA rank to serve")
     a("--max-model-len", type=int, default=None, help="vllm engine: context length")
     a("--gpu-memory-utilization", type=float, default=0.9, help="vllm engine: GPU memory fraction")
@@ -118,11 +190,14 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
     if args.engine == "transformers":
         return {"dtype": args.dtype or "float32", "max_batch_sequences": args.max_batch_sequences}
     return {
-        "dtype": args.dtype or "auto", "max_lora_rank": args.max_lora_rank,
+        "dtype": args.dtype or "auto",
+        "max_lora_rank": args.max_lora_rank,
         # LoRAs in one batch: the kept versions, and one evicted while its last requests finish
         "max_loras": args.keep_adapters + 1,
-        "max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization,
-        "max_num_seqs": args.max_num_seqs, "tensor_parallel_size": args.tensor_parallel_size,
+        "max_model_len": args.max_model_len,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "max_num_seqs": args.max_num_seqs,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 
@@ -161,13 +236,23 @@ def run(args: argparse.Namespace) -> int:
     try:
         check_model_path(args.model)
         scorer: Scoring | None = (
-            None if not args.reward
-            else ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers) if args.reward_workers > 0
+            None
+            if not args.reward
+            else ScoringPool(args.reward, args.reward_timeout_s, workers=args.reward_workers)
+            if args.reward_workers > 0
             else Scorer([load_reward(spec) for spec in args.reward], timeout_s=args.reward_timeout_s)
         )
-        toolbox = (Toolbox(args.tools or [], environment=args.environment, timeout_s=args.tool_timeout_s,
-                           memory_mb=args.tool_memory_mb, workers=args.tool_workers)
-                   if args.tools or args.environment else None)
+        toolbox = (
+            Toolbox(
+                args.tools or [],
+                environment=args.environment,
+                timeout_s=args.tool_timeout_s,
+                memory_mb=args.tool_memory_mb,
+                workers=args.tool_workers,
+            )
+            if args.tools or args.environment
+            else None
+        )
         config = QueueConfig(run=args.run or "default", lease_timeout_s=args.lease_timeout_s)
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
@@ -197,17 +282,32 @@ def run(args: argparse.Namespace) -> int:
         say_template(template)
         engine = EpisodeEngine(engine, toolbox, template)
     cache = args.cache_dir or Path(tempfile.mkdtemp(prefix="spotgrpo-adapters-"))
+
     def loaded(manifest: AdapterManifest, seconds: float) -> None:
         metrics.adapter_version.set(manifest.version)
         metrics.adapter_load.observe(seconds)
 
     watcher = AdapterWatcher(
-        queue, source, engine, cache, keep_adapters=args.keep_adapters, on_loaded=loaded,
+        queue,
+        source,
+        engine,
+        cache,
+        keep_adapters=args.keep_adapters,
+        on_loaded=loaded,
         on_refused=lambda v, reason: metrics.adapters_refused.inc(),
     )
-    worker = Worker(queue, engine, watcher, scorer, worker_id, claim_block_s=args.claim_block_s,
-                    grace_s=args.grace_s, max_num_seqs=args.max_num_seqs, metrics=metrics,
-                    report_every_s=args.report_every_s)
+    worker = Worker(
+        queue,
+        engine,
+        watcher,
+        scorer,
+        worker_id,
+        claim_block_s=args.claim_block_s,
+        grace_s=args.grace_s,
+        max_num_seqs=args.max_num_seqs,
+        metrics=metrics,
+        report_every_s=args.report_every_s,
+    )
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()
     try:
@@ -253,9 +353,18 @@ def run_per_gpu(args: argparse.Namespace, argv: list[str]) -> int:
             rest.append(arg)
     base = args.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     children = [
-        subprocess.Popen([sys.executable, "-m", "actors.cli", *rest, "--worker-id", f"{base}-gpu{g}",
-                          *([] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + i)])],
-                         env={**os.environ, "CUDA_VISIBLE_DEVICES": g})
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "actors.cli",
+                *rest,
+                "--worker-id",
+                f"{base}-gpu{g}",
+                *([] if args.metrics_port is None else ["--metrics-port", str(args.metrics_port + i)]),
+            ],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": g},
+        )
         for i, g in enumerate(gpus)
     ]
 

@@ -101,8 +101,9 @@ class Engine(abc.ABC):
             return group
         room = self.context - len(group.prompt)
         if room < 1:
-            raise EngineError(f"a prompt of {len(group.prompt)} tokens leaves no room in the model's context "
-                              f"of {self.context}")
+            raise EngineError(
+                f"a prompt of {len(group.prompt)} tokens leaves no room in the model's context of {self.context}"
+            )
         return replace(group, sampling=msgspec.structs.replace(group.sampling, max_tokens=room))
 
     def prompt_ids(self, prompt: Prompt) -> list[int]:
@@ -158,11 +159,14 @@ class Engine(abc.ABC):
         """`n` samples for each prompt (token ids), with adapter `version` (0: base model).
         When `abort` is set, generation stops soon and the samples end with `abort`. For a
         batch in, a batch out; not to be mixed with `add`/`step` on the same engine."""
-        self.add([
-            GroupRequest(("generate", i), p, n, sampling, version,
-                         None if sampling.seed is None else sampling.seed + i * n)
-            for i, p in enumerate(prompts)
-        ])
+        self.add(
+            [
+                GroupRequest(
+                    ("generate", i), p, n, sampling, version, None if sampling.seed is None else sampling.seed + i * n
+                )
+                for i, p in enumerate(prompts)
+            ]
+        )
         done: dict[Hashable, list[Sample]] = {}
         while len(done) < len(prompts) and not (abort is not None and abort.is_set()):
             done.update(self.step(0.1, abort))

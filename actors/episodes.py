@@ -58,8 +58,17 @@ class _Episode:
 
     def sample(self) -> Sample:
         assert self.finish is not None
-        return Sample(self.tokens, self.logprobs, self.finish, self.mask if 0 in self.mask else None,
-                      max(self.turns, 1), self.tool_calls, self.tool_errors, self.tool_s, self.turn_limit)
+        return Sample(
+            self.tokens,
+            self.logprobs,
+            self.finish,
+            self.mask if 0 in self.mask else None,
+            max(self.turns, 1),
+            self.tool_calls,
+            self.tool_errors,
+            self.tool_s,
+            self.turn_limit,
+        )
 
 
 @dataclass
@@ -218,9 +227,18 @@ class EpisodeEngine(Engine):
             self._end(episode, "stop")
             return
         seed = None if request.seed is None else request.seed + j + 7919 * episode.turns
-        self.inner.add([GroupRequest((_TURN, request.key, j), episode.prompt + episode.tokens, 1,
-                                     msgspec.structs.replace(request.sampling, max_tokens=room), request.version,
-                                     seed)])
+        self.inner.add(
+            [
+                GroupRequest(
+                    (_TURN, request.key, j),
+                    episode.prompt + episode.tokens,
+                    1,
+                    msgspec.structs.replace(request.sampling, max_tokens=room),
+                    request.version,
+                    seed,
+                )
+            ]
+        )
 
     def _end(self, episode: _Episode, reason: Literal["stop", "length", "abort"]) -> None:
         episode.finish = reason

@@ -158,17 +158,22 @@ class TransformersEngine(Engine):
             else:  # the next groups that can share one generate call
                 first = self._queue[0]
                 chunk = [self._queue.popleft()]
-                while (self._queue and self._queue[0].version == first.version and self._queue[0].n == first.n
-                       and self._queue[0].sampling == first.sampling
-                       and (len(chunk) + 1) * first.n <= self.max_batch_sequences):
+                while (
+                    self._queue
+                    and self._queue[0].version == first.version
+                    and self._queue[0].n == first.n
+                    and self._queue[0].sampling == first.sampling
+                    and (len(chunk) + 1) * first.n <= self.max_batch_sequences
+                ):
                     chunk.append(self._queue.popleft())
         if not chunk:
             time.sleep(min(timeout_s, 0.05))
             return []
         first = chunk[0]
         with self._using(first.version) as model:
-            samples = self._generate_chunk(model, [g.prompt for g in chunk], first.n,
-                                           _seeded(first.sampling, first.seed), abort)
+            samples = self._generate_chunk(
+                model, [g.prompt for g in chunk], first.n, _seeded(first.sampling, first.seed), abort
+            )
         with self._lock:
             self._queued_seqs -= sum(g.n for g in chunk)
         if abort is not None and abort.is_set():
@@ -184,7 +189,11 @@ class TransformersEngine(Engine):
         self._release_evicted()
 
     def _generate_chunk(
-        self, model: Any, prompts: Sequence[Sequence[int]], n: int, s: SamplingParams,
+        self,
+        model: Any,
+        prompts: Sequence[Sequence[int]],
+        n: int,
+        s: SamplingParams,
         abort: threading.Event | None,
     ) -> list[list[Sample]]:
         from transformers import StoppingCriteria, StoppingCriteriaList
@@ -204,17 +213,27 @@ class TransformersEngine(Engine):
             mask[i, width - len(p) :] = 1
         if s.seed is not None:
             torch.manual_seed(s.seed)
-        kwargs: dict[str, object] = {"do_sample": s.temperature > 0, "top_k": s.top_k or None,
-                                     "min_p": s.min_p or None, "repetition_penalty": s.repetition_penalty}
+        kwargs: dict[str, object] = {
+            "do_sample": s.temperature > 0,
+            "top_k": s.top_k or None,
+            "min_p": s.min_p or None,
+            "repetition_penalty": s.repetition_penalty,
+        }
         if s.temperature > 0:
             kwargs.update(temperature=s.temperature, top_p=s.top_p)
         if s.stop:
             kwargs.update(stop_strings=list(s.stop), tokenizer=self.tokenizer)
         result = model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), num_return_sequences=n,
-            max_new_tokens=s.max_tokens, output_scores=True, return_dict_in_generate=True,
-            pad_token_id=pad, eos_token_id=list(self.stop_ids),
-            stopping_criteria=StoppingCriteriaList([Aborted()]), **kwargs,
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            num_return_sequences=n,
+            max_new_tokens=s.max_tokens,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+            eos_token_id=list(self.stop_ids),
+            stopping_criteria=StoppingCriteriaList([Aborted()]),
+            **kwargs,
         )
         if abort is not None and abort.is_set():
             return [[Sample([], [], "abort")] * n for _ in prompts]

@@ -31,13 +31,18 @@ class ScoringPool:
         functions = [load_reward(spec) for spec in specs]  # fail here, in one line, not in a child
         self.timeout_s = timeout_s * len(functions)
         self.pool = pebble.ProcessPool(
-            max_workers=workers, initializer=_init_child, initargs=(list(specs),),
+            max_workers=workers,
+            initializer=_init_child,
+            initargs=(list(specs),),
             context=multiprocessing.get_context("spawn"),
         )
 
-    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
+    def submit(
+        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+    ) -> Future[Scores]:
         inner = self.pool.schedule(
-            _score_in_child, args=(msgspec.msgpack.encode(prompt), prompt_text, texts, completion_ids),
+            _score_in_child,
+            args=(msgspec.msgpack.encode(prompt), prompt_text, texts, completion_ids),
             timeout=self.timeout_s,
         )
         outer: Future[Scores] = Future()
@@ -47,7 +52,9 @@ class ScoringPool:
             try:
                 outer.set_result(done.result())
             except FutureTimeout:
-                outer.set_result(Scores.failed(n, f"scoring exceeded its time limit of {self.timeout_s:g}s (its process was killed)"))
+                outer.set_result(
+                    Scores.failed(n, f"scoring exceeded its time limit of {self.timeout_s:g}s (its process was killed)")
+                )
             except Exception as err:  # the child died or the reward module failed to import there
                 outer.set_result(Scores.failed(n, f"scoring failed: {type(err).__name__}: {err}"))
 

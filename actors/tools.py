@@ -55,21 +55,33 @@ class Toolbox:
     """The tools of `specs` and an environment, called in sandboxed processes; see the
     module docstring."""
 
-    def __init__(self, specs: list[str], *, environment: str | None = None, timeout_s: float = 10.0,
-                 memory_mb: int = 2048, workers: int = 8, max_result_chars: int = 8192) -> None:
+    def __init__(
+        self,
+        specs: list[str],
+        *,
+        environment: str | None = None,
+        timeout_s: float = 10.0,
+        memory_mb: int = 2048,
+        workers: int = 8,
+        max_result_chars: int = 8192,
+    ) -> None:
         import pebble
 
         tools, self.environment = load_episode_tools(specs, environment)  # fail here, in one line
         self.environment_name = self.environment.__name__ if self.environment is not None else None
         self.names = [fn.__name__ for fn in tools]
-        self.methods = set(self.names[len(specs):])  # the environment's, after the plain tools
+        self.methods = set(self.names[len(specs) :])  # the environment's, after the plain tools
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
         spawn = multiprocessing.get_context("spawn")
-        self.pool = pebble.ProcessPool(max_workers=workers, initializer=_init_child,
-                                       initargs=(list(specs), None, memory_mb), context=spawn)
-        self.hosts = [pebble.ProcessPool(max_workers=1, initializer=_init_child,
-                                         initargs=([], environment, memory_mb), context=spawn)
-                      for _ in range(workers if environment else 0)]
+        self.pool = pebble.ProcessPool(
+            max_workers=workers, initializer=_init_child, initargs=(list(specs), None, memory_mb), context=spawn
+        )
+        self.hosts = [
+            pebble.ProcessPool(
+                max_workers=1, initializer=_init_child, initargs=([], environment, memory_mb), context=spawn
+            )
+            for _ in range(workers if environment else 0)
+        ]
         self._host_of: dict[str, int] = {}
         self._next_host = 0
 
@@ -103,8 +115,9 @@ class Toolbox:
             if host is None:
                 outer.set_result(self._error(name, "this episode has no environment", 0.0))
                 return outer
-            inner = self.hosts[host].schedule(_method_in_child, args=(episode, name, json.dumps(arguments)),
-                                              timeout=self.timeout_s)
+            inner = self.hosts[host].schedule(
+                _method_in_child, args=(episode, name, json.dumps(arguments)), timeout=self.timeout_s
+            )
         else:
             inner = self.pool.schedule(_call_in_child, args=(name, json.dumps(arguments)), timeout=self.timeout_s)
 
@@ -113,8 +126,9 @@ class Toolbox:
             try:
                 ok, text, over = done.result()
             except FutureTimeout:
-                outer.set_result(self._error(name, f"the tool ran past its time limit of {self.timeout_s:g}s "
-                                                   "and was stopped", took))
+                outer.set_result(
+                    self._error(name, f"the tool ran past its time limit of {self.timeout_s:g}s and was stopped", took)
+                )
                 return
             except Exception as err:  # its process died (out of memory, a crash)
                 outer.set_result(self._error(name, f"the tool's process died: {type(err).__name__}: {err}", took))
@@ -166,8 +180,10 @@ def _start_in_child(episode: str, columns: str) -> None:
         if callable(getattr(instance, "reset", None)):
             observation = instance.reset(**json.loads(columns))
             if observation is not None:
-                raise ValueError("reset() returned an observation; spotgrpo's prompts come from the data set "
-                                 "(put the observation in the prompt column) and reset() must return None")
+                raise ValueError(
+                    "reset() returned an observation; spotgrpo's prompts come from the data set "
+                    "(put the observation in the prompt column) and reset() must return None"
+                )
     except Exception as err:  # the user's environment
         _CHILD_FAILED[episode] = f"the environment could not be made: {type(err).__name__}: {err}"
         return
@@ -187,8 +203,10 @@ def _end_in_child(episode: str) -> None:
 def _method_in_child(episode: str, name: str, arguments: str) -> tuple[bool, str, bool]:
     instance = _CHILD_EPISODES.get(episode)
     if instance is None:
-        why = _CHILD_FAILED.get(episode, "the environment was lost (its process was restarted after a call ran "
-                                         "past its time limit or its memory)")
+        why = _CHILD_FAILED.get(
+            episode,
+            "the environment was lost (its process was restarted after a call ran past its time limit or its memory)",
+        )
         return False, why, True
     ok, text = _run(name, getattr(instance, name), arguments)
     return ok, text, bool(getattr(instance, "done", False))

@@ -154,7 +154,8 @@ class VLLMEngine(Engine):
             # pinned to it): it keeps its LoRA id, so vLLM's copy serves, and its files stay
             eviction = self._evicting.pop(version, None)
             self._adapters[version] = LoRARequest(
-                lora_name=f"v{version}", lora_int_id=eviction.lora_int_id if eviction else next(self._ids),
+                lora_name=f"v{version}",
+                lora_int_id=eviction.lora_int_id if eviction else next(self._ids),
                 lora_path=str(path),
             )
 
@@ -189,9 +190,16 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
-            n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k if s.top_k > 0 else -1,
-            min_p=s.min_p, repetition_penalty=s.repetition_penalty,
-            max_tokens=s.max_tokens, stop=list(s.stop) or None, stop_token_ids=list(self.stop_ids), seed=seed,
+            n=1,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k if s.top_k > 0 else -1,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            max_tokens=s.max_tokens,
+            stop=list(s.stop) or None,
+            stop_token_ids=list(self.stop_ids),
+            seed=seed,
             logprobs=0,
         )
 
@@ -212,8 +220,12 @@ class VLLMEngine(Engine):
                 for j in range(g.n):
                     request_id = str(next(self._request_ids))
                     seed = None if g.seed is None else g.seed + j
-                    self.engine.add_request(request_id, {"prompt_token_ids": list(g.prompt)},
-                                            self._sampling(g.sampling, seed), lora_request=loras[g.version])
+                    self.engine.add_request(
+                        request_id,
+                        {"prompt_token_ids": list(g.prompt)},
+                        self._sampling(g.sampling, seed),
+                        lora_request=loras[g.version],
+                    )
                     self._sequences[request_id] = (g.key, j)
                     with self._lock:
                         self._uses[g.version] += 1

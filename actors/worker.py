@@ -74,8 +74,9 @@ class WorkerEngineDead(RuntimeError):
 class Scoring(Protocol):
     """`Scorer` (inline) or `ScoringPool` (processes beside the engine)."""
 
-    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str],
-               completion_ids: list[list[int]]) -> Future[Scores]: ...
+    def submit(
+        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+    ) -> Future[Scores]: ...
 
     def close(self) -> None: ...
 
@@ -104,8 +105,14 @@ class Flight:
 class Heartbeat:
     """Keeps every lease in flight alive with one call per interval, from a thread."""
 
-    def __init__(self, queue: Queue, worker: str, interval_s: float,
-                 status: Callable[[], WorkerStatus] | None = None, report_every_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        queue: Queue,
+        worker: str,
+        interval_s: float,
+        status: Callable[[], WorkerStatus] | None = None,
+        report_every_s: float = 10.0,
+    ) -> None:
         """`status`: this worker's status, reported every `report_every_s` (the fleet view)."""
         self.queue, self.worker, self.interval_s = queue, worker, interval_s
         self.status, self.report_every_s = status, report_every_s
@@ -195,8 +202,13 @@ class Worker:
         self.max_num_seqs = max_num_seqs or engine.max_num_seqs
         """Sequences kept in the engine; leases are claimed while there is room for one more."""
         self.metrics = metrics or WorkerMetrics()
-        self.heartbeat = Heartbeat(queue, worker_id, max(0.5, queue.config.lease_timeout_s / 3),
-                                   status=self.status, report_every_s=report_every_s)
+        self.heartbeat = Heartbeat(
+            queue,
+            worker_id,
+            max(0.5, queue.config.lease_timeout_s / 3),
+            status=self.status,
+            report_every_s=report_every_s,
+        )
         self.last_error: str | None = None
         """The latest refusal or error, one line, for the status report."""
         self.tokens_generated = 0
@@ -231,10 +243,15 @@ class Worker:
             self._refusal_seen = max(refused)
             self._error(f"adapter v{self._refusal_seen} refused: {refused[self._refusal_seen]}")
         return WorkerStatus(
-            worker=self.worker_id, engine=type(self.engine).__name__[:64],
-            adapter_version=max(0, self.watcher.current), leases=len(self.flights),
-            groups_done=self.groups_submitted, tokens_per_s=(tokens - before) / max(now - then, 1e-3),
-            adapters_refused=len(self.watcher.refused), last_error=self.last_error, reported_at=time.time(),
+            worker=self.worker_id,
+            engine=type(self.engine).__name__[:64],
+            adapter_version=max(0, self.watcher.current),
+            leases=len(self.flights),
+            groups_done=self.groups_submitted,
+            tokens_per_s=(tokens - before) / max(now - then, 1e-3),
+            adapters_refused=len(self.watcher.refused),
+            last_error=self.last_error,
+            reported_at=time.time(),
         )
 
     def _error(self, text: str) -> None:
@@ -260,8 +277,9 @@ class Worker:
             while True:
                 if self.abort.is_set():
                     self._abandon_in_flight()
-                if not self.flights and (self.stopping.is_set() or
-                                         (max_batches is not None and self.batches_claimed >= max_batches)):
+                if not self.flights and (
+                    self.stopping.is_set() or (max_batches is not None and self.batches_claimed >= max_batches)
+                ):
                     break
                 self._queue_calls(max_batches)
                 if self.engine.in_flight or self.scoring:
@@ -321,7 +339,8 @@ class Worker:
             self.queue.release(self.worker_id, lease.lease_id)
             raise WorkerRefused(
                 f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
-                "start this worker with --reward")
+                "start this worker with --reward"
+            )
         if batch.tools:
             box = self.engine.toolbox if isinstance(self.engine, EpisodeEngine) else None
             missing = [t for t in batch.tools if box is None or t not in box.names]
@@ -330,8 +349,10 @@ class Worker:
                 self.queue.release(self.worker_id, lease.lease_id)
                 of = f" of the environment {batch.environment}" if batch.environment else ""
                 lacks = f"lacks {', '.join(missing)}" if missing else f"has the environment {has}"
-                raise WorkerRefused(f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}{of}; "
-                                    f"this worker {lacks}: start it with the learner's --tools and --environment")
+                raise WorkerRefused(
+                    f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}{of}; "
+                    f"this worker {lacks}: start it with the learner's --tools and --environment"
+                )
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         # from choosing the version until the engine's queue names it, the watcher neither
         # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)
@@ -345,12 +366,21 @@ class Worker:
                 self.batches_claimed += 1
                 return
             seed = batch.sampling.seed
-            groups = [GroupRequest((lease.lease_id, i), prompt, batch.num_generations, batch.sampling, version,
-                                   None if seed is None else seed + i * batch.num_generations,
-                                   columns=batch.prompts[i].columns if batch.tools else None)
-                      for i, prompt in enumerate(prompts)]
-            self.engine.add([episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools
-                            else groups)
+            groups = [
+                GroupRequest(
+                    (lease.lease_id, i),
+                    prompt,
+                    batch.num_generations,
+                    batch.sampling,
+                    version,
+                    None if seed is None else seed + i * batch.num_generations,
+                    columns=batch.prompts[i].columns if batch.tools else None,
+                )
+                for i, prompt in enumerate(prompts)
+            ]
+            self.engine.add(
+                [episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools else groups
+            )
         flight = Flight(lease, prompts, version, time.monotonic(), waiting=set(range(len(prompts))))
         self.flights[lease.lease_id] = flight
         self.heartbeat.hold(lease.lease_id)
@@ -372,7 +402,8 @@ class Worker:
                 self.scoring[(lease_id, i)] = unscored(len(samples))
             else:
                 self.scoring[(lease_id, i)] = self.scorer.submit(
-                    prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples])
+                    prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples]
+                )
         self._collect_scores()
         for lease_id in self.heartbeat.take_lost():
             if lease_id in self.flights:
@@ -410,9 +441,20 @@ class Worker:
             actor_id=self.worker_id,
             prompt_token_ids=pack_i32(flight.prompt_ids[i]),
             completions=[
-                Completion.of(s.token_ids, s.logprobs, s.mask, finish_reason=s.finish_reason, text=t, reward=r,
-                              reward_components=c, error=scores.error, turns=s.turns, tool_calls=s.tool_calls,
-                              tool_errors=s.tool_errors, turn_limit=s.turn_limit)
+                Completion.of(
+                    s.token_ids,
+                    s.logprobs,
+                    s.mask,
+                    finish_reason=s.finish_reason,
+                    text=t,
+                    reward=r,
+                    reward_components=c,
+                    error=scores.error,
+                    turns=s.turns,
+                    tool_calls=s.tool_calls,
+                    tool_errors=s.tool_errors,
+                    turn_limit=s.turn_limit,
+                )
                 for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
             ],
             error=scores.error,
@@ -449,8 +491,11 @@ class Worker:
                 log.info("lease %s was already finished; its %d groups were stored before", lease_id, result.duplicates)
             if flight.done:
                 if not result.finished:
-                    log.warning("lease %s: %d prompts still lack a group; it will expire and be redone",
-                                lease_id, result.missing)
+                    log.warning(
+                        "lease %s: %d prompts still lack a group; it will expire and be redone",
+                        lease_id,
+                        result.missing,
+                    )
                 self.batches_done += 1
                 self._forget(lease_id)
 

@@ -55,7 +55,9 @@ def adapter_snapshots(model_dir: Path, rank: int, count: int) -> tuple[list[dict
     return out, policy.adapter_config_json()
 
 
-def throughput(model_dir: Path, tmp: Path, batches: int, swap_every: int | None, prompts: int, n: int, tokens: int) -> tuple[float, float, int]:
+def throughput(
+    model_dir: Path, tmp: Path, batches: int, swap_every: int | None, prompts: int, n: int, tokens: int
+) -> tuple[float, float, int]:
     make = fake_queue_factory()
     store = open_store(str(tmp / f"store-{swap_every}"))
     engine = TransformersEngine(str(model_dir))
@@ -117,13 +119,22 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         tiny = save_tiny(tmp / "tiny")
-        print(f"1. transformers engine, tiny Llama (2 layers, hidden 64), {torch.get_num_threads()} threads: "
-              f"{args.batches} batches of {args.prompts} prompts x {args.generations} completions, up to {args.tokens} tokens")
+        print(
+            f"1. transformers engine, tiny Llama (2 layers, hidden 64), {torch.get_num_threads()} threads: "(
+                f"{args.batches} batches of {args.prompts} prompts x {args.generations} completions, up to "
+                f"{args.tokens} tokens"
+            )
+        )
         base_cps, base_tps, _ = throughput(tiny, tmp, args.batches, None, args.prompts, args.generations, args.tokens)
-        swap_cps, swap_tps, swaps = throughput(tiny, tmp, args.batches, args.swap_every, args.prompts, args.generations, args.tokens)
+        swap_cps, swap_tps, swaps = throughput(
+            tiny, tmp, args.batches, args.swap_every, args.prompts, args.generations, args.tokens
+        )
         print(f"{'':>22} {'completions/s':>14} {'tokens/s':>9}")
         print(f"{'no swap (baseline)':>22} {base_cps:>14.1f} {base_tps:>9.0f}")
-        print(f"{f'swap every {args.swap_every} batches':>22} {swap_cps:>14.1f} {swap_tps:>9.0f}   ({swaps} swaps; ratio {swap_cps / base_cps:.3f})")
+        print(
+            f"{f'swap every {args.swap_every} batches':>22} {swap_cps:>14.1f} {swap_tps:>9.0f}   ({swaps} "
+            f"swaps; ratio {swap_cps / base_cps:.3f})"
+        )
 
         shaped = save_tiny(tmp / "qwen-shaped", **QWEN25_05B_SHAPE)
         print(f"\n2. announce -> loaded, Qwen2.5-0.5B-shaped model, file:// store, {args.repeats} versions per rank")

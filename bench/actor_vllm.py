@@ -65,8 +65,9 @@ def main() -> None:
     for name, data in adapter_files(policy.adapter_state(), policy.adapter_config_json()).items():
         (tmp / "v1" / name).write_bytes(data)
     widest = max(args.leases) * args.prompts * args.n
-    engine = VLLMEngine(str(model), dtype="float32", max_lora_rank=8, max_loras=2, max_model_len=256,
-                        max_num_seqs=widest)
+    engine = VLLMEngine(
+        str(model), dtype="float32", max_lora_rank=8, max_loras=2, max_model_len=256, max_num_seqs=widest
+    )
     engine.load_adapter(1, tmp / "v1")
     prompts = [[5 + (i * 7 + j) % 40 for j in range(6 + i % 5)] for i in range(args.batches * args.prompts)]
     sampling = SamplingParams(temperature=1.0, max_tokens=args.tokens)
@@ -80,8 +81,10 @@ def main() -> None:
     ceiling_s = time.perf_counter() - started
     ceiling_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
     completions = len(prompts) * args.n
-    print(f"work: {args.batches} leases x {args.prompts} prompts x {args.n} completions, up to {args.tokens} tokens; "
-          f"vLLM max_num_seqs {engine.max_num_seqs}")
+    print(
+        f"work: {args.batches} leases x {args.prompts} prompts x {args.n} completions, up to {args.tokens} tokens; "
+        f"vLLM max_num_seqs {engine.max_num_seqs}"
+    )
     print(f"{'':>24} {'completions/s':>14} {'tokens/s':>10} {'ratio':>6}")
     ceiling = completions / ceiling_s
     print(f"{'LLM.generate (ceiling)':>24} {ceiling:>14.1f} {ceiling_tokens / ceiling_s:>10.0f} {1.0:>6.2f}")
@@ -91,17 +94,30 @@ def main() -> None:
         server = fakeredis.FakeServer(version=(7, 0))
         queue = RedisQueue(fakeredis.FakeRedis(server=server, version=(7, 0)), QueueConfig(run=f"bench-{k}"))
         batches = [
-            PromptBatch(batch_id=f"b{b}", num_generations=args.n, sampling=sampling, learner_version=1,
-                        issued_at=time.time(),
-                        prompts=[Prompt(id=f"p{i}", token_ids=pack_i32(prompts[b * args.prompts + i]))
-                                 for i in range(args.prompts)])
+            PromptBatch(
+                batch_id=f"b{b}",
+                num_generations=args.n,
+                sampling=sampling,
+                learner_version=1,
+                issued_at=time.time(),
+                prompts=[
+                    Prompt(id=f"p{i}", token_ids=pack_i32(prompts[b * args.prompts + i])) for i in range(args.prompts)
+                ],
+            )
             for b in range(args.batches)
         ]
         queue.add_prompts(batches)
         watcher = AdapterWatcher(queue, StoreSource(open_store(tmp.as_uri())), engine, tmp / f"cache-{k}")
         watcher.current = 1  # the adapter loaded above
-        worker = Worker(queue, engine, watcher, Scorer([load_reward("bench.actor_vllm:constant")], timeout_s=None),
-                        "bench", claim_block_s=0.0, max_num_seqs=k * args.prompts * args.n)
+        worker = Worker(
+            queue,
+            engine,
+            watcher,
+            Scorer([load_reward("bench.actor_vllm:constant")], timeout_s=None),
+            "bench",
+            claim_block_s=0.0,
+            max_num_seqs=k * args.prompts * args.n,
+        )
         started = time.perf_counter()
         worker.work(max_batches=args.batches)
         took = time.perf_counter() - started

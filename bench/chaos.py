@@ -74,8 +74,9 @@ class Proc:
     def start(self, *extra: str) -> Proc:
         with self.log.open("ab") as out:
             out.write(f"\n=== start {self.starts} at {time.strftime('%H:%M:%S')}: {' '.join(extra)}\n".encode())
-            self.popen = subprocess.Popen([*self.cmd, *extra], env=self.env, stdout=out, stderr=subprocess.STDOUT,
-                                          cwd=REPO)
+            self.popen = subprocess.Popen(
+                [*self.cmd, *extra], env=self.env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO
+            )
         self.starts += 1
         return self
 
@@ -130,45 +131,171 @@ class Soak:
         self.moto_port = free_port()
         self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=self.moto_port, verbose=False)
         self.moto.start()
-        self.aws = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.moto_port}", "AWS_ACCESS_KEY_ID": "chaos",
-                    "AWS_SECRET_ACCESS_KEY": "chaos", "AWS_DEFAULT_REGION": "us-east-1"}
+        self.aws = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{self.moto_port}",
+            "AWS_ACCESS_KEY_ID": "chaos",
+            "AWS_SECRET_ACCESS_KEY": "chaos",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
         os.environ.update(self.aws)
         boto3.client("s3").create_bucket(Bucket="chaos")
         self.store = f"s3://chaos/{RUN}"
         self.model = save_tiny(self.work / "model", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
         self.data = write_next_digit_dataset(self.work / "data.jsonl")
         tls = self.work / "tls"
-        subprocess.run([sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"), "--key",
-                        str(tls / "key.pem"), "--host", "127.0.0.1"], check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "selfsigned",
+                "--cert",
+                str(tls / "cert.pem"),
+                "--key",
+                str(tls / "key.pem"),
+                "--host",
+                "127.0.0.1",
+            ],
+            check=True,
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+        )
         self.cert = tls / "cert.pem"
         self.secrets = {role: f"{role}-chaos-secret-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
         self.tokens = self.work / "tokens.toml"
-        self.tokens.write_text("".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n'
-                                       for r, s in self.secrets.items()))
+        self.tokens.write_text(
+            "".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in self.secrets.items())
+        )
         base = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.aws}
-        self.redis_proc = Proc("redis", [
-            shutil.which("redis-server") or "redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
-            "--dir", str(self.work), "--save", "", "--appendonly", "yes", "--appendfsync", "always",
-            "--protected-mode", "no"], base, self.logs / "redis.log")
-        self.proxy = Proc("proxy", [
-            sys.executable, "-m", "proxy.cli", "serve", "--redis", self.redis_url, "--store", self.store, "--run", RUN,
-            "--tokens", str(self.tokens), "--port", str(self.proxy_port), "--tls-cert", str(self.cert),
-            "--tls-key", str(tls / "key.pem"), "--lease-timeout-s", str(LEASE_S), "--log-level", "warning"],
-            base, self.logs / "proxy.log")
-        self.scorer = Proc("scorer", [
-            sys.executable, "-m", "learner.cli", "score", "--queue", self.redis_url, "--run", RUN, "--model", str(self.model),
-            "--reward", "protocol.usercode.tasks:next_digit", "--abandon-after-s", "5", "--monitoring-interval-s", "2",
-            "--maintenance-interval-s", "5", "--redispatch-s", "10"], base, self.logs / "scorer.log")
+        self.redis_proc = Proc(
+            "redis",
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.redis_port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.work),
+                "--save",
+                "",
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--protected-mode",
+                "no",
+            ],
+            base,
+            self.logs / "redis.log",
+        )
+        self.proxy = Proc(
+            "proxy",
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "--redis",
+                self.redis_url,
+                "--store",
+                self.store,
+                "--run",
+                RUN,
+                "--tokens",
+                str(self.tokens),
+                "--port",
+                str(self.proxy_port),
+                "--tls-cert",
+                str(self.cert),
+                "--tls-key",
+                str(tls / "key.pem"),
+                "--lease-timeout-s",
+                str(LEASE_S),
+                "--log-level",
+                "warning",
+            ],
+            base,
+            self.logs / "proxy.log",
+        )
+        self.scorer = Proc(
+            "scorer",
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "score",
+                "--queue",
+                self.redis_url,
+                "--run",
+                RUN,
+                "--model",
+                str(self.model),
+                "--reward",
+                "protocol.usercode.tasks:next_digit",
+                "--abandon-after-s",
+                "5",
+                "--monitoring-interval-s",
+                "2",
+                "--maintenance-interval-s",
+                "5",
+                "--redispatch-s",
+                "10",
+            ],
+            base,
+            self.logs / "scorer.log",
+        )
         self.actor_env = {**base, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert)}
-        self.learner = Proc("learner", [
-            sys.executable, "-m", "learner.cli", "run", "--queue", self.proxy_url, "--store", self.store,
-            "--run", RUN, "--run-dir", str(self.work / "run"), "--model", str(self.model), "--dataset", str(self.data),
-            "--reward", "protocol.usercode.tasks:next_digit", "--steps", "1000000", "--checkpoint-every", "4",
-            "--groups-per-step", "8", "--prompts-per-batch", str(PPB), "--num-generations", "8",
-            "--max-inflight", "32", "--max-staleness", "4", "--max-tokens", "2", "--lora-rank", "8",
-            "--learning-rate", "3e-3", "--micro-batch-size", "64", "--startup-timeout-s", "600", "--no-tensorboard"],
+        self.learner = Proc(
+            "learner",
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "run",
+                "--queue",
+                self.proxy_url,
+                "--store",
+                self.store,
+                "--run",
+                RUN,
+                "--run-dir",
+                str(self.work / "run"),
+                "--model",
+                str(self.model),
+                "--dataset",
+                str(self.data),
+                "--reward",
+                "protocol.usercode.tasks:next_digit",
+                "--steps",
+                "1000000",
+                "--checkpoint-every",
+                "4",
+                "--groups-per-step",
+                "8",
+                "--prompts-per-batch",
+                str(PPB),
+                "--num-generations",
+                "8",
+                "--max-inflight",
+                "32",
+                "--max-staleness",
+                "4",
+                "--max-tokens",
+                "2",
+                "--lora-rank",
+                "8",
+                "--learning-rate",
+                "3e-3",
+                "--micro-batch-size",
+                "64",
+                "--startup-timeout-s",
+                "600",
+                "--no-tensorboard",
+            ],
             {**base, "SPOTGRPO_TOKEN": self.secrets["learner"], "SPOTGRPO_CA_CERT": str(self.cert)},
-            self.logs / "learner.log")
+            self.logs / "learner.log",
+        )
 
     def start_redis(self) -> None:
         assert self.redis_proc is not None
@@ -194,11 +321,37 @@ class Soak:
     def new_actor(self) -> None:
         name = f"chaos-{self.actor_serial}"
         self.actor_serial += 1
-        self.actors.append(Proc(name, [
-            sys.executable, "-m", "actors.cli", "run", "--queue", self.proxy_url, "--run", RUN,
-            "--engine", "transformers", "--model", str(self.model), "--worker-id", name,
-            "--lease-timeout-s", str(LEASE_S), "--claim-block-s", "2", "--startup-timeout-s", "600",
-            "--report-every-s", "5"], self.actor_env, self.logs / f"{name}.log").start())
+        self.actors.append(
+            Proc(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "actors.cli",
+                    "run",
+                    "--queue",
+                    self.proxy_url,
+                    "--run",
+                    RUN,
+                    "--engine",
+                    "transformers",
+                    "--model",
+                    str(self.model),
+                    "--worker-id",
+                    name,
+                    "--lease-timeout-s",
+                    str(LEASE_S),
+                    "--claim-block-s",
+                    "2",
+                    "--startup-timeout-s",
+                    "600",
+                    "--report-every-s",
+                    "5",
+                ],
+                self.actor_env,
+                self.logs / f"{name}.log",
+            ).start()
+        )
 
     def start(self) -> None:
         self.prepare()
@@ -314,8 +467,13 @@ class Soak:
         self.scorer.signal(signal.SIGTERM)
         if self.scorer.wait(30) is None:
             self.scorer.kill()
-        return {"warmup_s": round(warmup_s, 1), "fault_minutes": minutes, "steps_at_last_fault": at_last_fault,
-                "recovered": recovered, "learner_exit": learner_exit}
+        return {
+            "warmup_s": round(warmup_s, 1),
+            "fault_minutes": minutes,
+            "steps_at_last_fault": at_last_fault,
+            "recovered": recovered,
+            "learner_exit": learner_exit,
+        }
 
     def close(self) -> None:
         for proc in [self.learner, self.scorer, self.proxy, *self.actors, *self.retiring]:
@@ -348,8 +506,11 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
     ledger = state["ledger"]
     if ledger["cursor"] != ledger["batches_issued"] * PPB:
         problems.append(f"cursor {ledger['cursor']} is not {ledger['batches_issued']} batches of {PPB}")
-    issued = {group_id_for(f"{RUN}-b{i}", f"p{PPB * i + j}"): f"{RUN}-b{i}"
-              for i in range(ledger["batches_issued"]) for j in range(PPB)}
+    issued = {
+        group_id_for(f"{RUN}-b{i}", f"p{PPB * i + j}"): f"{RUN}-b{i}"
+        for i in range(ledger["batches_issued"])
+        for j in range(PPB)
+    }
 
     if rows is None:
         rows = consumed_rows(work)
@@ -380,8 +541,11 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
     for dl in queue.dead_letters(count=100_000):
         dead_entries[dl.source] += 1
         if dl.source == "prompts" and dl.batch is not None:
-            lost = dl.missing_groups if dl.missing_groups is not None else \
-                [group_id_for(dl.batch.batch_id, p.id) for p in dl.batch.prompts]
+            lost = (
+                dl.missing_groups
+                if dl.missing_groups is not None
+                else [group_id_for(dl.batch.batch_id, p.id) for p in dl.batch.prompts]
+            )
             dead.update(lost)
         elif dl.source == "unscored" and dl.group_id:  # a group the scoring tier could not store
             dead.add(dl.group_id)
@@ -407,9 +571,16 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
     accounted = Counter()
     unaccounted = []
     for gid in issued:
-        where = [name for name, yes in (("consumed", gid in fates), ("dead_lettered", gid in dead),
-                                        ("in_queue", in_streams[gid] > 0), ("waiting_batch", gid in waiting_prompts))
-                 if yes]
+        where = [
+            name
+            for name, yes in (
+                ("consumed", gid in fates),
+                ("dead_lettered", gid in dead),
+                ("in_queue", in_streams[gid] > 0),
+                ("waiting_batch", gid in waiting_prompts),
+            )
+            if yes
+        ]
         if len(where) != 1:
             unaccounted.append((gid, where))
         for name in where:
@@ -418,15 +589,18 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
         problems.append(f"{len(unaccounted)} issued prompts are not in exactly one place, e.g. {unaccounted[:3]}")
     inflight = state["ledger"]["cursor"] - state["ledger"]["consumed_prompts"]
     if inflight != accounted["in_queue"] + accounted["waiting_batch"]:
-        problems.append(f"the checkpoint counts {inflight} prompts in flight; the queue holds "
-                        f"{accounted['in_queue'] + accounted['waiting_batch']}")
+        problems.append(
+            f"the checkpoint counts {inflight} prompts in flight; the queue holds "
+            f"{accounted['in_queue'] + accounted['waiting_batch']}"
+        )
 
     # adapter versions only increase
     versions = [e.manifest.version for e in queue.adapter_events(after="0", count=100_000)]
     if versions != sorted(set(versions)):
         problems.append(f"announced versions are not strictly increasing: {versions}")
-    step_versions = [json.loads(line)["adapter_version"]
-                     for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_versions = [
+        json.loads(line)["adapter_version"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     if step_versions != sorted(step_versions):
         problems.append("the steps' adapter versions go down somewhere")
     if versions and state["policy_version"] < versions[-1]:
@@ -461,8 +635,10 @@ def self_test(work: Path, redis_url: str, store_url: str) -> dict[str, bool]:
     twice = [*rows[:-1], {**rows[-1], "trained": [*rows[-1]["trained"], donor["trained"][0]]}]
     lost = [{**row, "trained": row["trained"][1:]} if row is donor else row for row in rows]
     repeated = [*rows, {**rows[-1]}]
-    return {name: not ledger(work, redis_url, store_url, planted)["exact"]
-            for name, planted in (("trained_twice", twice), ("group_lost", lost), ("step_repeated", repeated))}
+    return {
+        name: not ledger(work, redis_url, store_url, planted)["exact"]
+        for name, planted in (("trained_twice", twice), ("group_lost", lost), ("step_repeated", repeated))
+    }
 
 
 def main() -> None:
@@ -473,8 +649,11 @@ def main() -> None:
     parser.add_argument("--warmup-timeout-s", type=float, default=300.0)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
     parser.add_argument("--keep", type=Path, default=None, help="work in this folder and keep it (logs, run)")
-    parser.add_argument("--self-test", action="store_true",
-                        help="also check that the ledger catches breaches planted in a copy of consumed.jsonl")
+    parser.add_argument(
+        "--self-test",
+        action="store_true",
+        help="also check that the ledger catches breaches planted in a copy of consumed.jsonl",
+    )
     args = parser.parse_args()
     work = args.keep or Path(tempfile.mkdtemp(prefix="spotgrpo-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -483,9 +662,15 @@ def main() -> None:
     try:
         soak.start()
         run = soak.soak(args.minutes, args.mean_interval_s, args.warmup_timeout_s)
-        figures = {**run, **ledger(work, soak.redis_url, soak.store), "faults": dict(soak.faults),
-                   "unexpected_exits": dict(soak.unexpected), "actors_started": soak.actor_serial,
-                   "learner_starts": soak.learner.starts, "wall_s": round(time.monotonic() - started, 1)}
+        figures = {
+            **run,
+            **ledger(work, soak.redis_url, soak.store),
+            "faults": dict(soak.faults),
+            "unexpected_exits": dict(soak.unexpected),
+            "actors_started": soak.actor_serial,
+            "learner_starts": soak.learner.starts,
+            "wall_s": round(time.monotonic() - started, 1),
+        }
         if args.self_test:
             figures["self_test_caught"] = self_test(work, soak.redis_url, soak.store)
     finally:
@@ -493,8 +678,12 @@ def main() -> None:
     print(json.dumps(figures, indent=1))
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=1))
-    ok = figures["exact"] and figures["recovered"] and figures["learner_exit"] == 0 \
+    ok = (
+        figures["exact"]
+        and figures["recovered"]
+        and figures["learner_exit"] == 0
         and all(figures.get("self_test_caught", {}).values())
+    )
     if args.keep is None and ok:
         shutil.rmtree(work, ignore_errors=True)
     elif not ok:

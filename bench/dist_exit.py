@@ -42,8 +42,9 @@ def rank_main(model: str, mode: str) -> int:
     from learner.trainer import Trainer
 
     dist = Dist.from_env("cpu")
-    cfg = LearnerConfig(model=model, lora_rank=4, max_tokens=6, learning_rate=1e-2, micro_batch_size=2,
-                        max_tokens_per_microbatch=24)
+    cfg = LearnerConfig(
+        model=model, lora_rank=4, max_tokens=6, learning_rate=1e-2, micro_batch_size=2, max_tokens_per_microbatch=24
+    )
     torch.manual_seed(0)
     trainer = Trainer(cfg, dist)
     if dist.main:
@@ -77,14 +78,34 @@ def main() -> None:
         for mode in MODES:
             failed, signals, started = 0, set(), time.perf_counter()
             for _ in range(args.runs):
-                proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                                       __file__, "--rank", model, mode], env=env, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--nproc-per-node",
+                        "2",
+                        __file__,
+                        "--rank",
+                        model,
+                        mode,
+                    ],
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                )
                 if proc.returncode != 0:
                     failed += 1
                     signals |= set(re.findall(r"exitcode\s*:\s*(-?\d+ \(pid: \d+\)\s*(?:\(\w+\))?)", proc.stderr))
             results[mode] = failed
-            print(f"{mode:9s} {failed:3d} of {args.runs} runs failed  ({(time.perf_counter() - started) / args.runs:.1f} s a run)"
-                  + (f"  exit codes: {'; '.join(sorted(signals))}" if signals else ""), flush=True)
+            print(
+                (
+                    f"{mode:9s} {failed:3d} of {args.runs} runs failed  "
+                    f"({(time.perf_counter() - started) / args.runs:.1f} s a run)"
+                )
+                + (f"  exit codes: {'; '.join(sorted(signals))}" if signals else ""),
+                flush=True,
+            )
     print(f"failure rate: finalize {results['finalize'] / args.runs:.3f}, exit {results['exit'] / args.runs:.3f}")
 
 

@@ -89,6 +89,7 @@ def slow_bodies(url: str, ca: str, secret: str, n: int, seconds: float) -> None:
         headers = {"Authorization": f"Bearer {secret}", "Content-Type": CONTENT_TYPE}
         limits = httpx.Limits(max_connections=n + 4)
         async with httpx.AsyncClient(base_url=url, verify=ca, timeout=seconds + 60, limits=limits) as client:
+
             async def body():  # type: ignore[no-untyped-def]
                 for _ in range(16):  # 16 MB, a MB at a time
                     yield b"\x00" * (1024 * 1024)
@@ -101,15 +102,21 @@ def slow_bodies(url: str, ca: str, secret: str, n: int, seconds: float) -> None:
                     pass
 
             await asyncio.gather(*[post() for _ in range(n)])
+
     asyncio.run(go())
 
 
 def big_made_up(url: str, ca: str, secret: str, n: int, stop_at: float) -> None:
     tokens = 237_500
-    group = RolloutGroup(group_id=group_id_for("x", "p"), batch_id="x", prompt_id="p", adapter_version=0, actor_id="w",
-                         prompt_token_ids=pack_i32([1]),
-                         completions=[Completion.of([5] * tokens, [-0.5] * tokens, finish_reason="length")
-                                      for _ in range(8)])
+    group = RolloutGroup(
+        group_id=group_id_for("x", "p"),
+        batch_id="x",
+        prompt_id="p",
+        adapter_version=0,
+        actor_id="w",
+        prompt_token_ids=pack_i32([1]),
+        completions=[Completion.of([5] * tokens, [-0.5] * tokens, finish_reason="length") for _ in range(8)],
+    )
     body = encode_body(SubmitRequest(worker="w", lease_id="1-0", groups=[group]))
     headers = {"Authorization": f"Bearer {secret}", "Content-Type": CONTENT_TYPE}
 
@@ -132,24 +139,53 @@ def main() -> None:
     parser.add_argument("--bodies", type=int, default=64)
     parser.add_argument("--big", type=int, default=8, help="threads sending made-up-lease submissions")
     parser.add_argument("--seconds", type=float, default=8.0, help="length of each phase")
-    parser.add_argument("--nofile", type=int, default=1024,
-                        help="the proxy's soft open-files limit at start (a common default; its hard limit is this "
-                             "machine's)")
+    parser.add_argument(
+        "--nofile",
+        type=int,
+        default=1024,
+        help="the proxy's soft open-files limit at start (a common default; its hard limit is this machine's)",
+    )
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp())
     redis_proc, redis_port = start_redis()
     port = free_port()
     write_self_signed(tmp / "cert.pem", tmp / "key.pem", ["127.0.0.1"])
-    (tmp / "tokens.toml").write_text("".join(
-        f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n' for name, (role, secret) in TOKENS.items()))
+    (tmp / "tokens.toml").write_text(
+        "".join(
+            f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n'
+            for name, (role, secret) in TOKENS.items()
+        )
+    )
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--redis", f"redis://127.0.0.1:{redis_port}/0",
-         "--store", (tmp / "store").as_uri(), "--run", f"door-{uuid.uuid4().hex[:6]}",
-         "--tokens", str(tmp / "tokens.toml"), "--port", str(port), "--tls-cert", str(tmp / "cert.pem"),
-         "--tls-key", str(tmp / "key.pem"), "--rate-per-s", "100000", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--redis",
+            f"redis://127.0.0.1:{redis_port}/0",
+            "--store",
+            (tmp / "store").as_uri(),
+            "--run",
+            f"door-{uuid.uuid4().hex[:6]}",
+            "--tokens",
+            str(tmp / "tokens.toml"),
+            "--port",
+            str(port),
+            "--tls-cert",
+            str(tmp / "cert.pem"),
+            "--tls-key",
+            str(tmp / "key.pem"),
+            "--rate-per-s",
+            "100000",
+            "--log-level",
+            "warning",
+        ],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
-                                              (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])))
+        preexec_fn=lambda: resource.setrlimit(
+            resource.RLIMIT_NOFILE, (args.nofile, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        ),
+    )
     url, ca = f"https://127.0.0.1:{port}", str(tmp / "cert.pem")
     try:
         wait_for_proxy(url, ca, proxy)
@@ -159,10 +195,14 @@ def main() -> None:
         row("no attack", *honest_calls(*honest, time.monotonic() + args.seconds), proxy.pid)
         phases = [
             (f"{args.idle} connections, no ClientHello", lambda: idle_connections(port, args.idle, args.seconds)),
-            (f"{args.bodies} trickled 16 MB bodies",
-             lambda: slow_bodies(url, ca, TOKENS["mallory"][1], args.bodies, args.seconds)),
-            (f"{args.big} senders of made-up-lease bodies",
-             lambda: big_made_up(url, ca, TOKENS["mallory"][1], args.big, time.monotonic() + args.seconds)),
+            (
+                f"{args.bodies} trickled 16 MB bodies",
+                lambda: slow_bodies(url, ca, TOKENS["mallory"][1], args.bodies, args.seconds),
+            ),
+            (
+                f"{args.big} senders of made-up-lease bodies",
+                lambda: big_made_up(url, ca, TOKENS["mallory"][1], args.big, time.monotonic() + args.seconds),
+            ),
         ]
         for name, attack in phases:
             t = threading.Thread(target=attack)

@@ -61,8 +61,13 @@ def main() -> None:
     tok = inner.tokenizer
     prompts = []
     for i in range(args.prompts):
-        text = tok.apply_chat_template([{"role": "user", "content": f"what is {i}+{i + 1}"}], tools=load_tools(
-            ["toy_tools:slow_add"]), chat_template=template, add_generation_prompt=True, tokenize=False)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": f"what is {i}+{i + 1}"}],
+            tools=load_tools(["toy_tools:slow_add"]),
+            chat_template=template,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         prompts.append(tok(text, add_special_tokens=False)["input_ids"])
     first = [*tok(Engine.FIRST_CALL, add_special_tokens=False)["input_ids"], inner.stop_ids[0]]
     glue = tool_result_ids(tok, template, [("slow_add", "5")], inner.stop_ids)
@@ -94,8 +99,12 @@ def main() -> None:
                 lease = added
                 added += 1
                 open_leases[lease] = args.prompts
-                engine.add([episode_request(GroupRequest((lease, i), p, args.n, SamplingParams(max_tokens=budget), 0), 1)
-                            for i, p in enumerate(prompts)])
+                engine.add(
+                    [
+                        episode_request(GroupRequest((lease, i), p, args.n, SamplingParams(max_tokens=budget), 0), 1)
+                        for i, p in enumerate(prompts)
+                    ]
+                )
             for (lease, _), samples in engine.step(0.02):
                 tokens += generated(samples)
                 open_leases[lease] -= 1
@@ -103,16 +112,24 @@ def main() -> None:
                     del open_leases[lease]
         return time.perf_counter() - started, tokens
 
-    print(f"episodes: {args.batches} leases x {args.prompts} prompts x {args.n}; a {0.2:g} s tool per episode; "
-          f"second turns of up to {args.tokens} tokens; vLLM {inner.engine.vllm_config.cache_config.enable_prefix_caching=}")
+    print(
+        f"episodes: {args.batches} leases x {args.prompts} prompts x {args.n}; a {0.2:g} s tool per episode; "(
+            f"second turns of up to {args.tokens} tokens; vLLM "
+            f"{inner.engine.vllm_config.cache_config.enable_prefix_caching=}"
+        )
+    )
     synchronous(2), pipelined(2, 2)  # warm: vLLM's first steps, its prefix cache, the sandbox
     sync_s, sync_tokens = synchronous()
-    print(f"synchronous (lease after lease): {episodes_per_run / sync_s:7.1f} episodes/s "
-          f"{sync_tokens / sync_s:8.1f} tokens/s  ({sync_s:.1f} s)")
+    print(
+        f"synchronous (lease after lease): {episodes_per_run / sync_s:7.1f} episodes/s "
+        f"{sync_tokens / sync_s:8.1f} tokens/s  ({sync_s:.1f} s)"
+    )
     for leases in args.leases:
         took, tokens = pipelined(leases)
-        print(f"pipelined, {leases:2d} leases in flight:   {episodes_per_run / took:7.1f} episodes/s "
-              f"{tokens / took:8.1f} tokens/s  ({took:.1f} s)  {sync_s / took:.2f}x the synchronous episodes/s")
+        print(
+            f"pipelined, {leases:2d} leases in flight:   {episodes_per_run / took:7.1f} episodes/s "
+            f"{tokens / took:8.1f} tokens/s  ({took:.1f} s)  {sync_s / took:.2f}x the synchronous episodes/s"
+        )
     again, _ = synchronous()
     print(f"synchronous again:               {episodes_per_run / again:7.1f} episodes/s  ({again:.1f} s)")
     engine.close()

@@ -48,8 +48,14 @@ print(json.dumps({"loaded_mb": loaded, "peak_mb": resource.getrusage(resource.RU
 
 
 def measure(code: Path, model: Path, prompt: int, completion: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", ONE, str(model), str(prompt), str(completion)], capture_output=True,
-                         text=True, check=False, env={**os.environ, "PYTHONPATH": str(code)}, cwd=code)
+    out = subprocess.run(
+        [sys.executable, "-c", ONE, str(model), str(prompt), str(completion)],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(code)},
+        cwd=code,
+    )
     if out.returncode != 0:
         raise SystemExit(f"{code}: {out.stderr[-2000:]}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -66,14 +72,18 @@ def main() -> None:
 
     model = make_model()
     here = Path(__file__).resolve().parents[1]
-    print(f"SmolLM2-135M float32, LoRA r16, 2 groups x 8, prompts {args.prompt} + completions {args.completion} "
-          f"tokens; one process per row")
+    print(
+        f"SmolLM2-135M float32, LoRA r16, 2 groups x 8, prompts {args.prompt} + completions {args.completion} "
+        f"tokens; one process per row"
+    )
     print(f"{'checkout':<40} {'loaded MB':>9} {'peak MB':>8} {'step s':>7} {'loss':>10}")
     for _ in range(args.repeat):
         for code in [*args.code, here]:
             m = measure(code, model, args.prompt, args.completion)
-            print(f"{code!s:<40} {m['loaded_mb']:>9.0f} {m['peak_mb']:>8.0f} {m['step_s']:>7.1f} "
-                  f"{m['loss']:>10.5f}", flush=True)
+            print(
+                f"{code!s:<40} {m['loaded_mb']:>9.0f} {m['peak_mb']:>8.0f} {m['step_s']:>7.1f} {m['loss']:>10.5f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -29,20 +29,42 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more learner flags (after --)")
     args = parser.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="bench-wait-"))
-    cmd = [sys.executable, "-m", "learner.cli", "run", "--steps", str(args.steps), "--actors", str(args.actors),
-           "--run-dir", str(run_dir / "run"), "--store", (run_dir / "store").as_uri(), "--no-tensorboard", *args.extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner.cli",
+        "run",
+        "--steps",
+        str(args.steps),
+        "--actors",
+        str(args.actors),
+        "--run-dir",
+        str(run_dir / "run"),
+        "--store",
+        (run_dir / "store").as_uri(),
+        "--no-tensorboard",
+        *args.extra,
+    ]
     started = time.perf_counter()
-    subprocess.run(cmd, cwd=args.repo, env={**os.environ, "PYTHONPATH": str(args.repo)}, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        cmd,
+        cwd=args.repo,
+        env={**os.environ, "PYTHONPATH": str(args.repo)},
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     took = time.perf_counter() - started
     rows = [json.loads(line) for line in (run_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = rows[5:]  # past the start-up
     wait = sum(r["wait_s"] for r in rows)
     busy = sum(r["step_s"] + (r["publish_s"] or 0.0) for r in rows)
     span = rows[-1]["time"] - rows[0]["time"]
-    print(f"{args.repo}: {len(rows)} steps measured, wait fraction {wait / (wait + busy):.2f}, "
-          f"{len(rows) / span:.2f} steps/s, staleness {sum(r['staleness_mean'] for r in rows) / len(rows):.2f}, "
-          f"reward {rows[0]['reward']:.2f} -> {rows[-1]['reward']:.2f} ({took:.0f}s in all)")
+    print(
+        f"{args.repo}: {len(rows)} steps measured, wait fraction {wait / (wait + busy):.2f}, "
+        f"{len(rows) / span:.2f} steps/s, staleness {sum(r['staleness_mean'] for r in rows) / len(rows):.2f}, "
+        f"reward {rows[0]['reward']:.2f} -> {rows[-1]['reward']:.2f} ({took:.0f}s in all)"
+    )
 
 
 if __name__ == "__main__":

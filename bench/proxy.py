@@ -63,18 +63,31 @@ def make_group(batch: PromptBatch, worker: str) -> RolloutGroup:
     prompt = batch.prompts[0]
     completions = [Completion.of(list(range(512)), [-0.5] * 512, finish_reason="length", reward=1.0) for _ in range(8)]
     return RolloutGroup(
-        group_id=group_id_for(batch.batch_id, prompt.id), batch_id=batch.batch_id, prompt_id=prompt.id,
-        adapter_version=0, actor_id=worker, prompt_token_ids=prompt.token_ids, completions=completions,
+        group_id=group_id_for(batch.batch_id, prompt.id),
+        batch_id=batch.batch_id,
+        prompt_id=prompt.id,
+        adapter_version=0,
+        actor_id=worker,
+        prompt_token_ids=prompt.token_ids,
+        completions=completions,
     )
 
 
-def prepare(queue: RedisQueue, n: int, clients: int, tag: str, prefix: str = "") -> list[list[tuple[str, RolloutGroup]]]:
+def prepare(
+    queue: RedisQueue, n: int, clients: int, tag: str, prefix: str = ""
+) -> list[list[tuple[str, RolloutGroup]]]:
     """n one-prompt batches, claimed beforehand, split among the clients. `prefix`: the
     proxy names a worker after its token (`actor/<worker>`), so leases it is to submit
     are claimed under that name."""
     batches = [
-        PromptBatch(batch_id=f"{tag}-{i}", prompts=[Prompt(id="p", token_ids=pack_i32([1, 2, 3]))], num_generations=8,
-                    sampling=SamplingParams(max_tokens=512), learner_version=0, issued_at=time.time())
+        PromptBatch(
+            batch_id=f"{tag}-{i}",
+            prompts=[Prompt(id="p", token_ids=pack_i32([1, 2, 3]))],
+            num_generations=8,
+            sampling=SamplingParams(max_tokens=512),
+            learner_version=0,
+            issued_at=time.time(),
+        )
         for i in range(n)
     ]
     queue.add_prompts(batches)
@@ -135,15 +148,38 @@ def main() -> None:
     redis_proc, redis_port = start_redis()
     proxy_port = free_port()
     write_self_signed(tmp / "cert.pem", tmp / "key.pem", ["127.0.0.1"])
-    (tmp / "tokens.toml").write_text("".join(
-        f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in TOKENS.items()))
+    (tmp / "tokens.toml").write_text(
+        "".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in TOKENS.items())
+    )
     run_name = f"bench-{uuid.uuid4().hex[:6]}"
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     proxy_proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_url, "--store", (tmp / "store").as_uri(),
-         "--run", run_name, "--tokens", str(tmp / "tokens.toml"), "--port", str(proxy_port),
-         "--tls-cert", str(tmp / "cert.pem"), "--tls-key", str(tmp / "key.pem"), "--rate-per-s", "1000000",
-         "--max-long-poll-s", "1", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--redis",
+            redis_url,
+            "--store",
+            (tmp / "store").as_uri(),
+            "--run",
+            run_name,
+            "--tokens",
+            str(tmp / "tokens.toml"),
+            "--port",
+            str(proxy_port),
+            "--tls-cert",
+            str(tmp / "cert.pem"),
+            "--tls-key",
+            str(tmp / "key.pem"),
+            "--rate-per-s",
+            "1000000",
+            "--max-long-poll-s",
+            "1",
+            "--log-level",
+            "warning",
+        ],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
     )
     url = f"https://127.0.0.1:{proxy_port}"
@@ -152,24 +188,36 @@ def main() -> None:
         wait_for_proxy(url, str(tmp / "cert.pem"), proxy_proc)
         config = QueueConfig(run=run_name, lease_timeout_s=600)
         setup = RedisQueue(redis.Redis(port=redis_port), config)
-        sample = PromptBatch(batch_id="x", prompts=[Prompt(id="p", token_ids=pack_i32([1]))], num_generations=1,
-                             learner_version=0, issued_at=time.time())
+        sample = PromptBatch(
+            batch_id="x",
+            prompts=[Prompt(id="p", token_ids=pack_i32([1]))],
+            num_generations=1,
+            learner_version=0,
+            issued_at=time.time(),
+        )
         size = len(encode(make_group(sample, "w")))
-        print(f"one proxy process (uvicorn, TLS) and one redis-server on loopback, {os.cpu_count()} cores shared with "
-              f"the clients; {args.groups} submissions of one {size / 1024:.0f} KB group each per row")
-        print(f"{'clients':>7} {'transport':>9} {'groups/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'ratio':>6}"
-              f"   CPU ms per group: {'clients':>7} {'proxy':>6} {'redis':>6}")
+        print(
+            f"one proxy process (uvicorn, TLS) and one redis-server on loopback, {os.cpu_count()} cores shared with "
+            f"the clients; {args.groups} submissions of one {size / 1024:.0f} KB group each per row"
+        )
+        print(
+            f"{'clients':>7} {'transport':>9} {'groups/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'ratio':>6}"
+            f"   CPU ms per group: {'clients':>7} {'proxy':>6} {'redis':>6}"
+        )
         for clients in args.clients:
             rows = {}
             for transport in ("direct", "proxy"):
                 tag = f"{transport}{clients}"
                 work = prepare(setup, args.groups, clients, tag, prefix="" if transport == "direct" else "actor/")
                 if transport == "direct":
+
                     def make_queue():
                         return RedisQueue(redis.Redis(port=redis_port), config)
                 else:
+
                     def make_queue():
                         return HttpQueue(url, TOKENS["actor"], config, verify=ctx)
+
                 before = (time.process_time(), cpu_s(proxy_proc.pid), cpu_s(redis_proc.pid))
                 rate, lat = run(make_queue, work, tag)
                 after = (time.process_time(), cpu_s(proxy_proc.pid), cpu_s(redis_proc.pid))
@@ -178,8 +226,10 @@ def main() -> None:
                     cpu[1] = 0.0  # the proxy's own background (event hub, backlog) is not the row's
                 rows[transport] = rate
                 ratio = f"{rate / rows['direct']:.2f}" if transport == "proxy" else ""
-                print(f"{clients:>7} {transport:>9} {rate:>9.0f} {pct(lat, 50):>7.2f} {pct(lat, 99):>7.2f} {ratio:>6}"
-                      f"   {'':>17} {cpu[0]:>7.2f} {cpu[1]:>6.2f} {cpu[2]:>6.2f}")
+                print(
+                    f"{clients:>7} {transport:>9} {rate:>9.0f} {pct(lat, 50):>7.2f} {pct(lat, 99):>7.2f} {ratio:>6}"
+                    f"   {'':>17} {cpu[0]:>7.2f} {cpu[1]:>6.2f} {cpu[2]:>6.2f}"
+                )
                 while setup.read_rollouts("bench-learner", 1000):  # keep the stream from growing
                     pass
         setup.close()

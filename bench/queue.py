@@ -76,8 +76,13 @@ def make_group(batch_id: str, completions: int = 8, tokens: int = 512) -> Rollou
 
 def figures(n: int, write_s: float, read_s: float, latencies_s: list[float]) -> dict[str, float]:
     lat_ms = np.array(latencies_s) * 1000
-    return {"write_per_s": n / write_s, "read_per_s": n / read_s, "total_per_s": n / (write_s + read_s),
-            "p50_ms": float(np.percentile(lat_ms, 50)), "p99_ms": float(np.percentile(lat_ms, 99))}
+    return {
+        "write_per_s": n / write_s,
+        "read_per_s": n / read_s,
+        "total_per_s": n / (write_s + read_s),
+        "p50_ms": float(np.percentile(lat_ms, 50)),
+        "p99_ms": float(np.percentile(lat_ms, 99)),
+    }
 
 
 def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], int]:
@@ -90,8 +95,20 @@ def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], in
     if binary is None:
         sys.exit("redis-server not found")
     proc = subprocess.Popen(
-        [*prefix, binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", tempfile.mkdtemp()],
+        [
+            *prefix,
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tempfile.mkdtemp(),
+        ],
         stdout=subprocess.DEVNULL,
     )
     client = redis.Redis(port=port)
@@ -105,8 +122,9 @@ def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], in
     return proc, port
 
 
-def start_proxy(work: Path, redis_url: str, store: str, run: str, prefix: Sequence[str] = (),
-                env: dict[str, str] | None = None) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
+def start_proxy(
+    work: Path, redis_url: str, store: str, run: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
     """`proxy serve` over TLS on a free loopback port (a self-signed certificate and role
     tokens written under `work`), answering when this returns: (process, URL, the
     environment a worker needs: SPOTGRPO_TOKEN and SPOTGRPO_CA_CERT). Workers reach a run
@@ -115,21 +133,61 @@ def start_proxy(work: Path, redis_url: str, store: str, run: str, prefix: Sequen
 
     repo = Path(__file__).resolve().parents[1]
     tls = work / "tls"
-    subprocess.run([sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"), "--key",
-                    str(tls / "key.pem"), "--host", "127.0.0.1"], check=True, cwd=repo, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "selfsigned",
+            "--cert",
+            str(tls / "cert.pem"),
+            "--key",
+            str(tls / "key.pem"),
+            "--host",
+            "127.0.0.1",
+        ],
+        check=True,
+        cwd=repo,
+        stdout=subprocess.DEVNULL,
+    )
     secrets = {role: f"{role}-bench-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
-    (work / "tokens.toml").write_text("".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n'
-                                              for r, s in secrets.items()))
+    (work / "tokens.toml").write_text(
+        "".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in secrets.items())
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"https://127.0.0.1:{port}"
     with (work / "proxy.log").open("ab") as log:
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_url, "--store", store, "--run", run,
-             "--tokens", str(work / "tokens.toml"), "--port", str(port), "--tls-cert", str(tls / "cert.pem"),
-             "--tls-key", str(tls / "key.pem"), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, cwd=repo, env={**(env or os.environ), "PYTHONPATH": str(repo)})
+            [
+                *prefix,
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "--redis",
+                redis_url,
+                "--store",
+                store,
+                "--run",
+                run,
+                "--tokens",
+                str(work / "tokens.toml"),
+                "--port",
+                str(port),
+                "--tls-cert",
+                str(tls / "cert.pem"),
+                "--tls-key",
+                str(tls / "key.pem"),
+                "--log-level",
+                "warning",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=repo,
+            env={**(env or os.environ), "PYTHONPATH": str(repo)},
+        )
     wait_for_proxy(url, str(tls / "cert.pem"), proc, timeout_s=60)
     return proc, url, {"SPOTGRPO_TOKEN": secrets["actor"], "SPOTGRPO_CA_CERT": str(tls / "cert.pem")}
 
@@ -155,9 +213,17 @@ def bench_round(client: redis.Redis, payload: bytes, n: int, read_batch: int) ->
     client.delete(stream)
     client.xgroup_create(stream, "g", id="0", mkstream=True)
     q = RedisQueue(client, QueueConfig(run=f"bench-{time.time_ns()}"))
-    batches = [PromptBatch(batch_id=f"b{i}", prompts=[Prompt(id="p0", text="x")], num_generations=8,
-                           sampling=SamplingParams(max_tokens=512), learner_version=0, issued_at=time.time())
-               for i in range(n)]
+    batches = [
+        PromptBatch(
+            batch_id=f"b{i}",
+            prompts=[Prompt(id="p0", text="x")],
+            num_generations=8,
+            sampling=SamplingParams(max_tokens=512),
+            learner_version=0,
+            issued_at=time.time(),
+        )
+        for i in range(n)
+    ]
     for i in range(0, n, 500):
         q.add_prompts(batches[i : i + 500])
     leases = []
@@ -220,17 +286,25 @@ def main() -> None:
     def ratio(key: str) -> float:
         return float(np.median([t[key] / r[key] for r, t in zip(raws, transports, strict=True)]))
 
-    print(f"groups: {args.groups} x {len(payload) / 1024:.1f} KiB (8 completions x 512 tokens), "
-          f"read batch {args.read_batch}, redis-server on loopback, one client, median of {args.rounds} rounds")
+    print(
+        f"groups: {args.groups} x {len(payload) / 1024:.1f} KiB (8 completions x 512 tokens), "
+        f"read batch {args.read_batch}, redis-server on loopback, one client, median of {args.rounds} rounds"
+    )
     print(f"{'':12}{'submit/s':>10}{'read+ack/s':>12}{'both/s':>10}{'p50 ms':>9}{'p99 ms':>9}")
     for name, rows in (("raw XADD", raws), ("RedisQueue", transports)):
-        print(f"{name:12}{median(rows, 'write_per_s'):>10.0f}{median(rows, 'read_per_s'):>12.0f}"
-              f"{median(rows, 'total_per_s'):>10.0f}{median(rows, 'p50_ms'):>9.2f}{median(rows, 'p99_ms'):>9.2f}")
-    print(f"ratio RedisQueue/raw: submit {ratio('write_per_s'):.2f}, read {ratio('read_per_s'):.2f}, "
-          f"submit+read {ratio('total_per_s'):.2f}, p50 latency x{ratio('p50_ms'):.2f}")
+        print(
+            f"{name:12}{median(rows, 'write_per_s'):>10.0f}{median(rows, 'read_per_s'):>12.0f}"
+            f"{median(rows, 'total_per_s'):>10.0f}{median(rows, 'p50_ms'):>9.2f}{median(rows, 'p99_ms'):>9.2f}"
+        )
+    print(
+        f"ratio RedisQueue/raw: submit {ratio('write_per_s'):.2f}, read {ratio('read_per_s'):.2f}, "
+        f"submit+read {ratio('total_per_s'):.2f}, p50 latency x{ratio('p50_ms'):.2f}"
+    )
     for key, name in (("write_per_s", "submit"), ("read_per_s", "read")):
-        print(f"each round's {name} ratio: " + ", ".join(
-            f"{t[key] / r[key]:.2f}" for r, t in zip(raws, transports, strict=True)))
+        print(
+            f"each round's {name} ratio: "
+            + ", ".join(f"{t[key] / r[key]:.2f}" for r, t in zip(raws, transports, strict=True))
+        )
 
 
 if __name__ == "__main__":

@@ -45,7 +45,9 @@ def bench_dtype(model: Path, steps: int) -> None:
     times: dict[str, float] = {}
     logps: dict[str, torch.Tensor] = {}
     for dtype in ("float32", "bfloat16"):
-        cfg = LearnerConfig(model=str(model), dtype=dtype, lora_rank=16, lora_alpha=32, max_tokens=32, learning_rate=1e-5)
+        cfg = LearnerConfig(
+            model=str(model), dtype=dtype, lora_rank=16, lora_alpha=32, max_tokens=32, learning_rate=1e-5
+        )
         torch.manual_seed(0)
         policy = Policy(cfg)
         optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=cfg.learning_rate)
@@ -64,8 +66,10 @@ def bench_dtype(model: Path, steps: int) -> None:
         del policy, optimizer
     mask = batch.seqs.mask_BT.bool()
     delta = (logps["bfloat16"].float() - logps["float32"])[mask].abs().mean().item()
-    print(f"bfloat16/float32 step time {times['bfloat16'] / times['float32']:.2f}x; "
-          f"mean |delta log-prob| of bfloat16 against float32 {delta:.4f}")
+    print(
+        f"bfloat16/float32 step time {times['bfloat16'] / times['float32']:.2f}x; "
+        f"mean |delta log-prob| of bfloat16 against float32 {delta:.4f}"
+    )
 
 
 def bench_engine(model: Path) -> None:
@@ -75,16 +79,23 @@ def bench_engine(model: Path) -> None:
     rows = tasks.arithmetic_rows(16, seed=3)
     for dtype in ("float32", "bfloat16"):
         engine = TransformersEngine(str(model), dtype=dtype)
-        prompts = [engine.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
-                                                        return_dict=True)["input_ids"] for r in rows]
+        prompts = [
+            engine.tokenizer.apply_chat_template(
+                r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            for r in rows
+        ]
         engine.generate(prompts[:2], 2, SamplingParams(temperature=0.8, max_tokens=8, seed=0), 0)  # warm-up
         started = time.perf_counter()
         groups = engine.generate(prompts, 8, SamplingParams(temperature=0.8, max_tokens=32, seed=1), 0)
         spent = time.perf_counter() - started
         tokens = sum(len(s.token_ids) for g in groups for s in g)
         ended = sum(s.finish_reason == "stop" for g in groups for s in g) / sum(len(g) for g in groups)
-        print(f"engine transformers {dtype:9s} {tokens / spent:7.1f} completion tokens/s "
-              f"({tokens} tokens in {spent:.1f} s; {ended:.0%} ended on a stop token)", flush=True)
+        print(
+            f"engine transformers {dtype:9s} {tokens / spent:7.1f} completion tokens/s "
+            f"({tokens} tokens in {spent:.1f} s; {ended:.0%} ended on a stop token)",
+            flush=True,
+        )
         engine.close()
 
 
@@ -99,8 +110,12 @@ def held_out_pass_at_1(model: Path, adapter: Path | None, rows: list[dict]) -> f
     if adapter is not None:
         engine.load_adapter(1, adapter)
         version = 1
-    prompts = [engine.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True,
-                                                    return_dict=True)["input_ids"] for r in rows]
+    prompts = [
+        engine.tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=True)[
+            "input_ids"
+        ]
+        for r in rows
+    ]
     groups = engine.generate(prompts, 1, SamplingParams(temperature=0.0, max_tokens=32), version)
     texts = [engine.decode(g[0].token_ids) for g in groups]
     scores = accuracy(texts, answer=[r["answer"] for r in rows])
@@ -121,16 +136,36 @@ def bench_trl(model: Path, steps: int) -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-real-"))
     run_dir = work / "spotgrpo"
     started = time.monotonic()
-    subprocess.run([sys.executable, "-m", "learner.cli", "run", "--example", "arithmetic", "--steps", str(steps),
-                    "--run-dir", str(run_dir), "--model", str(model), "--no-tensorboard"], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "learner.cli",
+            "run",
+            "--example",
+            "arithmetic",
+            "--steps",
+            str(steps),
+            "--run-dir",
+            str(run_dir),
+            "--model",
+            str(model),
+            "--no-tensorboard",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ours_wall = time.monotonic() - started
     summary = json.loads((run_dir / "summary.json").read_text())
     evals = summary["evaluations"]
     last = max(evals, key=int)
-    print(f"spotgrpo: {summary['steps']} steps in {ours_wall:.0f}s ({summary['steps'] / ours_wall:.4f} steps/s, "
-          f"process start and the final evaluation included); held-out pass@1 v0 {evals['0']['pass@1']:.3f} -> "
-          f"v{last} {evals[last]['pass@1']:.3f}", flush=True)
+    print(
+        f"spotgrpo: {summary['steps']} steps in {ours_wall:.0f}s ({summary['steps'] / ours_wall:.4f} steps/s, "
+        f"process start and the final evaluation included); held-out pass@1 v0 {evals['0']['pass@1']:.3f} -> "
+        f"v{last} {evals[last]['pass@1']:.3f}",
+        flush=True,
+    )
 
     rows = tasks.arithmetic_rows(2000, seed=0)
     held_out = tasks.arithmetic_rows(200, seed=1)[:48]
@@ -150,17 +185,35 @@ def bench_trl(model: Path, steps: int) -> None:
             return control
 
     config = GRPOConfig(
-        output_dir=str(work / "trl"), per_device_train_batch_size=16, num_generations=8, max_completion_length=32,
-        temperature=0.8, learning_rate=3e-4, lr_scheduler_type="constant", beta=0.0, loss_type="dapo",
-        max_steps=10_000, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-        gradient_checkpointing=False, seed=0, shuffle_dataset=True,
+        output_dir=str(work / "trl"),
+        per_device_train_batch_size=16,
+        num_generations=8,
+        max_completion_length=32,
+        temperature=0.8,
+        learning_rate=3e-4,
+        lr_scheduler_type="constant",
+        beta=0.0,
+        loss_type="dapo",
+        max_steps=10_000,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        seed=0,
+        shuffle_dataset=True,
     )
     started = time.monotonic()
     clock = StopAtWallTime(ours_wall)
     trainer = GRPOTrainer(
-        model=str(model), reward_funcs=reward, args=config,
+        model=str(model),
+        reward_funcs=reward,
+        args=config,
         train_dataset=Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows]),
-        peft_config=LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"),
+        peft_config=LoraConfig(
+            r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+        ),
         callbacks=[clock],
     )
     trainer.train()
@@ -168,10 +221,15 @@ def bench_trl(model: Path, steps: int) -> None:
     trainer.model.save_pretrained(str(work / "trl-adapter"))
     ours_final = evals[last]["pass@1"]
     theirs = held_out_pass_at_1(model, work / "trl-adapter", held_out)
-    print(f"TRL GRPOTrainer: {clock.steps} steps in {trl_wall:.0f}s ({clock.steps / trl_wall:.4f} steps/s); "
-          f"held-out pass@1 {theirs:.3f}", flush=True)
-    print(f"spotgrpo/TRL: steps/s {summary['steps'] / ours_wall / max(clock.steps / trl_wall, 1e-9):.2f}x; "
-          f"final pass@1 {ours_final:.3f} vs {theirs:.3f} after the same wall time")
+    print(
+        f"TRL GRPOTrainer: {clock.steps} steps in {trl_wall:.0f}s ({clock.steps / trl_wall:.4f} steps/s); "
+        f"held-out pass@1 {theirs:.3f}",
+        flush=True,
+    )
+    print(
+        f"spotgrpo/TRL: steps/s {summary['steps'] / ours_wall / max(clock.steps / trl_wall, 1e-9):.2f}x; "
+        f"final pass@1 {ours_final:.3f} vs {theirs:.3f} after the same wall time"
+    )
 
 
 def main() -> None:

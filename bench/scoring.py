@@ -54,17 +54,30 @@ from protocol.usercode.rewards import Scorer, load_reward
 
 
 def batch(run: str, i: int, scoring: str = "trusted") -> PromptBatch:
-    return PromptBatch(batch_id=f"{run}-b{i}", prompts=[Prompt(id="p0", text=f"question {i}", columns={"answer": "4"})],
-                       num_generations=8, sampling=SamplingParams(max_tokens=16), learner_version=0,
-                       issued_at=time.time(), scoring=scoring)
+    return PromptBatch(
+        batch_id=f"{run}-b{i}",
+        prompts=[Prompt(id="p0", text=f"question {i}", columns={"answer": "4"})],
+        num_generations=8,
+        sampling=SamplingParams(max_tokens=16),
+        learner_version=0,
+        issued_at=time.time(),
+        scoring=scoring,
+    )
 
 
 def unscored(b: PromptBatch, reward: float | None = None) -> RolloutGroup:
     return RolloutGroup(
-        group_id=group_id_for(b.batch_id, "p0"), batch_id=b.batch_id, prompt_id="p0", adapter_version=0,
-        actor_id="bench", prompt_token_ids=pack_i32([1, 2, 3]),
-        completions=[Completion.of(list(range(1, 9)), [-0.5] * 8, finish_reason="stop", text=f"answer {j}",
-                                   reward=reward) for j in range(8)])
+        group_id=group_id_for(b.batch_id, "p0"),
+        batch_id=b.batch_id,
+        prompt_id="p0",
+        adapter_version=0,
+        actor_id="bench",
+        prompt_token_ids=pack_i32([1, 2, 3]),
+        completions=[
+            Completion.of(list(range(1, 9)), [-0.5] * 8, finish_reason="stop", text=f"answer {j}", reward=reward)
+            for j in range(8)
+        ],
+    )
 
 
 def start_scorers(url: str, run: str, n: int, reward: str, logs: Path) -> list[subprocess.Popen[bytes]]:
@@ -74,10 +87,31 @@ def start_scorers(url: str, run: str, n: int, reward: str, logs: Path) -> list[s
         from learner.tiny import save_tiny
 
         save_tiny(model, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
-    return [subprocess.Popen([sys.executable, "-m", "learner.cli", "score", "--queue", url, "--run", run, "--reward",
-                              reward, "--model", str(model), "--name", f"bench-{run}-{i}"], cwd=REPO, env=env,
-                             stdout=(logs / f"{run}-{i}.log").open("wb"), stderr=subprocess.STDOUT)
-            for i in range(n)]
+    return [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "score",
+                "--queue",
+                url,
+                "--run",
+                run,
+                "--reward",
+                reward,
+                "--model",
+                str(model),
+                "--name",
+                f"bench-{run}-{i}",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=(logs / f"{run}-{i}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for i in range(n)
+    ]
 
 
 def submit_all(q: RedisQueue, run: str, groups: int, offset: int = 0) -> list[tuple[str, float]]:
@@ -128,7 +162,7 @@ def latency_trusted(url: str, reward: str, n: int, logs: Path) -> list[float]:
         time.sleep(3.0)
         out = []
         for i in range(n):
-            (batch_id, at), = submit_all(q, run, 1, offset=i)
+            ((batch_id, at),) = submit_all(q, run, 1, offset=i)
             out.append(drain(q, 1)[batch_id] - at)
         return out
     finally:
@@ -147,10 +181,15 @@ def latency_actor_side(url: str, reward: str, n: int) -> list[float]:
         (lease,) = q.claim("bench-actor", 1)
         generated = time.perf_counter()
         group = unscored(b)
-        scores = scorer.score(b.prompts[0], "", [c.text for c in group.completions],
-                              [c.tokens.tolist() for c in group.completions])
-        group = msgspec.structs.replace(group, completions=[msgspec.structs.replace(c, reward=r) for c, r in
-                                                            zip(group.completions, scores.rewards, strict=True)])
+        scores = scorer.score(
+            b.prompts[0], "", [c.text for c in group.completions], [c.tokens.tolist() for c in group.completions]
+        )
+        group = msgspec.structs.replace(
+            group,
+            completions=[
+                msgspec.structs.replace(c, reward=r) for c, r in zip(group.completions, scores.rewards, strict=True)
+            ],
+        )
         q.submit("bench-actor", lease.lease_id, [group])
         out.append(drain(q, 1)[b.batch_id] - generated)
     q.close()
@@ -180,8 +219,10 @@ def main() -> None:
         actor = latency_actor_side(url, "bench.rewards:busy_20ms", args.latency_groups)
         print(f"latency to learner-visible, busy_20ms reward, {args.latency_groups} groups one at a time:")
         print(f"  actor-side scoring: p50 {1000 * pct(actor, 50):6.1f} ms  p99 {1000 * pct(actor, 99):6.1f} ms")
-        print(f"  trusted tier:       p50 {1000 * pct(trusted, 50):6.1f} ms  p99 {1000 * pct(trusted, 99):6.1f} ms"
-              f"  (added p50 {1000 * (pct(trusted, 50) - pct(actor, 50)):+.1f} ms)")
+        print(
+            f"  trusted tier:       p50 {1000 * pct(trusted, 50):6.1f} ms  p99 {1000 * pct(trusted, 99):6.1f} ms"
+            f"  (added p50 {1000 * (pct(trusted, 50) - pct(actor, 50)):+.1f} ms)"
+        )
     finally:
         proc.terminate()
         proc.wait(10)

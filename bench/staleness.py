@@ -42,12 +42,39 @@ STALLED: list[str] = []
 
 def final_reward(lag: int, correction: str, seed: int, steps: int, extra: list[str], timeout_s: float = 600) -> float:
     run_dir = Path(tempfile.mkdtemp(prefix=f"bench-stale-k{lag}-{correction}-s{seed}-"))
-    cmd = [sys.executable, "-m", "learner.cli", "run", "--run-dir", str(run_dir), "--steps", str(steps),
-           "--seed", str(seed), "--lag-versions", str(lag), "--max-inflight", "16", "--groups-per-step", "16",
-           "--max-staleness", str(max(lag, 4)), "--no-tensorboard", "--scoring", "actors", *CORRECTIONS[correction],
-           *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner.cli",
+        "run",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(steps),
+        "--seed",
+        str(seed),
+        "--lag-versions",
+        str(lag),
+        "--max-inflight",
+        "16",
+        "--groups-per-step",
+        "16",
+        "--max-staleness",
+        str(max(lag, 4)),
+        "--no-tensorboard",
+        "--scoring",
+        "actors",
+        *CORRECTIONS[correction],
+        *extra,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         if proc.wait(timeout=timeout_s) != 0:
             raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}; see {run_dir / 'logs'}")
@@ -70,8 +97,10 @@ def main() -> None:
     parser.add_argument("extra", nargs="*", help="more learner flags (after --)")
     args = parser.parse_args()
     on_policy = {s: final_reward(0, "none", s, args.steps, args.extra) for s in args.seeds}
-    print(f"final reward (last 10 of {args.steps} steps), mean ± spread over seeds {args.seeds}; "
-          f"ratio to on-policy (k=0, no correction: {statistics.mean(on_policy.values()):.3f})")
+    print(
+        f"final reward (last 10 of {args.steps} steps), mean ± spread over seeds {args.seeds}; "
+        f"ratio to on-policy (k=0, no correction: {statistics.mean(on_policy.values()):.3f})"
+    )
     print(f"{'k':>3} " + " ".join(f"{c:>22}" for c in args.corrections), flush=True)
     print("on-policy per seed: " + ", ".join(f"{s}: {v:.3f}" for s, v in on_policy.items()), flush=True)
     for lag in [k for k in args.lags if k > 0]:
@@ -82,12 +111,17 @@ def main() -> None:
             ratios = [finals[s] / on_policy[s] for s in args.seeds if on_policy[s] > 0]
             spread = (max(values) - min(values)) / 2
             cells.append(f"{statistics.mean(values):.3f}±{spread:.3f} ({min(ratios):.2f}-{max(ratios):.2f}x)")
-            print(f"  (k={lag} {correction}: " + ", ".join(f"{s}: {v:.3f}" for s, v in finals.items()) + ")",
-                  file=sys.stderr, flush=True)
+            print(
+                f"  (k={lag} {correction}: " + ", ".join(f"{s}: {v:.3f}" for s, v in finals.items()) + ")",
+                file=sys.stderr,
+                flush=True,
+            )
         print(f"{lag:>3} " + " ".join(f"{c:>22}" for c in cells), flush=True)
     if STALLED:
-        print(f"stalled (no trainable group for {600}s; their reward is that of their last 10 steps): "
-              + "; ".join(STALLED))
+        print(
+            f"stalled (no trainable group for {600}s; their reward is that of their last 10 steps): "
+            + "; ".join(STALLED)
+        )
 
 
 if __name__ == "__main__":

@@ -64,8 +64,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--engine", default="vllm", choices=["vllm", "transformers"])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3,
-                        help="the actor's share of the GPU; the learner takes what it needs of the rest")
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.3,
+        help="the actor's share of the GPU; the learner takes what it needs of the rest",
+    )
     parser.add_argument("--actor-python", default=sys.executable, help="the Python the actor runs in")
     parser.add_argument("--keep", type=Path, default=None)
     args = parser.parse_args()
@@ -82,9 +86,25 @@ def main() -> None:
     procs: list[subprocess.Popen[bytes]] = []
     started = time.monotonic()
     try:
-        procs.append(subprocess.Popen(
-            [shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(work)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        procs.append(
+            subprocess.Popen(
+                [
+                    shutil.which("redis-server") or "redis-server",
+                    "--port",
+                    str(port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    str(work),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
         time.sleep(0.5)
         queue, store = f"redis://127.0.0.1:{port}/0", (work / "store").as_uri()
         from bench.queue import start_proxy
@@ -93,21 +113,96 @@ def main() -> None:
         procs.append(proxy)
         engine = ["--engine", args.engine]
         if args.engine == "vllm":
-            engine += ["--gpu-memory-utilization", str(args.gpu_memory_utilization), "--max-model-len", "256",
-                       "--max-lora-rank", "16", "--dtype", args.dtype]
+            engine += [
+                "--gpu-memory-utilization",
+                str(args.gpu_memory_utilization),
+                "--max-model-len",
+                "256",
+                "--max-lora-rank",
+                "16",
+                "--dtype",
+                args.dtype,
+            ]
         with (work / "actor.log").open("wb") as log:
-            procs.append(subprocess.Popen(
-                [args.actor_python, "-m", "actors.cli", "run", "--queue", proxy_url, "--run", "check",
-                 "--model", str(model), *engine, "--reward", "protocol.usercode.tasks:next_digit", "--metrics-port",
-                 str(metrics_port), "--lease-timeout-s", "30"], env={**env, **worker_env}, stdout=log, stderr=subprocess.STDOUT))
-        learner = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "learner", "run",
-                   "--run-name", "check", "--queue", queue, "--store", store, "--model", str(model),
-                   "--dataset", str(data), "--reward", "protocol.usercode.tasks:next_digit", "--scoring", "actors",
-                   "--run-dir", str(work / "run"), "--device", args.device, "--dtype", args.dtype,
-                   "--steps", str(args.steps), "--max-tokens", "2", "--learning-rate", "3e-3", "--lora-rank", "8",
-                   "--groups-per-step", "16", "--prompts-per-batch", "4", "--num-generations", "8",
-                   "--max-inflight", "48", "--max-staleness", "4", "--checkpoint-every", "20", "--no-tensorboard",
-                   "--startup-timeout-s", "300"]
+            procs.append(
+                subprocess.Popen(
+                    [
+                        args.actor_python,
+                        "-m",
+                        "actors.cli",
+                        "run",
+                        "--queue",
+                        proxy_url,
+                        "--run",
+                        "check",
+                        "--model",
+                        str(model),
+                        *engine,
+                        "--reward",
+                        "protocol.usercode.tasks:next_digit",
+                        "--metrics-port",
+                        str(metrics_port),
+                        "--lease-timeout-s",
+                        "30",
+                    ],
+                    env={**env, **worker_env},
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        learner = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "learner",
+            "run",
+            "--run-name",
+            "check",
+            "--queue",
+            queue,
+            "--store",
+            store,
+            "--model",
+            str(model),
+            "--dataset",
+            str(data),
+            "--reward",
+            "protocol.usercode.tasks:next_digit",
+            "--scoring",
+            "actors",
+            "--run-dir",
+            str(work / "run"),
+            "--device",
+            args.device,
+            "--dtype",
+            args.dtype,
+            "--steps",
+            str(args.steps),
+            "--max-tokens",
+            "2",
+            "--learning-rate",
+            "3e-3",
+            "--lora-rank",
+            "8",
+            "--groups-per-step",
+            "16",
+            "--prompts-per-batch",
+            "4",
+            "--num-generations",
+            "8",
+            "--max-inflight",
+            "48",
+            "--max-staleness",
+            "4",
+            "--checkpoint-every",
+            "20",
+            "--no-tensorboard",
+            "--startup-timeout-s",
+            "300",
+        ]
         with (work / "learner.log").open("wb") as log:
             run = subprocess.run(learner, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=900)
         if run.returncode != 0:
@@ -121,7 +216,10 @@ def main() -> None:
     wait, busy = sum(r["wait_s"] for r in steady), step_s + sum(r["publish_s"] or 0.0 for r in steady)
     on_policy = [r["sampling/sampling_logp_difference/mean"] for r in rows if r["staleness_max"] == 0]
     figures = {
-        "device": args.device, "dtype": args.dtype, "engine": args.engine, "steps": len(rows),
+        "device": args.device,
+        "dtype": args.dtype,
+        "engine": args.engine,
+        "steps": len(rows),
         "learner_tokens_per_s": sum(r["tokens"] for r in steady) / step_s,
         "peak_memory_mb": max(r["memory_peak_mb"] for r in rows),
         "learner_wait_fraction": wait / (wait + busy),

@@ -5,8 +5,10 @@ a LoRA adapter against a `vllm serve` (vLLM's CPU build in `.venv-vllm`) started
 recipe says (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`, `VLLM_SERVER_DEV_MODE=1`):
 every step it pauses the server, writes the adapter, loads it with `/v1/load_lora_adapter`
 and resumes. Its engine core runs in the server's process, as the actor's does on one core
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: see actors/vllm_engine.py; it makes TRL faster too). spotgrpo: `learner run` on a private redis-server and a file store, and one
-`actors run --engine vllm` worker (scoring its own groups, as TRL's rollout worker does).
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`: see actors/vllm_engine.py; it makes TRL faster too).
+spotgrpo: `learner run` on a private redis-server and a file store, `proxy serve` in front
+of it, and one `actors run --engine vllm` worker through the proxy (scoring its own groups,
+as TRL's rollout worker does).
 
 The same work for both: the tiny model (`learner.tiny.save_tiny`), the next-digit task asked
 as a chat turn, reward `digits` below (the task's own and a dense part), `--groups` prompts x 8 completions a step,
@@ -59,8 +61,10 @@ def digits(prompts: list, completions: list, answer: list, **_: Any) -> list[flo
     no message)."""
     from protocol.usercode.tasks import next_digit
 
-    texts = [c if isinstance(c, str) else (c[0].get("content", "") if c and isinstance(c[0], dict) else "")
-             for c in completions]
+    texts = [
+        c if isinstance(c, str) else (c[0].get("content", "") if c and isinstance(c[0], dict) else "")
+        for c in completions
+    ]
     first = next_digit(prompts, texts, answer)
     return [f + 0.5 * sum(ch.isdigit() for ch in t) / max(len(t), 1) for f, t in zip(first, texts, strict=True)]
 
@@ -104,8 +108,13 @@ def write_data(path: Path, n: int = 2000) -> Path:
 
 
 def vllm_env() -> dict[str, str]:
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-            "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+    }
 
 
 # ---------------------------------------------------------------------- the peer
@@ -114,36 +123,85 @@ def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> di
 
     port = free_port()
     server_log = (work / "vllm-serve.log").open("wb")
-    env = {**vllm_env(), "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-           # what the actor does by itself on one core (actors/vllm_engine.py), given to the peer too:
-           # it takes TRL from 2.8-3.0 to 4.1 steps/s here
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {
+        **vllm_env(),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        # what the actor does by itself on one core (actors/vllm_engine.py), given to the peer too:
+        # it takes TRL from 2.8-3.0 to 4.1 steps/s here
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
     server = subprocess.Popen(
-        pinned(GENERATOR_CORE, [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-                                "--enable-lora", "--max-lora-rank", "8", "--max-loras", str(args.max_staleness + 2),
-                                "--max-model-len", "256", "--max-num-seqs", str(4 * args.groups * 8),
-                                "--seed", "0"]),
-        env=env, stdout=server_log, stderr=subprocess.STDOUT, cwd=work)
+        pinned(
+            GENERATOR_CORE,
+            [
+                str(args.vllm_python),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--dtype",
+                "float32",
+                "--enable-lora",
+                "--max-lora-rank",
+                "8",
+                "--max-loras",
+                str(args.max_staleness + 2),
+                "--max-model-len",
+                "256",
+                "--max-num-seqs",
+                str(4 * args.groups * 8),
+                "--seed",
+                "0",
+            ],
+        ),
+        env=env,
+        stdout=server_log,
+        stderr=subprocess.STDOUT,
+        cwd=work,
+    )
     procs = [server]
     try:
         wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/health"), "vllm serve", 600, procs)
-        spec = {"model": str(model), "data": str(data), "url": f"http://127.0.0.1:{port}", "out": str(work / "trl"),
-                "steps": args.steps, "groups": args.groups, "lr": args.lr, "max_staleness": args.max_staleness}
+        spec = {
+            "model": str(model),
+            "data": str(data),
+            "url": f"http://127.0.0.1:{port}",
+            "out": str(work / "trl"),
+            "steps": args.steps,
+            "groups": args.groups,
+            "lr": args.lr,
+            "max_staleness": args.max_staleness,
+        }
         (work / "trl.json").write_text(json.dumps(spec))
         with (work / "trl-trainer.log").open("wb") as log:
             trainer = subprocess.Popen(
                 pinned(LEARNER_CORE, [str(args.vllm_python), "-m", "bench.vs_trl_peer", str(work / "trl.json")]),
-                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, stdout=log,
-                stderr=subprocess.STDOUT, cwd=work)
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=work,
+            )
             procs.append(trainer)
             started = time.time()
             if trainer.wait() != 0:
                 raise SystemExit(f"the TRL trainer failed (rc {trainer.returncode}): see {work / 'trl-trainer.log'}")
         rows = json.loads((work / "trl" / "steps.json").read_text())
-        return summary("TRL AsyncGRPOTrainer + vllm serve", rows, started, {
-            "wait_s": "perf/rollout_wait_s", "staleness": "sample/staleness_mean",
-            "dropped": "sample/dropped_stale_total", "reward": "reward"})
+        return summary(
+            "TRL AsyncGRPOTrainer + vllm serve",
+            rows,
+            started,
+            {
+                "wait_s": "perf/rollout_wait_s",
+                "staleness": "sample/staleness_mean",
+                "dropped": "sample/dropped_stale_total",
+                "reward": "reward",
+            },
+        )
     finally:
         stop(procs)
         server_log.close()
@@ -159,31 +217,103 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
     run_dir = work / "spotgrpo"
     try:
         # the worker reaches the run through the proxy, as every worker does (TRL's reaches vllm serve over HTTP)
-        proxy, proxy_url, worker_env = start_proxy(work, queue, (work / "store").as_uri(), "vs-trl",
-                                                   pinned(LEARNER_CORE, []))
+        proxy, proxy_url, worker_env = start_proxy(
+            work, queue, (work / "store").as_uri(), "vs-trl", pinned(LEARNER_CORE, [])
+        )
         procs.append(proxy)
-        actor_argv = [str(args.vllm_python), "-m", "actors.cli", "run", "--queue", proxy_url, "--run", "vs-trl",
-                      "--engine", "vllm", "--model", str(model), "--max-lora-rank", "8", "--max-model-len", "256",
-                      "--dtype", "float32", "--reward", REWARD, "--worker-id", "actor-0"]
+        actor_argv = [
+            str(args.vllm_python),
+            "-m",
+            "actors.cli",
+            "run",
+            "--queue",
+            proxy_url,
+            "--run",
+            "vs-trl",
+            "--engine",
+            "vllm",
+            "--model",
+            str(model),
+            "--max-lora-rank",
+            "8",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+            "--reward",
+            REWARD,
+            "--worker-id",
+            "actor-0",
+        ]
         with (work / "actor.log").open("wb") as log:  # the child keeps its own copy of the file
-            actor = subprocess.Popen(pinned(GENERATOR_CORE, actor_argv), env={**vllm_env(), **worker_env}, stdout=log,
-                                     stderr=subprocess.STDOUT, cwd=work)
+            actor = subprocess.Popen(
+                pinned(GENERATOR_CORE, actor_argv),
+                env={**vllm_env(), **worker_env},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=work,
+            )
         procs.append(actor)
         learner_argv = [
-            sys.executable, "-m", "learner.cli", "run", "--run", "vs-trl", "--queue", queue,
-            "--store", (work / "store").as_uri(), "--run-dir", str(run_dir), "--model", str(model), "--device", "cpu",
-            "--dataset", str(data), "--reward", REWARD, "--scoring", "actors", "--num-generations", "8",
-            "--groups-per-step", str(args.groups),
-            "--max-tokens", "16", "--temperature", "1.0", "--learning-rate", str(args.lr), "--lora-rank", "8",
-            "--lora-alpha", "16", "--max-staleness", str(args.max_staleness), "--steps", str(args.steps),
-            "--max-inflight", str(args.max_staleness * args.groups), "--eval-every", "0",
-            "--checkpoint-every", str(args.steps), "--no-keep-queue"]
+            sys.executable,
+            "-m",
+            "learner.cli",
+            "run",
+            "--run",
+            "vs-trl",
+            "--queue",
+            queue,
+            "--store",
+            (work / "store").as_uri(),
+            "--run-dir",
+            str(run_dir),
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--dataset",
+            str(data),
+            "--reward",
+            REWARD,
+            "--scoring",
+            "actors",
+            "--num-generations",
+            "8",
+            "--groups-per-step",
+            str(args.groups),
+            "--max-tokens",
+            "16",
+            "--temperature",
+            "1.0",
+            "--learning-rate",
+            str(args.lr),
+            "--lora-rank",
+            "8",
+            "--lora-alpha",
+            "16",
+            "--max-staleness",
+            str(args.max_staleness),
+            "--steps",
+            str(args.steps),
+            "--max-inflight",
+            str(args.max_staleness * args.groups),
+            "--eval-every",
+            "0",
+            "--checkpoint-every",
+            str(args.steps),
+            "--no-keep-queue",
+        ]
         if args.prompts_per_batch:
             learner_argv += ["--prompts-per-batch", str(args.prompts_per_batch)]
         profiler, profiled = None, (0, 0.0)
         with (work / "learner.log").open("wb") as log:
-            learner = subprocess.Popen(pinned(LEARNER_CORE, learner_argv), stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, cwd=work)
+            learner = subprocess.Popen(
+                pinned(LEARNER_CORE, learner_argv),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                cwd=work,
+            )
             procs.insert(0, learner)
             started = time.time()
             while learner.poll() is None:
@@ -192,10 +322,27 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
                 if args.profile and profiler is None and (done := steps_done(run_dir)) >= 1:
                     # the steady state only: from the first step on, not the engine's start
                     profiled = (done, time.time())
-                    profiler = subprocess.Popen(pinned(LEARNER_CORE, [
-                        args.profile, "record", "--pid", str(actor.pid), "--format", "raw", "--rate", str(RATE),
-                        "--nonblocking", "--subprocesses", "--output", str(work / "actor.pyspy")]),
-                        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+                    profiler = subprocess.Popen(
+                        pinned(
+                            LEARNER_CORE,
+                            [
+                                args.profile,
+                                "record",
+                                "--pid",
+                                str(actor.pid),
+                                "--format",
+                                "raw",
+                                "--rate",
+                                str(RATE),
+                                "--nonblocking",
+                                "--subprocesses",
+                                "--output",
+                                str(work / "actor.pyspy"),
+                            ],
+                        ),
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.STDOUT,
+                    )
                 time.sleep(0.2)
             if learner.returncode != 0:
                 raise SystemExit(f"the learner failed (rc {learner.returncode}): see {work / 'learner.log'}")
@@ -205,9 +352,12 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
             profiler.wait(timeout=120)
             show_profile(work / "actor.pyspy", len(rows) - profiled[0], rows[-1]["time"] - profiled[1])
         rows = [r for r in rows if "step_s" in r]
-        return summary("spotgrpo (learner + 1 vllm actor over Redis)", rows, started, {
-            "wait_s": "wait_s", "staleness": "staleness_mean", "dropped": "dropped_stale",
-            "reward": "reward"})
+        return summary(
+            "spotgrpo (learner + 1 vllm actor over Redis)",
+            rows,
+            started,
+            {"wait_s": "wait_s", "staleness": "staleness_mean", "dropped": "dropped_stale", "reward": "reward"},
+        )
     finally:
         stop(procs)
 
@@ -223,16 +373,30 @@ RATE = 250
 
 WHERE: list[tuple[str, tuple[str, ...]]] = [
     # (what, any of these frames): the first that matches a sample names it
-    ("vLLM: model forward + sampling", ("execute_model", "sample_tokens", "_model_forward", "bgmv_", "sgmv_",
-                                        "einsum", "onednn_mm", "gemm")),
+    (
+        "vLLM: model forward + sampling",
+        ("execute_model", "sample_tokens", "_model_forward", "bgmv_", "sgmv_", "einsum", "onednn_mm", "gemm"),
+    ),
     ("vLLM: LoRA load / activate", ("add_lora", "_load_adapter", "set_active_adapters", "activate_adapter")),
-    ("vLLM: scheduling, engine-core loop and IPC", ("Scheduler.", "EngineCoreProc", "run_busy_loop",
-                                                    "EngineCore.step", "InprocClient", "MPClient")),
+    (
+        "vLLM: scheduling, engine-core loop and IPC",
+        ("Scheduler.", "EngineCoreProc", "run_busy_loop", "EngineCore.step", "InprocClient", "MPClient"),
+    ),
     ("vLLM: model process's loop and IPC", ("WorkerProc", "worker_busy_loop", "worker_main")),
     ("vLLM: output processing (log-probs, text)", ("OutputProcessor", "process_outputs_socket", "Detokenizer")),
-    ("actor: scoring (reward process, its pool's threads)", ("Scorer", "ScoringPool", "score_group", "_score",
-                                                             "message_manager_loop", "pool_manager_loop",
-                                                             "task_scheduler_loop", "worker_process")),
+    (
+        "actor: scoring (reward process, its pool's threads)",
+        (
+            "Scorer",
+            "ScoringPool",
+            "score_group",
+            "_score",
+            "message_manager_loop",
+            "pool_manager_loop",
+            "task_scheduler_loop",
+            "worker_process",
+        ),
+    ),
     ("actor: adapter watch, download, load call", ("AdapterWatcher", "load_adapter", "StoreSource")),
     ("actor: heartbeat and status", ("Heartbeat", "status")),
     ("actor: submit (build, encode, Redis)", ("_submit_ready", "RedisQueue.submit", "submit")),
@@ -261,8 +425,10 @@ def show_profile(raw: Path, steps: int, seconds: float) -> None:
         print("profile: no samples (is py-spy allowed to read other processes here?)")
         return
     per_step = 1000 / RATE / steps
-    print(f"the actor's CPU per step ({steps} steps in {seconds:.1f}s, {1000 * seconds / steps:.0f} ms a step; "
-          f"py-spy, {total / RATE / seconds:.0%} of a core busy):")
+    print(
+        f"the actor's CPU per step ({steps} steps in {seconds:.1f}s, {1000 * seconds / steps:.0f} ms a step; "
+        f"py-spy, {total / RATE / seconds:.0%} of a core busy):"
+    )
     for what, n in where.most_common():
         print(f"  {what:<48} {n * per_step:>7.1f} ms  {n / total:>5.0%}")
 
@@ -290,12 +456,15 @@ def summary(name: str, rows: list[dict[str, Any]], started: float, keys: dict[st
 
 
 def show(results: list[dict[str, Any]]) -> None:
-    print(f"{'':<46} {'steps/s':>8} {'wall s':>7} {'wait':>6} {'stale':>6} {'dropped':>8} "
-          f"{'reward first5 -> last5':>24}")
+    print(
+        f"{'':<46} {'steps/s':>8} {'wall s':>7} {'wait':>6} {'stale':>6} {'dropped':>8} {'reward first5 -> last5':>24}"
+    )
     for r in results:
-        print(f"{r['name']:<46} {r['steps_per_s']:>8.3f} {r['wall_s']:>7.1f} {r['wait_fraction']:>6.0%} "
-              f"{r['staleness']:>6.2f} {r['dropped']:>8.0f} "
-              f"{r['reward_first']:>11.3f} -> {r['reward_last']:.3f}")
+        print(
+            f"{r['name']:<46} {r['steps_per_s']:>8.3f} {r['wall_s']:>7.1f} {r['wait_fraction']:>6.0%} "
+            f"{r['staleness']:>6.2f} {r['dropped']:>8.0f} "
+            f"{r['reward_first']:>11.3f} -> {r['reward_last']:.3f}"
+        )
 
 
 def main() -> None:
@@ -303,13 +472,20 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=1, help="pairs of runs (peer, then spotgrpo)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--groups", type=int, default=2, help="prompts (groups of 8) per step")
-    parser.add_argument("--prompts-per-batch", type=int, default=None, help="spotgrpo: prompts per lease (default: the learner's)")
+    parser.add_argument(
+        "--prompts-per-batch", type=int, default=None, help="spotgrpo: prompts per lease (default: the learner's)"
+    )
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-staleness", type=int, default=4)
     parser.add_argument("--only", choices=["trl", "spotgrpo"], default=None)
-    parser.add_argument("--profile", nargs="?", const="py-spy", default=None, metavar="PY_SPY",
-                        help="sample spotgrpo's actor with py-spy (path to it; not a dependency) and show where "
-                             "its time goes per step")
+    parser.add_argument(
+        "--profile",
+        nargs="?",
+        const="py-spy",
+        default=None,
+        metavar="PY_SPY",
+        help="sample spotgrpo's actor with py-spy (path to it; not a dependency) and show where its time goes per step",
+    )
     parser.add_argument("--vllm-python", type=Path, default=REPO / ".venv-vllm" / "bin" / "python")
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics)")
     args = parser.parse_args()
@@ -320,9 +496,11 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-vs-trl-"))
     model = save_tiny(root / "model")
     data = write_data(root / "next_digit_chat.jsonl")
-    print(f"work: tiny model, next digit as a chat turn, {args.groups} prompts x 8 completions a step, "
-          f"16 tokens, lr {args.lr}, LoRA r8, max staleness {args.max_staleness}, {args.steps} steps; "
-          f"learner side on core {LEARNER_CORE}, generator on core {GENERATOR_CORE}; logs in {root}")
+    print(
+        f"work: tiny model, next digit as a chat turn, {args.groups} prompts x 8 completions a step, "
+        f"16 tokens, lr {args.lr}, LoRA r8, max staleness {args.max_staleness}, {args.steps} steps; "
+        f"learner side on core {LEARNER_CORE}, generator on core {GENERATOR_CORE}; logs in {root}"
+    )
     ratios = []
     for pair in range(args.pairs):
         results = []

@@ -28,9 +28,20 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker,
 from bench.vs_trl import digits  # by its module's name: TRL pickles it into its rollout process
 
 
-def varlen_attention(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, _max_q: Any, _max_k: Any, *,
-                     softmax_scale: float | None = None, causal: bool = True, window_size: Any = (-1, -1),
-                     **_: Any) -> Any:
+def varlen_attention(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_q: Any,
+    cu_k: Any,
+    _max_q: Any,
+    _max_k: Any,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    window_size: Any = (-1, -1),
+    **_: Any,
+) -> Any:
     """flash-attn's `flash_attn_varlen_func` in torch's SDPA: same arguments, same result
     (causal aligned to the end of each key segment, as flash-attn's); no sliding window
     (the tiny model has none)."""
@@ -42,8 +53,10 @@ def varlen_attention(q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, _max_q: Any, 
     groups = q.shape[1] // k.shape[1]
     for i in range(cu_q.numel() - 1):
         a, b, c, d = int(cu_q[i]), int(cu_q[i + 1]), int(cu_k[i]), int(cu_k[i + 1])
-        qs, ks, vs = (x.transpose(0, 1) for x in (q[a:b], k[c:d].repeat_interleave(groups, 1),
-                                                   v[c:d].repeat_interleave(groups, 1)))
+        qs, ks, vs = (
+            x.transpose(0, 1)
+            for x in (q[a:b], k[c:d].repeat_interleave(groups, 1), v[c:d].repeat_interleave(groups, 1))
+        )
         mask = torch.ones(b - a, d - c, dtype=torch.bool).tril(diagonal=(d - c) - (b - a))
         out[a:b] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=softmax_scale).transpose(0, 1)
     return out
@@ -76,19 +89,38 @@ def trl_trainer(spec_file: str) -> None:
                 steps.append({**logs, "step": state.global_step, "time": time.time()})
 
     config = AsyncGRPOConfig(
-        output_dir=spec["out"], max_steps=spec["steps"], learning_rate=spec["lr"], lr_scheduler_type="constant",
-        per_device_train_batch_size=spec["groups"] * 8, gradient_accumulation_steps=1, num_generations=8,
-        max_completion_length=16, temperature=1.0, max_staleness=spec["max_staleness"],
-        vllm_server_base_url=spec["url"], dtype="float32", bf16=False, use_cpu=True, logging_steps=1,
-        report_to="none", save_strategy="no", seed=0,
+        output_dir=spec["out"],
+        max_steps=spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        per_device_train_batch_size=spec["groups"] * 8,
+        gradient_accumulation_steps=1,
+        num_generations=8,
+        max_completion_length=16,
+        temperature=1.0,
+        max_staleness=spec["max_staleness"],
+        vllm_server_base_url=spec["url"],
+        dtype="float32",
+        bf16=False,
+        use_cpu=True,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(spec["model"])
     # how TRL reads an assistant turn out of the tiny model's chat template (it knows only the big models' own)
-    tokenizer.response_template = {"defaults": {"role": "assistant"}, "start_anchor": "[assistant]",
-                                   "fields": {"content": {"close_pattern": r"</s>\s*", "content": "text"}}}
+    tokenizer.response_template = {
+        "defaults": {"role": "assistant"},
+        "start_anchor": "[assistant]",
+        "fields": {"content": {"close_pattern": r"</s>\s*", "content": "text"}},
+    }
 
     trainer = AsyncGRPOTrainer(
-        model=spec["model"], reward_funcs=digits, args=config, train_dataset=Dataset.from_list(rows),
+        model=spec["model"],
+        reward_funcs=digits,
+        args=config,
+        train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         peft_config=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM"),
         callbacks=[Times()],

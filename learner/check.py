@@ -34,8 +34,11 @@ def check(cfg: LearnerConfig) -> int:
 
     def queue() -> str:
         if not cfg.queue:
-            raise CheckFailed("no --queue", "give --queue redis://host:port/db or https://proxy:port "
-                                            "(without one, `learner run` runs the embedded system)")
+            raise CheckFailed(
+                "no --queue",
+                "give --queue redis://host:port/db or https://proxy:port "
+                "(without one, `learner run` runs the embedded system)",
+            )
         try:
             q = open_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, retry_s=5.0, stop=threading.Event())
             state["queue"] = q
@@ -45,11 +48,15 @@ def check(cfg: LearnerConfig) -> int:
         except QueueForbidden as err:
             raise CheckFailed(str(err), "use a token with role learner (--token or SPOTGRPO_TOKEN)") from None
         except QueueUnavailable as err:
-            raise CheckFailed(str(err), f"is {cfg.queue} reachable from here, and Redis (or the proxy) running?") from None
+            raise CheckFailed(
+                str(err), f"is {cfg.queue} reachable from here, and Redis (or the proxy) running?"
+            ) from None
         except ValueError as err:
             raise CheckFailed(str(err), "--queue takes redis://host:port/db or https://proxy:port") from None
-        return (f"{cfg.queue}: run {cfg.run!r} has {stats.prompts.length} prompt batches, {stats.rollouts.length} "
-                f"groups queued, adapter v{stats.latest_adapter_version}")
+        return (
+            f"{cfg.queue}: run {cfg.run!r} has {stats.prompts.length} prompt batches, {stats.rollouts.length} "
+            f"groups queued, adapter v{stats.latest_adapter_version}"
+        )
 
     def store() -> str:
         if not cfg.store:
@@ -62,8 +69,11 @@ def check(cfg: LearnerConfig) -> int:
                 raise StoreError("the probe read back differs from what was written")
             s.delete([key])
         except (StoreError, ValueError, OSError) as err:
-            raise CheckFailed(f"--store {cfg.store}: {err}", "check the bucket, its credentials (AWS_* variables, "
-                                                              "AWS_ENDPOINT_URL for MinIO/R2) and write permission") from None
+            raise CheckFailed(
+                f"--store {cfg.store}: {err}",
+                "check the bucket, its credentials (AWS_* variables, "
+                "AWS_ENDPOINT_URL for MinIO/R2) and write permission",
+            ) from None
         return f"{cfg.store}: a probe written, read back and deleted"
 
     def model() -> str:
@@ -73,7 +83,9 @@ def check(cfg: LearnerConfig) -> int:
             check_model_path(cfg.model)
             state["fingerprint"] = fingerprint_of_model(cfg.model)
         except (OSError, ValueError) as err:
-            raise CheckFailed(f"--model {cfg.model}: {err}", "give a hub id this machine can download, or a path") from None
+            raise CheckFailed(
+                f"--model {cfg.model}: {err}", "give a hub id this machine can download, or a path"
+            ) from None
         return f"{cfg.model}: config and tokenizer load (fingerprint {state['fingerprint']})"
 
     def tools() -> str:
@@ -86,14 +98,22 @@ def check(cfg: LearnerConfig) -> int:
         try:
             made = episode_tools(cfg, AutoTokenizer.from_pretrained(cfg.model))
         except DataError as err:
-            raise CheckFailed(str(err), "a tool is a typed function whose docstring documents every argument (as "
-                                        "TRL's tools), importable here and on the actors") from None
+            raise CheckFailed(
+                str(err),
+                "a tool is a typed function whose docstring documents every argument (as "
+                "TRL's tools), importable here and on the actors",
+            ) from None
         assert made is not None
-        offered = ("the model's own chat template" if made.template is None
-                   else "Qwen2.5's ChatML tool template (the model's has no tools section)")
+        offered = (
+            "the model's own chat template"
+            if made.template is None
+            else "Qwen2.5's ChatML tool template (the model's has no tools section)"
+        )
         environment = f" (the environment {made.environment}'s methods among them)" if made.environment else ""
-        return (f"{', '.join(made.names)}{environment}: schemas built, offered with {offered}; start the actors with "
-                "the same --tools and --environment")
+        return (
+            f"{', '.join(made.names)}{environment}: schemas built, offered with {offered}; start the actors with "
+            "the same --tools and --environment"
+        )
 
     def dataset() -> str:
         if not cfg.dataset:
@@ -108,8 +128,9 @@ def check(cfg: LearnerConfig) -> int:
         except DataError as err:
             raise CheckFailed(getattr(err, "reason", str(err)), err.fix) from None
         except (ValueError, OSError, KeyError) as err:
-            raise CheckFailed(f"--dataset {cfg.dataset}: {err}",
-                              "check --dataset-config, --dataset-split and --prompt-column") from None
+            raise CheckFailed(
+                f"--dataset {cfg.dataset}: {err}", "check --dataset-config, --dataset-split and --prompt-column"
+            ) from None
         columns = sorted(k for k in rows[0] if k != cfg.prompt_column)
         return f"{cfg.dataset}: {len(rows)} rows; prompt column {cfg.prompt_column!r}, other columns {columns}"
 
@@ -124,29 +145,46 @@ def check(cfg: LearnerConfig) -> int:
         try:
             scorer = Scorer([load_reward(spec) for spec in cfg.reward_specs], timeout_s=60.0)
         except RewardError as err:
-            fix = ("install the reward's package on the trusted side (where `learner score` runs)"
-                   if "cannot import" in str(err) else "give module:function (or module.function), as in TRL")
+            fix = (
+                "install the reward's package on the trusted side (where `learner score` runs)"
+                if "cannot import" in str(err)
+                else "give module:function (or module.function), as in TRL"
+            )
             raise CheckFailed(str(err), fix) from None
         source = state.get("source")
         if source is None:
             return f"{', '.join(cfg.reward)} import (no data set row to score them on)"
         # as the run hands it: with the trainer state of its first step
-        prompt = msgspec.structs.replace(source.prompt(0), progress=Progress(global_step=0, max_steps=cfg.steps, epoch=0.0))
+        prompt = msgspec.structs.replace(
+            source.prompt(0), progress=Progress(global_step=0, max_steps=cfg.steps, epoch=0.0)
+        )
         scores = scorer.score(prompt, "", ["0", "The answer is 42."], [[0], [1]])
         if scores.error is not None and "abstained" not in scores.error:
-            raise CheckFailed(f"on the data set's first row: {scores.error}",
-                              "the reward is called as in TRL: fn(prompts, completions, completion_ids, "
-                              "trainer_state, log_metric, log_extra, **columns); the data set's columns are "
-                              f"{sorted(prompt.columns)}")
-        return (f"{', '.join(cfg.reward)} import and score the data set's first row; scored by {cfg.scoring_mode} "
-                f"({'learner score' if cfg.scoring_mode == 'trusted' else 'the workers'})")
+            raise CheckFailed(
+                f"on the data set's first row: {scores.error}",
+                "the reward is called as in TRL: fn(prompts, completions, completion_ids, "
+                "trainer_state, log_metric, log_extra, **columns); the data set's columns are "
+                f"{sorted(prompt.columns)}",
+            )
+        return (
+            f"{', '.join(cfg.reward)} import and score the data set's first row; scored by {cfg.scoring_mode} "
+            f"({'learner score' if cfg.scoring_mode == 'trusted' else 'the workers'})"
+        )
 
     checks = Checks()
     started = time.monotonic()
     try:
-        return checks.run_all([("queue", queue), ("store", store), ("model", model), ("tools", tools),
-                               ("dataset", dataset),
-                               ("rewards", rewards)], f"`learner run` with these flags is ready ({time.monotonic() - started:.0f}s)")
+        return checks.run_all(
+            [
+                ("queue", queue),
+                ("store", store),
+                ("model", model),
+                ("tools", tools),
+                ("dataset", dataset),
+                ("rewards", rewards),
+            ],
+            f"`learner run` with these flags is ready ({time.monotonic() - started:.0f}s)",
+        )
     finally:
         if "queue" in state:
             state["queue"].close()

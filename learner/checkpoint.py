@@ -63,9 +63,14 @@ class LearnerState:
         """From state.json; a checkpoint written before the ledger had its own type kept
         its fields at the top level."""
         ledger = raw.get("ledger", raw)
-        return cls(step=int(raw.get("step", 0)), policy_version=int(raw.get("policy_version", 0)),
-                   ledger=PromptLedger.from_json(ledger), totals=dict(raw.get("totals") or {}),
-                   unacked=dict(raw.get("unacked") or {}), rng=dict(raw.get("rng") or {}))
+        return cls(
+            step=int(raw.get("step", 0)),
+            policy_version=int(raw.get("policy_version", 0)),
+            ledger=PromptLedger.from_json(ledger),
+            totals=dict(raw.get("totals") or {}),
+            unacked=dict(raw.get("unacked") or {}),
+            rng=dict(raw.get("rng") or {}),
+        )
 
 
 def _python_rng() -> dict[str, Any]:
@@ -144,7 +149,9 @@ def load_checkpoint(store: Store) -> Checkpoint | None:
         return None
     raw = json.loads(retrying(lambda: store.get(checkpoint_key(step, STATE)), what="read checkpoint state"))
     state = LearnerState.from_json(raw)
-    adapter = read_adapter_weights(retrying(lambda: store.get(checkpoint_key(step, ADAPTER_WEIGHTS)), what="read checkpoint adapter"))
+    adapter = read_adapter_weights(
+        retrying(lambda: store.get(checkpoint_key(step, ADAPTER_WEIGHTS)), what="read checkpoint adapter")
+    )
     trainer_bytes = retrying(lambda: store.get(checkpoint_key(step, TRAINER_STATE)), what="read trainer state")
     trainer = torch.load(io.BytesIO(trainer_bytes), weights_only=True)
     return Checkpoint(state, adapter, trainer)

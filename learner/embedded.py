@@ -14,8 +14,8 @@ Shutdown order: the learner stops (at its step budget or on Ctrl-C, with a check
 the actors get SIGTERM (they hand their leases back) and the scoring worker too (RQ's
 warm shutdown: the job in hand finishes); the queue's outstanding work is counted for
 the summary; then the proxy gets SIGTERM, and redis-server last. `learner run --resume`
-continues from the checkpoint: the run's Redis (which keeps nothing on disk) starts empty and the learner re-issues what it
-had issued after its checkpoint.
+continues from the checkpoint: the run's Redis (which keeps nothing on disk) starts empty
+and the learner re-issues what it had issued after its checkpoint.
 """
 
 from __future__ import annotations
@@ -74,10 +74,23 @@ _REAL_MODEL: dict[str, Any] = {
 held-out pass@1 by greedy answers."""
 
 EXAMPLES: dict[str, dict[str, Any]] = {
-    "arithmetic": {**_REAL_MODEL, "run": "arithmetic", "steps": 30, "max_tokens": 32, "temperature": 0.8,
-                   "eval_max_prompts": 48},
-    "calculator": {**_REAL_MODEL, "run": "calculator", "steps": 12, "max_tokens": 96, "temperature": 1.0,
-                   "max_tool_calling_iterations": 1, "eval_max_prompts": 32},
+    "arithmetic": {
+        **_REAL_MODEL,
+        "run": "arithmetic",
+        "steps": 30,
+        "max_tokens": 32,
+        "temperature": 0.8,
+        "eval_max_prompts": 48,
+    },
+    "calculator": {
+        **_REAL_MODEL,
+        "run": "calculator",
+        "steps": 12,
+        "max_tokens": 96,
+        "temperature": 1.0,
+        "max_tool_calling_iterations": 1,
+        "eval_max_prompts": 32,
+    },
 }
 """`learner run --example NAME`: a real model on a real task, sized for 2 CPU cores
 (arithmetic 8 to 12 minutes, calculator about 26); flags override any of it."""
@@ -114,8 +127,11 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
             held_out = run_dir / "next_digit_eval.jsonl"
             if not held_out.exists():
                 write_next_digit_dataset(held_out, n=200, seed=1)
-            updates |= {"eval_dataset": str(held_out.resolve()), "eval_every": cfg.eval_every or 10,
-                        "eval_max_prompts": 16}
+            updates |= {
+                "eval_dataset": str(held_out.resolve()),
+                "eval_every": cfg.eval_every or 10,
+                "eval_max_prompts": 16,
+            }
     elif not cfg.reward:
         raise ValueError("--dataset without --reward: the scorers need a reward function for your data")
     if not cfg.store:
@@ -123,17 +139,32 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
     tls = run_dir / "tls"
     if not (tls / "cert.pem").exists():
         subprocess.run(
-            [sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"),
-             "--key", str(tls / "key.pem"), "--host", "127.0.0.1", "--host", "localhost"],
-            check=True, stdout=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "selfsigned",
+                "--cert",
+                str(tls / "cert.pem"),
+                "--key",
+                str(tls / "key.pem"),
+                "--host",
+                "127.0.0.1",
+                "--host",
+                "localhost",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
         )
     tokens = run_dir / "tokens.toml"
     if not tokens.exists():
         tokens.touch(mode=0o600)
-        tokens.write_text("".join(
-            f'[[tokens]]\nname = "local-{role}"\nrole = "{role}"\nsecret = "{secrets.token_urlsafe(32)}"\n'
-            for role in ROLES
-        ))
+        tokens.write_text(
+            "".join(
+                f'[[tokens]]\nname = "local-{role}"\nrole = "{role}"\nsecret = "{secrets.token_urlsafe(32)}"\n'
+                for role in ROLES
+            )
+        )
     return cfg.model_copy(update=updates), tokens
 
 
@@ -202,8 +233,10 @@ def redis_server_binary(choice: str) -> str | None:
         return None
     binary = shutil.which("redis-server") if sys.platform == "linux" else None
     if binary is None and choice == "server":
-        raise ValueError("--embedded-redis server: needs redis-server on PATH, on Linux "
-                           "(or --embedded-redis memory: fakeredis, nothing to install)")
+        raise ValueError(
+            "--embedded-redis server: needs redis-server on PATH, on Linux "
+            "(or --embedded-redis memory: fakeredis, nothing to install)"
+        )
     return binary
 
 
@@ -232,8 +265,9 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         in_scoring = stats.unscored.length if stats.unscored is not None else 0
         if cfg.scoring_mode == "trusted":
             out["in_scoring"] = in_scoring
-        out["in_queue"] = (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring \
-            - eval_in_queue
+        out["in_queue"] = (
+            (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring - eval_in_queue
+        )
         out["eval_in_queue"] = eval_in_queue
         out["leases_at_end"] = dict(stats.leases_by_worker)
         out["balanced"] = out["issued"] == out["trained"] + sum(dropped.values()) + dead + out["in_queue"]
@@ -319,19 +353,24 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         print(f"learner run: {failure[0]}", file=sys.stderr)
         return 1
     curve = plot(cfg.resolved_run_dir)
-    summary = summarise(cfg.resolved_run_dir, time.monotonic() - started, {
-        "accounting": accounting(state, cfg, stats, eval_in_queue) if state is not None else {},
-        "curve": str(curve) if curve else None,
-        "metrics": str(cfg.resolved_run_dir / "metrics.jsonl"),
-    })
+    summary = summarise(
+        cfg.resolved_run_dir,
+        time.monotonic() - started,
+        {
+            "accounting": accounting(state, cfg, stats, eval_in_queue) if state is not None else {},
+            "curve": str(curve) if curve else None,
+            "metrics": str(cfg.resolved_run_dir / "metrics.jsonl"),
+        },
+    )
     evals = summary["evaluations"]
     held_out = ""
     if evals:
         first, last = min(evals, key=int), max(evals, key=int)
         p1 = {v: evals[v].get("pass@1") for v in (first, last)}
         shown = {v: "-" if p is None else f"{p:.3f}" for v, p in p1.items()}
-        held_out = (f"; held-out pass@1 {shown[first]} (v{first}) -> {shown[last]} (v{last})"
-                    + (" (cut short)" if evals[last].get("cut_short") else ""))
+        held_out = f"; held-out pass@1 {shown[first]} (v{first}) -> {shown[last]} (v{last})" + (
+            " (cut short)" if evals[last].get("cut_short") else ""
+        )
     console.print(
         f"\n[bold]done[/bold]: {summary['steps']} steps in {summary['wall_s']}s; reward {summary['reward_first_5']} "
         f"(first 5 steps) -> {summary['reward_last_5']} (last 5){held_out}; max staleness {summary['staleness_max']}; "

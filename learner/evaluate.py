@@ -87,9 +87,14 @@ class Evaluator:
                 batch_id=batch_id,
                 prompts=[self.source.prompt(i) for i in range(start, start + n)],
                 num_generations=cfg.eval_generations,
-                sampling=SamplingParams(temperature=cfg.eval_temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                                        min_p=cfg.min_p, repetition_penalty=cfg.repetition_penalty,
-                                        max_tokens=cfg.max_tokens),
+                sampling=SamplingParams(
+                    temperature=cfg.eval_temperature,
+                    top_p=cfg.top_p,
+                    top_k=cfg.top_k,
+                    min_p=cfg.min_p,
+                    repetition_penalty=cfg.repetition_penalty,
+                    max_tokens=cfg.max_tokens,
+                ),
                 learner_version=version,
                 issued_at=time.time(),
                 pinned_version=version,
@@ -249,8 +254,11 @@ class Evaluations:
         ev.want(self.state.policy_version)
         deadline = time.monotonic() + self.cfg.eval_final_timeout_s
         if ev.due or ev.runs:
-            log.info("the run is over; evaluating v%s before it ends (at most %.0fs)",
-                     ", v".join(str(v) for v in sorted({*ev.due, *ev.runs})), self.cfg.eval_final_timeout_s)
+            log.info(
+                "the run is over; evaluating v%s before it ends (at most %.0fs)",
+                ", v".join(str(v) for v in sorted({*ev.due, *ev.runs})),
+                self.cfg.eval_final_timeout_s,
+            )
         backoff = Backoff(first=0.5, cap=5.0)
         while (ev.due or ev.runs) and time.monotonic() < deadline and not self.stop_requested.is_set():
             try:
@@ -270,13 +278,21 @@ class Evaluations:
             assert self.metrics is not None
             self.metrics.evaluation(figures, self.state.step)
             self.state.count("evaluations_cut_short")
-            log.warning("the evaluation of v%d was cut short at the end of the run (%d prompts in): "
-                        "raise --eval-final-timeout-s to wait longer", figures["eval/version"], figures["eval/prompts"])
+            log.warning(
+                "the evaluation of v%d was cut short at the end of the run (%d prompts in): "
+                "raise --eval-final-timeout-s to wait longer",
+                figures["eval/version"],
+                figures["eval/prompts"],
+            )
 
     def _evaluated(self, group: RolloutGroup) -> None:
         assert self.evaluator is not None
         figures = self.evaluator.record(group)
         self._eval_done(figures)
         if figures is not None:
-            log.info("eval of v%d: reward %.3f, pass@1 %.3f", figures["eval/version"], figures["eval/reward"],
-                     figures["eval/pass@1"])
+            log.info(
+                "eval of v%d: reward %.3f, pass@1 %.3f",
+                figures["eval/version"],
+                figures["eval/reward"],
+                figures["eval/pass@1"],
+            )

@@ -72,20 +72,38 @@ def choose(which: str, available: list[int], evals: dict[int, dict[str, Any]]) -
         scored = {v: e["eval/pass@1"] for v, e in evals.items() if v in available}
         if not scored:
             evaluated = sorted(v for v in evals if v > 0)
-            raise ExportError("no evaluated version is in the store" + (
-                f" (evaluated: v{', v'.join(map(str, evaluated))}; in the store: v{', v'.join(map(str, available))})"
-                if evaluated else "; give --run-dir of a run with evaluations (--eval-every), or a version number"))
+            raise ExportError(
+                "no evaluated version is in the store"
+                + (
+                    (
+                        f" (evaluated: v{', v'.join(map(str, evaluated))}; in the store: "
+                        f"v{', v'.join(map(str, available))})"
+                    )
+                    if evaluated
+                    else "; give --run-dir of a run with evaluations (--eval-every), or a version number"
+                )
+            )
         return max(scored, key=lambda v: (scored[v], v))  # a tie goes to the later version
     if not which.isdigit() or int(which) < 1:
         raise ExportError(f"--version {which!r}: give last, best or a version number >= 1")
     if int(which) not in available:
-        raise ExportError(f"adapter v{which} is not in the store (pruned, or never published); "
-                          f"it holds v{', v'.join(map(str, available))}")
+        raise ExportError(
+            f"adapter v{which} is not in the store (pruned, or never published); "
+            f"it holds v{', v'.join(map(str, available))}"
+        )
     return int(which)
 
 
-def export(store_url: str, out: Path, which: str = "last", run_dir: Path | None = None, *, merge: bool = False,
-           base_model: str | None = None, force: bool = False) -> Exported:
+def export(
+    store_url: str,
+    out: Path,
+    which: str = "last",
+    run_dir: Path | None = None,
+    *,
+    merge: bool = False,
+    base_model: str | None = None,
+    force: bool = False,
+) -> Exported:
     """Write the chosen adapter version (or, with `merge`, the merged model) to `out`."""
     if out.exists() and any(out.iterdir()) and not force:
         raise ExportError(f"--out {out}: not empty (--force replaces it)")
@@ -100,7 +118,9 @@ def export(store_url: str, out: Path, which: str = "last", run_dir: Path | None 
             verify(entry, data)
             files[entry.name] = data
     except StoreMissing as err:
-        raise ExportError(f"the store lost part of the adapter while it was read (pruned by a running learner?): {err}") from None
+        raise ExportError(
+            f"the store lost part of the adapter while it was read (pruned by a running learner?): {err}"
+        ) from None
     except (StoreError, ProtocolError, ValueError) as err:
         raise ExportError(f"--store {store_url}: {err}") from None
     if ADAPTER_WEIGHTS not in files or ADAPTER_CONFIG not in files:
@@ -144,35 +164,70 @@ def _merge(base: str, adapter_dir: Path, out: Path) -> None:
 
 def model_card(e: Exported, merged: bool) -> str:
     lines = [
-        "---", f"base_model: {e.base_model}", "library_name: " + ("transformers" if merged else "peft"),
-        "tags:", "- grpo", "- spotgrpo", *([] if merged else ["- lora"]), "---", "",
-        f"# {'Merged model' if merged else 'LoRA adapter'}: spotgrpo adapter v{e.version}", "",
+        "---",
+        f"base_model: {e.base_model}",
+        "library_name: " + ("transformers" if merged else "peft"),
+        "tags:",
+        "- grpo",
+        "- spotgrpo",
+        *([] if merged else ["- lora"]),
+        "---",
+        "",
+        f"# {'Merged model' if merged else 'LoRA adapter'}: spotgrpo adapter v{e.version}",
+        "",
         f"Trained with asynchronous GRPO (spotgrpo) on `{e.base_model}`: adapter version {e.version}, "
-        f"taken after optimizer step {e.step}.", "",
+        f"taken after optimizer step {e.step}.",
+        "",
     ]
     if e.evaluation:
-        shown = {k.removeprefix("eval/"): v for k, v in e.evaluation.items() if k.startswith("eval/") and k != "eval/version"}
-        lines += ["Held-out evaluation of this version:", "", "| figure | value |", "|---|---|",
-                  *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in shown.items()), ""]
+        shown = {
+            k.removeprefix("eval/"): v for k, v in e.evaluation.items() if k.startswith("eval/") and k != "eval/version"
+        }
+        lines += [
+            "Held-out evaluation of this version:",
+            "",
+            "| figure | value |",
+            "|---|---|",
+            *(f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in shown.items()),
+            "",
+        ]
     if merged:
-        lines += ["```python", "from transformers import AutoModelForCausalLM", 'model = AutoModelForCausalLM.from_pretrained("<this folder>")', "```"]
+        lines += [
+            "```python",
+            "from transformers import AutoModelForCausalLM",
+            'model = AutoModelForCausalLM.from_pretrained("<this folder>")',
+            "```",
+        ]
     else:
-        lines += ["```python", "from peft import PeftModel", "from transformers import AutoModelForCausalLM",
-                  f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{e.base_model}"), "<this folder>")',
-                  "```", "", f"vLLM: `vllm serve {e.base_model} --enable-lora --lora-modules spotgrpo=<this folder>`"]
+        lines += [
+            "```python",
+            "from peft import PeftModel",
+            "from transformers import AutoModelForCausalLM",
+            (
+                f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{e.base_model}"), "<this '
+                'folder>")'
+            ),
+            "```",
+            "",
+            f"vLLM: `vllm serve {e.base_model} --enable-lora --lora-modules spotgrpo=<this folder>`",
+        ]
     return "\n".join(lines) + "\n"
 
 
-def push_to_hub(folder: Path, repo_id: str, *, private: bool = False, token: str | None = None,
-                endpoint: str | None = None) -> str:
+def push_to_hub(
+    folder: Path, repo_id: str, *, private: bool = False, token: str | None = None, endpoint: str | None = None
+) -> str:
     """Upload the folder to a hub model repository (made if missing); returns the commit URL."""
     from huggingface_hub import HfApi
 
     api = HfApi(endpoint=endpoint, token=token)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True, repo_type="model")
-        commit = api.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
-                                   commit_message="spotgrpo export")
+        commit = api.upload_folder(
+            folder_path=str(folder), repo_id=repo_id, repo_type="model", commit_message="spotgrpo export"
+        )
     except Exception as err:  # the hub library's HTTP and connection errors (their classes vary by version)
-        raise ExportError(f"the push to {repo_id} failed ({type(err).__name__}: {err}); the export is in {folder}") from None
+        raise ExportError(
+            f"the push to {repo_id} failed ({type(err).__name__}: {err}); the export is in {folder}"
+        ) from None
     return str(commit.commit_url)

@@ -24,8 +24,9 @@ STALL_S = 45.0
 (a live worker claims within its long-poll, a live dispatcher within a second)."""
 
 
-def problems(workers: Sequence[WorkerStatus], stale_drops: Mapping[str, int], latest_version: int,
-             max_staleness: int) -> dict[str, tuple[str, str]]:
+def problems(
+    workers: Sequence[WorkerStatus], stale_drops: Mapping[str, int], latest_version: int, max_staleness: int
+) -> dict[str, tuple[str, str]]:
     """worker -> (kind, one line saying what is wrong with it), for the workers something
     is: `stale` (groups of it were dropped as stale since the last check: `stale_drops`,
     by actor id) or `refused` (adapters it could not load)."""
@@ -35,11 +36,17 @@ def problems(workers: Sequence[WorkerStatus], stale_drops: Mapping[str, int], la
         if dropped <= 0:
             continue
         w = status.get(worker)
-        where = (f"; it reports adapter v{w.adapter_version} against v{latest_version}" if w is not None
-                 else "; it has not reported its status")
+        where = (
+            f"; it reports adapter v{w.adapter_version} against v{latest_version}"
+            if w is not None
+            else "; it has not reported its status"
+        )
         why = f"; its last error: {printable(w.last_error, 300)}" if w is not None and w.last_error else ""
-        out[printable(worker, 256)] = ("stale", f"had {dropped} group(s) dropped as stale (more than max_staleness "
-                                                f"{max_staleness} versions old){where}{why}")
+        out[printable(worker, 256)] = (
+            "stale",
+            f"had {dropped} group(s) dropped as stale (more than max_staleness "
+            f"{max_staleness} versions old){where}{why}",
+        )
     for w in workers:
         name = printable(w.worker, 256)
         if w.adapters_refused and name not in out:
@@ -48,8 +55,9 @@ def problems(workers: Sequence[WorkerStatus], stale_drops: Mapping[str, int], la
     return out
 
 
-def stalls(stats: QueueStats, run: str, live_workers: int, stall_s: float = STALL_S,
-           busy_leases: int = 0) -> dict[str, str]:
+def stalls(
+    stats: QueueStats, run: str, live_workers: int, stall_s: float = STALL_S, busy_leases: int = 0
+) -> dict[str, str]:
     """stream -> one line saying who is missing, for the streams nobody reads. Batches that
     wait while workers hold `busy_leases` leases wait for busy workers, not missing ones."""
     out = {}
@@ -83,8 +91,13 @@ class FleetWatch:
     """Workers named per check at most; the rest are counted in one line (a flood of
     statuses must not become a flood of log lines)."""
 
-    def update(self, workers: Sequence[WorkerStatus], latest_version: int, max_staleness: int,
-               stale_drops: Mapping[str, int] | None = None) -> list[str]:
+    def update(
+        self,
+        workers: Sequence[WorkerStatus],
+        latest_version: int,
+        max_staleness: int,
+        stale_drops: Mapping[str, int] | None = None,
+    ) -> list[str]:
         """Name the workers with a problem: each once, and again when its kind changes.
         `stale_drops`: groups dropped as stale since the last update, by actor id."""
         found = problems(workers, stale_drops or {}, latest_version, max_staleness)
@@ -93,7 +106,9 @@ class FleetWatch:
         new = [f"worker {name} {why}" for name, (kind, why) in sorted(found.items()) if self.named.get(name) != kind]
         lines = new[: self.MAX_NAMED]
         if len(new) > self.MAX_NAMED:
-            lines.append(f"... and {len(new) - self.MAX_NAMED} more worker(s) with a problem (GET /v1/workers lists them)")
+            lines.append(
+                f"... and {len(new) - self.MAX_NAMED} more worker(s) with a problem (GET /v1/workers lists them)"
+            )
         for line in lines:
             log.warning("%s", line)
         self.named = kinds

@@ -36,7 +36,9 @@ class Bounds:
     """The run offers tools (`--tools`, `--environment`): a completion may carry a mask."""
 
 
-def judge(group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict[str, bytes | None] | None) -> str | None:
+def judge(
+    group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict[str, bytes | None] | None
+) -> str | None:
     """Why `group` is not trained on (a counter name), or None to train on it. `issued`:
     prompt id -> the prompt tokens issued, for the group's batch if this learner has it
     outstanding (None: a batch issued before a restart, which the queue checked)."""
@@ -55,14 +57,18 @@ def judge(group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict
         return "rejected_bad_reward"  # 1e39 is finite in float64 and inf in float32
     if prompt.size == 0:
         return "rejected_empty_prompt"
-    if any(ids.size and (ids.min() < 0 or ids.max() >= bounds.vocab_size)
-           for ids in (prompt, *(c.tokens for c in group.completions))):
+    if any(
+        ids.size and (ids.min() < 0 or ids.max() >= bounds.vocab_size)
+        for ids in (prompt, *(c.tokens for c in group.completions))
+    ):
         return "rejected_bad_vocab"
     if prompt.size + max(lengths) > bounds.context:
         return "rejected_too_long"
     if len(lengths) != bounds.num_generations or max(lengths) > bounds.max_tokens:
         return "rejected_bad_shape"
-    if issued is not None and (group.prompt_id not in issued or issued[group.prompt_id] not in (None, group.prompt_token_ids)):
+    if issued is not None and (
+        group.prompt_id not in issued or issued[group.prompt_id] not in (None, group.prompt_token_ids)
+    ):
         return "rejected_bad_shape"  # not the prompt, or not the tokens, this learner issued
     if group.adapter_version > policy_version:
         return "rejected_future_version"
@@ -89,8 +95,9 @@ class StepGroups:
 
     def dropped_rewards(self) -> list[float]:
         """Rewards of the good groups not trained on (stale, flat): still a measure of the policy."""
-        return [float(r) for g, reason in self.dropped if reason.startswith("dropped_") for r in g.rewards
-                if r is not None]
+        return [
+            float(r) for g, reason in self.dropped if reason.startswith("dropped_") for r in g.rewards if r is not None
+        ]
 
     def count(self, reason: str) -> int:
         return sum(1 for _, r in self.dropped if r == reason)
@@ -104,7 +111,9 @@ class RepeatedWarnings:
     """A warning that repeats (the same rejection, group after group) is logged at its
     first occurrence, then at most once per `every_s` with how many happened since."""
 
-    def __init__(self, logger: logging.Logger, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, logger: logging.Logger, every_s: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.logger, self.every_s, self.clock = logger, every_s, clock
         self._last: dict[str, float] = {}
         self._since: collections.Counter[str] = collections.Counter()

@@ -147,8 +147,10 @@ class PromptLedger:
 
     def finished_batches(self) -> list[FinishedBatch]:
         """What the queue may forget, with the acknowledgement of a checkpoint."""
-        return [FinishedBatch(batch_id, [group_id_for(batch_id, prompt_id(s.start + i)) for i in range(s.n)])
-                for batch_id, s in self.finished.items()]
+        return [
+            FinishedBatch(batch_id, [group_id_for(batch_id, prompt_id(s.start + i)) for i in range(s.n)])
+            for batch_id, s in self.finished.items()
+        ]
 
     def reported(self) -> None:
         """The queue was told of every finished batch."""
@@ -159,6 +161,7 @@ class PromptLedger:
     def from_json(cls, raw: dict[str, Any]) -> PromptLedger:
         """From `asdict` (state.json), or from a checkpoint written before the ledger had
         its named types (positional lists)."""
+
         def outstanding(v: Any) -> Outstanding:
             return Outstanding(**v) if isinstance(v, dict) else Outstanding(int(v[0]), int(v[1]), list(v[2]))
 
@@ -166,7 +169,8 @@ class PromptLedger:
             return Span(**v) if isinstance(v, dict) else Span(int(v[0]), int(v[1]))
 
         return cls(
-            cursor=int(raw.get("cursor", 0)), batches_issued=int(raw.get("batches_issued", 0)),
+            cursor=int(raw.get("cursor", 0)),
+            batches_issued=int(raw.get("batches_issued", 0)),
             consumed_prompts=int(raw.get("consumed_prompts", 0)),
             dead_letter_after=str(raw.get("dead_letter_after", "0")),
             outstanding={k: outstanding(v) for k, v in (raw.get("outstanding") or {}).items()},

@@ -71,23 +71,76 @@ class LocalSystem:
             data.mkdir(exist_ok=True)
             with (self.logs / "redis.log").open("ab") as out:  # nothing on disk: --resume starts it empty
                 self.redis = subprocess.Popen(
-                    [self.redis_server, "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
-                     "--appendonly", "no", "--dir", str(data)],
-                    stdout=out, stderr=subprocess.STDOUT, preexec_fn=_own_group_stopping_with_parent)
+                    [
+                        self.redis_server,
+                        "--port",
+                        str(self.redis_port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--dir",
+                        str(data),
+                    ],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    preexec_fn=_own_group_stopping_with_parent,
+                )
         redis = "memory://" if self.redis is None else f"redis://127.0.0.1:{self.redis_port}/0"
         self.proxy = _spawn(
-            [sys.executable, "-m", "proxy.cli", "serve", "--redis", redis, "--store", self.cfg.store,
-             "--run", self.cfg.run, "--tokens", str(self.tokens_file), "--port", str(self.port),
-             "--tls-cert", str(self.cert), "--tls-key", str(self.key), "--lease-timeout-s", str(LEASE_TIMEOUT_S),
-             "--log-level", "warning",
-             *(["--memory-redis-port", str(self.redis_port)] if self.redis is None and self.redis_port else [])],
-            env, self.logs / "proxy.log", self.lifeline,
+            [
+                sys.executable,
+                "-m",
+                "proxy.cli",
+                "serve",
+                "--redis",
+                redis,
+                "--store",
+                self.cfg.store,
+                "--run",
+                self.cfg.run,
+                "--tokens",
+                str(self.tokens_file),
+                "--port",
+                str(self.port),
+                "--tls-cert",
+                str(self.cert),
+                "--tls-key",
+                str(self.key),
+                "--lease-timeout-s",
+                str(LEASE_TIMEOUT_S),
+                "--log-level",
+                "warning",
+                *(["--memory-redis-port", str(self.redis_port)] if self.redis is None and self.redis_port else []),
+            ],
+            env,
+            self.logs / "proxy.log",
+            self.lifeline,
         )
         self._wait_healthy()
         if self.trusted:  # the trusted tier: a scoring worker on the run's Redis, as in a deployment
-            cmd = [sys.executable, "-m", "learner.cli", "score", "--queue", f"redis://127.0.0.1:{self.redis_port}/0",
-                   "--run", self.cfg.run, "--model", self.cfg.model, "--name", "local-scorer", "--maintenance-interval-s", "5",
-                   "--abandon-after-s", "5", "--monitoring-interval-s", "2"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "score",
+                "--queue",
+                f"redis://127.0.0.1:{self.redis_port}/0",
+                "--run",
+                self.cfg.run,
+                "--model",
+                self.cfg.model,
+                "--name",
+                "local-scorer",
+                "--maintenance-interval-s",
+                "5",
+                "--abandon-after-s",
+                "5",
+                "--monitoring-interval-s",
+                "2",
+            ]
             for spec in self.cfg.reward_specs:
                 cmd += ["--reward", spec]
             for spec in self.cfg.tools:  # not run by the tier: its episodes' masks are checked with the tokenizer
@@ -95,16 +148,37 @@ class LocalSystem:
             if self.cfg.environment and owns_reward(load_environment(self.cfg.environment)):
                 cmd += ["--environment", self.cfg.environment]  # it owns a reward: the tier replays it
             self.scorers.append(_spawn(cmd, {**env, "OMP_NUM_THREADS": "1"}, self.logs / "scorer-0.log", self.lifeline))
-        self._actor_env = {**env, "SPOTGRPO_TOKEN": self.secrets["actor"], "SPOTGRPO_CA_CERT": str(self.cert),
-                           "OMP_NUM_THREADS": "1"}  # several processes share the cores
+        self._actor_env = {
+            **env,
+            "SPOTGRPO_TOKEN": self.secrets["actor"],
+            "SPOTGRPO_CA_CERT": str(self.cert),
+            "OMP_NUM_THREADS": "1",
+        }  # several processes share the cores
         for i in range(self.n_actors):
             self.workers.append(self._start_actor(i, f"local-{i}"))
 
     def _start_actor(self, i: int, worker_id: str) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.cfg.run,
-               "--engine", self.cfg.actor_engine, "--model", self.cfg.model, "--worker-id", worker_id,
-               "--lease-timeout-s", str(LEASE_TIMEOUT_S), "--claim-block-s", "2"]
-        for spec in ([] if self.trusted else self.cfg.reward_specs):
+        cmd = [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "run",
+            "--queue",
+            self.url,
+            "--run",
+            self.cfg.run,
+            "--engine",
+            self.cfg.actor_engine,
+            "--model",
+            self.cfg.model,
+            "--worker-id",
+            worker_id,
+            "--lease-timeout-s",
+            str(LEASE_TIMEOUT_S),
+            "--claim-block-s",
+            "2",
+        ]
+        for spec in [] if self.trusted else self.cfg.reward_specs:
             cmd += ["--reward", spec]
         for spec in self.cfg.tools:
             cmd += ["--tools", spec]
@@ -125,21 +199,30 @@ class LocalSystem:
             return None
         for name, proc, log_name in self._essential():
             if proc.poll() is not None:
-                return f"{name} exited (status {proc.returncode}); the last lines of {self.logs / log_name}:\n" \
-                       + _tail(self.logs / log_name)
+                return f"{name} exited (status {proc.returncode}); the last lines of {self.logs / log_name}:\n" + _tail(
+                    self.logs / log_name
+                )
         for i, proc in enumerate(self.workers):
             if proc.poll() is None:
                 continue
             if self._restarts[i] >= self.RESTARTS:
                 continue
             self._restarts[i] += 1
-            log.warning("actor %d exited (status %s): starting it again (%d of %d); its log: %s\n%s", i,
-                        proc.returncode, self._restarts[i], self.RESTARTS, self.logs / f"actor-{i}.log",
-                        _tail(self.logs / f"actor-{i}.log", 3))
+            log.warning(
+                "actor %d exited (status %s): starting it again (%d of %d); its log: %s\n%s",
+                i,
+                proc.returncode,
+                self._restarts[i],
+                self.RESTARTS,
+                self.logs / f"actor-{i}.log",
+                _tail(self.logs / f"actor-{i}.log", 3),
+            )
             self.workers[i] = self._start_actor(i, f"local-{i}-r{self._restarts[i]}")
         if self.workers and all(p.poll() is not None for p in self.workers):
-            return (f"every actor exited, each started again {self.RESTARTS} times; the last lines of "
-                    f"{self.logs / 'actor-0.log'}:\n" + _tail(self.logs / "actor-0.log"))
+            return (
+                f"every actor exited, each started again {self.RESTARTS} times; the last lines of "
+                f"{self.logs / 'actor-0.log'}:\n" + _tail(self.logs / "actor-0.log")
+            )
         return None
 
     def _essential(self) -> list[tuple[str, subprocess.Popen[bytes], str]]:
@@ -151,6 +234,7 @@ class LocalSystem:
     def watch(self, on_failure: Callable[[str], None]) -> threading.Thread:
         """A thread that runs `check_children` until the system stops; the first failure goes
         to `on_failure` (once)."""
+
         def loop() -> None:
             while not self.stopping:
                 why = self.check_children()
@@ -220,8 +304,14 @@ def _spawn(cmd: list[str], env: dict[str, str], log_path: Path, lifeline: Lifeli
     alone, which stops the children in order after its checkpoint) that stops (SIGTERM)
     when this process ends, however it ends."""
     with log_path.open("ab") as out:
-        return subprocess.Popen(cmd, env={**env, **lifeline.env()}, stdout=out, stderr=subprocess.STDOUT,
-                                pass_fds=lifeline.pass_fds, process_group=0)
+        return subprocess.Popen(
+            cmd,
+            env={**env, **lifeline.env()},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            pass_fds=lifeline.pass_fds,
+            process_group=0,
+        )
 
 
 def _tail(path: Path, lines: int = 8) -> str:

@@ -66,8 +66,13 @@ class Learner(Evaluations):
     consumer = CONSUMER
 
     def __init__(
-        self, cfg: LearnerConfig, queue: Queue, store: Store, stop_requested: threading.Event | None = None,
-        dist: Dist | None = None, sources: Sources | None = None,
+        self,
+        cfg: LearnerConfig,
+        queue: Queue,
+        store: Store,
+        stop_requested: threading.Event | None = None,
+        dist: Dist | None = None,
+        sources: Sources | None = None,
     ) -> None:
         """`sources`: the training and held-out prompts, if the caller checked them before
         loading the model (`learner.data.open_sources_for`); else they are opened here."""
@@ -77,15 +82,26 @@ class Learner(Evaluations):
         torch.manual_seed(cfg.seed)
         self.dist = dist or Dist(device=resolve_device(cfg.device))
         self.trainer = Trainer(cfg, self.dist)
-        self.policy, self.optimizer, self.scheduler = self.trainer.policy, self.trainer.optimizer, self.trainer.scheduler
+        self.policy, self.optimizer, self.scheduler = (
+            self.trainer.policy,
+            self.trainer.optimizer,
+            self.trainer.scheduler,
+        )
         self.source, held_out = sources or open_sources(cfg, self.policy.tokenizer, self.policy.context)
         self.evaluator = Evaluator(cfg, held_out) if held_out is not None else None
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
         self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
         """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
-        self.publisher = Publisher(store, queue, base_model=cfg.model, rank=cfg.lora_rank, keep_adapters=cfg.adapters_kept,
-                                   fingerprint=fingerprint_of_model(cfg.model), protected=self.pinned_versions)
+        self.publisher = Publisher(
+            store,
+            queue,
+            base_model=cfg.model,
+            rank=cfg.lora_rank,
+            keep_adapters=cfg.adapters_kept,
+            fingerprint=fingerprint_of_model(cfg.model),
+            protected=self.pinned_versions,
+        )
         self.state = LearnerState()
         self.stop_requested = stop_requested or threading.Event()
         """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
@@ -93,9 +109,15 @@ class Learner(Evaluations):
         self._step_groups = StepGroups()
         """The groups judged since the last step: kept for the next, or consumed and dropped."""
         self.bounds = Bounds(
-            scoring_mode=cfg.scoring_mode, max_abs_reward=cfg.max_abs_reward, vocab_size=self.policy.vocab_size,
-            context=self.policy.context, num_generations=cfg.num_generations, max_tokens=cfg.max_tokens,
-            max_staleness=cfg.max_staleness, episodes=bool(cfg.tools or cfg.environment))
+            scoring_mode=cfg.scoring_mode,
+            max_abs_reward=cfg.max_abs_reward,
+            vocab_size=self.policy.vocab_size,
+            context=self.policy.context,
+            num_generations=cfg.num_generations,
+            max_tokens=cfg.max_tokens,
+            max_staleness=cfg.max_staleness,
+            episodes=bool(cfg.tools or cfg.environment),
+        )
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
@@ -112,10 +134,13 @@ class Learner(Evaluations):
         """Says why, when no step has happened for a while (`learner.watchdog`)."""
         # the floor holds one whole lease too: only whole batches are issued, so a window
         # narrower than prompts_per_batch would never issue one (the config keeps both <= max_inflight)
-        self.admission = Admission(ceiling=cfg.max_inflight, floor=max(cfg.groups_per_step, cfg.prompts_per_batch),
-                                   lease=cfg.prompts_per_batch,
-                                   max_staleness=cfg.max_staleness,
-                                   adaptive=cfg.adaptive_inflight and cfg.lag_versions is None)
+        self.admission = Admission(
+            ceiling=cfg.max_inflight,
+            floor=max(cfg.groups_per_step, cfg.prompts_per_batch),
+            lease=cfg.prompts_per_batch,
+            max_staleness=cfg.max_staleness,
+            adaptive=cfg.adaptive_inflight and cfg.lag_versions is None,
+        )
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -124,8 +149,9 @@ class Learner(Evaluations):
             resume_step = self.start()
             if self.complete:
                 return self.state
-            trackers = open_trackers(cfg.trackers, cfg.resolved_run_dir, cfg.run,
-                                     cfg.model_dump(mode="json", exclude={"token"}), resume_step)
+            trackers = open_trackers(
+                cfg.trackers, cfg.resolved_run_dir, cfg.run, cfg.model_dump(mode="json", exclude={"token"}), resume_step
+            )
             self.metrics = MetricsLog(cfg.resolved_run_dir, trackers=trackers, resume_step=resume_step)
             while self.state.step < cfg.steps and not self.stop_requested.is_set():
                 waited = time.monotonic()
@@ -140,9 +166,11 @@ class Learner(Evaluations):
                 self.state.step += 1
                 self.state.count("trained_groups", len(groups))
                 step_s = time.monotonic() - started
-                self.admission.update([trained_with - g.adapter_version for g in groups],
-                                      self._step_groups.count("dropped_stale"),
-                                      wait_s / max(wait_s + step_s, 1e-9))
+                self.admission.update(
+                    [trained_with - g.adapter_version for g in groups],
+                    self._step_groups.count("dropped_stale"),
+                    wait_s / max(wait_s + step_s, 1e-9),
+                )
                 publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
                 self.report(groups, batch, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
                 if self.state.step % cfg.checkpoint_every == 0:
@@ -178,15 +206,23 @@ class Learner(Evaluations):
             # a finished run started again (compose's restart, a second `up`): nothing to
             # train, issue, publish or evaluate, and its numbering untouched
             self.state, self.complete = ckpt.state, True
-            log.info("the run is complete: its checkpoint is at step %d of --steps %d; nothing to do",
-                     ckpt.state.step, self.cfg.steps)
+            log.info(
+                "the run is complete: its checkpoint is at step %d of --steps %d; nothing to do",
+                ckpt.state.step,
+                self.cfg.steps,
+            )
             return ckpt.state.step
         if ckpt is not None:
             self.state = ckpt.state
             self.trainer.restore(ckpt.adapter, ckpt.trainer)
             restore_rng(ckpt)
             resumed_at = self._checkpointed_step = self.state.step
-            log.info("resumed at step %d (cursor %d, version %d)", self.state.step, self.ledger.cursor, self.state.policy_version)
+            log.info(
+                "resumed at step %d (cursor %d, version %d)",
+                self.state.step,
+                self.ledger.cursor,
+                self.state.policy_version,
+            )
         elif self.cfg.resume:
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
         # a version number names one adapter forever: continue above any ever announced
@@ -216,7 +252,9 @@ class Learner(Evaluations):
             self.state.unacked = {g: i for g, i in self.state.unacked.items() if i not in acked}
             self.ledger.reported()
         if pending:
-            log.info("pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay))
+            log.info(
+                "pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay)
+            )
 
     # ----------------------------------------------------------------- feeding
     @property
@@ -237,8 +275,11 @@ class Learner(Evaluations):
         batches: list[PromptBatch] = []
         room = ledger.room(limit)
         while size > 0 and size <= room - size * len(batches):
-            batches.append(self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}",
-                                       ledger.cursor + size * len(batches), size))
+            batches.append(
+                self._batch(
+                    f"{cfg.run}-b{ledger.batches_issued + len(batches)}", ledger.cursor + size * len(batches), size
+                )
+            )
         if batches:
             self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
             for b in batches:
@@ -254,8 +295,14 @@ class Learner(Evaluations):
             batch_id=batch_id,
             prompts=prompts,
             num_generations=cfg.num_generations,
-            sampling=SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                                    repetition_penalty=cfg.repetition_penalty, max_tokens=cfg.max_tokens),
+            sampling=SamplingParams(
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+                top_k=cfg.top_k,
+                min_p=cfg.min_p,
+                repetition_penalty=cfg.repetition_penalty,
+                max_tokens=cfg.max_tokens,
+            ),
             learner_version=self.state.policy_version,
             issued_at=time.time(),
             # a forced lag (benchmarks): generated by the adapter exactly lag_versions behind
@@ -286,8 +333,9 @@ class Learner(Evaluations):
             lost = self.ledger.dead_letter(dl)
             self.state.count(f"dead_letter_entries_{dl.source}")
             self.state.count("dead_lettered_prompts", lost)
-            log.warning("dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source,
-                        printable(dl.reason), lost)
+            log.warning(
+                "dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source, printable(dl.reason), lost
+            )
 
     # --------------------------------------------------------------- collecting
     def collect(self, n: int) -> list[RolloutGroup] | None:
@@ -386,8 +434,11 @@ class Learner(Evaluations):
         issued = self._issued_tokens.get(group.batch_id, {}) if group.batch_id in self.ledger.outstanding else None
         reason = judge(group, self.bounds, self.state.policy_version, issued)
         if reason is not None and reason.startswith("rejected_"):
-            self._rejections.warn(reason, f"rejected group {group.group_id} from {printable(group.actor_id)}: "
-                                  f"{reason.removeprefix('rejected_')}{f' ({printable(group.error)})' if group.error else ''}")
+            self._rejections.warn(
+                reason,
+                f"rejected group {group.group_id} from {printable(group.actor_id)}: "
+                f"{reason.removeprefix('rejected_')}{f' ({printable(group.error)})' if group.error else ''}",
+            )
         return reason
 
     # ------------------------------------------------------- publish/checkpoint
@@ -399,8 +450,10 @@ class Learner(Evaluations):
         self.state.policy_version += 1
         self.publisher.submit(
             PublishJob(
-                version=self.state.policy_version, step=self.state.step,
-                state=adapter, config_json=self.policy.adapter_config_json(),
+                version=self.state.policy_version,
+                step=self.state.step,
+                state=adapter,
+                config_json=self.policy.adapter_config_json(),
             )
         )
         if self.evaluator is not None and self.state.policy_version % self.cfg.eval_every == 0:
@@ -421,9 +474,11 @@ class Learner(Evaluations):
         checkpointed (the last good checkpoint stays the one to resume from)."""
         adapter = self.trainer.adapter() if adapter is None else adapter
         if bad := nonfinite(adapter):
-            raise LearnerError(f"step {self.state.step}: the adapter has non-finite values ({bad}); not publishing or "
-                               "checkpointing it. Resume from the last checkpoint, with a lower --learning-rate or "
-                               "--max-grad-norm")
+            raise LearnerError(
+                f"step {self.state.step}: the adapter has non-finite values ({bad}); not publishing or "
+                "checkpointing it. Resume from the last checkpoint, with a lower --learning-rate or "
+                "--max-grad-norm"
+            )
         return adapter
 
     def checkpoint(self, final: bool = False) -> None:
@@ -436,7 +491,11 @@ class Learner(Evaluations):
         adapter, trainer_state = self.trainer.snapshot()
         try:
             save_checkpoint(
-                self.store, self.state, self.finite_adapter(adapter), trainer_state, keep=self.cfg.keep_checkpoints,
+                self.store,
+                self.state,
+                self.finite_adapter(adapter),
+                trainer_state,
+                keep=self.cfg.keep_checkpoints,
             )
         except StoreError as err:
             if final:
@@ -464,49 +523,81 @@ class Learner(Evaluations):
         except QueueError as err:
             log.warning("could not set the run's keys to expire (--keep-queue to keep them anyway): %s", err)
             return
-        log.info("run complete: its %d queue keys expire in %.0fs (--keep-queue keeps them)", keys, self.cfg.queue_ttl_s)
+        log.info(
+            "run complete: its %d queue keys expire in %.0fs (--keep-queue keeps them)", keys, self.cfg.queue_ttl_s
+        )
 
     def _retry(self, fn: Any) -> Any:
         """A queue call at start-up, retried through an outage for `startup_timeout_s` in all
         (the client's own retries included), and given up at once on SIGTERM."""
         limit = self.cfg.startup_timeout_s
         try:
-            return retry(fn, on=(QueueUnavailable,), deadline_s=limit, first=1.0, stop=self.stop_requested,
-                         before_wait=lambda err, delay: log.warning("queue unavailable, retrying in %.0fs: %s", delay, err))
+            return retry(
+                fn,
+                on=(QueueUnavailable,),
+                deadline_s=limit,
+                first=1.0,
+                stop=self.stop_requested,
+                before_wait=lambda err, delay: log.warning("queue unavailable, retrying in %.0fs: %s", delay, err),
+            )
         except QueueUnavailable as err:
             if self.stop_requested.is_set():
                 raise LearnerError(f"stopped while waiting for the queue: {err}") from None
             raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
 
     # ----------------------------------------------------------------- metrics
-    def report(self, groups: list[RolloutGroup], batch: StepBatch, stats: dict[str, float], trained_with: int,
-               *, wait_s: float, step_s: float, publish_s: float) -> None:
+    def report(
+        self,
+        groups: list[RolloutGroup],
+        batch: StepBatch,
+        stats: dict[str, float],
+        trained_with: int,
+        *,
+        wait_s: float,
+        step_s: float,
+        publish_s: float,
+    ) -> None:
         step_groups, self._step_groups = self._step_groups, StepGroups()
-        self.state.count("num_tokens", sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size
-                                           for g in groups for c in g.completions))
-        row = clean({
-            "step": self.state.step,
-            "adapter_version": self.state.policy_version,
-            **group_figures(groups, step_groups, batch.rewards_N.tolist(), trained_with, self._reward_names,
-                            episodes=bool(self.cfg.tools or self.cfg.environment), logged=self._logged_names),
-            **stats,
-            "num_tokens": self.state.totals["num_tokens"],  # TRL's: prompt and completion tokens trained on, run-long
-            "wait_s": wait_s,
-            "step_s": step_s,
-            "publish_s": publish_s,
-            "inflight": self.ledger.inflight,
-            "inflight_limit": self.admission.limit,
-            "epoch": self.source.epochs(self.ledger.cursor),
-            "publish_failures": self.publisher.failures,
-            "workers_live": self.fleet.live,
-            "workers_lagging": self.fleet.lagging,
-            "memory_peak_mb": peak_memory_mb(self.dist.device),
-            "time": time.time(),
-        })
+        self.state.count(
+            "num_tokens",
+            sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size for g in groups for c in g.completions),
+        )
+        row = clean(
+            {
+                "step": self.state.step,
+                "adapter_version": self.state.policy_version,
+                **group_figures(
+                    groups,
+                    step_groups,
+                    batch.rewards_N.tolist(),
+                    trained_with,
+                    self._reward_names,
+                    episodes=bool(self.cfg.tools or self.cfg.environment),
+                    logged=self._logged_names,
+                ),
+                **stats,
+                "num_tokens": self.state.totals[
+                    "num_tokens"
+                ],  # TRL's: prompt and completion tokens trained on, run-long
+                "wait_s": wait_s,
+                "step_s": step_s,
+                "publish_s": publish_s,
+                "inflight": self.ledger.inflight,
+                "inflight_limit": self.admission.limit,
+                "epoch": self.source.epochs(self.ledger.cursor),
+                "publish_failures": self.publisher.failures,
+                "workers_live": self.fleet.live,
+                "workers_lagging": self.fleet.lagging,
+                "memory_peak_mb": peak_memory_mb(self.dist.device),
+                "time": time.time(),
+            }
+        )
         assert self.metrics is not None
         self.metrics.write(row, [g.group_id for g in groups], step_groups.reasons())
         if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
-            self.metrics.samples(samples(groups, batch.advantages_N.tolist(), self.policy.tokenizer.decode), self.state.step)
+            self.metrics.samples(
+                samples(groups, batch.advantages_N.tolist(), self.policy.tokenizer.decode), self.state.step
+            )
         if self.on_step is not None:
             self.on_step(row)
         if self.state.step % self.cfg.log_every == 0:

@@ -64,12 +64,12 @@ def advantages(rewards_N: Tensor, group_sizes: list[int], scale: AdvantageScale)
     groups = torch.split(rewards_N.to(torch.float64), group_sizes)
     centred = torch.cat([g - g.mean() for g in groups])
     if scale == "group":
-        std_N = torch.cat(
-            [torch.full_like(g, g.std().item() if g.numel() > 1 else 0.0) for g in groups]
-        )
+        std_N = torch.cat([torch.full_like(g, g.std().item() if g.numel() > 1 else 0.0) for g in groups])
         out = centred / (std_N + _STD_EPS)
     elif scale == "batch":
-        std = rewards_N.to(torch.float64).std() if rewards_N.numel() > 1 else rewards_N.new_zeros((), dtype=torch.float64)
+        std = (
+            rewards_N.to(torch.float64).std() if rewards_N.numel() > 1 else rewards_N.new_zeros((), dtype=torch.float64)
+        )
         out = centred / (std + _STD_EPS)
     elif scale == "none":
         out = centred
@@ -208,9 +208,11 @@ def token_logps(logits_BTV: Tensor, targets_BT: Tensor, temperature: float) -> T
     step = max(1, CHUNK_ELEMENTS // max(V, 1))
     grad = torch.is_grad_enabled() and logits_BTV.requires_grad
     parts = [
-        torch.utils.checkpoint.checkpoint(_picked_logp, flat_NV[i : i + step], targets_N[i : i + step], temperature,
-                                          use_reentrant=False)
-        if grad else _picked_logp(flat_NV[i : i + step], targets_N[i : i + step], temperature)
+        torch.utils.checkpoint.checkpoint(
+            _picked_logp, flat_NV[i : i + step], targets_N[i : i + step], temperature, use_reentrant=False
+        )
+        if grad
+        else _picked_logp(flat_NV[i : i + step], targets_N[i : i + step], temperature)
         for i in range(0, B * T, step)
     ]
     return (torch.cat(parts) if parts else flat_NV.new_zeros(0, dtype=torch.float32)).reshape(B, T)

@@ -73,8 +73,9 @@ class MetricsLog:
         self._consumed.write(json.dumps({"step": row["step"], "trained": trained, "dropped": dropped}) + "\n")
         self._consumed.flush()
         # `time` is a timestamp, not a figure to plot
-        numbers = {f"train/{k}": float(v) for k, v in row.items()
-                   if k not in ("step", "time") and isinstance(v, int | float)}
+        numbers = {
+            f"train/{k}": float(v) for k, v in row.items() if k not in ("step", "time") and isinstance(v, int | float)
+        }
         for tracker in self.trackers:
             tracker.log(numbers, row["step"])
 
@@ -116,7 +117,8 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
         f"step {row['step']:>5}/{total_steps}  v{row['adapter_version']:<4} "
         f"reward {f('reward', '.3f')}±{f('reward_std', '.3f')}  "
         f"stale {f('staleness_mean', '.2f')}/{f('staleness_max', '')}  "
-        f"is_w {f('sampling/importance_sampling_ratio/mean', '.3f')}  loss {f('loss', '+.4f')}  gnorm {f('grad_norm', '.3f')}  "
+        f"is_w {f('sampling/importance_sampling_ratio/mean', '.3f')}  loss {f('loss', '+.4f')}  "
+        f"gnorm {f('grad_norm', '.3f')}  "
         f"groups {row['groups']} drop {row['dropped_stale']}s/{row['dropped_flat']}f/{row['rejected']}r  "
         f"wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s pub {publish}ms{skipped}"
     )
@@ -139,8 +141,12 @@ class RewardNames:
         self._introduced: collections.Counter[str] = collections.Counter()
 
     def keep(self, name: str, source: str = "") -> bool:
-        if (not self.fixed and name not in self.names and len(self.names) < self.limit
-                and self._introduced[source] < self.per_source):
+        if (
+            not self.fixed
+            and name not in self.names
+            and len(self.names) < self.limit
+            and self._introduced[source] < self.per_source
+        ):
             self.names.add(name)
             self._introduced[source] += 1
         return name in self.names
@@ -151,8 +157,9 @@ def source_of(actor_id: str) -> str:
     return actor_id.split("/", 1)[0]
 
 
-def samples(groups: list[RolloutGroup], advantages_N: list[float], decode: Callable[..., Any],
-            most: int = 4, per_group: int = 2) -> list[Sample]:
+def samples(
+    groups: list[RolloutGroup], advantages_N: list[float], decode: Callable[..., Any], most: int = 4, per_group: int = 2
+) -> list[Sample]:
     """TRL's completions table for a few of a step's groups: prompt, completion (both decoded
     from the token ids trained on, never an actor's text), reward, each reward function's
     value and the advantage."""
@@ -160,17 +167,28 @@ def samples(groups: list[RolloutGroup], advantages_N: list[float], decode: Calla
     offset = 0
     for g in groups[:most]:
         for i, c in enumerate(g.completions[:per_group]):
-            rows.append({"prompt": str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)),
-                         "completion": str(decode(c.tokens.tolist(), skip_special_tokens=True)),
-                         "reward": float(c.reward or 0.0),
-                         **{name: float(v) for name, v in sorted(c.reward_components.items()) if v is not None},
-                         "advantage": float(advantages_N[offset + i])})
+            rows.append(
+                {
+                    "prompt": str(decode(g.prompt_tokens.tolist(), skip_special_tokens=True)),
+                    "completion": str(decode(c.tokens.tolist(), skip_special_tokens=True)),
+                    "reward": float(c.reward or 0.0),
+                    **{name: float(v) for name, v in sorted(c.reward_components.items()) if v is not None},
+                    "advantage": float(advantages_N[offset + i]),
+                }
+            )
         offset += len(g.completions)
     return rows
 
 
-def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[float], trained_with: int,
-                  names: RewardNames, episodes: bool = False, logged: RewardNames | None = None) -> dict[str, float]:
+def group_figures(
+    groups: list[RolloutGroup],
+    step: StepGroups,
+    rewards_N: list[float],
+    trained_with: int,
+    names: RewardNames,
+    episodes: bool = False,
+    logged: RewardNames | None = None,
+) -> dict[str, float]:
     """A step's figures from its groups, under TRL's names where TRL has one (`reward`,
     `reward_std`, `rewards/<fn>/mean`, `completions/*`, `frac_reward_zero_std`): the
     policy's reward, staleness, what was dropped and why, completion lengths, each reward
@@ -219,8 +237,11 @@ def group_figures(groups: list[RolloutGroup], step: StepGroups, rewards_N: list[
         "completions/max_length": max(lengths),
         "completions/clipped_ratio": sum(1 for c in completions if c.finish_reason == "length") / len(completions),
         "completions/mean_terminated_length": sum(ended) / len(ended),
-        **{f"rewards/{name}/{k}": v for name, values in sorted(components.items())
-           for k, v in (("mean", sum(values) / len(values)), ("std", _std(values)))},
+        **{
+            f"rewards/{name}/{k}": v
+            for name, values in sorted(components.items())
+            for k, v in (("mean", sum(values) / len(values)), ("std", _std(values)))
+        },
         **scoring_figures(groups),
         **episode_figures(groups, episodes),
     }
@@ -259,8 +280,11 @@ def scoring_figures(groups: list[RolloutGroup]) -> dict[str, float]:
     the actor's: a group with no tier timings counts in neither."""
     scored = [g for g in groups if g.scored_by is not None]
     score = [g.timings["score_s"] for g in scored if "score_s" in g.timings]
-    latency = [g.timings["scored_at"] - g.timings["submitted_at"] for g in scored
-               if "scored_at" in g.timings and "submitted_at" in g.timings]
+    latency = [
+        g.timings["scored_at"] - g.timings["submitted_at"]
+        for g in scored
+        if "scored_at" in g.timings and "submitted_at" in g.timings
+    ]
     out = {}
     if score:
         out["score_s_mean"] = sum(score) / len(score)

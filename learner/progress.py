@@ -18,7 +18,9 @@ class LiveProgress:
     """A rich table refreshed at every step: step, reward, staleness, groups/s, adapter
     version, actors alive, queue depths."""
 
-    def __init__(self, total_steps: int, actors_alive: Callable[[], int], queue_stats: Callable[[], Any], console: Console) -> None:
+    def __init__(
+        self, total_steps: int, actors_alive: Callable[[], int], queue_stats: Callable[[], Any], console: Console
+    ) -> None:
         self.total = total_steps
         self.actors_alive = actors_alive
         self.queue_stats = queue_stats
@@ -56,9 +58,15 @@ class LiveProgress:
         except Exception:  # the display must never take the run down
             queued = ("?", "?")
         table.add_row(
-            f"{row['step']}/{self.total}", f"{row['reward']:.3f}", f"{sum(recent) / len(recent):.3f}",
-            f"{row['staleness_mean']:.2f}", str(row["staleness_max"]), f"{groups / elapsed:.1f}",
-            f"v{row['adapter_version']}", str(self.actors_alive()), *queued,
+            f"{row['step']}/{self.total}",
+            f"{row['reward']:.3f}",
+            f"{sum(recent) / len(recent):.3f}",
+            f"{row['staleness_mean']:.2f}",
+            str(row["staleness_max"]),
+            f"{groups / elapsed:.1f}",
+            f"v{row['adapter_version']}",
+            str(self.actors_alive()),
+            *queued,
         )
         return table
 
@@ -87,13 +95,24 @@ def plot(run_dir: Path) -> Path | None:
     steps = [r["step"] for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
     top.plot(steps, [r["reward"] for r in rows], label="reward (all completions)")
-    top.plot(steps, [r.get("reward_trained_mean", r["reward"]) for r in rows], alpha=0.5, label="reward (trained groups)")
+    top.plot(
+        steps, [r.get("reward_trained_mean", r["reward"]) for r in rows], alpha=0.5, label="reward (trained groups)"
+    )
     evals = [r for r in read_evals(run_dir) if r.get("eval/reward") is not None]
     if evals:
-        top.plot([r["step"] for r in evals], [r["eval/reward"] for r in evals], marker="o",
-                 label="eval reward (held-out, per version)")
-        top.plot([r["step"] for r in evals], [r["eval/pass@1"] for r in evals], marker="x", linestyle=":",
-                 label="eval pass@1")
+        top.plot(
+            [r["step"] for r in evals],
+            [r["eval/reward"] for r in evals],
+            marker="o",
+            label="eval reward (held-out, per version)",
+        )
+        top.plot(
+            [r["step"] for r in evals],
+            [r["eval/pass@1"] for r in evals],
+            marker="x",
+            linestyle=":",
+            label="eval pass@1",
+        )
     top.set_ylabel("reward")
     top.legend(loc="lower right")
     top.grid(alpha=0.3)
@@ -122,7 +141,9 @@ def summarise(run_dir: Path, wall_s: float, extra: dict[str, Any]) -> dict[str, 
         "staleness_max": max((r["staleness_max"] for r in rows), default=0),
         "adapter_version": rows[-1]["adapter_version"] if rows else 0,
         "evaluations": {
-            str(r["eval/version"]): {k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/") and k != "eval/version"}
+            str(r["eval/version"]): {
+                k.removeprefix("eval/"): v for k, v in r.items() if k.startswith("eval/") and k != "eval/version"
+            }
             for r in read_evals(run_dir)
         },
         **extra,

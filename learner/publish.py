@@ -133,7 +133,11 @@ class Publisher:
     def _retry(self, what: str, fn: Callable[[], object]) -> object:
         """Store and queue outages are retried alike; a VersionConflict is not an outage."""
         return retrying(
-            fn, what=what, retry_on=(StoreError, QueueUnavailable), attempts=self.attempts, base_s=self.backoff_s,
+            fn,
+            what=what,
+            retry_on=(StoreError, QueueUnavailable),
+            attempts=self.attempts,
+            base_s=self.backoff_s,
             on_retry=lambda n, err: log.warning("%s failed (attempt %d), retrying: %s", what, n, err),
         )
 

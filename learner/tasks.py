@@ -60,11 +60,23 @@ def _problem(rng: random.Random) -> tuple[str, str, int]:
     a, b = rng.randint(1, 9), rng.randint(1, 9)
     kind = rng.choice(("add", "add", "sub", "mul"))
     if kind == "add":
-        return f"{name} has {a} {thing}. {other} gives {name} {b} more. How many {thing} does {name} have now?", f"{a} + {b} = {a + b}", a + b
+        return (
+            f"{name} has {a} {thing}. {other} gives {name} {b} more. How many {thing} does {name} have now?",
+            f"{a} + {b} = {a + b}",
+            a + b,
+        )
     if kind == "sub":
         a, b = max(a, b), min(a, b)
-        return f"{name} has {a} {thing} and gives {b} of them to {other}. How many {thing} does {name} have left?", f"{a} - {b} = {a - b}", a - b
-    return f"{name} has {a} bags with {b} {thing} in each bag. How many {thing} does {name} have in all?", f"{a} * {b} = {a * b}", a * b
+        return (
+            f"{name} has {a} {thing} and gives {b} of them to {other}. How many {thing} does {name} have left?",
+            f"{a} - {b} = {a - b}",
+            a - b,
+        )
+    return (
+        f"{name} has {a} bags with {b} {thing} in each bag. How many {thing} does {name} have in all?",
+        f"{a} * {b} = {a * b}",
+        a * b,
+    )
 
 
 def arithmetic_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
@@ -75,8 +87,13 @@ def arithmetic_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for _ in range(n):
         question, working, result = _problem(rng)
-        rows.append({"prompt": [{"role": "system", "content": ARITHMETIC_SYSTEM}, {"role": "user", "content": question}],
-                     "question": question, "answer": f"{working}\n#### {result}"})
+        rows.append(
+            {
+                "prompt": [{"role": "system", "content": ARITHMETIC_SYSTEM}, {"role": "user", "content": question}],
+                "question": question,
+                "answer": f"{working}\n#### {result}",
+            }
+        )
     return rows
 
 
@@ -91,8 +108,9 @@ def write_arithmetic_dataset(path: Path, n: int = 2000, seed: int = 0) -> Path:
 CALCULATOR_TOOL = "learner.tasks:add"
 CALCULATOR_REWARD = "learner.tasks:final_answer"
 """Scored on the trusted tier: the `answer` column never leaves the trusted side."""
-CALCULATOR_SYSTEM = ("You cannot add large numbers in your head. For every sum, call the add tool, "
-                     "then answer with its result.")
+CALCULATOR_SYSTEM = (
+    "You cannot add large numbers in your head. For every sum, call the add tool, then answer with its result."
+)
 """With this and two worked exchanges in the prompt, SmolLM2-135M-Instruct calls the tool in
 about 3 of 32 samples at temperature 1.0 (with the tool offered alone: 0 of 32); GRPO takes
 it from there (README: the calculator example)."""
@@ -117,8 +135,12 @@ def final_answer(prompts: list[Any], completions: list[Any], answer: list[str], 
 def _worked(a: int, b: int) -> list[dict[str, Any]]:
     """A question, the tool call, its result and the answer, as chat turns."""
     call = {"type": "function", "function": {"name": "add", "arguments": {"a": a, "b": b}}}
-    return [{"role": "user", "content": f"What is {a} + {b}?"}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "name": "add", "content": str(a + b)}, {"role": "assistant", "content": str(a + b)}]
+    return [
+        {"role": "user", "content": f"What is {a} + {b}?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "add", "content": str(a + b)},
+        {"role": "assistant", "content": str(a + b)},
+    ]
 
 
 def calculator_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
@@ -129,8 +151,16 @@ def calculator_rows(n: int = 2000, seed: int = 0) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for _ in range(n):
         a, b = rng.randint(10000, 99999), rng.randint(10000, 99999)
-        rows.append({"prompt": [{"role": "system", "content": CALCULATOR_SYSTEM}, *shots,
-                                {"role": "user", "content": f"What is {a} + {b}?"}], "answer": str(a + b)})
+        rows.append(
+            {
+                "prompt": [
+                    {"role": "system", "content": CALCULATOR_SYSTEM},
+                    *shots,
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                ],
+                "answer": str(a + b),
+            }
+        )
     return rows
 
 

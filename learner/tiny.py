@@ -49,7 +49,11 @@ def build_tokenizer(chatml: bool = False):  # -> PreTrainedTokenizerFast
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=IM_END if chatml else EOS, unk_token=UNK,
+        tokenizer_object=core,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=IM_END if chatml else EOS,
+        unk_token=UNK,
         additional_special_tokens=[IM_START, IM_END] if chatml else None,
     )
     tok.chat_template = CHATML_TEMPLATE if chatml else CHAT_TEMPLATE

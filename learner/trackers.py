@@ -65,8 +65,14 @@ class TensorBoard(Tracker):
 
     def samples(self, rows: list[Sample], step: int) -> None:
         names = columns(rows)
-        table = "| " + " | ".join(names) + " |\n|" + "---|" * len(names) + "\n" + "".join(
-            "| " + " | ".join(_cell(row.get(n)) for n in names) + " |\n" for row in rows)
+        table = (
+            "| "
+            + " | ".join(names)
+            + " |\n|"
+            + "---|" * len(names)
+            + "\n"
+            + "".join("| " + " | ".join(_cell(row.get(n)) for n in names) + " |\n" for row in rows)
+        )
         self.writer.add_text(TABLE, table, step)
 
     def close(self) -> None:
@@ -78,16 +84,22 @@ class WandB(Tracker):
         import wandb
 
         self.wandb = wandb
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "spotgrpo"), name=run, config=config,
-                              dir=os.environ.get("WANDB_DIR", str(run_dir)), resume="allow" if resume_step else None)
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT", "spotgrpo"),
+            name=run,
+            config=config,
+            dir=os.environ.get("WANDB_DIR", str(run_dir)),
+            resume="allow" if resume_step else None,
+        )
 
     def log(self, row: dict[str, float], step: int) -> None:
         self.run.log(row, step=step)
 
     def samples(self, rows: list[Sample], step: int) -> None:
         names: list[str | int] = list(columns(rows))
-        self.run.log({TABLE: self.wandb.Table(columns=names, data=[[_value(r, str(n)) for n in names] for r in rows])},
-                     step=step)
+        self.run.log(
+            {TABLE: self.wandb.Table(columns=names, data=[[_value(r, str(n)) for n in names] for r in rows])}, step=step
+        )
 
     def close(self) -> None:
         self.run.finish()
@@ -98,8 +110,9 @@ class Trackio(Tracker):
         import trackio
 
         self.trackio = trackio
-        self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", "spotgrpo"), name=run, config=config,
-                                resume="allow", embed=False)
+        self.run = trackio.init(
+            project=os.environ.get("TRACKIO_PROJECT", "spotgrpo"), name=run, config=config, resume="allow", embed=False
+        )
 
     def log(self, row: dict[str, float], step: int) -> None:
         self.trackio.log(row, step=step)
@@ -133,8 +146,9 @@ class MLflow(Tracker):
         self.mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in row.items()}, step=step)
 
     def samples(self, rows: list[Sample], step: int) -> None:
-        self.mlflow.log_table({n: [_value(r, n) for r in rows] for n in columns(rows)},
-                              artifact_file=f"{TABLE}/step-{step}.json")
+        self.mlflow.log_table(
+            {n: [_value(r, n) for r in rows] for n in columns(rows)}, artifact_file=f"{TABLE}/step-{step}.json"
+        )
 
     def close(self) -> None:
         self.mlflow.end_run()
@@ -158,8 +172,9 @@ def check_trackers(names: list[str]) -> None:
             raise TrackerError(f"report_to: {name} is not installed; pip install 'spotgrpo[trackers]'")
 
 
-def open_trackers(names: list[str], run_dir: Path, run: str, config: dict[str, Any],
-                  resume_step: int | None) -> list[Tracker]:
+def open_trackers(
+    names: list[str], run_dir: Path, run: str, config: dict[str, Any], resume_step: int | None
+) -> list[Tracker]:
     """The trackers asked for (`none` alone: none). Raises TrackerError for an unknown name
     or a library that is not installed."""
     check_trackers(names)
@@ -181,7 +196,9 @@ def open_trackers(names: list[str], run_dir: Path, run: str, config: dict[str, A
                 continue
             for tracker in out:
                 tracker.close()
-            raise TrackerError(f"report_to: {name} is not installed ({err.name}); pip install 'spotgrpo[trackers]'") from None
+            raise TrackerError(
+                f"report_to: {name} is not installed ({err.name}); pip install 'spotgrpo[trackers]'"
+            ) from None
     return out
 
 

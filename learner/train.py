@@ -53,8 +53,14 @@ class StepBatch:
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of the batch, in a fixed order (what rank 0 sends the others)."""
-        return [self.seqs.input_ids_BL, self.seqs.attention_mask_BL, self.seqs.mask_BT, self.behav_logp_BT,
-                self.advantages_N, self.rewards_N]
+        return [
+            self.seqs.input_ids_BL,
+            self.seqs.attention_mask_BL,
+            self.seqs.mask_BT,
+            self.behav_logp_BT,
+            self.advantages_N,
+            self.rewards_N,
+        ]
 
     def lengths(self) -> list[int]:
         """Prompt+completion tokens of each row (without padding)."""
@@ -70,17 +76,24 @@ class StepBatch:
             self.seqs.attention_mask_BL.index_select(0, index)[:, :width].to(device),
             self.seqs.mask_BT.index_select(0, index)[:, : width - 1].to(device),
         )
-        return StepBatch(seqs, self.behav_logp_BT.index_select(0, index)[:, : width - 1].to(device),
-                         self.advantages_N.index_select(0, index).to(device), self.rewards_N.index_select(0, index).to(device))
+        return StepBatch(
+            seqs,
+            self.behav_logp_BT.index_select(0, index)[:, : width - 1].to(device),
+            self.advantages_N.index_select(0, index).to(device),
+            self.rewards_N.index_select(0, index).to(device),
+        )
 
 
 def zeros_batch(b: int, width: int, device: torch.device) -> StepBatch:
     """A step batch of `b` rows of `width`, all zeros (to be filled, or as it is)."""
     return StepBatch(
-        Sequences(torch.zeros((b, width), dtype=torch.long, device=device),
-                  torch.zeros((b, width), dtype=torch.long, device=device),
-                  torch.zeros((b, width - 1), dtype=torch.float32, device=device)),
-        torch.zeros((b, width - 1), dtype=torch.float32, device=device), torch.zeros(b, dtype=torch.float32, device=device),
+        Sequences(
+            torch.zeros((b, width), dtype=torch.long, device=device),
+            torch.zeros((b, width), dtype=torch.long, device=device),
+            torch.zeros((b, width - 1), dtype=torch.float32, device=device),
+        ),
+        torch.zeros((b, width - 1), dtype=torch.float32, device=device),
+        torch.zeros(b, dtype=torch.float32, device=device),
         torch.zeros(b, dtype=torch.float32, device=device),
     )
 
@@ -157,8 +170,19 @@ def receive_step(dist: Dist, b: int, width: int) -> tuple[StepBatch, list[int]]:
 class _Sums:
     """Running sums of the loss-side metrics over micro-batches (this rank's)."""
 
-    KEYS = ("loss", "w_sum", "w_sq", "corrected", "k3", "clipped", "clipped_low", "entropy", "kl_ref", "tokens",
-            "logp_diff")
+    KEYS = (
+        "loss",
+        "w_sum",
+        "w_sq",
+        "corrected",
+        "k3",
+        "clipped",
+        "clipped_low",
+        "entropy",
+        "kl_ref",
+        "tokens",
+        "logp_diff",
+    )
 
     def __init__(self) -> None:
         self.v = dict.fromkeys(self.KEYS, 0.0)
@@ -197,6 +221,7 @@ LOGITS_BYTES = 1 << 30
 set: the LM head runs from a micro-batch's earliest completion position on, so a budget of
 whole-sequence tokens bounds them with room to spare."""
 
+
 def token_budget(cfg: LearnerConfig, vocab_size: int, bytes_per_token: int = 0, activation_bytes: int = 2 << 30) -> int:
     """Tokens per micro-batch: `max_tokens_per_microbatch`, or the fewest of 16,384, what
     keeps the logits near `LOGITS_BYTES` (SmolLM2's 49,152-word vocabulary: 5,461), and
@@ -211,20 +236,31 @@ def token_budget(cfg: LearnerConfig, vocab_size: int, bytes_per_token: int = 0, 
     return max(256, min(16384, LOGITS_BYTES // (4 * vocab_size), by_activations))
 
 
-def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist, policy: Policy
-          ) -> list[list[int] | None]:
+def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist, policy: Policy) -> list[list[int] | None]:
     """This rank's micro-batches of `rows`, padded with None (an empty pass) to as many
     as the rank with the most has: under FSDP every rank runs the same passes."""
     plan: list[list[int] | None] = list(
-        plan_micro_batches(batch.lengths(), rows, token_budget(cfg, policy.vocab_size, policy.activation_bytes_per_token,
-                                                               policy.activation_budget), cfg.micro_batch_size))
+        plan_micro_batches(
+            batch.lengths(),
+            rows,
+            token_budget(cfg, policy.vocab_size, policy.activation_bytes_per_token, policy.activation_budget),
+            cfg.micro_batch_size,
+        )
+    )
     most = int(dist.all_reduce([float(len(plan))], op="max")[0])
     return plan + [None] * (most - len(plan))
 
 
 def accumulate(
-    policy: Policy, batch: StepBatch, cfg: LearnerConfig, prox_BT: Tensor | None, sums: _Sums, *,
-    plan: list[list[int] | None] | None = None, num_seqs: int | None = None, num_tokens: int | None = None,
+    policy: Policy,
+    batch: StepBatch,
+    cfg: LearnerConfig,
+    prox_BT: Tensor | None,
+    sums: _Sums,
+    *,
+    plan: list[list[int] | None] | None = None,
+    num_seqs: int | None = None,
+    num_tokens: int | None = None,
     dist: Dist | None = None,
 ) -> None:
     """Backward this rank's share of the step's loss for `batch` (one optimizer step's
@@ -239,8 +275,11 @@ def accumulate(
     assert num_seqs is not None and num_tokens is not None
     for rows in plan:
         mb = empty_batch(device) if rows is None else batch.take(rows, device)
-        prox = None if prox_BT is None or rows is None else \
-            prox_BT.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu")).to(device)
+        prox = (
+            None
+            if prox_BT is None or rows is None
+            else prox_BT.index_select(0, torch.tensor(rows, dtype=torch.long, device="cpu")).to(device)
+        )
         part, t = micro_batch_loss(policy, mb, prox, cfg, num_seqs=num_seqs, num_tokens=num_tokens)
         (part * dist.world if dist.enabled else part).backward()
         sums.add(float(part.detach()), t, mb)
@@ -257,26 +296,44 @@ class Terms:
     kl_BT: Tensor | None
 
 
-def micro_batch_loss(policy: Policy, mb: StepBatch, prox_BT: Tensor | None, cfg: LearnerConfig, *,
-                     num_seqs: int, num_tokens: int) -> tuple[Tensor, Terms]:
+def micro_batch_loss(
+    policy: Policy, mb: StepBatch, prox_BT: Tensor | None, cfg: LearnerConfig, *, num_seqs: int, num_tokens: int
+) -> tuple[Tensor, Terms]:
     """One micro-batch's share of the step's loss (`num_seqs` sequences and `num_tokens`
     completion tokens in the whole step). `prox_BT`: the proximal policy's
     log-probabilities (decoupled PPO, several updates per batch); None: the policy itself."""
     mask = mb.seqs.mask_BT
     logp, ent = policy.forward_logps(mb.seqs, cfg.temperature, with_entropy=True)
     prox = logp.detach() if prox_BT is None else prox_BT[:, : logp.shape[1]]
-    w = importance_weights(prox, mb.behav_logp_BT, mask, cfg.correction,
-                           tis_cap=cfg.tis_cap, mis_level=cfg.mis_level, mis_low=cfg.mis_low, mis_high=cfg.mis_high)
-    loss_BT, clip_BT = policy_loss(logp, prox, mb.advantages_N, w.weights_BT, epsilon_low=cfg.epsilon_low,
-                                   epsilon_high=cfg.epsilon_high, level=cfg.importance_sampling_level, mask_BT=mask)
+    w = importance_weights(
+        prox,
+        mb.behav_logp_BT,
+        mask,
+        cfg.correction,
+        tis_cap=cfg.tis_cap,
+        mis_level=cfg.mis_level,
+        mis_low=cfg.mis_low,
+        mis_high=cfg.mis_high,
+    )
+    loss_BT, clip_BT = policy_loss(
+        logp,
+        prox,
+        mb.advantages_N,
+        w.weights_BT,
+        epsilon_low=cfg.epsilon_low,
+        epsilon_high=cfg.epsilon_high,
+        level=cfg.importance_sampling_level,
+        mask_BT=mask,
+    )
     kl_BT = None
     if cfg.beta > 0:
         with torch.no_grad(), policy.reference():
             ref, _ = policy.forward_logps(mb.seqs, cfg.temperature)
         kl_BT = kl_k3(logp, ref)
         loss_BT = loss_BT + cfg.beta * kl_BT
-    loss = aggregate(loss_BT * w.keep_BT, mask, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens,
-                     max_tokens=cfg.max_tokens)
+    loss = aggregate(
+        loss_BT * w.keep_BT, mask, cfg.loss_agg, num_seqs=num_seqs, num_tokens=num_tokens, max_tokens=cfg.max_tokens
+    )
     assert ent is not None
     return loss, Terms(logp, ent, w, clip_BT, kl_BT)
 
@@ -315,8 +372,17 @@ def train_on(
         loss_before = sums.v["loss"]
         rows = [i for i in mine if i in part]
         num_tokens = int(batch.seqs.mask_BT[part.start : part.stop].sum().item())
-        accumulate(policy, batch, cfg, prox_BT, sums, plan=_plan(batch, rows, cfg, dist, policy), num_seqs=len(part),
-                   num_tokens=num_tokens, dist=dist)
+        accumulate(
+            policy,
+            batch,
+            cfg,
+            prox_BT,
+            sums,
+            plan=_plan(batch, rows, cfg, dist, policy),
+            num_seqs=len(part),
+            num_tokens=num_tokens,
+            dist=dist,
+        )
         grad_norm = float(full_tensor(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm)))
         loss = dist.all_reduce([sums.v["loss"] - loss_before])[0]
         if not (math.isfinite(grad_norm) and math.isfinite(loss)):  # the same verdict on every rank

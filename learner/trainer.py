@@ -33,11 +33,15 @@ class Trainer:
         self.cfg, self.dist = cfg, dist
         self.policy = Policy(cfg, dist)
         self.optimizer = torch.optim.AdamW(
-            self.policy.trainable_parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay,
+            self.policy.trainable_parameters(),
+            lr=cfg.learning_rate,
+            weight_decay=cfg.weight_decay,
             betas=(cfg.adam_beta1, cfg.adam_beta2),
         )
         self.scheduler = get_scheduler(
-            cfg.lr_scheduler, self.optimizer, num_warmup_steps=cfg.warmup * cfg.updates_per_batch,
+            cfg.lr_scheduler,
+            self.optimizer,
+            num_warmup_steps=cfg.warmup * cfg.updates_per_batch,
             num_training_steps=cfg.steps * cfg.updates_per_batch,
         )
 
@@ -64,10 +68,14 @@ class Trainer:
 
         self._tell(SAVE)
         adapter = self.policy.adapter_state()
-        optimizer = get_optimizer_state_dict(self.policy.model, self.optimizer,
-                                             options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return adapter, {"optimizer": optimizer, "scheduler": self.scheduler.state_dict(),
-                         "torch_rng": torch.get_rng_state()}
+        optimizer = get_optimizer_state_dict(
+            self.policy.model, self.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return adapter, {
+            "optimizer": optimizer,
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
 
     def restore(self, adapter: dict[str, torch.Tensor], trainer: dict[str, Any]) -> None:
         """Rank 0's checkpoint into every rank (the others pass empty dicts)."""
@@ -84,9 +92,12 @@ class Trainer:
                 raise ValueError("this checkpoint's optimizer state is keyed by position: resume it in one process")
             self.optimizer.load_state_dict(optimizer)
         else:
-            set_optimizer_state_dict(self.policy.model, self.optimizer, optim_state_dict=optimizer,
-                                     options=StateDictOptions(full_state_dict=True,
-                                                              broadcast_from_rank0=self.dist.enabled))
+            set_optimizer_state_dict(
+                self.policy.model,
+                self.optimizer,
+                optim_state_dict=optimizer,
+                options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.dist.enabled),
+            )
         schedule = self.dist.broadcast_json(trainer.get("scheduler")) if self.dist.enabled else trainer["scheduler"]
         self.scheduler.load_state_dict(schedule)
 

@@ -25,7 +25,9 @@ from learner.judge import StepGroups
 
 
 class ProgressWatch:
-    def __init__(self, first_s: float = 60.0, max_s: float = 600.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, first_s: float = 60.0, max_s: float = 600.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.first_s, self.max_s, self.clock = first_s, max_s, clock
         self._since = clock()
         self._next = first_s
@@ -49,16 +51,20 @@ class ProgressWatch:
 
 def why_dropped(step: StepGroups, reward_names: Sequence[str]) -> str:
     reasons = collections.Counter(reason for _, reason in step.dropped)
-    parts = [f"{n} {reason.removeprefix('dropped_').removeprefix('rejected_').replace('_', ' ')}"
-             for reason, n in reasons.most_common()]
+    parts = [
+        f"{n} {reason.removeprefix('dropped_').removeprefix('rejected_').replace('_', ' ')}"
+        for reason, n in reasons.most_common()
+    ]
     line = f"the {len(step.dropped)} group(s) read were dropped: {', '.join(parts)}"
     flat = [g for g, reason in step.dropped if reason == "dropped_flat"]
     if flat:
         values = collections.Counter(round(float(g.rewards[0] or 0.0), 4) for g in flat)
         shown = ", ".join(f"{v:g} in {n}" for v, n in values.most_common(4))
         names = ", ".join(reward_names) or "the actors' reward functions"
-        line += (f". A flat group (every completion the same reward; here {shown} group(s), from {names}) teaches "
-                 "GRPO nothing: make the task easier or the reward finer (partial credit), or raise num_generations")
+        line += (
+            f". A flat group (every completion the same reward; here {shown} group(s), from {names}) teaches "
+            "GRPO nothing: make the task easier or the reward finer (partial credit), or raise num_generations"
+        )
     if reasons.get("dropped_stale"):
         line += ". Stale groups come from workers behind the learner: lower max_inflight or raise max_staleness"
     rejected = [reason for reason in reasons if reason.startswith("rejected_")]
@@ -71,9 +77,11 @@ def queue_picture(stats: Any | None) -> str:
     if stats is None:
         return "the queue did not answer (see the warnings above)"
     unscored = stats.unscored.length if getattr(stats, "unscored", None) is not None else 0
-    parts = [f"{stats.prompts.length} prompt batch(es) in the queue, {stats.prompts.pending} of them leased",
-             f"{unscored} group(s) waiting to be scored" if unscored else "none waiting to be scored",
-             f"{stats.rollouts.length} group(s) stored"]
+    parts = [
+        f"{stats.prompts.length} prompt batch(es) in the queue, {stats.prompts.pending} of them leased",
+        f"{unscored} group(s) waiting to be scored" if unscored else "none waiting to be scored",
+        f"{stats.rollouts.length} group(s) stored",
+    ]
     if stats.prompts.length and not stats.prompts.pending:
         hint = "no worker has claimed a batch: are actors running for this run (actors run --run ...)?"
     elif unscored:

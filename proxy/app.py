@@ -87,16 +87,22 @@ log = logging.getLogger(__name__)
 
 _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
+
 def build_app(ctx: Context) -> Starlette:
     special: dict[Endpoint, Callable[..., Any]] = {  # streams, files, text: async, with the request itself
-        api.ADAPTER_EVENTS: _events, api.ADAPTER_FILE: _file, api.METRICS: _metrics, api.HEALTHZ: _healthz,
+        api.ADAPTER_EVENTS: _events,
+        api.ADAPTER_FILE: _file,
+        api.METRICS: _metrics,
+        api.HEALTHZ: _healthz,
         api.OPENAPI: _openapi,
     }
     missing = [e.path for e in api.ENDPOINTS if e not in HANDLERS and e not in special]
     if missing:
         raise RuntimeError(f"endpoints without a handler: {missing}")
-    routes = [Route(e.path, _endpoint(e, HANDLERS.get(e), special.get(e)), methods=[e.method], name=e.path)
-              for e in api.ENDPOINTS]
+    routes = [
+        Route(e.path, _endpoint(e, HANDLERS.get(e), special.get(e)), methods=[e.method], name=e.path)
+        for e in api.ENDPOINTS
+    ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -112,8 +118,11 @@ def build_app(ctx: Context) -> Starlette:
     return app
 
 
-def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Callable[..., Any] | None,
-              ) -> Callable[[Request], Any]:
+def _endpoint(
+    spec: Endpoint,
+    handler: Callable[..., Any] | None,
+    special: Callable[..., Any] | None,
+) -> Callable[[Request], Any]:
     on_loop = inspect.iscoroutinefunction(handler)
 
     async def endpoint(request: Request) -> Response:
@@ -160,8 +169,6 @@ def _endpoint(spec: Endpoint, handler: Callable[..., Any] | None, special: Calla
 
     endpoint.__name__ = spec.path
     return endpoint
-
-
 
 
 def _waits(body: Any, params: dict[str, str]) -> bool:
@@ -290,8 +297,12 @@ async def _events(ctx: Context, token: Token | None, request: Request) -> Respon
     except OverCap as err:
         ctx.metrics.rate_limited.labels(token=token.name).inc()
         raise ApiError(429, str(err), {"Retry-After": "5"}) from None
-    return HeldStream(stream(), lambda: ctx.holds.release(token.name, "event stream"),
-                      media_type="text/event-stream", headers={"Cache-Control": "no-store"})
+    return HeldStream(
+        stream(),
+        lambda: ctx.holds.release(token.name, "event stream"),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-store"},
+    )
 
 
 class HeldStream(StreamingResponse):
@@ -361,13 +372,18 @@ def openapi_document() -> dict[str, Any]:
             op["responses"]["200"]["content"] = {CONTENT_TYPE: {"schema": refs[spec.response.__name__]}}
         if spec.request is not None:
             op["requestBody"] = {"required": True, "content": {CONTENT_TYPE: {"schema": refs[spec.request.__name__]}}}
-        parameters = [{"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
-                      for p in re.findall(r"{(\w+)}", spec.path)]
+        parameters = [
+            {"name": p, "in": "path", "required": True, "schema": {"type": "string"}}
+            for p in re.findall(r"{(\w+)}", spec.path)
+        ]
         if parameters:
             op["parameters"] = parameters
         if spec.roles:
             for status, what in (("401", "no or unknown token"), ("403", "wrong role"), ("429", "rate limited")):
-                op["responses"][status] = {"description": what, "content": {CONTENT_TYPE: {"schema": refs["ErrorResponse"]}}}
+                op["responses"][status] = {
+                    "description": what,
+                    "content": {CONTENT_TYPE: {"schema": refs["ErrorResponse"]}},
+                }
         paths.setdefault(spec.path, {})[spec.method.lower()] = op
     return {
         "openapi": "3.1.0",

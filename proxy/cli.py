@@ -28,16 +28,33 @@ log = logging.getLogger("proxy")
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="proxy", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    serve = sub.add_parser("serve", help="Serve the HTTPS API in front of Redis and the adapter store.",
-                           description="Serve the HTTPS API in front of Redis and the adapter store.")
+    serve = sub.add_parser(
+        "serve",
+        help="Serve the HTTPS API in front of Redis and the adapter store.",
+        description="Serve the HTTPS API in front of Redis and the adapter store.",
+    )
     a = serve.add_argument
-    a("--redis", "--queue", dest="redis", required=True, metavar="URL",
-      help="the run's Redis, redis://host:port/db (the learner's --queue; --queue is the same flag), or memory:// "
-           "for an in-process Redis (fakeredis; gone when the proxy exits)")
-    a("--memory-redis-port", type=int, default=None,
-      help="with --redis memory://: also serve that in-process Redis on 127.0.0.1 at this port, for trusted local "
-           "tools (the embedded default's scoring worker); loopback only, no auth: never for a deployment")
-    a("--store", required=True, help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed)")
+    a(
+        "--redis",
+        "--queue",
+        dest="redis",
+        required=True,
+        metavar="URL",
+        help="the run's Redis, redis://host:port/db (the learner's --queue; --queue is the same flag), or memory:// "
+        "for an in-process Redis (fakeredis; gone when the proxy exits)",
+    )
+    a(
+        "--memory-redis-port",
+        type=int,
+        default=None,
+        help="with --redis memory://: also serve that in-process Redis on 127.0.0.1 at this port, for trusted local "
+        "tools (the embedded default's scoring worker); loopback only, no auth: never for a deployment",
+    )
+    a(
+        "--store",
+        required=True,
+        help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed)",
+    )
     a("--tokens", type=Path, default=None, help="tokens TOML file (or the TOML text in SPOTGRPO_TOKENS)")
     a("--run", default="default", help="run name (the learner's --run)")
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -50,42 +67,93 @@ def build_parser() -> argparse.ArgumentParser:
     a("--max-body-bytes", type=int, default=16 * 1024 * 1024, help="413 above this")
     a("--max-messages", type=int, default=512, help="most groups, batches or ids per request")
     a("--max-long-poll-s", type=float, default=10.0, help="longest wait of a long-poll request")
-    a("--rate-per-s", type=float, default=500.0,
-      help="requests per second per token (burst: twice that), shared by every proxy of the run through its Redis, "
-           "which each proxy asks once per 50 ms worth of a token's requests")
+    a(
+        "--rate-per-s",
+        type=float,
+        default=500.0,
+        help="requests per second per token (burst: twice that), shared by every proxy of the run through its Redis, "
+        "which each proxy asks once per 50 ms worth of a token's requests",
+    )
     a("--max-long-polls-per-token", type=int, default=64, help="claims and reads waiting at once per token; 429 above")
     a("--max-streams-per-token", type=int, default=256, help="adapter-event streams open at once per token; 429 above")
-    a("--header-timeout-s", type=float, default=10.0, help="close a connection whose request headers take longer than this")
+    a(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="close a connection whose request headers take longer than this",
+    )
     a("--backlog-limit", type=int, default=100_000, help="503 for submissions while this many groups wait")
     a("--presign-s", type=int, default=300, help="lifetime of presigned adapter URLs")
-    a("--max-workers-per-token", type=int, default=256,
-      help="live worker statuses one token may have in the fleet view (default 256); a new worker's report past it is refused")
-    a("--startup-timeout-s", type=float, default=300.0,
-      help="wait this long for Redis at start-up, as the learner and actors do (default 300); then exit 1")
-    a("--presign-endpoint", default=os.environ.get("SPOTGRPO_PRESIGN_ENDPOINT"),
-      help="s3:// store: the public address presigned URLs name, when workers reach the bucket elsewhere than "
-           "AWS_ENDPOINT_URL (compose's http://minio:9000); or SPOTGRPO_PRESIGN_ENDPOINT")
+    a(
+        "--max-workers-per-token",
+        type=int,
+        default=256,
+        help=(
+            "live worker statuses one token may have in the fleet view (default 256); a new worker's report past "
+            "it is refused"
+        ),
+    )
+    a(
+        "--startup-timeout-s",
+        type=float,
+        default=300.0,
+        help="wait this long for Redis at start-up, as the learner and actors do (default 300); then exit 1",
+    )
+    a(
+        "--presign-endpoint",
+        default=os.environ.get("SPOTGRPO_PRESIGN_ENDPOINT"),
+        help="s3:// store: the public address presigned URLs name, when workers reach the bucket elsewhere than "
+        "AWS_ENDPOINT_URL (compose's http://minio:9000); or SPOTGRPO_PRESIGN_ENDPOINT",
+    )
     a("--body-timeout-s", type=float, default=30.0, help="408 when a request body takes longer than this to arrive")
-    a("--max-body-bytes-per-token", type=int, default=64 * 1024 * 1024,
-      help="request-body bytes one token may have in flight at once (default 64 MiB: four full bodies); 429 past it")
-    a("--max-body-bytes-in-flight", type=int, default=512 * 1024 * 1024,
-      help="request-body bytes in flight over every token (default 512 MiB); 503 past it")
-    a("--handshake-timeout-s", type=float, default=10.0,
-      help="close a connection whose TLS handshake takes longer than this (asyncio's own limit is 60 s)")
-    a("--max-connections", type=int, default=4096,
-      help="connections served at once; a request past it is answered 503 (uvicorn's limit_concurrency). The "
-           "proxy raises its open-files limit to the hard limit at start")
+    a(
+        "--max-body-bytes-per-token",
+        type=int,
+        default=64 * 1024 * 1024,
+        help="request-body bytes one token may have in flight at once (default 64 MiB: four full bodies); 429 past it",
+    )
+    a(
+        "--max-body-bytes-in-flight",
+        type=int,
+        default=512 * 1024 * 1024,
+        help="request-body bytes in flight over every token (default 512 MiB); 503 past it",
+    )
+    a(
+        "--handshake-timeout-s",
+        type=float,
+        default=10.0,
+        help="close a connection whose TLS handshake takes longer than this (asyncio's own limit is 60 s)",
+    )
+    a(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="connections served at once; a request past it is answered 503 (uvicorn's limit_concurrency). The "
+        "proxy raises its open-files limit to the hard limit at start",
+    )
     add_logging_flags(serve)
 
-    cert = sub.add_parser("selfsigned", help="Write a self-signed certificate and key for local runs.",
-                          description="Write a self-signed certificate and its key for local runs and tests; workers "
-                                      "trust it with SPOTGRPO_CA_CERT=<cert>. Prints where they are and when the "
-                                      "certificate expires.")
+    cert = sub.add_parser(
+        "selfsigned",
+        help="Write a self-signed certificate and key for local runs.",
+        description="Write a self-signed certificate and its key for local runs and tests; workers "
+        "trust it with SPOTGRPO_CA_CERT=<cert>. Prints where they are and when the "
+        "certificate expires.",
+    )
     cert.add_argument("--cert", type=Path, required=True, help="where to write the certificate (PEM)")
     cert.add_argument("--key", type=Path, required=True, help="where to write its private key (PEM, mode 0600)")
-    cert.add_argument("--host", action="append", default=None, help="name or IP it is valid for (repeatable; default localhost, 127.0.0.1)")
-    cert.add_argument("--days", type=int, default=30,
-                      help="days it is valid for (default 30); a proxy serving it after that fails every TLS handshake")
+    cert.add_argument(
+        "--host",
+        action="append",
+        default=None,
+        help="name or IP it is valid for (repeatable; default localhost, 127.0.0.1)",
+    )
+    cert.add_argument(
+        "--days",
+        type=int,
+        default=30,
+        help="days it is valid for (default 30); a proxy serving it after that fails every TLS handshake",
+    )
     return parser
 
 
@@ -99,7 +167,9 @@ def check_tls(cert: Path, key: Path) -> None:
     try:
         ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(cert, key)
     except ssl.SSLError as err:
-        raise ValueError(f"--tls-cert {cert} / --tls-key {key}: not a matching PEM certificate and key ({err.reason})") from None
+        raise ValueError(
+            f"--tls-cert {cert} / --tls-key {key}: not a matching PEM certificate and key ({err.reason})"
+        ) from None
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -153,30 +223,55 @@ def serve(args: argparse.Namespace) -> int:
         print(f"proxy serve: {err}", file=sys.stderr)
         return 2
     limits = ProxyLimits(
-        max_body_bytes=args.max_body_bytes, max_messages=args.max_messages, max_long_poll_s=args.max_long_poll_s,
-        rate_per_s=args.rate_per_s, burst=2 * args.rate_per_s, backlog_limit=args.backlog_limit, presign_s=args.presign_s,
-        body_timeout_s=args.body_timeout_s, max_long_polls_per_token=args.max_long_polls_per_token,
-        max_streams_per_token=args.max_streams_per_token, max_workers_per_token=args.max_workers_per_token,
-        max_body_bytes_per_token=args.max_body_bytes_per_token, max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        max_body_bytes=args.max_body_bytes,
+        max_messages=args.max_messages,
+        max_long_poll_s=args.max_long_poll_s,
+        rate_per_s=args.rate_per_s,
+        burst=2 * args.rate_per_s,
+        backlog_limit=args.backlog_limit,
+        presign_s=args.presign_s,
+        body_timeout_s=args.body_timeout_s,
+        max_long_polls_per_token=args.max_long_polls_per_token,
+        max_streams_per_token=args.max_streams_per_token,
+        max_workers_per_token=args.max_workers_per_token,
+        max_body_bytes_per_token=args.max_body_bytes_per_token,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
     )
-    ctx = Context(queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(),
-                  rate_storage=rate_storage)
+    ctx = Context(
+        queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(), rate_storage=rate_storage
+    )
     if args.redis != "memory://" and not queue.on_cluster:  # submissions from the event loop (proxy.handlers)
         ctx.aredis = connect_async(args.redis)
     HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
-    log.info("proxy for run %s on %s://%s:%d (%d tokens)", args.run, "http" if args.insecure_http else "https",
-             args.host, args.port, len(tokens.tokens))
+    log.info(
+        "proxy for run %s on %s://%s:%d (%d tokens)",
+        args.run,
+        "http" if args.insecure_http else "https",
+        args.host,
+        args.port,
+        len(tokens.tokens),
+    )
     server_config = uvicorn.Config(
-        build_app(ctx), host=args.host, port=args.port, log_level=level_of(args), access_log=False,
+        build_app(ctx),
+        host=args.host,
+        port=args.port,
+        log_level=level_of(args),
+        access_log=False,
         ssl_certfile=str(args.tls_cert) if args.tls_cert else None,
         ssl_keyfile=str(args.tls_key) if args.tls_key else None,
-        timeout_keep_alive=30, timeout_graceful_shutdown=2, http=HeaderTimeoutProtocol,
+        timeout_keep_alive=30,
+        timeout_graceful_shutdown=2,
+        http=HeaderTimeoutProtocol,
         limit_concurrency=args.max_connections,
     )
     files = raise_open_files_limit()
     if files < args.max_connections + 64:
-        log.warning("open-files limit %d is below --max-connections %d: connections past it fail at accept "
-                    "(raise the hard limit: ulimit -Hn, or the container's nofile)", files, args.max_connections)
+        log.warning(
+            "open-files limit %d is below --max-connections %d: connections past it fail at accept "
+            "(raise the hard limit: ulimit -Hn, or the container's nofile)",
+            files,
+            args.max_connections,
+        )
     # a port it cannot bind: uvicorn says so, exit 3
     ProxyServer(server_config, on_exit=ctx.hub.close_soon, handshake_timeout_s=args.handshake_timeout_s).run()
     queue.close()
@@ -196,8 +291,13 @@ def wait_for_redis(url: str, config: QueueConfig, max_connections: int, timeout_
         return queue
 
     try:
-        return retry(connect, on=(QueueUnavailable,), deadline_s=timeout_s, cap=10.0,
-                     before_wait=lambda err, delay: log.warning("redis unreachable, retrying in %.1fs: %s", delay, err))
+        return retry(
+            connect,
+            on=(QueueUnavailable,),
+            deadline_s=timeout_s,
+            cap=10.0,
+            before_wait=lambda err, delay: log.warning("redis unreachable, retrying in %.1fs: %s", delay, err),
+        )
     except QueueUnavailable as err:
         raise QueueUnavailable(f"unreachable for {timeout_s:g}s: {err}") from None
 
@@ -220,8 +320,10 @@ def selfsigned(args: argparse.Namespace) -> int:
     hosts = args.host or ["localhost", "127.0.0.1"]
     write_self_signed(args.cert, args.key, hosts, args.days)
     expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=args.days)
-    print(f"wrote {args.cert} and {args.key} for {', '.join(hosts)}; the certificate expires on "
-          f"{expires:%Y-%m-%d %H:%M} UTC ({args.days} days): make a new one before then (--days)")
+    print(
+        f"wrote {args.cert} and {args.key} for {', '.join(hosts)}; the certificate expires on "
+        f"{expires:%Y-%m-%d %H:%M} UTC ({args.days} days): make a new one before then (--days)"
+    )
     return 0
 
 

@@ -41,8 +41,7 @@ class SharedRateLimit:
     (`async+redis://…`, or `async+memory://` for one process), taken `reserve_s` worth
     at a time."""
 
-    def __init__(self, storage_url: str, rate_per_s: float, burst: float, prefix: str,
-                 reserve_s: float = 0.05) -> None:
+    def __init__(self, storage_url: str, rate_per_s: float, burst: float, prefix: str, reserve_s: float = 0.05) -> None:
         window = max(1, round(burst / rate_per_s))
         self.item = RateLimitItemPerSecond(max(1, int(rate_per_s * window)), window)
         self.slice = max(1, int(rate_per_s * reserve_s))
@@ -164,8 +163,10 @@ class BodyBytes:
 
     def take(self, token: str, n: int) -> None:
         if self.held.get(token, 0) + n > self.per_token:
-            raise OverCap(f"token {token} has {self.per_token} bytes of request bodies in flight already; "
-                          "retry when one is answered")
+            raise OverCap(
+                f"token {token} has {self.per_token} bytes of request bodies in flight already; "
+                "retry when one is answered"
+            )
         if self.total + n > self.in_all:
             raise OverCap(f"the proxy holds {self.in_all} bytes of request bodies already; retry later", everyone=True)
         self.held[token] = self.held.get(token, 0) + n

@@ -62,6 +62,7 @@ from proxy.threads import in_thread
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class ProxyLimits:
     max_body_bytes: int = 16 * 1024 * 1024
@@ -132,10 +133,15 @@ class Context:
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
-        self.rate = SharedRateLimit(self.rate_storage, self.limits.rate_per_s, self.limits.burst,
-                                    prefix=f"spotgrpo:{{{self.queue.config.run}}}:rate")
-        self.holds = Holds({"long-poll": self.limits.max_long_polls_per_token,
-                            "event stream": self.limits.max_streams_per_token})
+        self.rate = SharedRateLimit(
+            self.rate_storage,
+            self.limits.rate_per_s,
+            self.limits.burst,
+            prefix=f"spotgrpo:{{{self.queue.config.run}}}:rate",
+        )
+        self.holds = Holds(
+            {"long-poll": self.limits.max_long_polls_per_token, "event stream": self.limits.max_streams_per_token}
+        )
         self.hub = AdapterEventHub(self.queue)
         self.bodies = BodyBytes(self.limits.max_body_bytes_per_token, self.limits.max_body_bytes_in_flight)
         self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
@@ -196,11 +202,13 @@ async def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[s
     # 50-90 ms, for a lease the queue may refuse anyway
     big = sum(len(c.token_ids) + len(c.logprobs) for g in body.groups for c in g.completions) > OFF_LOOP_BYTES
     if ctx.aredis is None or big:
-        result = await in_thread(partial(ctx.queue.submit, worker, body.lease_id, body.groups,
-                                         decoded_with=ctx.body_limits))
+        result = await in_thread(
+            partial(ctx.queue.submit, worker, body.lease_id, body.groups, decoded_with=ctx.body_limits)
+        )
     else:
-        result = await ctx.queue.submit_async(ctx.aredis, worker, body.lease_id, body.groups,
-                                              decoded_with=ctx.body_limits)
+        result = await ctx.queue.submit_async(
+            ctx.aredis, worker, body.lease_id, body.groups, decoded_with=ctx.body_limits
+        )
     return SubmitResponse(result=result)
 
 
@@ -208,7 +216,9 @@ def release(ctx: Context, token: Token, body: ReleaseRequest, params: dict[str, 
     return ReleaseResponse(released=ctx.queue.release(worker_name(token, body.worker), body.lease_id))
 
 
-def report_status(ctx: Context, token: Token, body: ReportStatusRequest, params: dict[str, str]) -> ReportStatusResponse:
+def report_status(
+    ctx: Context, token: Token, body: ReportStatusRequest, params: dict[str, str]
+) -> ReportStatusResponse:
     name = worker_name(token, body.status.worker)
     status = msgspec.structs.replace(body.status, worker=name, reported_at=time.time())  # the proxy's clock
     ctx.queue.report_status(status, owner=token.name, max_per_owner=ctx.limits.max_workers_per_token)
@@ -313,13 +323,23 @@ def _int_param(params: dict[str, str], name: str, default: int, low: int, high: 
 
 
 HANDLERS: dict[Endpoint, Callable[..., Any]] = {
-    api.CLAIM: claim, api.HEARTBEAT: heartbeat, api.SUBMIT: submit, api.RELEASE: release,
-    api.REPORT_STATUS: report_status, api.WORKERS: list_workers, api.WHOAMI: whoami,
-    api.LATEST_ADAPTER: latest_adapter, api.ADAPTER_HISTORY: adapter_history, api.ADAPTER_DOWNLOAD: adapter_download,
-    api.ADD_PROMPTS: add_prompts, api.READ_ROLLOUTS: read_rollouts, api.ACK: ack, api.EXPIRE_RUN: expire_run,
-    api.ANNOUNCE: announce, api.DEAD_LETTERS: dead_letters, api.STATS: stats,
+    api.CLAIM: claim,
+    api.HEARTBEAT: heartbeat,
+    api.SUBMIT: submit,
+    api.RELEASE: release,
+    api.REPORT_STATUS: report_status,
+    api.WORKERS: list_workers,
+    api.WHOAMI: whoami,
+    api.LATEST_ADAPTER: latest_adapter,
+    api.ADAPTER_HISTORY: adapter_history,
+    api.ADAPTER_DOWNLOAD: adapter_download,
+    api.ADD_PROMPTS: add_prompts,
+    api.READ_ROLLOUTS: read_rollouts,
+    api.ACK: ack,
+    api.EXPIRE_RUN: expire_run,
+    api.ANNOUNCE: announce,
+    api.DEAD_LETTERS: dead_letters,
+    api.STATS: stats,
 }
 """Handlers: (ctx, token, decoded body, params) -> the endpoint's response type, in a worker thread
 (a coroutine function on the event loop)."""
-
-

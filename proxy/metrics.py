@@ -24,22 +24,37 @@ from protocol import Queue, QueueUnavailable, WorkerStatus
 class ProxyMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("spotgrpo_proxy_requests", "Requests by route, method and status", ["route", "method", "status"], registry=r)
-        self.latency = Histogram(
-            "spotgrpo_proxy_request_seconds", "Request latency by route", ["route", "method"],
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30), registry=r,
+        self.requests = Counter(
+            "spotgrpo_proxy_requests", "Requests by route, method and status", ["route", "method", "status"], registry=r
         )
-        self.rate_limited = Counter("spotgrpo_proxy_rate_limited", "Requests refused with 429, by token name", ["token"], registry=r)
-        self.backpressure = Counter("spotgrpo_proxy_backpressure", "Submissions refused with 503 (rollout backlog)", registry=r)
+        self.latency = Histogram(
+            "spotgrpo_proxy_request_seconds",
+            "Request latency by route",
+            ["route", "method"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "spotgrpo_proxy_rate_limited", "Requests refused with 429, by token name", ["token"], registry=r
+        )
+        self.backpressure = Counter(
+            "spotgrpo_proxy_backpressure", "Submissions refused with 503 (rollout backlog)", registry=r
+        )
         self.depth = Gauge("spotgrpo_queue_entries", "Entries per stream and state", ["stream", "state"], registry=r)
         self.leases = Gauge("spotgrpo_queue_leases", "Outstanding prompt leases", registry=r)
         self.dead_letters = Gauge("spotgrpo_queue_dead_letters", "Entries in the dead-letter stream", registry=r)
         self.latest_version = Gauge("spotgrpo_adapter_latest_version", "Latest announced adapter version", registry=r)
         self.queue_up = Gauge("spotgrpo_queue_up", "1 when Redis answered the last scrape", registry=r)
         self.workers_live = Gauge("spotgrpo_workers_live", "Workers that reported in the last 2 minutes", registry=r)
-        self.worker_version = Gauge("spotgrpo_worker_adapter_version", "Adapter version a worker has loaded", ["worker"], registry=r)
-        self.worker_tokens = Gauge("spotgrpo_worker_tokens_per_second", "Tokens a worker generates per second", ["worker"], registry=r)
-        self.worker_refused = Gauge("spotgrpo_worker_adapters_refused", "Adapter versions a worker could not load", ["worker"], registry=r)
+        self.worker_version = Gauge(
+            "spotgrpo_worker_adapter_version", "Adapter version a worker has loaded", ["worker"], registry=r
+        )
+        self.worker_tokens = Gauge(
+            "spotgrpo_worker_tokens_per_second", "Tokens a worker generates per second", ["worker"], registry=r
+        )
+        self.worker_refused = Gauge(
+            "spotgrpo_worker_adapters_refused", "Adapter versions a worker could not load", ["worker"], registry=r
+        )
 
     def render(self, queue: Queue) -> tuple[bytes, str]:
         try:

@@ -31,7 +31,8 @@ class ProxyServer(uvicorn.Server):
         loop = asyncio.get_running_loop()
         if self.config.is_ssl:
             loop.create_server = functools.partial(  # type: ignore[method-assign]
-                loop.create_server, ssl_handshake_timeout=self.handshake_timeout_s)
+                loop.create_server, ssl_handshake_timeout=self.handshake_timeout_s
+            )
         try:
             await super().startup(sockets)
         finally:

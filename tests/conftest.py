@@ -90,8 +90,20 @@ class RedisServer:
             persistence += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / "nodes.conf")]
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(self.workdir),
-             "--protected-mode", "no", *persistence],
+            [
+                binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--dir",
+                str(self.workdir),
+                "--protected-mode",
+                "no",
+                *persistence,
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -142,9 +154,20 @@ class RedisClusterNodes:
     def start(self) -> None:
         for node in self.nodes:
             node.start()
-        subprocess.run([shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
-                        *[f"127.0.0.1:{n.port}" for n in self.nodes], "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)
+        subprocess.run(
+            [
+                shutil.which("redis-cli") or "redis-cli",
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{n.port}" for n in self.nodes],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         client = redis.Redis(port=self.nodes[0].port)
         deadline = time.monotonic() + 30
         while client.cluster("info").get("cluster_state") != "ok":
@@ -320,7 +343,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model: Path) -> Iterator[Callable[..., subprocess.Popen]]:
+def scorers(
+    redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model: Path
+) -> Iterator[Callable[..., subprocess.Popen]]:
     """`scorers(*flags, reward=...)` starts one `learner score` worker, as a user would
     (named scorer-<n>-<run>: RQ worker names are global to the Redis)."""
     started: list[subprocess.Popen] = []
@@ -328,11 +353,33 @@ def scorers(redis_server: RedisServer, run_name: str, tmp_path: Path, tiny_model
     def start(*flags: str, reward: str = "toy_rewards:digit_first", model: Path = tiny_model) -> subprocess.Popen:
         with (tmp_path / f"scorer-{len(started)}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "learner.cli", "score", "--queue", redis_server.url, "--run", run_name,
-                 "--reward", reward, "--model", str(model), "--name", f"scorer-{len(started)}-{run_name}",
-                 "--maintenance-interval-s", "1",
-                 "--monitoring-interval-s", "1", "--abandon-after-s", "2", *flags],
-                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
+                [
+                    sys.executable,
+                    "-m",
+                    "learner.cli",
+                    "score",
+                    "--queue",
+                    redis_server.url,
+                    "--run",
+                    run_name,
+                    "--reward",
+                    reward,
+                    "--model",
+                    str(model),
+                    "--name",
+                    f"scorer-{len(started)}-{run_name}",
+                    "--maintenance-interval-s",
+                    "1",
+                    "--monitoring-interval-s",
+                    "1",
+                    "--abandon-after-s",
+                    "2",
+                    *flags,
+                ],
+                env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         started.append(proc)
         return proc
 
@@ -367,21 +414,48 @@ def tls_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.fixture(scope="session")
 def tokens_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tokens") / "tokens.toml"
-    path.write_text("".join(
-        f'[[tokens]]\nname = "{role}-token"\nrole = "{role}"\nsecret = "{secret}"\n' for role, secret in TOKENS.items()
-    ))
+    path.write_text(
+        "".join(
+            f'[[tokens]]\nname = "{role}-token"\nrole = "{role}"\nsecret = "{secret}"\n'
+            for role, secret in TOKENS.items()
+        )
+    )
     return path
 
 
 class ProxyProcess:
     """`proxy serve` as a user runs it, over real TLS on loopback; stopped by its pid."""
 
-    def __init__(self, redis_url: str, store: str, run: str, tls: tuple[Path, Path], tokens: Path,
-                 env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        store: str,
+        run: str,
+        tls: tuple[Path, Path],
+        tokens: Path,
+        env: dict[str, str] | None = None,
+        extra: tuple[str, ...] = (),
+    ) -> None:
         self.port = free_port()
         self.cmd = [
-            sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_url, "--store", store, "--run", run,
-            "--tokens", str(tokens), "--port", str(self.port), "--tls-cert", str(tls[0]), "--tls-key", str(tls[1]),
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--redis",
+            redis_url,
+            "--store",
+            store,
+            "--run",
+            run,
+            "--tokens",
+            str(tokens),
+            "--port",
+            str(self.port),
+            "--tls-cert",
+            str(tls[0]),
+            "--tls-key",
+            str(tls[1]),
             *extra,
         ]
         self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), **(env or {})}
@@ -428,10 +502,21 @@ def make_proxy(redis_server: RedisServer, run_name: str, tls_pair, tokens_file, 
     """`make_proxy(store=..., extra=(...))` -> a started ProxyProcess on the session's Redis."""
     started: list[ProxyProcess] = []
 
-    def make(store: str | None = None, extra: tuple[str, ...] = (), env: dict[str, str] | None = None,
-             redis_url: str | None = None) -> ProxyProcess:
-        proxy = ProxyProcess(redis_url or redis_server.url, store or (tmp_path / "store").as_uri(), run_name,
-                             tls_pair, tokens_file, env, extra)
+    def make(
+        store: str | None = None,
+        extra: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        redis_url: str | None = None,
+    ) -> ProxyProcess:
+        proxy = ProxyProcess(
+            redis_url or redis_server.url,
+            store or (tmp_path / "store").as_uri(),
+            run_name,
+            tls_pair,
+            tokens_file,
+            env,
+            extra,
+        )
         started.append(proxy)
         return proxy.start()
 

@@ -28,8 +28,12 @@ from learner.policy import pack_sequences  # noqa: E402
 from learner.train import StepBatch, train_on  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 
-CASES = {"token_mean": {"loss_agg": "token_mean"}, "seq_mean": {"loss_agg": "seq_mean"},
-         "constant": {"loss_agg": "constant"}, "ppo2": {"loss_agg": "token_mean", "updates_per_batch": 2}}
+CASES = {
+    "token_mean": {"loss_agg": "token_mean"},
+    "seq_mean": {"loss_agg": "seq_mean"},
+    "constant": {"loss_agg": "constant"},
+    "ppo2": {"loss_agg": "token_mean", "updates_per_batch": 2},
+}
 
 
 def step_batch(policy, temperature: float) -> StepBatch:
@@ -51,12 +55,22 @@ def main() -> None:
     dist = Dist.from_env("cpu")
     tensors, figures = {}, {}
     for case, overrides in CASES.items():
-        cfg = LearnerConfig(model=model, lora_rank=4, max_tokens=6, learning_rate=1e-2, temperature=0.9,
-                            micro_batch_size=2, max_tokens_per_microbatch=24, **overrides)  # several uneven passes
+        cfg = LearnerConfig(
+            model=model,
+            lora_rank=4,
+            max_tokens=6,
+            learning_rate=1e-2,
+            temperature=0.9,
+            micro_batch_size=2,
+            max_tokens_per_microbatch=24,
+            **overrides,
+        )  # several uneven passes
         torch.manual_seed(0)
         trainer = Trainer(cfg, dist)
         g = torch.Generator(device="cpu").manual_seed(1)
-        start = {n: 0.05 * torch.randn(t.shape, generator=g, device="cpu") for n, t in trainer.policy.adapter_state().items()}
+        start = {
+            n: 0.05 * torch.randn(t.shape, generator=g, device="cpu") for n, t in trainer.policy.adapter_state().items()
+        }
         trainer.policy.load_adapter_state(start if dist.main else {})
         batch = step_batch(trainer.policy, cfg.temperature)
         owner = split_rows(batch.lengths(), dist.world) if dist.enabled else None

@@ -32,7 +32,9 @@ def main(redis_url: str, run: str, worker_id: str, store: str, model: str) -> No
 
     queue = RedisQueue.from_url(redis_url, QueueConfig(run=run, lease_timeout_s=2))
     inner = Engine(model)
-    engine = EpisodeEngine(inner, Toolbox(["toy_tools:add", "toy_tools:hang"], timeout_s=120), tool_template(inner.tokenizer))
+    engine = EpisodeEngine(
+        inner, Toolbox(["toy_tools:add", "toy_tools:hang"], timeout_s=120), tool_template(inner.tokenizer)
+    )
     watcher = AdapterWatcher(queue, StoreSource(open_store(store)), engine, Path(tempfile.mkdtemp()))
     print("working", flush=True)
     Worker(queue, engine, watcher, None, worker_id, claim_block_s=0.5).work()

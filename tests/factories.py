@@ -37,8 +37,9 @@ def trusted(b: PromptBatch, **columns: object) -> PromptBatch:
     """The batch for the trusted scoring tier (its columns stay on the trusted side)."""
     import msgspec
 
-    return msgspec.structs.replace(b, scoring="trusted", prompts=[
-        msgspec.structs.replace(p, columns={**p.columns, **columns}) for p in b.prompts])
+    return msgspec.structs.replace(
+        b, scoring="trusted", prompts=[msgspec.structs.replace(p, columns={**p.columns, **columns}) for p in b.prompts]
+    )
 
 
 def chat_batch() -> PromptBatch:
@@ -63,8 +64,15 @@ def completion(n: int = 4, reward: float | None = 1.0, **fields: object) -> Comp
     )
 
 
-def group(b: PromptBatch, prompt_index: int = 0, *, actor: str = "actor-1", version: int = 0,
-          completions: int = 4, tokens: int = 4) -> RolloutGroup:
+def group(
+    b: PromptBatch,
+    prompt_index: int = 0,
+    *,
+    actor: str = "actor-1",
+    version: int = 0,
+    completions: int = 4,
+    tokens: int = 4,
+) -> RolloutGroup:
     prompt = b.prompts[prompt_index]
     return RolloutGroup(
         group_id=group_id_for(b.batch_id, prompt.id),
@@ -73,8 +81,9 @@ def group(b: PromptBatch, prompt_index: int = 0, *, actor: str = "actor-1", vers
         adapter_version=version,
         actor_id=actor,
         prompt_token_ids=pack_i32([1, 2, 3]),
-        completions=[completion(tokens, reward=float(k % 2), reward_components={"acc": float(k % 2)})
-                     for k in range(completions)],
+        completions=[
+            completion(tokens, reward=float(k % 2), reward_components={"acc": float(k % 2)}) for k in range(completions)
+        ],
         timings={"generate_s": 0.5, "reward_s": 0.01},
     )
 

@@ -51,12 +51,22 @@ class ProxiedQueue(Queue):
         self.direct, self.config, self.keys, self._r = direct, direct.config, direct.keys, direct._r
         tokens = Tokens.from_toml(
             f'[[tokens]]\nname = "{ACTOR_TOKEN}"\nrole = "actor"\nsecret = "{TOKENS["actor"]}"\n'
-            f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n', "test")
-        ctx = Context(queue=direct, store=FileStore(str(store_dir)), tokens=tokens,
-                      limits=ProxyLimits(rate_per_s=1e6, burst=1e6), metrics=ProxyMetrics())
-        self.server = ProxyServer(uvicorn.Config(build_app(ctx), host="127.0.0.1", port=free_port(),
-                                                 log_level="warning", timeout_graceful_shutdown=1),
-                                  on_exit=ctx.hub.close_soon)
+            f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n',
+            "test",
+        )
+        ctx = Context(
+            queue=direct,
+            store=FileStore(str(store_dir)),
+            tokens=tokens,
+            limits=ProxyLimits(rate_per_s=1e6, burst=1e6),
+            metrics=ProxyMetrics(),
+        )
+        self.server = ProxyServer(
+            uvicorn.Config(
+                build_app(ctx), host="127.0.0.1", port=free_port(), log_level="warning", timeout_graceful_shutdown=1
+            ),
+            on_exit=ctx.hub.close_soon,
+        )
         self.thread = threading.Thread(target=self.server.run, name="proxy", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30

@@ -34,7 +34,9 @@ Reward = Callable[[list[int], list[int], str], float]
 
 
 class SyntheticActor:
-    def __init__(self, queue: Queue, store: Store, model_dir: Path, reward: Reward, worker: str = "synthetic-0") -> None:
+    def __init__(
+        self, queue: Queue, store: Store, model_dir: Path, reward: Reward, worker: str = "synthetic-0"
+    ) -> None:
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,12 +110,19 @@ class SyntheticActor:
         ids = torch.as_tensor(prompt_tokens)
         inputs = ids.unsqueeze(0).repeat(batch.num_generations, 1)
         out = model.generate(
-            input_ids=inputs, attention_mask=torch.ones_like(inputs), do_sample=True,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k or None, max_new_tokens=s.max_tokens,
-            output_scores=True, return_dict_in_generate=True, pad_token_id=self.tokenizer.pad_token_id,
+            input_ids=inputs,
+            attention_mask=torch.ones_like(inputs),
+            do_sample=True,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k or None,
+            max_new_tokens=s.max_tokens,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=self.tokenizer.pad_token_id,
             eos_token_id=self.tokenizer.eos_token_id,
         )
-        new = out.sequences[:, inputs.shape[1]:]
+        new = out.sequences[:, inputs.shape[1] :]
         logps = torch.stack([torch.log_softmax(sc.float(), -1) for sc in out.scores], 1)  # (G, T, V)
         picked = logps.gather(-1, new.unsqueeze(-1)).squeeze(-1)
         completions = []
@@ -122,13 +131,24 @@ class SyntheticActor:
             end = toks.index(self.tokenizer.eos_token_id) + 1 if self.tokenizer.eos_token_id in toks else len(toks)
             toks, lp = toks[:end], picked[g, :end].tolist()
             text = self.tokenizer.decode(toks, skip_special_tokens=True)
-            completions.append(Completion.of(
-                toks, lp, finish_reason="stop" if end < len(new[g]) or toks[-1:] == [self.tokenizer.eos_token_id] else "length",
-                text=text, reward=float(self.reward(prompt_tokens, toks, text)),
-            ))
+            completions.append(
+                Completion.of(
+                    toks,
+                    lp,
+                    finish_reason="stop"
+                    if end < len(new[g]) or toks[-1:] == [self.tokenizer.eos_token_id]
+                    else "length",
+                    text=text,
+                    reward=float(self.reward(prompt_tokens, toks, text)),
+                )
+            )
         return RolloutGroup(
-            group_id=group_id_for(batch.batch_id, prompt.id), batch_id=batch.batch_id, prompt_id=prompt.id,
-            adapter_version=self.version, actor_id=self.worker, prompt_token_ids=prompt.token_ids,
+            group_id=group_id_for(batch.batch_id, prompt.id),
+            batch_id=batch.batch_id,
+            prompt_id=prompt.id,
+            adapter_version=self.version,
+            actor_id=self.worker,
+            prompt_token_ids=prompt.token_ids,
             completions=completions,
         )
 

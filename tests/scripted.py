@@ -19,7 +19,7 @@ LOGP = -0.5
 def tool_call(name: str, **arguments: Any) -> str:
     import json
 
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 class ScriptedEngine(Engine):
@@ -112,7 +112,8 @@ class FirstTurnCalls:
         ids = [*self.tokenizer(self.FIRST_CALL, add_special_tokens=False)["input_ids"], self.stop_ids[0]]
         scripted, self._scripted = self._scripted, []
         return [(g.key, [Sample(ids, [LOGP] * len(ids), "stop")] * g.n) for g in scripted] + super().step(  # type: ignore[misc]
-            timeout_s, abort)
+            timeout_s, abort
+        )
 
     @property
     def in_flight(self) -> int:

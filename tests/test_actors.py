@@ -59,11 +59,16 @@ def learner_logps(policy: Policy, prompt: list[int], tokens: list[int], temperat
     return logps[0][seqs.mask_BT[0].bool()]
 
 
-def batch_of(prompts: list[list[int]], *, batch_id: str = "b0", n: int = 4, max_tokens: int = 8, temperature: float = 1.0) -> PromptBatch:
+def batch_of(
+    prompts: list[list[int]], *, batch_id: str = "b0", n: int = 4, max_tokens: int = 8, temperature: float = 1.0
+) -> PromptBatch:
     return PromptBatch(
-        batch_id=batch_id, prompts=[Prompt(id=f"p{i}", token_ids=pack_i32(p), text="x") for i, p in enumerate(prompts)],
-        num_generations=n, sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
-        learner_version=0, issued_at=time.time(),
+        batch_id=batch_id,
+        prompts=[Prompt(id=f"p{i}", token_ids=pack_i32(p), text="x") for i, p in enumerate(prompts)],
+        num_generations=n,
+        sampling=SamplingParams(temperature=temperature, max_tokens=max_tokens),
+        learner_version=0,
+        issued_at=time.time(),
     )
 
 
@@ -137,8 +142,10 @@ def test_completions_end_on_the_chat_templates_end_of_turn(tmp_path: Path) -> No
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot|>"]})
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eot|>{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}<|eot|>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     eot = tokenizer.convert_tokens_to_ids("<|eot|>")
     assert stop_token_ids(tokenizer, GenerationConfig(eos_token_id=[2, 7])) == (2, 7, eot)
     tokenizer.chat_template = None
@@ -211,8 +218,13 @@ def test_watcher_refuses_a_corrupt_adapter_and_keeps_generating(tmp_path: Path, 
 
 def test_reward_specs() -> None:
     assert load_reward("toy_rewards:digit_first=0.5").weight == 0.5
-    for bad, msg in [("nodots", "expected module:function"), ("no_such_module_x:f", "cannot import"),
-                     ("toy_rewards:missing", "no function"), ("toy_rewards:digit_first=nan", "expected"), ("toy_rewards:digit_first=1e999", "finite")]:
+    for bad, msg in [
+        ("nodots", "expected module:function"),
+        ("no_such_module_x:f", "cannot import"),
+        ("toy_rewards:missing", "no function"),
+        ("toy_rewards:digit_first=nan", "expected"),
+        ("toy_rewards:digit_first=1e999", "finite"),
+    ]:
         with pytest.raises(RewardError, match=msg):
             load_reward(bad)
 
@@ -316,7 +328,9 @@ def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_se
 
 
 @pytest.mark.redis
-def test_a_failing_reward_is_reported_and_the_worker_goes_on(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_a_failing_reward_is_reported_and_the_worker_goes_on(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     engine = TransformersEngine(str(tiny_model))
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "c")
@@ -335,9 +349,27 @@ def _actor_cmd(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *ex
     """A worker as a user starts one: through the proxy, with an actor token (the proxy's
     store holds the adapters)."""
     return [
-        sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run,
-        "--engine", "transformers", "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
-        "--worker-id", worker, "--lease-timeout-s", "2", "--claim-block-s", "0.5", *extra,
+        sys.executable,
+        "-m",
+        "actors.cli",
+        "run",
+        "--queue",
+        proxy.url,
+        "--run",
+        run,
+        "--engine",
+        "transformers",
+        "--model",
+        str(tiny_model),
+        "--reward",
+        "toy_rewards:slow_digit_first",
+        "--worker-id",
+        worker,
+        "--lease-timeout-s",
+        "2",
+        "--claim-block-s",
+        "0.5",
+        *extra,
     ]
 
 
@@ -356,13 +388,20 @@ def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, time
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
-                                                       make_proxy) -> None:
+def test_sigkill_mid_batch_another_worker_completes_it(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str, make_proxy
+) -> None:
     proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "2"))
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=4)])
-    victim = subprocess.Popen(_actor_cmd(tiny_model, proxy, run_name, "victim"), cwd=REPO, env=_env(proxy),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = subprocess.Popen(
+        _actor_cmd(tiny_model, proxy, run_name, "victim"),
+        cwd=REPO,
+        env=_env(proxy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for_lease(queue, "victim", victim)
         victim.kill()  # SIGKILL while it holds the lease, mid-batch (the reward takes a second)
@@ -370,8 +409,14 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
     finally:
         kill_process(victim)
     assert queue.stats().rollouts.length == 0
-    rescuer = subprocess.Popen(_actor_cmd(tiny_model, proxy, run_name, "rescuer"), cwd=REPO, env=_env(proxy),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rescuer = subprocess.Popen(
+        _actor_cmd(tiny_model, proxy, run_name, "rescuer"),
+        cwd=REPO,
+        env=_env(proxy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while queue.stats().rollouts.length < len(PROMPTS):
@@ -393,13 +438,20 @@ def test_sigkill_mid_batch_another_worker_completes_it(tmp_path: Path, tiny_mode
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_sigterm_hands_the_lease_back_at_once_and_exits_0(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
-                                                         make_proxy) -> None:
+def test_sigterm_hands_the_lease_back_at_once_and_exits_0(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str, make_proxy
+) -> None:
     proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "600"))
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=8, max_tokens=200)])
-    proc = subprocess.Popen(_actor_cmd(tiny_model, proxy, run_name, "spot", "--lease-timeout-s", "600"),
-                            cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        _actor_cmd(tiny_model, proxy, run_name, "spot", "--lease-timeout-s", "600"),
+        cwd=REPO,
+        env=_env(proxy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for_lease(queue, "spot", proc)
         sent = time.monotonic()
@@ -494,8 +546,13 @@ def test_a_spot_worker_imports_no_redis_client() -> None:
 
     for path in (REPO / "actors").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.split(".")[0] in ("redis", "rq", "fakeredis") for n in names), (path.name, names)
 
 

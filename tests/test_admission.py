@@ -56,8 +56,9 @@ def spread(_prompt: list[int], tokens: list[int], _text: str) -> float:
     return sum(tokens) % 11 / 10
 
 
-def test_a_fleet_faster_than_the_learner_stops_generating_what_goes_stale(tmp_path: Path, tiny_model: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_fleet_faster_than_the_learner_stops_generating_what_goes_stale(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """An actor that answers every lease at once and a learner that takes its time (a
     real model's step, here a tiny one's and a sleep): with 32 prompts in flight and 4 a
     step, what waits in the queue ages past a bound of 1 versions and is thrown away;
@@ -72,9 +73,18 @@ def test_a_fleet_faster_than_the_learner_stops_generating_what_goes_stale(tmp_pa
     drops, rows = {}, {}
     for adaptive in (False, True):
         (tmp_path / str(adaptive)).mkdir()
-        cfg = small_config(tmp_path / str(adaptive), tiny_model, run=f"adm-{adaptive}", steps=24, groups_per_step=4,
-                           prompts_per_batch=2, max_inflight=32, max_staleness=1, adaptive_inflight=adaptive,
-                           checkpoint_every=100)
+        cfg = small_config(
+            tmp_path / str(adaptive),
+            tiny_model,
+            run=f"adm-{adaptive}",
+            steps=24,
+            groups_per_step=4,
+            prompts_per_batch=2,
+            max_inflight=32,
+            max_staleness=1,
+            adaptive_inflight=adaptive,
+            checkpoint_every=100,
+        )
         make = fake_queue_factory(f"adm-{adaptive}")
         store = open_store(cfg.store)
         actor = SyntheticActor(make(), store, tiny_model, spread).start()
@@ -95,8 +105,9 @@ def test_a_lease_larger_than_a_step_is_still_issued(tmp_path: Path, tiny_model: 
     """2 groups a step in leases of 4 prompts (the default lease): the window opens at a
     whole lease, not at one step's 2 prompts, under which no batch could ever be issued
     and learner and actors waited on each other for ever."""
-    cfg = small_config(tmp_path, tiny_model, run="adm-lease", steps=3, groups_per_step=2, prompts_per_batch=4,
-                       max_inflight=8)
+    cfg = small_config(
+        tmp_path, tiny_model, run="adm-lease", steps=3, groups_per_step=2, prompts_per_batch=4, max_inflight=8
+    )
     make = fake_queue_factory("adm-lease")
     store = open_store(cfg.store)
     actor = SyntheticActor(make(), store, tiny_model, spread).start()

@@ -22,9 +22,26 @@ REPO = Path(__file__).resolve().parents[1]
 def test_two_minutes_of_chaos_keep_the_ledger_exact(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     run = subprocess.run(
-        [sys.executable, "bench/chaos.py", "--minutes", "2", "--mean-interval-s", "8", "--seed", "0", "--self-test",
-         "--json", str(out), "--keep", str(tmp_path / "work")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=840,
+        [
+            sys.executable,
+            "bench/chaos.py",
+            "--minutes",
+            "2",
+            "--mean-interval-s",
+            "8",
+            "--seed",
+            "0",
+            "--self-test",
+            "--json",
+            str(out),
+            "--keep",
+            str(tmp_path / "work"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=840,
     )
     assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
     figures = json.loads(out.read_text())
@@ -37,8 +54,13 @@ def test_two_minutes_of_chaos_keep_the_ledger_exact(tmp_path: Path) -> None:
     assert figures["learner_starts"] >= 2 and figures["actors_started"] > 3
     # training went on after the last fault, and every issued prompt is accounted for
     assert figures["recovered"] and figures["steps"] >= figures["steps_at_last_fault"] + 4
-    accounted = figures["trained"] + sum(figures["dropped"].values()) + figures["dead_lettered"] \
-        + figures["in_queue"] + figures["waiting_batches"]
+    accounted = (
+        figures["trained"]
+        + sum(figures["dropped"].values())
+        + figures["dead_lettered"]
+        + figures["in_queue"]
+        + figures["waiting_batches"]
+    )
     assert accounted == figures["issued_prompts"] > 0
     assert figures["versions_announced"] >= figures["steps"]
     # and the ledger is not a rubber stamp: breaches planted in a copy are each caught

@@ -27,20 +27,36 @@ def published(make_proxy, tiny_model: Path, tmp_path: Path):
     proxy = make_proxy(store=store_url)
     learner = proxy.queue("learner")
     policy = perturbed_policy(tiny_model, 1)
-    publisher = Publisher(open_store(store_url), learner, base_model=str(tiny_model), rank=policy.cfg.lora_rank,
-                          fingerprint=fingerprint_of_model(str(tiny_model)))
+    publisher = Publisher(
+        open_store(store_url),
+        learner,
+        base_model=str(tiny_model),
+        rank=policy.cfg.lora_rank,
+        fingerprint=fingerprint_of_model(str(tiny_model)),
+    )
     publisher.submit(PublishJob(1, 1, policy.adapter_state(), policy.adapter_config_json()))
     publisher.close()
     learner.close()
     return proxy
 
 
-def actors_check(proxy, *flags: str, token: str = TOKENS["actor"], ca: str | None = None) -> subprocess.CompletedProcess[str]:
+def actors_check(
+    proxy, *flags: str, token: str = TOKENS["actor"], ca: str | None = None
+) -> subprocess.CompletedProcess[str]:
     run = proxy.cmd[proxy.cmd.index("--run") + 1]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "SPOTGRPO_TOKEN": token,
-           "SPOTGRPO_CA_CERT": ca or proxy.ca}
-    return subprocess.run([sys.executable, "-m", "actors.cli", "check", "--queue", proxy.url, "--run", run, *flags],
-                          capture_output=True, text=True, timeout=180, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "SPOTGRPO_TOKEN": token,
+        "SPOTGRPO_CA_CERT": ca or proxy.ca,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "actors.cli", "check", "--queue", proxy.url, "--run", run, *flags],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
 
 
 def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path) -> None:
@@ -48,7 +64,15 @@ def test_a_worker_that_would_work_passes_every_check(published, tiny_model: Path
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
     assert [line.split()[1] for line in lines if line.startswith("ok")] == [
-        "queue", "run", "model", "rank", "rewards", "tools", "download", "engine"]
+        "queue",
+        "run",
+        "model",
+        "rank",
+        "rewards",
+        "tools",
+        "download",
+        "engine",
+    ]
     assert "matches the learner's base model" in proc.stdout and "adapter v1 downloaded and verified" in proc.stdout
     assert "engine loaded" in proc.stdout and "and adapter v1" in proc.stdout
     assert lines[-1].startswith("all 8 checks passed")
@@ -62,11 +86,33 @@ def test_the_download_check_takes_the_newest_version_when_it_runs(published, tin
     import shutil
 
     run = published.cmd[published.cmd.index("--run") + 1]
-    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}", "SPOTGRPO_TOKEN": TOKENS["actor"],
-           "SPOTGRPO_CA_CERT": published.ca, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "actors.cli", "check", "--queue", published.url, "--run", run,
-                             "--model", str(tiny_model), "--reward", "toy_rewards:slow_check"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
+        "SPOTGRPO_TOKEN": TOKENS["actor"],
+        "SPOTGRPO_CA_CERT": published.ca,
+        "PYTHONUNBUFFERED": "1",
+    }
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "check",
+            "--queue",
+            published.url,
+            "--run",
+            run,
+            "--model",
+            str(tiny_model),
+            "--reward",
+            "toy_rewards:slow_check",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
     try:
         seen = ""
         while "ok    rank" not in seen:  # the rewards check (4 s) runs next
@@ -77,8 +123,13 @@ def test_the_download_check_takes_the_newest_version_when_it_runs(published, tin
         store_dir = Path(published.cmd[published.cmd.index("--store") + 1].removeprefix("file://"))
         learner = published.queue("learner")
         policy = perturbed_policy(tiny_model, 2)
-        publisher = Publisher(open_store(store_dir.as_uri()), learner, base_model=str(tiny_model),
-                              rank=policy.cfg.lora_rank, fingerprint=fingerprint_of_model(str(tiny_model)))
+        publisher = Publisher(
+            open_store(store_dir.as_uri()),
+            learner,
+            base_model=str(tiny_model),
+            rank=policy.cfg.lora_rank,
+            fingerprint=fingerprint_of_model(str(tiny_model)),
+        )
         publisher.submit(PublishJob(2, 2, policy.adapter_state(), policy.adapter_config_json()))
         publisher.close()
         learner.close()
@@ -117,22 +168,45 @@ def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model
     assert proc.returncode == 1 and "SPOTGRPO_CA_CERT" in proc.stdout, proc.stdout
 
 
-def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_learner_check_names_the_first_thing_missing(
+    redis_server, run_name: str, tiny_model: Path, tmp_path: Path
+) -> None:
     from factories import write_dataset
 
     data = write_dataset(tmp_path / "data.jsonl")
 
     def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "learner.cli", "check", "--run", run_name, *flags],
-                              capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, cwd=tmp_path)
+        return subprocess.run(
+            [sys.executable, "-m", "learner.cli", "check", "--run", run_name, *flags],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+            cwd=tmp_path,
+        )
 
-    good = ["--queue", redis_server.url, "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model),
-            "--dataset", str(data), "--reward", "toy_rewards:digit_first"]
+    good = [
+        "--queue",
+        redis_server.url,
+        "--store",
+        (tmp_path / "store").as_uri(),
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(data),
+        "--reward",
+        "toy_rewards:digit_first",
+    ]
     proc = learner_check(*good)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")] == [
-        "queue", "store", "model", "tools", "dataset", "rewards"]
+        "queue",
+        "store",
+        "model",
+        "tools",
+        "dataset",
+        "rewards",
+    ]
     assert not list((tmp_path / "store" / "checks").glob("*"))  # the probe is gone
     proc = learner_check(*good[:-1], "no_such_module:f")
     assert proc.returncode == 1 and "FAIL  rewards" in proc.stdout and "install the reward's package" in proc.stdout
@@ -151,21 +225,53 @@ def test_learner_check_names_the_first_thing_missing(redis_server, run_name: str
     assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "reachable" in proc.stdout
 
 
-def test_learner_check_of_a_run_with_tools(redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path,
-                                           tmp_path: Path) -> None:
+def test_learner_check_of_a_run_with_tools(
+    redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path, tmp_path: Path
+) -> None:
     from factories import write_dataset
     from test_episodes import write_chat_dataset
 
     def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "learner.cli", "check", "--run", run_name, "--queue",
-                               redis_server.url, "--store", (tmp_path / "store").as_uri(), *flags],
-                              capture_output=True, text=True, timeout=180,
-                              env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, cwd=tmp_path)
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "check",
+                "--run",
+                run_name,
+                "--queue",
+                redis_server.url,
+                "--store",
+                (tmp_path / "store").as_uri(),
+                *flags,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+            cwd=tmp_path,
+        )
 
-    chat = ["--dataset", str(write_chat_dataset(tmp_path / "chat.jsonl")), "--reward", "toy_rewards:last_line_is_answer",
-            "--max-tokens", "160"]
-    proc = learner_check("--model", str(tiny_chatml_model), *chat, "--tools", "toy_tools:add", "--tools",
-                         "toy_tools:slow_add", "--max-tool-calling-iterations", "3")
+    chat = [
+        "--dataset",
+        str(write_chat_dataset(tmp_path / "chat.jsonl")),
+        "--reward",
+        "toy_rewards:last_line_is_answer",
+        "--max-tokens",
+        "160",
+    ]
+    proc = learner_check(
+        "--model",
+        str(tiny_chatml_model),
+        *chat,
+        "--tools",
+        "toy_tools:add",
+        "--tools",
+        "toy_tools:slow_add",
+        "--max-tool-calling-iterations",
+        "3",
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok    tools" in proc.stdout and "add, slow_add: schemas built" in proc.stdout, proc.stdout
     assert "ChatML tool template" in proc.stdout
@@ -177,7 +283,13 @@ def test_learner_check_of_a_run_with_tools(redis_server, run_name: str, tiny_mod
     assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "undocumented" in proc.stdout, proc.stdout
     proc = learner_check("--model", str(tiny_model), *chat, "--tools", "toy_tools:add")  # its template is no ChatML
     assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "cannot render tool calls" in proc.stdout
-    plain = ["--dataset", str(write_dataset(tmp_path / "plain.jsonl")), "--reward", "toy_rewards:digit_first",
-             "--max-tokens", "160"]
+    plain = [
+        "--dataset",
+        str(write_dataset(tmp_path / "plain.jsonl")),
+        "--reward",
+        "toy_rewards:digit_first",
+        "--max-tokens",
+        "160",
+    ]
     proc = learner_check("--model", str(tiny_chatml_model), *plain, "--tools", "toy_tools:add")
     assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout and "must hold chat messages" in proc.stdout

@@ -43,8 +43,13 @@ def test_without_a_queue_the_built_in_tasks_settings_apply_only_to_the_built_in_
 
 def test_learner_run_with_its_own_data_and_no_queue_says_so_first(tmp_path: Path) -> None:
     exe = shutil.which("learner", path=str(Path(sys.executable).parent))
-    proc = subprocess.run([exe, "run", "--dataset", str(tmp_path / "missing.jsonl"), "--run-dir", str(tmp_path / "r")],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [exe, "run", "--dataset", str(tmp_path / "missing.jsonl"), "--run-dir", str(tmp_path / "r")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     first = proc.stderr.strip().splitlines()[0]
     assert first.startswith("learner run: no --queue") and "normal defaults" in first, proc.stderr
     assert proc.returncode == 2  # then the missing reward is named, before anything starts
@@ -88,14 +93,22 @@ def test_every_command_names_its_flags_the_same_way() -> None:
     score = ["--model", "m"]
     assert parsers["learner score"].parse_args([*score, "--queue", "redis://h:1/0"]).redis == "redis://h:1/0"
     assert parsers["learner score"].parse_args([*score, "--redis", "redis://h:1/0"]).redis == "redis://h:1/0"
-    assert parsers["proxy serve"].parse_args(["--store", "file:///s", "--queue", "redis://h:1/0"]).redis == "redis://h:1/0"
+    assert (
+        parsers["proxy serve"].parse_args(["--store", "file:///s", "--queue", "redis://h:1/0"]).redis == "redis://h:1/0"
+    )
     assert "--queue" in {f for a in parsers["actors run"]._actions for f in a.option_strings}
 
 
 def test_help_is_grouped_and_says_only_its_own_command() -> None:
     learner_run = _parsers()["learner run"].format_help()
-    for section in ("where things are:", "model and adapter:", "the loss:", "evaluation:", "reporting:",
-                    "TRL's names (GRPOConfig), for the settings above:"):
+    for section in (
+        "where things are:",
+        "model and adapter:",
+        "the loss:",
+        "evaluation:",
+        "reporting:",
+        "TRL's names (GRPOConfig), for the settings above:",
+    ):
         assert section in learner_run, section
     assert len(learner_run.split("options:")[0]) < 300  # a short usage line, not ninety flags
     actors_run = _parsers()["actors run"].format_help()
@@ -103,8 +116,23 @@ def test_help_is_grouped_and_says_only_its_own_command() -> None:
 
 
 def test_selfsigned_says_when_its_certificate_expires(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tmp_path / "c.pem"),
-                           "--key", str(tmp_path / "k.pem"), "--days", "3"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "selfsigned",
+            "--cert",
+            str(tmp_path / "c.pem"),
+            "--key",
+            str(tmp_path / "k.pem"),
+            "--days",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "expires on" in done.stdout and "(3 days)" in done.stdout
     from cryptography import x509

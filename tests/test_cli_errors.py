@@ -29,8 +29,9 @@ def _env(**extra: str) -> dict[str, str]:
 
 def _run(args: list[str], timeout: float = 120, **env: str) -> tuple[int, str, float]:
     started = time.monotonic()
-    done = subprocess.run([sys.executable, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True,
-                          timeout=timeout)
+    done = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout
+    )
     return done.returncode, done.stderr, time.monotonic() - started
 
 
@@ -45,14 +46,38 @@ def _one_line(stderr: str, prefix: str, *words: str) -> str:
 
 
 def _actor(queue: str, model: Path | str, *extra: str) -> list[str]:
-    return ["-m", "actors.cli", "run", "--queue", queue, "--model", str(model),
-            "--reward", "toy_rewards:digit_first", *extra]
+    return [
+        "-m",
+        "actors.cli",
+        "run",
+        "--queue",
+        queue,
+        "--model",
+        str(model),
+        "--reward",
+        "toy_rewards:digit_first",
+        *extra,
+    ]
 
 
 def _learner(tmp_path: Path, queue: str, model: Path | str, *extra: str) -> list[str]:
-    return ["-m", "learner.cli", "run", "--queue", queue, "--store", (tmp_path / "store").as_uri(),
-            "--model", str(model), "--dataset", str(write_dataset(tmp_path / "data.jsonl")),
-            "--run-dir", str(tmp_path / "run"), "--no-tensorboard", *extra]
+    return [
+        "-m",
+        "learner.cli",
+        "run",
+        "--queue",
+        queue,
+        "--store",
+        (tmp_path / "store").as_uri(),
+        "--model",
+        str(model),
+        "--dataset",
+        str(write_dataset(tmp_path / "data.jsonl")),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-tensorboard",
+        *extra,
+    ]
 
 
 @pytest.mark.redis
@@ -67,8 +92,9 @@ def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Pa
 
 
 @pytest.mark.redis
-def test_a_learner_with_an_actor_token_is_told_before_its_model_loads(make_proxy, tiny_model: Path,
-                                                                      tmp_path: Path) -> None:
+def test_a_learner_with_an_actor_token_is_told_before_its_model_loads(
+    make_proxy, tiny_model: Path, tmp_path: Path
+) -> None:
     """Finding 14 of the fourth red team: `learner run` with an actor's token was refused
     7.4 s in, after its model loaded, by the first learner-only call. It asks who it is
     first, as the actors do."""
@@ -77,8 +103,10 @@ def test_a_learner_with_an_actor_token_is_told_before_its_model_loads(make_proxy
     assert rc == 2
     _one_line(err, "learner run:", "has role actor", "role learner")
     assert "loading" not in err.lower()
-    rc, err, _ = _run(_learner(tmp_path, proxy.url, tiny_model, "--token", TOKENS["learner"], "--run", "not-its-run"),
-                      SPOTGRPO_CA_CERT=proxy.ca)
+    rc, err, _ = _run(
+        _learner(tmp_path, proxy.url, tiny_model, "--token", TOKENS["learner"], "--run", "not-its-run"),
+        SPOTGRPO_CA_CERT=proxy.ca,
+    )
     assert rc == 2
     _one_line(err, "learner run:", "the proxy serves run")
 
@@ -96,8 +124,11 @@ def test_an_unreachable_queue_is_given_up_after_the_start_up_time(tiny_model: Pa
     rc, err, took = _run(_actor(dead, tiny_model, "--token", "x" * 40, "--startup-timeout-s", "2"))
     assert rc == 1 and took < 30
     _one_line(err, "actors run:", "unreachable")
-    rc, err, took = _run(_learner(tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40,
-                                  "--startup-timeout-s", "2"))
+    rc, err, took = _run(
+        _learner(
+            tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40, "--startup-timeout-s", "2"
+        )
+    )
     assert rc == 1 and took < 30
     _one_line(err, "learner run:", "unreachable")
 
@@ -117,7 +148,11 @@ def _wait_for_handler(proc: subprocess.Popen, signum: int, timeout_s: float = 60
 def test_sigterm_ends_a_learner_waiting_for_its_queue(tiny_model: Path, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, *_learner(tmp_path, f"https://127.0.0.1:{free_port()}", tiny_model, "--token", "x" * 40)],
-        cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO,
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         _wait_for_handler(proc, signal.SIGTERM)  # its start-up done, however slow the machine
@@ -153,7 +188,8 @@ def test_missing_local_models_and_bad_run_dirs_are_named(tiny_model: Path, tmp_p
 
 @pytest.mark.redis
 def test_a_configuration_that_cannot_fit_the_context_is_refused_before_any_work(
-        redis_server, tiny_model: Path, tmp_path: Path) -> None:
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
     """The tiny model takes 1024 tokens; prompts of 6 and 1020 new tokens cannot fit: the
     learner says so with both numbers and the fix, and issues nothing."""
     rc, err, _ = _run(_learner(tmp_path, redis_server.url, tiny_model, "--run", "fits", "--max-tokens", "1020"))
@@ -166,7 +202,17 @@ def test_a_configuration_that_cannot_fit_the_context_is_refused_before_any_work(
 
 
 def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, tokens_file: Path) -> None:
-    base = ["-m", "proxy.cli", "serve", "--redis", "memory://", "--store", tmp_path.as_uri(), "--tokens", str(tokens_file)]
+    base = [
+        "-m",
+        "proxy.cli",
+        "serve",
+        "--redis",
+        "memory://",
+        "--store",
+        tmp_path.as_uri(),
+        "--tokens",
+        str(tokens_file),
+    ]
     rc, err, _ = _run([*base, "--tls-cert", str(tmp_path / "nope.pem"), "--tls-key", str(tls_pair[1])])
     assert rc == 2
     _one_line(err, "proxy serve:", "nope.pem", "no such file")
@@ -176,9 +222,22 @@ def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, toke
     assert rc == 2
     _one_line(err, "proxy serve:", "garbage.pem")
     # Redis down: it waits, as the learner and the actors do (test_hostile has the wait), then says so
-    rc, err, _ = _run(["-m", "proxy.cli", "serve", "--redis", f"redis://127.0.0.1:{free_port()}/0",
-                       "--store", tmp_path.as_uri(), "--tokens", str(tokens_file), "--insecure-http",
-                       "--startup-timeout-s", "1"])
+    rc, err, _ = _run(
+        [
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--redis",
+            f"redis://127.0.0.1:{free_port()}/0",
+            "--store",
+            tmp_path.as_uri(),
+            "--tokens",
+            str(tokens_file),
+            "--insecure-http",
+            "--startup-timeout-s",
+            "1",
+        ]
+    )
     assert rc == 1
     _one_line(err, "proxy serve:", "--redis", "unreachable for 1s")
     with socket.socket() as taken:  # a port in use: uvicorn's own startup failure, named
@@ -189,18 +248,38 @@ def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, toke
 
 
 @pytest.mark.redis
-def test_an_actor_exits_in_seconds_on_sigterm_when_the_proxy_is_gone(make_proxy, tiny_model: Path, run_name: str,
-                                                                     redis_server) -> None:
+def test_an_actor_exits_in_seconds_on_sigterm_when_the_proxy_is_gone(
+    make_proxy, tiny_model: Path, run_name: str, redis_server
+) -> None:
     proxy = make_proxy()
     proc = subprocess.Popen(
-        [sys.executable, *_actor(proxy.url, tiny_model, "--token", TOKENS["actor"], "--run", run_name,
-                                 "--claim-block-s", "0.5", "--worker-id", "spot")],
-        cwd=REPO, env=_env(SPOTGRPO_CA_CERT=proxy.ca), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            *_actor(
+                proxy.url,
+                tiny_model,
+                "--token",
+                TOKENS["actor"],
+                "--run",
+                run_name,
+                "--claim-block-s",
+                "0.5",
+                "--worker-id",
+                "spot",
+            ),
+        ],
+        cwd=REPO,
+        env=_env(SPOTGRPO_CA_CERT=proxy.ca),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     try:
         b = batch(0, prompts=1)  # with token ids, as the learner sends them
-        queue.add_prompts([msgspec.structs.replace(b, prompts=[msgspec.structs.replace(b.prompts[0], token_ids=pack_i32([5, 6, 7]))])])
+        queue.add_prompts(
+            [msgspec.structs.replace(b, prompts=[msgspec.structs.replace(b.prompts[0], token_ids=pack_i32([5, 6, 7]))])]
+        )
         deadline = time.monotonic() + 90
         while queue.stats().rollouts.length == 0:  # working: it claimed and submitted through the proxy
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
@@ -224,8 +303,9 @@ def test_actors_name_a_tool_they_cannot_load_or_a_model_that_cannot_offer_tools(
     assert rc == 2 and took < 30
     _one_line(err, "actors run:", "--tools", "no function nope")
     proxy = make_proxy()
-    rc, err, _ = _run(_actor(proxy.url, tiny_model, "--tools", "toy_tools:add", "--token", TOKENS["actor"]),
-                      SPOTGRPO_CA_CERT=proxy.ca)
+    rc, err, _ = _run(
+        _actor(proxy.url, tiny_model, "--tools", "toy_tools:add", "--token", TOKENS["actor"]), SPOTGRPO_CA_CERT=proxy.ca
+    )
     assert rc == 2
     _one_line(err, "actors run:", "--tools", "cannot render tool calls")
 
@@ -233,14 +313,30 @@ def test_actors_name_a_tool_they_cannot_load_or_a_model_that_cannot_offer_tools(
 @pytest.mark.redis
 @pytest.mark.slow
 @pytest.mark.long
-def test_an_unreachable_hub_is_named_as_such_and_its_retries_print_once(redis_server, tiny_model: Path,
-                                                                        tmp_path: Path) -> None:
+def test_an_unreachable_hub_is_named_as_such_and_its_retries_print_once(
+    redis_server, tiny_model: Path, tmp_path: Path
+) -> None:
     """A hub data set with no hub in reach (a closed port here): the hub's retries are
     logged once each, and the failure names the network, HF_TOKEN and HF_HUB_OFFLINE,
     not --dataset-config. A config name given for a single local file is refused."""
-    args = ["-m", "learner.cli", "run", "--queue", redis_server.url, "--store", (tmp_path / "store").as_uri(),
-            "--model", str(tiny_model), "--run-dir", str(tmp_path / "run"), "--no-tensorboard",
-            "--dataset", "openai/gsm8k", "--dataset-config", "main"]
+    args = [
+        "-m",
+        "learner.cli",
+        "run",
+        "--queue",
+        redis_server.url,
+        "--store",
+        (tmp_path / "store").as_uri(),
+        "--model",
+        str(tiny_model),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--no-tensorboard",
+        "--dataset",
+        "openai/gsm8k",
+        "--dataset-config",
+        "main",
+    ]
     rc, err, _ = _run(args, timeout=180, HF_ENDPOINT=f"http://127.0.0.1:{free_port()}", HF_HUB_OFFLINE="0")
     assert rc == 2
     line = _one_line(err, "learner run:", "--dataset openai/gsm8k", "network", "HF_TOKEN", "HF_HUB_OFFLINE")

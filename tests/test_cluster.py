@@ -30,8 +30,9 @@ ENV = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
 pytestmark = pytest.mark.redis
 
 
-def test_a_node_url_gets_the_cluster_client_and_runs_spread_across_shards(redis_cluster: RedisClusterNodes,
-                                                                           redis_server: RedisServer) -> None:
+def test_a_node_url_gets_the_cluster_client_and_runs_spread_across_shards(
+    redis_cluster: RedisClusterNodes, redis_server: RedisServer
+) -> None:
     assert is_cluster_node(redis_cluster.url) and not is_cluster_node(redis_server.url)
     for node in redis_cluster.nodes:  # any node names the cluster
         q = RedisQueue.from_url(node.url, QueueConfig(run="spread-0"))
@@ -57,15 +58,33 @@ def test_a_node_url_gets_the_cluster_client_and_runs_spread_across_shards(redis_
     assert len(homes) >= 2, homes
 
 
-def test_the_tier_keeps_rq_on_a_plain_redis(redis_cluster: RedisClusterNodes, redis_server: RedisServer,
-                                            run_name: str, tiny_model: Path, tmp_path: Path) -> None:
+def test_the_tier_keeps_rq_on_a_plain_redis(
+    redis_cluster: RedisClusterNodes, redis_server: RedisServer, run_name: str, tiny_model: Path, tmp_path: Path
+) -> None:
     with pytest.raises(ValueError, match="--rq-redis"):
         ScoringQueue.from_url(redis_cluster.url, QueueConfig(run=run_name))
     with pytest.raises(ValueError, match="RQ needs a plain Redis"):
         ScoringQueue.from_url(redis_server.url, QueueConfig(run=run_name), rq_url=redis_cluster.url)
-    cmd = [sys.executable, "-m", "learner.cli", "score", "--queue", redis_cluster.url, "--run", run_name,
-           "--reward", "toy_rewards:digit_first", "--model", str(tiny_model), "--name", f"s-{run_name}",
-           "--maintenance-interval-s", "1", "--monitoring-interval-s", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner.cli",
+        "score",
+        "--queue",
+        redis_cluster.url,
+        "--run",
+        run_name,
+        "--reward",
+        "toy_rewards:digit_first",
+        "--model",
+        str(tiny_model),
+        "--name",
+        f"s-{run_name}",
+        "--maintenance-interval-s",
+        "1",
+        "--monitoring-interval-s",
+        "1",
+    ]
     refused = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--rq-redis" in refused.stderr, refused.stderr
     queue = RedisQueue.from_url(redis_cluster.url, QueueConfig(run=run_name))
@@ -87,8 +106,14 @@ def test_the_tier_keeps_rq_on_a_plain_redis(redis_cluster: RedisClusterNodes, re
 
 
 @pytest.mark.slow
-def test_a_run_completes_on_a_cluster(redis_cluster: RedisClusterNodes, redis_server: RedisServer, make_proxy,
-                                      tiny_model: Path, tmp_path: Path, run_name: str) -> None:
+def test_a_run_completes_on_a_cluster(
+    redis_cluster: RedisClusterNodes,
+    redis_server: RedisServer,
+    make_proxy,
+    tiny_model: Path,
+    tmp_path: Path,
+    run_name: str,
+) -> None:
     """The learner on the cluster itself, an actor through a proxy on the cluster (its
     rate limits counted there), the tier scoring with RQ on a plain Redis."""
     store = (tmp_path / "store").as_uri()
@@ -96,22 +121,96 @@ def test_a_run_completes_on_a_cluster(redis_cluster: RedisClusterNodes, redis_se
     env = {**ENV, "SPOTGRPO_CA_CERT": proxy.ca}
     with (tmp_path / "actor.log").open("wb") as log:
         actor = subprocess.Popen(
-            [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run_name, "--engine", "transformers",
-             "--model", str(tiny_model), "--worker-id", "remote-1", "--claim-block-s", "1"],
-            cwd=REPO, env={**env, "SPOTGRPO_TOKEN": TOKENS["actor"]}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "actors.cli",
+                "run",
+                "--queue",
+                proxy.url,
+                "--run",
+                run_name,
+                "--engine",
+                "transformers",
+                "--model",
+                str(tiny_model),
+                "--worker-id",
+                "remote-1",
+                "--claim-block-s",
+                "1",
+            ],
+            cwd=REPO,
+            env={**env, "SPOTGRPO_TOKEN": TOKENS["actor"]},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     with (tmp_path / "scorer.log").open("wb") as log:
         scorer = subprocess.Popen(
-            [sys.executable, "-m", "learner.cli", "score", "--queue", redis_cluster.url, "--rq-redis", redis_server.url,
-             "--run", run_name, "--reward", "toy_rewards:digit_first", "--model", str(tiny_model),
-             "--name", f"s-{run_name}"], env=ENV, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "score",
+                "--queue",
+                redis_cluster.url,
+                "--rq-redis",
+                redis_server.url,
+                "--run",
+                run_name,
+                "--reward",
+                "toy_rewards:digit_first",
+                "--model",
+                str(tiny_model),
+                "--name",
+                f"s-{run_name}",
+            ],
+            env=ENV,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         learner = subprocess.run(
-            [sys.executable, "-m", "learner.cli", "run", "--run", run_name, "--queue", redis_cluster.url, "--store", store,
-             "--model", str(tiny_model), "--dataset", str(factories.write_dataset(tmp_path / "data.jsonl")),
-             "--reward", "toy_rewards:digit_first", "--run-dir", str(tmp_path / "run"), "--steps", "4",
-             "--groups-per-step", "4", "--prompts-per-batch", "2", "--max-inflight", "8", "--num-generations", "4",
-             "--max-tokens", "4", "--checkpoint-every", "2", "--no-tensorboard"],
-            cwd=REPO, env=ENV, capture_output=True, text=True, timeout=300)
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "run",
+                "--run",
+                run_name,
+                "--queue",
+                redis_cluster.url,
+                "--store",
+                store,
+                "--model",
+                str(tiny_model),
+                "--dataset",
+                str(factories.write_dataset(tmp_path / "data.jsonl")),
+                "--reward",
+                "toy_rewards:digit_first",
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--steps",
+                "4",
+                "--groups-per-step",
+                "4",
+                "--prompts-per-batch",
+                "2",
+                "--max-inflight",
+                "8",
+                "--num-generations",
+                "4",
+                "--max-tokens",
+                "4",
+                "--checkpoint-every",
+                "2",
+                "--no-tensorboard",
+            ],
+            cwd=REPO,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
     finally:
         kill_process(actor)
         kill_process(scorer)

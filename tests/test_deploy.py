@@ -46,8 +46,13 @@ def _shell_actor_commands(script: str, env: dict[str, str]) -> list[list[str]]:
         line = line.strip().removeprefix("exec ").strip()
         if not line.startswith("actors "):
             continue
-        out = subprocess.run(["bash", "-c", f"printf '%s\\0' {line.removeprefix('actors ')}"],
-                             env={"PATH": os.environ["PATH"], **env}, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            ["bash", "-c", f"printf '%s\\0' {line.removeprefix('actors ')}"],
+            env={"PATH": os.environ["PATH"], **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         commands.append(["actors", *out.stdout.split("\0")[:-1]])
     return commands
 
@@ -124,8 +129,10 @@ def _k8s_args(container: Any) -> list[str]:
     """The container's command line with Kubernetes' $(VAR) expansion from its env."""
     env = {e.name: e.value for e in container.env if e.value is not None}
     env["SPOTGRPO_TOKEN"] = "from-the-secret"
-    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), part)
-            for part in [*container.command, *container.args]]
+    return [
+        re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), part)
+        for part in [*container.command, *container.args]
+    ]
 
 
 def test_kubernetes_manifests_are_valid_models_with_a_real_actor_command() -> None:
@@ -162,19 +169,32 @@ def _hf_jobs_invocations(tmp_path: Path, env: dict[str, str]) -> list[list[str]]
     `hf` on its PATH that records its arguments."""
     fake_bin = tmp_path / "bin"
     fake_bin.mkdir()
-    (fake_bin / "hf").write_text(f'#!/bin/sh\nprintf "%s\\0" hf "$@" >> {tmp_path}/calls\nprintf "\\n" >> {tmp_path}/calls\n')
+    (fake_bin / "hf").write_text(
+        f'#!/bin/sh\nprintf "%s\\0" hf "$@" >> {tmp_path}/calls\nprintf "\\n" >> {tmp_path}/calls\n'
+    )
     (fake_bin / "hf").chmod(0o755)
     (tmp_path / "certs").mkdir()
     (tmp_path / "certs" / "cert.pem").write_text("-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----\n")
-    subprocess.run(["bash", str(DEPLOY / "hf-jobs.sh")], cwd=tmp_path, check=True, timeout=30,
-                   env={"PATH": f"{fake_bin}:{os.environ['PATH']}", **env})
+    subprocess.run(
+        ["bash", str(DEPLOY / "hf-jobs.sh")],
+        cwd=tmp_path,
+        check=True,
+        timeout=30,
+        env={"PATH": f"{fake_bin}:{os.environ['PATH']}", **env},
+    )
     calls = (tmp_path / "calls").read_text().split("\0\n")
     return [call.split("\0") for call in calls if call]
 
 
 def test_hf_jobs_command_lines_start_the_worker_script_with_what_it_needs(tmp_path: Path) -> None:
-    env = {"PROXY": "https://proxy.example.com:8443", "RUN": "qwen-gsm8k-1", "MODEL": "Qwen/Qwen2.5-0.5B-Instruct",
-           "IMAGE": "docker.io/you/spotgrpo:latest", "SPOTGRPO_TOKEN": "t", "WORKERS": "2"}
+    env = {
+        "PROXY": "https://proxy.example.com:8443",
+        "RUN": "qwen-gsm8k-1",
+        "MODEL": "Qwen/Qwen2.5-0.5B-Instruct",
+        "IMAGE": "docker.io/you/spotgrpo:latest",
+        "SPOTGRPO_TOKEN": "t",
+        "WORKERS": "2",
+    }
     first, argv = _hf_jobs_invocations(tmp_path, env)
     assert first == argv  # one job per worker
     assert argv[:3] == ["hf", "jobs", "run"]
@@ -214,9 +234,18 @@ def test_spot_worker_writes_a_ca_given_as_text(tmp_path: Path) -> None:
     pem = "-----BEGIN CERTIFICATE-----\nabc\n-----END CERTIFICATE-----"
     out = subprocess.run(
         ["bash", str(tmp_path / "w.sh")],
-        env={"PATH": f"{fake_bin}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), "PROXY": "https://p:1", "RUN": "r",
-             "MODEL": "m", "SPOTGRPO_TOKEN": "t", "SPOTGRPO_CA_PEM": pem},
-        capture_output=True, text=True, timeout=30,
+        env={
+            "PATH": f"{fake_bin}:{os.environ['PATH']}",
+            "TMPDIR": str(tmp_path),
+            "PROXY": "https://p:1",
+            "RUN": "r",
+            "MODEL": "m",
+            "SPOTGRPO_TOKEN": "t",
+            "SPOTGRPO_CA_PEM": pem,
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.count(f"CA={tmp_path}/spotgrpo-ca.pem") == 2 and out.stdout.count("abc") == 2
@@ -238,9 +267,22 @@ def _docker_compose() -> str:
 
 
 def _compose_config(compose_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([_docker_compose(), "--project-directory", str(compose_dir), "--env-file",
-                           str(compose_dir / ".env"), "config", "--format", "json"],
-                          capture_output=True, text=True, timeout=60, env={"PATH": os.environ["PATH"]})
+    return subprocess.run(
+        [
+            _docker_compose(),
+            "--project-directory",
+            str(compose_dir),
+            "--env-file",
+            str(compose_dir / ".env"),
+            "config",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PATH": os.environ["PATH"]},
+    )
 
 
 def test_setup_never_writes_a_secret_others_can_read_even_for_a_moment(tmp_path: Path) -> None:
@@ -254,12 +296,18 @@ def test_setup_never_writes_a_secret_others_can_read_even_for_a_moment(tmp_path:
     (spy / "sed").write_text(f'#!/bin/bash\nstat -L -c "sed %a" /proc/$$/fd/1 >> {modes}\nexec /usr/bin/sed "$@"\n')
     (spy / "openssl").write_text(
         f'#!/bin/bash\nreal=$(PATH=/usr/bin:/bin command -v openssl)\n"$real" "$@"; code=$?\n'
-        f'for f in "$@"; do case "$f" in *key.pem) stat -c "key %a" "$f" >> {modes};; esac; done\nexit $code\n')
+        f'for f in "$@"; do case "$f" in *key.pem) stat -c "key %a" "$f" >> {modes};; esac; done\nexit $code\n'
+    )
     for tool in ("sed", "openssl"):
         (spy / tool).chmod(0o755)
-    subprocess.run(["bash", "-c", f'umask 022 && bash {clone / "compose" / "setup.sh"} proxy.example.com'],
-                   capture_output=True, text=True, timeout=60, check=True,
-                   env={**os.environ, "PATH": f"{spy}:{os.environ['PATH']}"})
+    subprocess.run(
+        ["bash", "-c", f"umask 022 && bash {clone / 'compose' / 'setup.sh'} proxy.example.com"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env={**os.environ, "PATH": f"{spy}:{os.environ['PATH']}"},
+    )
     seen = modes.read_text().split("\n")
     assert "sed 600" in seen and "key 600" in seen, seen
 
@@ -271,19 +319,32 @@ def test_compose_comes_up_from_a_fresh_clone_by_its_setup_as_docker_compose_read
     clone = tmp_path / "clone"
     shutil.copytree(REPO / "compose", clone / "compose", ignore=shutil.ignore_patterns(".env", "tokens.toml"))
     shutil.copy(REPO / ".dockerignore", clone)
-    setup = subprocess.run(["bash", str(clone / "compose" / "setup.sh"), "proxy.example.com"], capture_output=True,
-                           text=True, timeout=60, check=True, cwd=tmp_path)
+    setup = subprocess.run(
+        ["bash", str(clone / "compose" / "setup.sh"), "proxy.example.com"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=tmp_path,
+    )
     assert "expires on" in setup.stdout
     env_file, cert, key = clone / "compose" / ".env", clone / "certs" / "cert.pem", clone / "certs" / "key.pem"
     env = dict(line.split("=", 1) for line in env_file.read_text().splitlines() if line and not line.startswith("#"))
-    example = dict(line.split("=", 1) for line in (REPO / "compose" / ".env.example").read_text().splitlines()
-                   if line and not line.startswith("#"))
+    example = dict(
+        line.split("=", 1)
+        for line in (REPO / "compose" / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     for name in ("ACTOR_TOKEN", "LEARNER_TOKEN", "ADMIN_TOKEN", "MINIO_ROOT_PASSWORD"):
         assert len(env[name]) >= 32 and env[name] != example[name], name
     assert env["PRESIGN_ENDPOINT"] == "http://proxy.example.com:9000"
     assert env_file.stat().st_mode & 0o077 == 0 and key.stat().st_mode & 0o077 == 0
-    names = subprocess.run(["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
-                           capture_output=True, text=True, check=True).stdout
+    names = subprocess.run(
+        ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(cert)],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert "DNS:proxy," in names and "DNS:proxy.example.com" in names
     before = (env_file.read_text(), cert.read_bytes())
     subprocess.run(["bash", str(clone / "compose" / "setup.sh"), "other.example.com"], check=True, capture_output=True)
@@ -312,6 +373,12 @@ def test_compose_comes_up_from_a_fresh_clone_by_its_setup_as_docker_compose_read
 
 def test_hf_jobs_refuses_to_send_an_empty_ca_silently(tmp_path: Path) -> None:
     env = {"PROXY": "https://proxy.example.com:8443", "RUN": "r", "MODEL": "m", "IMAGE": "i:1", "SPOTGRPO_TOKEN": "t"}
-    done = subprocess.run(["bash", str(DEPLOY / "hf-jobs.sh")], cwd=tmp_path, capture_output=True, text=True,
-                          timeout=30, env={"PATH": os.environ["PATH"], **env})
+    done = subprocess.run(
+        ["bash", str(DEPLOY / "hf-jobs.sh")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={"PATH": os.environ["PATH"], **env},
+    )
     assert done.returncode == 2 and "no certs/cert.pem" in done.stderr and "SPOTGRPO_CA_PEM=''" in done.stderr

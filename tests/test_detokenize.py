@@ -43,12 +43,15 @@ def _copy(model: Path, tmp_path: Path, **config: object) -> str:
     return str(folder)
 
 
-@pytest.mark.parametrize("change", [
-    {"tokenizer_class": "LlamaTokenizer"},  # a model's own class may rebuild the pipeline
-    {"clean_up_tokenization_spaces": True},  # transformers' post-processing
-    {"pad_token": "a"},  # a token the config calls special and the file does not
-    {"extra_special_tokens": ["b"]},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tokenizer_class": "LlamaTokenizer"},  # a model's own class may rebuild the pipeline
+        {"clean_up_tokenization_spaces": True},  # transformers' post-processing
+        {"pad_token": "a"},  # a token the config calls special and the file does not
+        {"extra_special_tokens": ["b"]},
+    ],
+)
 def test_anything_else_is_left_to_transformers(change: dict[str, object], tiny_model: Path, tmp_path: Path) -> None:
     folder = _copy(tiny_model, tmp_path, **change)
     assert plain_tokenizer(folder) is None
@@ -59,7 +62,9 @@ def test_anything_else_is_left_to_transformers(change: dict[str, object], tiny_m
 
 def test_a_scorer_does_not_import_torch(tiny_model: Path) -> None:
     # what makes a work horse's fork cheap: 25-37 ms per fork with torch loaded, 9 without
-    code = ("import sys; from learner.detokenize import load_decode; import learner.scoring.tier, learner.scoring.cli; "
-            f"d = load_decode({str(tiny_model)!r}); d([5, 6, 7]); print('torch' in sys.modules)")
+    code = (
+        "import sys; from learner.detokenize import load_decode; import learner.scoring.tier, learner.scoring.cli; "
+        f"d = load_decode({str(tiny_model)!r}); d([5, 6, 7]); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr

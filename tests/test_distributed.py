@@ -54,9 +54,18 @@ def test_the_step_names_every_tensor_device(tiny_model: Path) -> None:
     """With torch's default device set to `meta`, any tensor the step makes without
     naming its device is a meta tensor, and mixing it with real ones fails: the step
     below runs, so none does."""
-    cfg = LearnerConfig(model=str(tiny_model), lora_rank=4, max_tokens=4, micro_batch_size=3,
-                        max_tokens_per_microbatch=16, device="cpu", advantage_scale="batch",
-                        mask_truncated_completions=True, updates_per_batch=2, beta=0.01)
+    cfg = LearnerConfig(
+        model=str(tiny_model),
+        lora_rank=4,
+        max_tokens=4,
+        micro_batch_size=3,
+        max_tokens_per_microbatch=16,
+        device="cpu",
+        advantage_scale="batch",
+        mask_truncated_completions=True,
+        updates_per_batch=2,
+        beta=0.01,
+    )
     policy = Policy(cfg)
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
@@ -93,7 +102,9 @@ def test_the_step_on_cuda_matches_the_cpu(tiny_model: Path) -> None:
     groups = [group(b, i, tokens=2 + i) for i in range(3)]
     results = {}
     for device in ("cpu", "cuda"):
-        cfg = LearnerConfig(model=str(tiny_model), lora_rank=4, max_tokens=6, device=device, max_tokens_per_microbatch=16)
+        cfg = LearnerConfig(
+            model=str(tiny_model), lora_rank=4, max_tokens=6, device=device, max_tokens_per_microbatch=16
+        )
         torch.manual_seed(0)
         policy = Policy(cfg)
         assert all(p.device.type == device for p in policy.model.parameters())
@@ -110,15 +121,18 @@ def test_the_step_on_cuda_matches_the_cpu(tiny_model: Path) -> None:
 def test_bfloat16_keeps_lora_and_optimizer_state_in_float32(tiny_model: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    cfg = LearnerConfig(model=str(tiny_model), lora_rank=4, max_tokens=6, device="cuda", dtype="bfloat16",
-                        gradient_checkpointing=True)
+    cfg = LearnerConfig(
+        model=str(tiny_model), lora_rank=4, max_tokens=6, device="cuda", dtype="bfloat16", gradient_checkpointing=True
+    )
     policy = Policy(cfg)
     assert {p.dtype for p in policy.trainable_parameters()} == {torch.float32}
     assert {p.dtype for n, p in policy.model.named_parameters() if not p.requires_grad} == {torch.bfloat16}
     optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     b = batch(0, prompts=2)
-    stats = train_on(policy, optimizer, scheduler, build_step_batch([group(b, 0), group(b, 1)], cfg, policy.pad_id), cfg)
+    stats = train_on(
+        policy, optimizer, scheduler, build_step_batch([group(b, 0), group(b, 1)], cfg, policy.pad_id), cfg
+    )
     assert stats["skipped_updates"] == 0
     assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
     assert torch.cuda.max_memory_allocated() > 0
@@ -134,8 +148,14 @@ def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Pa
     loss aggregation and for two updates per batch."""
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
-        run = subprocess.run([*cmd, str(REPO / "tests" / "dist_step.py"), str(tiny_model), str(out)], cwd=REPO,
-                             env=_env(), capture_output=True, text=True, timeout=600)
+        run = subprocess.run(
+            [*cmd, str(REPO / "tests" / "dist_step.py"), str(tiny_model), str(out)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
     a, b = load_file(str(one)), load_file(str(two))
     assert set(a) == set(b)
@@ -144,7 +164,10 @@ def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Pa
         assert grads and any(a[k].abs().max() > 1e-3 for k in grads)  # a real gradient, not zeros
         for key in (k for k in a if k.startswith(f"{case}/")):
             assert torch.allclose(a[key], b[key], rtol=1e-4, atol=1e-6), key
-    figures_one, figures_two = json.loads(one.with_suffix(".json").read_text()), json.loads(two.with_suffix(".json").read_text())
+    figures_one, figures_two = (
+        json.loads(one.with_suffix(".json").read_text()),
+        json.loads(two.with_suffix(".json").read_text()),
+    )
     for case, stats in figures_one.items():
         for name, value in stats.items():
             assert value == pytest.approx(figures_two[case][name], rel=1e-4, abs=1e-6), (case, name)
@@ -153,12 +176,47 @@ def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Pa
 def _learner(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, steps: int, *extra: str) -> list[str]:
     return [
         # --run-name (TRL's name): under torchrun, whose --run-path makes --run ambiguous
-        "-m", "learner", "run", "--run-name", run, "--queue", redis_url, "--store", (tmp_path / "store").as_uri(),
-        "--model", str(tiny_model), "--dataset", str(tmp_path / "data.jsonl"), "--run-dir", str(tmp_path / "run"),
-        "--device", "cpu", "--steps", str(steps), "--checkpoint-every", "4", "--groups-per-step", "8",
-        "--prompts-per-batch", "4", "--max-inflight", "16", "--num-generations", "8", "--max-tokens", "4",
-        "--learning-rate", "3e-3", "--lora-rank", "8", "--max-tokens-per-microbatch", "64", "--no-tensorboard",
-        "--startup-timeout-s", "60", *extra,
+        "-m",
+        "learner",
+        "run",
+        "--run-name",
+        run,
+        "--queue",
+        redis_url,
+        "--store",
+        (tmp_path / "store").as_uri(),
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tmp_path / "data.jsonl"),
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--device",
+        "cpu",
+        "--steps",
+        str(steps),
+        "--checkpoint-every",
+        "4",
+        "--groups-per-step",
+        "8",
+        "--prompts-per-batch",
+        "4",
+        "--max-inflight",
+        "16",
+        "--num-generations",
+        "8",
+        "--max-tokens",
+        "4",
+        "--learning-rate",
+        "3e-3",
+        "--lora-rank",
+        "8",
+        "--max-tokens-per-microbatch",
+        "64",
+        "--no-tensorboard",
+        "--startup-timeout-s",
+        "60",
+        *extra,
     ]
 
 
@@ -178,15 +236,24 @@ def _wait_for_step(proc: subprocess.Popen, tmp_path: Path, step: int, log: Path,
 def _queue_and_actor(tmp_path: Path, tiny_model: Path, redis_url: str, run: str) -> tuple[RedisQueue, SyntheticActor]:
     write_dataset(tmp_path / "data.jsonl")
     store = open_store((tmp_path / "store").as_uri())
-    actor = SyntheticActor(RedisQueue.from_url(redis_url, QueueConfig(run=run)), store, tiny_model,
-                           lambda _p, _t, text: float(text[:1].isdigit())).start()
+    actor = SyntheticActor(
+        RedisQueue.from_url(redis_url, QueueConfig(run=run)),
+        store,
+        tiny_model,
+        lambda _p, _t, text: float(text[:1].isdigit()),
+    ).start()
     return RedisQueue.from_url(redis_url, QueueConfig(run=run)), actor
 
 
 def _two_ranks(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, log: Path) -> subprocess.Popen:
     with log.open("w") as out:
-        return subprocess.Popen([*TORCHRUN, *_learner(tmp_path, tiny_model, redis_url, run, 16)],
-                                cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            [*TORCHRUN, *_learner(tmp_path, tiny_model, redis_url, run, 16)],
+            cwd=REPO,
+            env=_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
 
 
 def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: RedisQueue) -> None:
@@ -200,7 +267,9 @@ def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: Redi
     assert queue.stats().rollouts.pending == 0 and queue.pending_rollouts(CONSUMER, 10) == []
     versions = [e.manifest.version for e in queue.adapter_events(after="0", count=1000)]
     assert versions == sorted(set(versions))
-    step_versions = [json.loads(x)["adapter_version"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    step_versions = [
+        json.loads(x)["adapter_version"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert step_versions == sorted(step_versions)
     queue.close()
     actor.queue.close()
@@ -209,7 +278,9 @@ def _exactly_once(tmp_path: Path, steps: int, actor: SyntheticActor, queue: Redi
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(900)
-def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_checkpoints_resume_at_another_world_size(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     """2 ranks, stopped by SIGTERM (rank 0 checkpoints, the other follows) -> 1 process
     -> 2 ranks again: every group trained once, versions increasing."""
     queue, actor = _queue_and_actor(tmp_path, tiny_model, redis_server.url, run_name)
@@ -221,13 +292,24 @@ def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Pa
         first.wait(timeout=120)  # torchrun itself exits non-zero for a signal, whatever its workers did
         stopped_at = _steps(tmp_path)[-1]
         assert f"checkpoint at step {stopped_at}" in log.read_text() and f"done: step {stopped_at}" in log.read_text()
-        second = subprocess.run([sys.executable, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 12,
-                                                           "--resume")],
-                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 12, "--resume")],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode == 0, second.stderr[-3000:]
         assert f"resumed at step {stopped_at}" in second.stderr
-        third = subprocess.run([*TORCHRUN, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 16, "--resume")],
-                               cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        third = subprocess.run(
+            [*TORCHRUN, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 16, "--resume")],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert third.returncode == 0, third.stderr[-3000:]
         assert "resumed at step 12" in third.stderr
     finally:
@@ -239,7 +321,9 @@ def test_checkpoints_resume_at_another_world_size(tmp_path: Path, tiny_model: Pa
 @pytest.mark.slow
 @pytest.mark.redis
 @pytest.mark.timeout(900)
-def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     import psutil
 
     queue, actor = _queue_and_actor(tmp_path, tiny_model, redis_server.url, run_name)
@@ -247,8 +331,11 @@ def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_pat
     try:
         first = _two_ranks(tmp_path, tiny_model, redis_server.url, run_name, log)
         _wait_for_step(first, tmp_path, 6, log)  # between checkpoints 4 and 8
-        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(first.pid).children(recursive=True)
-                 if "learner" in " ".join(p.cmdline())}
+        ranks = {
+            int(p.environ().get("RANK", -1)): p
+            for p in psutil.Process(first.pid).children(recursive=True)
+            if "learner" in " ".join(p.cmdline())
+        }
         assert set(ranks) == {0, 1}, ranks
         killed_at = time.monotonic()
         ranks[1].send_signal(signal.SIGKILL)
@@ -261,9 +348,14 @@ def test_a_rank_killed_takes_the_learner_down_and_resume_is_exactly_once(tmp_pat
         assert re.search(r"rank 1|local_rank: 1|exitcode\s*:\s*-9", text), text[-3000:]
         # nothing was acknowledged past the checkpoint: the groups consumed since wait in the queue
         assert queue.stats().rollouts.pending > 0
-        second = subprocess.run([sys.executable, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 16,
-                                                           "--resume")],
-                                cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        second = subprocess.run(
+            [sys.executable, *_learner(tmp_path, tiny_model, redis_server.url, run_name, 16, "--resume")],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert second.returncode == 0, second.stderr[-3000:]
         replay = re.search(r"(\d+) already trained, (\d+) to consume again", second.stderr)
         assert replay is not None and int(replay.group(2)) > 0

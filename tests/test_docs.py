@@ -20,8 +20,11 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 def _blocks(text: str, language: str | None = None) -> list[str]:
     """The fenced code blocks of a page (of one language, if given)."""
-    return [m.group(2) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
-            if language is None or m.group(1) == language]
+    return [
+        m.group(2)
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+        if language is None or m.group(1) == language
+    ]
 
 
 def _command_lines(text: str) -> list[list[str]]:
@@ -80,14 +83,18 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path, tiny_model: Path
     readme = (REPO / "README.md").read_text()
     quick = readme.split("## Your own run, in TRL's terms", 1)[1].split("\n## ", 1)[0]
     (toml,), (row,), (reward,) = _blocks(quick, "toml"), _blocks(quick, "json"), _blocks(quick, "python")
-    toml = re.sub(r'(?m)^model = .*$', f'model = "{tiny_model}"', toml)
+    toml = re.sub(r"(?m)^model = .*$", f'model = "{tiny_model}"', toml)
     toml = re.sub(r"(?m)^max_steps = .*$", "max_steps = 3", toml)
     toml = re.sub(r"(?m)^max_completion_length = .*$", "max_completion_length = 4", toml)
     (tmp_path / "grpo.toml").write_text(toml)
     example = json.loads(row)
-    (tmp_path / "data.jsonl").write_text("".join(
-        json.dumps({"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b)}) + "\n"
-        for a in range(10) for b in range(10)))
+    (tmp_path / "data.jsonl").write_text(
+        "".join(
+            json.dumps({"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "answer": str(a + b)}) + "\n"
+            for a in range(10)
+            for b in range(10)
+        )
+    )
     assert set(example) == {"prompt", "answer"}
     (tmp_path / "my_rewards.py").write_text(reward)
     (command,) = [c for c in _command_lines(quick) if c[:2] == ["learner", "run"]]
@@ -100,5 +107,6 @@ def test_the_readme_quick_start_runs_as_written(tmp_path: Path, tiny_model: Path
     from learner.embedded import redis_server_binary
 
     own_redis = ["redis.log"] if redis_server_binary("auto") else []  # a redis-server where installed
-    assert sorted(p.name for p in (tmp_path / "runs" / "default" / "logs").iterdir()) == sorted([
-        "actor-0.log", "actor-1.log", "proxy.log", "scorer-0.log", *own_redis])
+    assert sorted(p.name for p in (tmp_path / "runs" / "default" / "logs").iterdir()) == sorted(
+        ["actor-0.log", "actor-1.log", "proxy.log", "scorer-0.log", *own_redis]
+    )

@@ -61,8 +61,13 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, 
     bound, a plot and metrics, every issued prompt accounted for; on a private redis-server
     (what it picks where one is installed) and on fakeredis in the proxy's process."""
     run_dir = tmp_path / "run"
-    proc = subprocess.run([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "40", "--embedded-redis", redis],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "40", "--embedded-redis", redis],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (run_dir / "logs" / "redis.log").exists() == (redis == "server")
     rows = _rows(run_dir)
@@ -92,7 +97,9 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, 
     assert "reward" in proc.stderr and "done" in proc.stderr
     # warnings say only what is true: a worker is named as lagging only if its groups were dropped
     if sum(r["dropped_stale"] for r in rows) == 0:
-        assert "dropped as stale" not in proc.stderr and all(r["workers_lagging"] == 0 for r in rows), proc.stderr[-3000:]
+        assert "dropped as stale" not in proc.stderr and all(r["workers_lagging"] == 0 for r in rows), proc.stderr[
+            -3000:
+        ]
     # a clean stop is clean in every part's log: no error, no cancelled connection (the proxy's
     # idle TLS clients held uvicorn's graceful shutdown past its limit at every stop)
     for log in (run_dir / "logs").iterdir():
@@ -108,8 +115,12 @@ def test_a_learner_killed_outright_takes_its_proxy_actors_and_scorer_with_it(tmp
     import psutil
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+    )
     children: list[psutil.Process] = []
     try:
         deadline = time.monotonic() + 240
@@ -152,7 +163,9 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
 
     run_dir = tmp_path / "run"
     cmd = [_learner_exe(), "run", "--run-dir", str(run_dir)]
-    proc = subprocess.Popen([*cmd, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [*cmd, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
+    )
     try:
         deadline = time.monotonic() + 240
         victim, steps, killed_at = None, 0, float("inf")
@@ -181,8 +194,9 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
     assert stopped_at >= 40
     total = stopped_at + 10  # the step budget is a total: the resumed run does 10 more
 
-    resumed = subprocess.run([*cmd, "--resume", "--steps", str(total)], capture_output=True, text=True,
-                             timeout=300, cwd=tmp_path)
+    resumed = subprocess.run(
+        [*cmd, "--resume", "--steps", str(total)], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in _rows(run_dir)] == list(range(1, total + 1))
     consumed = [json.loads(x) for x in (run_dir / "consumed.jsonl").read_text().splitlines()]
@@ -206,8 +220,14 @@ def test_embedded_redis_server_without_one_is_a_clear_error(tmp_path: Path) -> N
     """--embedded-redis server where no redis-server can be found: said in one line, exit 2,
     nothing started."""
     env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # python, learner; no redis-server
-    proc = subprocess.run([_learner_exe(), "run", "--run-dir", str(tmp_path / "run"), "--embedded-redis", "server"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    proc = subprocess.run(
+        [_learner_exe(), "run", "--run-dir", str(tmp_path / "run"), "--embedded-redis", "server"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "--embedded-redis server: needs redis-server" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "logs" / "proxy.log").exists()
@@ -216,7 +236,7 @@ def test_embedded_redis_server_without_one_is_a_clear_error(tmp_path: Path) -> N
 def test_config_file_values_are_checked_in_the_embedded_default_too(tmp_path: Path) -> None:
     from learner.cli import main
 
-    (tmp_path / "c.toml").write_text('steps = 0\n')
+    (tmp_path / "c.toml").write_text("steps = 0\n")
     assert main(["run", "--config", str(tmp_path / "c.toml")]) == 2  # bounds are checked first
 
 
@@ -233,8 +253,11 @@ def _substitute(value: str, env: dict[str, str]) -> str:
 
 def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
     compose = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())
-    env = dict(line.split("=", 1) for line in (REPO / "compose" / ".env.example").read_text().splitlines()
-               if line and not line.startswith("#"))
+    env = dict(
+        line.split("=", 1)
+        for line in (REPO / "compose" / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     services = compose["services"]
     assert {"redis", "minio", "proxy", "learner", "actors", "scorers"} <= set(services)
     assert "--appendonly" in services["redis"]["command"]
@@ -278,14 +301,18 @@ def test_compose_file_is_valid_and_every_command_is_a_real_invocation() -> None:
     for name, service in services.items():
         image = _substitute(service.get("image", ""), env)
         assert not image or (":" in image and not image.endswith(":latest")), (name, image)
-        for dep, condition in (service.get("depends_on") or {}).items() if isinstance(service.get("depends_on"), dict) else ():
+        for dep, condition in (
+            (service.get("depends_on") or {}).items() if isinstance(service.get("depends_on"), dict) else ()
+        ):
             assert condition["condition"] in ("service_healthy", "service_completed_successfully"), (name, dep)
             if condition["condition"] == "service_healthy":
                 assert "healthcheck" in services[dep], dep
     assert "latest" not in (REPO / "compose" / "Dockerfile").read_text()
     assert env["PRESIGN_ENDPOINT"].startswith("http://")  # MinIO serves plain HTTP
     # one place for the certificate: the repository's certs/, which deploy/'s recipes read
-    assert "../certs:/certs:ro" in services["proxy"]["volumes"] and "../certs:/certs:ro" in services["actors"]["volumes"]
+    assert (
+        "../certs:/certs:ro" in services["proxy"]["volumes"] and "../certs:/certs:ro" in services["actors"]["volumes"]
+    )
     ignored = (REPO / ".dockerignore").read_text().split()
     assert {".venv*", ".git", "runs", "certs", "compose/.env"} <= set(ignored)
     worker = (REPO / "compose" / "spot-worker.sh").read_text()
@@ -322,17 +349,47 @@ def test_a_reward_that_cannot_be_imported_is_said_before_anything_starts(tmp_pat
     """No silent waits (issue 37): `--reward my_rewardz:correct` (a typo) showed the header
     and waited for ever; the import error was in the scorer's log alone. And the working
     folder is on the module path for every subcommand, as `python -m` has it."""
-    (tmp_path / "my_rewards.py").write_text("def correct(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n")
+    (tmp_path / "my_rewards.py").write_text(
+        "def correct(prompts, completions, **kw):\n    return [1.0] * len(prompts)\n"
+    )
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}", "answer": "1"}) + "\n" for i in range(8)))
     started = time.monotonic()
-    done = subprocess.run([_learner_exe(), "run", "--run-dir", str(tmp_path / "run"), "--dataset", str(data),
-                           "--reward", "my_rewardz:correct"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    done = subprocess.run(
+        [
+            _learner_exe(),
+            "run",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--dataset",
+            str(data),
+            "--reward",
+            "my_rewardz:correct",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2 and "cannot import my_rewardz" in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - started < 60 and not (tmp_path / "run" / "logs" / "proxy.log").exists()
     # the same module, spelled right, imports from the working folder under `learner score` too
-    score = subprocess.run([_learner_exe(), "score", "--queue", "redis://127.0.0.1:1/0", "--model", str(tiny_model),
-                            "--reward", "my_rewards:correct"], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    score = subprocess.run(
+        [
+            _learner_exe(),
+            "score",
+            "--queue",
+            "redis://127.0.0.1:1/0",
+            "--model",
+            str(tiny_model),
+            "--reward",
+            "my_rewards:correct",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert "unreachable" in score.stderr and "cannot import" not in score.stderr, score.stderr[-2000:]  # got past it
 
 
@@ -341,8 +398,13 @@ def test_a_scorer_that_dies_ends_the_run_with_its_last_lines(tmp_path: Path) -> 
     """A child the run cannot do without (here the scoring worker, SIGKILLed) ends the run
     at once with the last lines of its log; an actor that dies is started again."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    proc = subprocess.Popen(
+        [_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+    )
     try:
         _wait_for_steps(proc, run_dir, 2)
         _child(proc, "actors.cli", "local-1").kill()
@@ -369,9 +431,14 @@ def test_ctrl_c_at_the_terminal_stops_the_run_in_seconds_with_a_checkpoint(tmp_p
     import psutil
 
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-                            process_group=0)
+    proc = subprocess.Popen(
+        [_learner_exe(), "run", "--run-dir", str(run_dir), "--steps", "1000"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=tmp_path,
+        process_group=0,
+    )
     children: list[psutil.Process] = []
     try:
         _wait_for_steps(proc, run_dir, 3)

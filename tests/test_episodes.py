@@ -40,8 +40,13 @@ def episodes(tokenizer, toolbox: Toolbox, script, context: int | None = None) ->
 
 
 def prompt(tokenizer, question: str = "what is 2+3") -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                         tokenize=False, chat_template=HERMES_CHATML, tools=load_tools(TOOLS))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}],
+        add_generation_prompt=True,
+        tokenize=False,
+        chat_template=HERMES_CHATML,
+        tools=load_tools(TOOLS),
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -55,8 +60,9 @@ def run(engine: EpisodeEngine, groups: list[GroupRequest], timeout_s: float = 30
     return done
 
 
-def episode(key: object, ids: list[int], n: int = 1, max_tokens: int = 400, turns: int | None = 4,
-            version: int = 0) -> GroupRequest:
+def episode(
+    key: object, ids: list[int], n: int = 1, max_tokens: int = 400, turns: int | None = 4, version: int = 0
+) -> GroupRequest:
     return episode_request(GroupRequest(key, ids, n, SamplingParams(max_tokens=max_tokens), version), turns)
 
 
@@ -117,8 +123,9 @@ def test_an_async_tool_and_several_calls_in_one_turn(tokenizer, toolbox) -> None
         ('<tool_call>\n{"arguments": {"a": 1}}\n</tool_call>', "needs a name"),
     ],
 )
-def test_a_tool_that_fails_hangs_or_eats_memory_is_an_error_the_model_sees(tokenizer, toolbox, call: str,
-                                                                          told: str) -> None:
+def test_a_tool_that_fails_hangs_or_eats_memory_is_an_error_the_model_sees(
+    tokenizer, toolbox, call: str, told: str
+) -> None:
     """The episode goes on: the model's next turn sees the error where the result would be."""
     engine, _ = episodes(tokenizer, toolbox, until_result(call, "sorry"))
     started = time.monotonic()
@@ -163,8 +170,17 @@ def test_the_engine_generates_other_groups_while_a_tool_runs(tokenizer, toolbox)
     while not any(k == "slow" for k, _ in finished):
         assert time.monotonic() - started < 30
         if engine.in_flight < 3:  # keep feeding plain groups while the episode waits on its tool
-            engine.add([GroupRequest(f"plain-{len(finished)}-{time.monotonic()}", prompt(tokenizer), 2,
-                                     SamplingParams(max_tokens=8), 0)])
+            engine.add(
+                [
+                    GroupRequest(
+                        f"plain-{len(finished)}-{time.monotonic()}",
+                        prompt(tokenizer),
+                        2,
+                        SamplingParams(max_tokens=8),
+                        0,
+                    )
+                ]
+            )
         finished += [(k, time.monotonic() - started) for k, _ in engine.step(0.02)]
     plain_done_meanwhile = [k for k, _ in finished if k != "slow"]
     assert len(plain_done_meanwhile) >= 5  # the tool's 0.5 s did not stop the engine
@@ -196,6 +212,7 @@ def test_groups_without_tools_pass_straight_through(tokenizer, toolbox) -> None:
 
 def test_a_group_of_episodes_ends_when_its_last_episode_ends(tokenizer, toolbox) -> None:
     """Each sample of a group goes its own way: one answers at once, one calls a tool."""
+
     def script(text: str, j: int) -> str:
         return "5" if j == 0 or "<tool_response>" in text else tool_call("add", a=2, b=3)
 
@@ -241,14 +258,18 @@ def test_the_mask_travels_and_is_checked() -> None:
 
     from protocol import Completion
 
-    c = Completion.of([5, 6, 7, 8], [-0.1, 0.0, 0.0, -0.2], [1, 0, 0, 1], finish_reason="stop", reward=1.0,
-                      turns=2, tool_calls=1)
+    c = Completion.of(
+        [5, 6, 7, 8], [-0.1, 0.0, 0.0, -0.2], [1, 0, 0, 1], finish_reason="stop", reward=1.0, turns=2, tool_calls=1
+    )
     episode_group = msgspec.structs.replace(group(batch()), completions=[c])
     assert decode(encode(episode_group)).completions[0] == c  # type: ignore[union-attr]
     assert c.model_tokens == 2 and c.model_mask.tolist() == [1.0, 0.0, 0.0, 1.0]
     assert Completion.of([5, 6], [-0.1, -0.2], [1, 1], finish_reason="stop").mask is None  # all the model's
-    for mask, match in [(b"\x01\x00", "2 bytes for 4"), (b"\x00\x01\x01\x01", "starting with a model token"),
-                        (b"\x01\x02\x01\x01", "0 or 1")]:
+    for mask, match in [
+        (b"\x01\x00", "2 bytes for 4"),
+        (b"\x00\x01\x01\x01", "starting with a model token"),
+        (b"\x01\x02\x01\x01", "0 or 1"),
+    ]:
         with pytest.raises(ProtocolError, match=match):
             Completion(token_ids=c.token_ids, logprobs=c.logprobs, mask=mask, finish_reason="stop")
     with pytest.raises(ProtocolError, match="tool_errors"):
@@ -284,17 +305,19 @@ def arithmetic_script(text: str, j: int) -> str:
 def write_chat_dataset(path: Path, n: int = 16) -> Path:
     import json
 
-    rows = [{"prompt": [{"role": "user", "content": f"what is {i}+{2 * i + 1}"}], "answer": str(3 * i + 1)}
-            for i in range(n)]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"what is {i}+{2 * i + 1}"}], "answer": str(3 * i + 1)}
+        for i in range(n)
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Path, tiny_chatml_model: Path,
-                                                                  make_proxy, scorers, redis_server,
-                                                                  run_name: str) -> None:
+def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(
+    tmp_path: Path, tiny_chatml_model: Path, make_proxy, scorers, redis_server, run_name: str
+) -> None:
     """The learner offers the tool in its prompts; a worker behind the proxy runs the
     episodes (its model scripted, its tools real); the trusted tier scores the transcript
     decoded from the token ids against the private answer; the learner trains on the
@@ -307,15 +330,29 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Pat
     proxy = make_proxy(store=store)
     scorers(reward="toy_rewards:last_line_is_answer", model=tiny_chatml_model)
     cfg = LearnerConfig(
-        run=run_name, queue=redis_server.url, store=store, model=str(tiny_chatml_model),
-        dataset=str(write_chat_dataset(tmp_path / "train.jsonl")), run_dir=tmp_path / "run",
-        reward=["toy_rewards:last_line_is_answer"], tools=["toy_tools:add"], max_tool_calling_iterations=2,
-        steps=3, groups_per_step=2, num_generations=4, prompts_per_batch=2, max_tokens=160, lora_rank=4,
-        checkpoint_every=3, tensorboard=False, max_staleness=8,
+        run=run_name,
+        queue=redis_server.url,
+        store=store,
+        model=str(tiny_chatml_model),
+        dataset=str(write_chat_dataset(tmp_path / "train.jsonl")),
+        run_dir=tmp_path / "run",
+        reward=["toy_rewards:last_line_is_answer"],
+        tools=["toy_tools:add"],
+        max_tool_calling_iterations=2,
+        steps=3,
+        groups_per_step=2,
+        num_generations=4,
+        prompts_per_batch=2,
+        max_tokens=160,
+        lora_rank=4,
+        checkpoint_every=3,
+        tensorboard=False,
+        max_staleness=8,
     )
     tokenizer = build_tokenizer(chatml=True)
-    engine = EpisodeEngine(ScriptedEngine(tokenizer, arithmetic_script), Toolbox(["toy_tools:add"]),
-                           tool_template(tokenizer))
+    engine = EpisodeEngine(
+        ScriptedEngine(tokenizer, arithmetic_script), Toolbox(["toy_tools:add"]), tool_template(tokenizer)
+    )
     actor_queue = proxy.queue("actor", lease_timeout_s=30)
     state, rows = run_with_a_worker(cfg, actor_queue, ProxySource(actor_queue), engine, None, tmp_path / "cache")
     assert state.step == 3
@@ -329,8 +366,9 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(tmp_path: Pat
 
 
 @pytest.mark.redis
-def test_a_worker_without_the_batchs_tools_hands_it_back_and_stops(tokenizer, redis_server, run_name: str,
-                                                                  tmp_path: Path) -> None:
+def test_a_worker_without_the_batchs_tools_hands_it_back_and_stops(
+    tokenizer, redis_server, run_name: str, tmp_path: Path
+) -> None:
     import time as clock
 
     import msgspec
@@ -376,8 +414,9 @@ def test_episodes_on_the_transformers_engine(tiny_chatml_model: Path, toolbox: T
         assert model.startswith(FirstTurnCalls.FIRST_CALL) and "<tool_response>\n5\n</tool_response>" in env
         second = s.mask.index(1, s.mask.index(0))  # where the model's second turn starts
         assert len(s.token_ids) <= 300 and all(lp <= 0.0 for lp in s.logprobs)
-        alone = TransformersEngine.generate(inner, [ids + s.token_ids[:second]], 1,
-                                            SamplingParams(temperature=0.0, max_tokens=300 - second), 0)[0][0]
+        alone = TransformersEngine.generate(
+            inner, [ids + s.token_ids[:second]], 1, SamplingParams(temperature=0.0, max_tokens=300 - second), 0
+        )[0][0]
         assert s.token_ids[second:] == alone.token_ids
         assert s.logprobs[second:] == pytest.approx(alone.logprobs, abs=1e-4)
 
@@ -412,8 +451,11 @@ def test_each_episode_has_its_own_environment_which_ends_it(tokenizer, environme
     request = episode("g", prompt(tokenizer, "guess"), n=3, max_tokens=3000, turns=20)
     [(_, samples)] = run(engine, [dataclass_replace(request, columns={"secret": 6})]).items()
     # guesses 3, 4, 5 (the j-th starts at 3 + j) climb to 6, one instance each
-    assert [(s.turns, s.tool_calls, s.finish_reason) for s in samples] == [(4, 4, "stop"), (3, 3, "stop"),
-                                                                           (2, 2, "stop")]
+    assert [(s.turns, s.tool_calls, s.finish_reason) for s in samples] == [
+        (4, 4, "stop"),
+        (3, 3, "stop"),
+        (2, 2, "stop"),
+    ]
     for s in samples:
         model, env = parts(tokenizer, s)
         assert model.endswith(tool_call("guess", number=6) + "<|im_end|>")
@@ -423,11 +465,14 @@ def test_each_episode_has_its_own_environment_which_ends_it(tokenizer, environme
 
 @pytest.mark.parametrize(
     ("environment_spec", "told"),
-    [("toy_tools:BrokenReset", "could not be made: RuntimeError: no board today"),
-     ("toy_tools:Observing", "reset() returned an observation")],
+    [
+        ("toy_tools:BrokenReset", "could not be made: RuntimeError: no board today"),
+        ("toy_tools:Observing", "reset() returned an observation"),
+    ],
 )
-def test_an_environment_that_cannot_be_made_ends_its_episode_with_the_reason(tokenizer, environment_spec: str,
-                                                                             told: str) -> None:
+def test_an_environment_that_cannot_be_made_ends_its_episode_with_the_reason(
+    tokenizer, environment_spec: str, told: str
+) -> None:
     box = Toolbox([], environment=environment_spec, timeout_s=2.0, workers=1)
     try:
         engine, _ = episodes(tokenizer, box, guesser(3))
@@ -456,8 +501,9 @@ def test_an_environment_call_past_its_limit_loses_that_hosts_instances_and_says_
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_chatml_model: Path, redis_server,
-                                                          run_name: str) -> None:
+def test_an_environment_run_trains_with_the_actors_scoring(
+    tmp_path: Path, tiny_chatml_model: Path, redis_server, run_name: str
+) -> None:
     """`--environment` end to end: the learner offers its methods, a worker runs one
     instance per episode (reset with the prompt's columns: actors' scoring sends them),
     the episodes end when the environment says so or at the turn limit."""
@@ -473,18 +519,39 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
     (tmp_path / "guess.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     store = (tmp_path / "store").as_uri()
     cfg = LearnerConfig(
-        run=run_name, queue=redis_server.url, store=store, model=str(tiny_chatml_model),
-        dataset=str(tmp_path / "guess.jsonl"), run_dir=tmp_path / "run", environment="toy_tools:GuessNumber",
-        max_tool_calling_iterations=3, steps=2, groups_per_step=2, num_generations=4, prompts_per_batch=2,
-        max_tokens=800, lora_rank=4, checkpoint_every=2, tensorboard=False, max_staleness=8,
-        eval_dataset=str(tmp_path / "guess.jsonl"), eval_every=1, eval_generations=4, eval_max_prompts=4,
+        run=run_name,
+        queue=redis_server.url,
+        store=store,
+        model=str(tiny_chatml_model),
+        dataset=str(tmp_path / "guess.jsonl"),
+        run_dir=tmp_path / "run",
+        environment="toy_tools:GuessNumber",
+        max_tool_calling_iterations=3,
+        steps=2,
+        groups_per_step=2,
+        num_generations=4,
+        prompts_per_batch=2,
+        max_tokens=800,
+        lora_rank=4,
+        checkpoint_every=2,
+        tensorboard=False,
+        max_staleness=8,
+        eval_dataset=str(tmp_path / "guess.jsonl"),
+        eval_every=1,
+        eval_generations=4,
+        eval_max_prompts=4,
     )
     tokenizer = build_tokenizer(chatml=True)
     box = Toolbox([], environment="toy_tools:GuessNumber", workers=2)
     engine = EpisodeEngine(ScriptedEngine(tokenizer, guesser(3)), box, tool_template(tokenizer))
-    state, rows = run_with_a_worker(cfg, RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)),
-                                    StoreSource(open_store(store)), engine,
-                                    Scorer([load_reward("toy_rewards:found_it")]), tmp_path / "cache")
+    state, rows = run_with_a_worker(
+        cfg,
+        RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)),
+        StoreSource(open_store(store)),
+        engine,
+        Scorer([load_reward("toy_rewards:found_it")]),
+        tmp_path / "cache",
+    )
     assert state.step == 2
     for r in [r for r in rows if "tools/call_frequency" in r]:
         assert r["tools/call_frequency"] > 1.0 and 0.0 < r["reward"] < 1.0, r
@@ -500,7 +567,8 @@ def test_an_environment_run_trains_with_the_actors_scoring(tmp_path: Path, tiny_
 @pytest.mark.redis
 @pytest.mark.slow
 def test_the_tier_replays_the_environment_with_the_private_columns_for_its_reward(
-        tokenizer, tiny_chatml_model: Path, redis_server, scorers, run_name: str, tmp_path: Path) -> None:
+    tokenizer, tiny_chatml_model: Path, redis_server, scorers, run_name: str, tmp_path: Path
+) -> None:
     """Trusted scoring of episodes whose environment owns its reward: the actor's instance
     never sees the secret (a private column; it plays with the default, 7, and says
     "correct" there), the tier replays the model's calls in an instance reset with the
@@ -516,8 +584,12 @@ def test_the_tier_replays_the_environment_with_the_private_columns_for_its_rewar
     from protocol.trusted.store import StoreSource
 
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=60))
-    episodes_batch = msgspec.structs.replace(trusted(batch(), secret=4), tools=["guess", "stall"],
-                                             environment="ScoredGuess", sampling=SamplingParams(max_tokens=3000))
+    episodes_batch = msgspec.structs.replace(
+        trusted(batch(), secret=4),
+        tools=["guess", "stall"],
+        environment="ScoredGuess",
+        sampling=SamplingParams(max_tokens=3000),
+    )
     queue.add_prompts([episodes_batch])
     box = Toolbox([], environment="toy_tools:ScoredGuess", workers=2)
     engine = EpisodeEngine(ScriptedEngine(tokenizer, guesser(3)), box, tool_template(tokenizer))
@@ -532,15 +604,17 @@ def test_the_tier_replays_the_environment_with_the_private_columns_for_its_rewar
         assert group.error is None and group.scored_by is not None
         # guesses climb from 3 + j to the actor's 7: only the first two pass the secret, 4
         assert [c.reward_components for c in group.completions] == [
-            {"found_it": 1.0, "ScoredGuess": r} for r in (1.0, 1.0, 0.0, 0.0)]
+            {"found_it": 1.0, "ScoredGuess": r} for r in (1.0, 1.0, 0.0, 0.0)
+        ]
         assert group.rewards == [2.0, 2.0, 1.0, 1.0]
     queue.close()
 
 
 @pytest.mark.redis
 @pytest.mark.slow
-def test_a_worker_killed_mid_episode_loses_nothing(tmp_path: Path, tiny_chatml_model: Path, redis_server,
-                                                   run_name: str) -> None:
+def test_a_worker_killed_mid_episode_loses_nothing(
+    tmp_path: Path, tiny_chatml_model: Path, redis_server, run_name: str
+) -> None:
     """SIGKILL while its episodes wait on a tool: the lease expires, another worker
     regenerates the episodes whole, each group is stored once."""
     import os
@@ -567,10 +641,21 @@ def test_a_worker_killed_mid_episode_loses_nothing(tmp_path: Path, tiny_chatml_m
     store = (tmp_path / "store").as_uri()
     log = tmp_path / "victim.log"
     with log.open("wb") as out:  # a machine that dies: the worker and its tool processes, one process group
-        victim = subprocess.Popen([sys.executable, str(repo / "tests" / "episode_actor.py"), redis_server.url,
-                                   run_name, "victim", store, str(tiny_chatml_model)], stdout=out,
-                                  stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(repo)},
-                                  start_new_session=True)
+        victim = subprocess.Popen(
+            [
+                sys.executable,
+                str(repo / "tests" / "episode_actor.py"),
+                redis_server.url,
+                run_name,
+                "victim",
+                store,
+                str(tiny_chatml_model),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONPATH": str(repo)},
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 60
         while queue.stats().leases_by_worker.get("victim", 0) == 0:

@@ -41,30 +41,47 @@ def published(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
         publisher.submit(PublishJob(version, version * 10, policy.adapter_state(), policy.adapter_config_json()))
     publisher.close()
     assert publisher.published == [1, 2, 3]
-    (run_dir / "evals.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [
-        {"step": 0, "eval/version": 0, "eval/pass@1": 0.1},
-        {"step": 10, "eval/version": 2, "eval/pass@1": 0.6},
-        {"step": 20, "eval/version": 3, "eval/pass@1": 0.4},
-        {"step": 20, "eval/version": 4, "eval/pass@1": 0.9, "eval/cut_short": 1},
-    ]))
+    (run_dir / "evals.jsonl").write_text(
+        "".join(
+            json.dumps(r) + "\n"
+            for r in [
+                {"step": 0, "eval/version": 0, "eval/pass@1": 0.1},
+                {"step": 10, "eval/version": 2, "eval/pass@1": 0.6},
+                {"step": 20, "eval/version": 3, "eval/pass@1": 0.4},
+                {"step": 20, "eval/version": 4, "eval/pass@1": 0.9, "eval/cut_short": 1},
+            ]
+        )
+    )
     return run_dir
 
 
 def _export(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "learner.cli", "export", *args], capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "learner.cli", "export", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 def _greedy(model, prompt: list[int], n: int = 8) -> list[int]:
     """Greedy tokens up to and including the first EOS, as the engine returns them."""
-    out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, eos_token_id=2, pad_token_id=0)
-    tokens = out[0, len(prompt):].tolist()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        do_sample=False,
+        max_new_tokens=n,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    tokens = out[0, len(prompt) :].tolist()
     return tokens[: tokens.index(2) + 1] if 2 in tokens else tokens
 
 
-def test_an_exported_adapter_loads_in_peft_and_generates_what_the_actor_did(published: Path, tiny_model: Path,
-                                                                              tmp_path: Path) -> None:
+def test_an_exported_adapter_loads_in_peft_and_generates_what_the_actor_did(
+    published: Path, tiny_model: Path, tmp_path: Path
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -140,8 +157,9 @@ class FakeHub:
                 return JSONResponse({})
             if path.endswith("/preupload/main"):
                 files = (await request.json())["files"]
-                return JSONResponse({"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False}
-                                               for f in files]})
+                return JSONResponse(
+                    {"files": [{"path": f["path"], "uploadMode": "regular", "shouldIgnore": False} for f in files]}
+                )
             if path.endswith("/commit/main"):
                 for line in (await request.body()).decode().splitlines():
                     item = json.loads(line)
@@ -175,11 +193,30 @@ def test_push_to_hub_uploads_the_exported_folder(published: Path, tmp_path: Path
     try:
         out = tmp_path / "pushed"
         proc = subprocess.run(
-            [sys.executable, "-m", "learner.cli", "export", "--run-dir", str(published), "--out", str(out),
-             "--push-to-hub", "me/model", "--private"],
-            capture_output=True, text=True, timeout=300,
-            env={**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test",
-                 "HF_HUB_DISABLE_TELEMETRY": "1"})
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "export",
+                "--run-dir",
+                str(published),
+                "--out",
+                str(out),
+                "--push-to-hub",
+                "me/model",
+                "--private",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(REPO),
+                "HF_ENDPOINT": hub.url,
+                "HF_TOKEN": "hf_test",
+                "HF_HUB_DISABLE_TELEMETRY": "1",
+            },
+        )
         assert proc.returncode == 0, proc.stderr
         assert f"pushed: {hub.url}/me/model/commit/" in proc.stdout
         assert ("POST", "/api/repos/create") in hub.requests
@@ -188,9 +225,29 @@ def test_push_to_hub_uploads_the_exported_folder(published: Path, tmp_path: Path
         hub.close()
     # the hub gone: one line, and the export stays where it was written
     proc = subprocess.run(
-        [sys.executable, "-m", "learner.cli", "export", "--run-dir", str(published), "--out", str(tmp_path / "again"),
-         "--push-to-hub", "me/model"], capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(REPO), "HF_ENDPOINT": hub.url, "HF_TOKEN": "hf_test",
-             "HF_HUB_ETAG_TIMEOUT": "1", "HF_HUB_DOWNLOAD_TIMEOUT": "1"})
+        [
+            sys.executable,
+            "-m",
+            "learner.cli",
+            "export",
+            "--run-dir",
+            str(published),
+            "--out",
+            str(tmp_path / "again"),
+            "--push-to-hub",
+            "me/model",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "HF_ENDPOINT": hub.url,
+            "HF_TOKEN": "hf_test",
+            "HF_HUB_ETAG_TIMEOUT": "1",
+            "HF_HUB_DOWNLOAD_TIMEOUT": "1",
+        },
+    )
     assert proc.returncode == 2 and "the push to me/model failed" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "again" / "adapter_model.safetensors").exists()

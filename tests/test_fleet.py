@@ -12,19 +12,31 @@ from protocol import WorkerStatus
 
 
 def _w(name: str, version: int, refused: int = 0, error: str | None = None) -> WorkerStatus:
-    return WorkerStatus(worker=name, adapter_version=version, adapters_refused=refused, last_error=error,
-                        reported_at=time.time())
+    return WorkerStatus(
+        worker=name, adapter_version=version, adapters_refused=refused, last_error=error, reported_at=time.time()
+    )
 
 
 def test_workers_whose_groups_were_dropped_and_refusing_workers_are_named_with_the_reason() -> None:
-    found = problems([_w("ok", 9), _w("lag", 4, refused=2, error="adapter v6 refused: rank 128 above --max-lora-rank 64"),
-                      _w("refuses", 9, refused=1, error="adapter v8 refused: sha256 mismatch"), _w("edge", 6)],
-                     {"lag": 3, "gone": 2}, latest_version=10, max_staleness=4)
+    found = problems(
+        [
+            _w("ok", 9),
+            _w("lag", 4, refused=2, error="adapter v6 refused: rank 128 above --max-lora-rank 64"),
+            _w("refuses", 9, refused=1, error="adapter v8 refused: sha256 mismatch"),
+            _w("edge", 6),
+        ],
+        {"lag": 3, "gone": 2},
+        latest_version=10,
+        max_staleness=4,
+    )
     assert set(found) == {"lag", "refuses", "gone"}
     kind, why = found["lag"]
     assert kind == "stale" and "had 3 group(s) dropped as stale" in why and "v4 against v10" in why
     assert "--max-lora-rank 64" in why
-    assert found["refuses"] == ("refused", "refused 1 adapter version(s); its last error: adapter v8 refused: sha256 mismatch")
+    assert found["refuses"] == (
+        "refused",
+        "refused 1 adapter version(s); its last error: adapter v8 refused: sha256 mismatch",
+    )
     assert "has not reported its status" in found["gone"][1]
 
 
@@ -89,8 +101,11 @@ def test_a_stall_is_named_once_until_it_ends(caplog: pytest.LogCaptureFixture) -
     from protocol import QueueStats, StreamStats
 
     def stats(prompts_age: float | None) -> QueueStats:
-        return QueueStats(prompts=StreamStats(3, 0, 3 if prompts_age else 0, prompts_age),
-                          rollouts=StreamStats(0, 0, 0), dead_letters=0)
+        return QueueStats(
+            prompts=StreamStats(3, 0, 3 if prompts_age else 0, prompts_age),
+            rollouts=StreamStats(0, 0, 0),
+            dead_letters=0,
+        )
 
     watch = FleetWatch()
     with caplog.at_level(logging.WARNING, logger="learner.fleet"):
@@ -153,8 +168,7 @@ def test_one_token_cannot_take_every_logged_metric_name() -> None:
     more = msgspec.structs.replace(group(b, 0, actor="mallory/w2"), metrics={f"junk{i}": 1.0 for i in range(8, 16)})
     honest = msgspec.structs.replace(group(b, 1, actor="fleet-a/gpu-7"), metrics={"format_ok": 0.5})
     logged = RewardNames([])
-    figures = group_figures([forged, more, honest], StepGroups(), [0.0, 1.0], 0, RewardNames(["m:acc"]),
-                            logged=logged)
+    figures = group_figures([forged, more, honest], StepGroups(), [0.0, 1.0], 0, RewardNames(["m:acc"]), logged=logged)
     assert figures["format_ok"] == 0.5
     assert sorted(k for k in figures if k.startswith("junk")) == ["junk0", "junk1", "junk2", "junk3"]
 
@@ -163,7 +177,9 @@ def test_the_learner_escapes_what_it_logs_of_a_worker(caplog: pytest.LogCaptureF
     """Statuses read straight from Redis were validated on decode; the log escapes anyway."""
     watch = FleetWatch()
     # msgspec checks constraints when decoding, not when a struct is built: as a bug elsewhere might
-    bad = WorkerStatus(worker="w\x1b]0;x\x07", adapters_refused=1, last_error="\x9b2J\u202eboom", reported_at=time.time())
+    bad = WorkerStatus(
+        worker="w\x1b]0;x\x07", adapters_refused=1, last_error="\x9b2J\u202eboom", reported_at=time.time()
+    )
     with caplog.at_level(logging.WARNING, logger="learner.fleet"):
         (line,) = watch.update([bad], latest_version=0, max_staleness=4)
     assert "\x1b" not in line and "\x9b" not in line and "\u202e" not in line and "\\x1b]0;x\\x07" in line

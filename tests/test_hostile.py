@@ -56,13 +56,17 @@ MALLORY = "mallory-secret-for-tests-0123456789-abcdef"
 def proxy(redis_server, run_name: str, tls_pair, tmp_path: Path):
     """A proxy whose tokens file has two actor tokens; `proxy.extra` flags go to serve."""
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text("".join(
-        f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n'
-        for name, role, secret in [
-            ("fleet-a", "actor", TOKENS["actor"]), ("mallory", "actor", MALLORY),
-            ("trainer", "learner", TOKENS["learner"]), ("ops", "admin", TOKENS["admin"]),
-        ]
-    ))
+    tokens.write_text(
+        "".join(
+            f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n'
+            for name, role, secret in [
+                ("fleet-a", "actor", TOKENS["actor"]),
+                ("mallory", "actor", MALLORY),
+                ("trainer", "learner", TOKENS["learner"]),
+                ("ops", "admin", TOKENS["admin"]),
+            ]
+        )
+    )
     started: list[ProxyProcess] = []
 
     def make(*extra: str) -> ProxyProcess:
@@ -92,8 +96,12 @@ def _queue(p: ProxyProcess, secret: str) -> HttpQueue:
 
 
 def _raw(p: ProxyProcess, secret: str) -> httpx.Client:
-    return httpx.Client(base_url=p.url, verify=p.ssl(), timeout=20,
-                        headers={"Authorization": f"Bearer {secret}", "Content-Type": CONTENT_TYPE})
+    return httpx.Client(
+        base_url=p.url,
+        verify=p.ssl(),
+        timeout=20,
+        headers={"Authorization": f"Bearer {secret}", "Content-Type": CONTENT_TYPE},
+    )
 
 
 def _error(r: httpx.Response) -> ErrorResponse:
@@ -111,8 +119,9 @@ def test_a_reward_that_overflows_float32_is_refused_at_the_door(proxy) -> None:
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"])
     learner.add_prompts([batch(0)])
     (lease,) = actor.claim("w", 1)
-    body = msgspec.msgpack.decode(encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id,
-                                                             groups=groups(lease.batch))))
+    body = msgspec.msgpack.decode(
+        encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=groups(lease.batch)))
+    )
     body["groups"][0]["completions"][0]["reward"] = 1e39  # finite in float64, inf in float32
     before = _ledger(learner)
     with _raw(p, TOKENS["actor"]) as client:
@@ -174,8 +183,12 @@ def test_groups_that_do_not_answer_their_batch_are_refused_whole(proxy) -> None:
             actor.submit("w", lease.lease_id, bad)
     assert _ledger(learner) == before
     with _raw(p, TOKENS["actor"]) as client:
-        r = client.post("/v1/leases/submit", content=encode_body(
-            SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[group(lease.batch, 0, completions=2)])))
+        r = client.post(
+            "/v1/leases/submit",
+            content=encode_body(
+                SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[group(lease.batch, 0, completions=2)])
+            ),
+        )
     assert r.status_code == 422 and _error(r).code == "submission_rejected"
 
 
@@ -188,8 +201,12 @@ def test_stream_ids_past_64_bits_are_a_400_not_a_500(proxy) -> None:
             actor.get("/v1/adapters/events", headers={"Last-Event-ID": huge}),
             actor.get("/v1/adapters/events", params={"after": "1-99999999999999999999"}),
             learner.get("/v1/dead-letters", params={"after": huge}),
-            actor.post("/v1/leases/heartbeat", content=encode_body(
-                msgspec.convert({"type": "heartbeat", "worker": "w", "lease_ids": [huge]}, type=_heartbeat()))),
+            actor.post(
+                "/v1/leases/heartbeat",
+                content=encode_body(
+                    msgspec.convert({"type": "heartbeat", "worker": "w", "lease_ids": [huge]}, type=_heartbeat())
+                ),
+            ),
         ]
     for r in answers:
         assert r.status_code == 400, (r.request.url, r.status_code, r.text)
@@ -212,7 +229,9 @@ def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:
     async def flood() -> tuple[int, list[int], list[float]]:
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=0)
         headers = {"Authorization": f"Bearer {TOKENS['actor']}"}
-        async with httpx.AsyncClient(base_url=p.url, verify=p.ssl(), timeout=30, limits=limits, headers=headers) as client:
+        async with httpx.AsyncClient(
+            base_url=p.url, verify=p.ssl(), timeout=30, limits=limits, headers=headers
+        ) as client:
             opened = asyncio.Event()
             streams_up = 0
 
@@ -228,8 +247,7 @@ def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:
                             await asyncio.sleep(30)
 
             async def long_poll() -> int:
-                body = encode_body(msgspec.convert({"type": "claim", "worker": "w", "block_s": 3.0},
-                                                   type=_claim()))
+                body = encode_body(msgspec.convert({"type": "claim", "worker": "w", "block_s": 3.0}, type=_claim()))
                 r = await client.post("/v1/leases/claim", content=body, headers={"Content-Type": CONTENT_TYPE})
                 return r.status_code
 
@@ -244,7 +262,9 @@ def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:
                 latencies.append(time.monotonic() - started)
             with httpx.Client(base_url=p.url, verify=p.ssl(), timeout=10) as admin:
                 started = time.monotonic()
-                r = await asyncio.to_thread(admin.get, "/v1/stats", headers={"Authorization": f"Bearer {TOKENS['admin']}"})
+                r = await asyncio.to_thread(
+                    admin.get, "/v1/stats", headers={"Authorization": f"Bearer {TOKENS['admin']}"}
+                )
                 latencies.append(time.monotonic() - started)
                 admin_status = r.status_code
             codes = await asyncio.gather(*polls)
@@ -271,8 +291,10 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(proxy) -> None:
     p = proxy("--header-timeout-s", "1")
     context = ssl.create_default_context(cafile=p.ca)
     for first_bytes in (b"", b"GET /healthz HTTP/1.1\r\nHost: x\r\n"):
-        with socket.create_connection(("127.0.0.1", p.port), timeout=10) as raw, \
-                context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+        with (
+            socket.create_connection(("127.0.0.1", p.port), timeout=10) as raw,
+            context.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
             tls.sendall(first_bytes)
             started = time.monotonic()
             assert tls.recv(1024) == b""  # closed by the proxy, not by our timeout
@@ -341,8 +363,12 @@ def test_proxies_take_a_tokens_budget_in_slices_and_never_exceed_it(redis_server
 def _saying(b, i: int, ids: list[int], text: str):
     """Prompt i's group whose every completion has these token ids and claims this text."""
     g = group(b, i)
-    return msgspec.structs.replace(g, completions=[
-        Completion.of(ids, [-0.5] * len(ids), finish_reason="stop", text=text, reward=1.0) for _ in g.completions])
+    return msgspec.structs.replace(
+        g,
+        completions=[
+            Completion.of(ids, [-0.5] * len(ids), finish_reason="stop", text=text, reward=1.0) for _ in g.completions
+        ],
+    )
 
 
 def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorers, tiny_model: Path) -> None:
@@ -355,7 +381,9 @@ def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorer
     tok = AutoTokenizer.from_pretrained(tiny_model)
     zz, one = tok.encode("zz", add_special_tokens=False), tok.encode("1", add_special_tokens=False)
     # the right answer as text on wrong tokens, and the right tokens with a wrong text
-    assert actor.submit("w", lease.lease_id, [_saying(lease.batch, 0, zz, "1"), _saying(lease.batch, 1, one, "q")]).finished
+    assert actor.submit(
+        "w", lease.lease_id, [_saying(lease.batch, 0, zz, "1"), _saying(lease.batch, 1, one, "q")]
+    ).finished
     scorers(reward="toy_rewards:digit_first")
     got = {g.prompt_id: g for g in read_all(learner, 2)}
     assert got["p0"].rewards == [0.0] * 4 and {c.text for c in got["p0"].completions} == {"zz"}
@@ -370,7 +398,9 @@ def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(proxy) -> N
     learner.add_prompts([trusted(batch(0, prompts=1))])
     (lease,) = actor.claim("w", 1)
     g = group(lease.batch, 0)
-    big = msgspec.structs.replace(g, completions=[msgspec.structs.replace(c, text="x" * 4_185_000) for c in g.completions])
+    big = msgspec.structs.replace(
+        g, completions=[msgspec.structs.replace(c, text="x" * 4_185_000) for c in g.completions]
+    )
     body = encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[big]))
     assert len(body) < 16 * 1024 * 1024
     before = _ledger(learner)
@@ -406,8 +436,9 @@ def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(pr
     long_error = "e" * 500
 
     def status(name: str, version: int = 0) -> WorkerStatus:
-        return WorkerStatus(worker=name, engine="flood", adapter_version=version, last_error=long_error,
-                            reported_at=time.time())
+        return WorkerStatus(
+            worker=name, engine="flood", adapter_version=version, last_error=long_error, reported_at=time.time()
+        )
 
     refused = 0
     for i in range(60):
@@ -447,9 +478,23 @@ def test_the_metrics_keep_at_most_a_hundred_worker_series(proxy) -> None:
     assert text.count("spotgrpo_worker_adapter_version{") == 100 and "spotgrpo_workers_live 130.0" in text
 
 
-UNSAFE_SAMPLES = ["\x1b]0;owned\x07", "\r", "\x7f", "\x9b31m", "\u202e", "\u2066", "\u200b", "\u2028",
-                  # invisible (fourth red team, finding 13): tags, soft hyphen, grapheme joiner, selectors, fillers
-                  "\U000e0041\U000e0042", "\u00ad", "\u034f", "\ufe0f", "\u3164", "\u180e"]
+UNSAFE_SAMPLES = [
+    "\x1b]0;owned\x07",
+    "\r",
+    "\x7f",
+    "\x9b31m",
+    "\u202e",
+    "\u2066",
+    "\u200b",
+    "\u2028",
+    # invisible (fourth red team, finding 13): tags, soft hyphen, grapheme joiner, selectors, fillers
+    "\U000e0041\U000e0042",
+    "\u00ad",
+    "\u034f",
+    "\ufe0f",
+    "\u3164",
+    "\u180e",
+]
 
 
 @pytest.mark.parametrize("bad", UNSAFE_SAMPLES, ids=[repr(s) for s in UNSAFE_SAMPLES])
@@ -461,16 +506,23 @@ def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(p
     statuses = [{**good, "worker": f"w{bad}"}, {**good, "engine": f"vllm{bad}"}, {**good, "last_error": f"boom{bad}"}]
     with _raw(p, MALLORY) as client:
         for s in statuses:
-            r = client.post("/v1/workers/status", content=msgspec.msgpack.encode({"type": "report_status", "status": s}))
+            r = client.post(
+                "/v1/workers/status", content=msgspec.msgpack.encode({"type": "report_status", "status": s})
+            )
             assert r.status_code == 400, (s, r.status_code, r.text)
-        r = client.post("/v1/leases/claim", content=msgspec.msgpack.encode(
-            {"type": "claim", "schema": SCHEMA_VERSION, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}))
+        r = client.post(
+            "/v1/leases/claim",
+            content=msgspec.msgpack.encode(
+                {"type": "claim", "schema": SCHEMA_VERSION, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}
+            ),
+        )
         assert r.status_code == 400 and "worker" in _error(r).error, r.text
     learner.add_prompts([batch(f"ctl-{ord(bad[0])}")])
     actor = _queue(p, MALLORY)
     lease = next(le for le in actor.claim("w", 4) if le.batch.batch_id == f"batch-ctl-{ord(bad[0])}")
-    sent = msgspec.msgpack.decode(encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id,
-                                                             groups=groups(lease.batch))))
+    sent = msgspec.msgpack.decode(
+        encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=groups(lease.batch)))
+    )
     for where in ("components", "timings", "completion_error", "group_error"):
         body = msgspec.msgpack.decode(msgspec.msgpack.encode(sent))
         g, c = body["groups"][0], body["groups"][0]["completions"][0]
@@ -494,8 +546,10 @@ def proxy_once(redis_server, tls_pair, tmp_path_factory):
     """One proxy for a parametrized test (its cases share the run; each uses its own batch)."""
     folder = tmp_path_factory.mktemp("proxy-once")
     tokens = folder / "tokens.toml"
-    tokens.write_text(f'[[tokens]]\nname = "mallory"\nrole = "actor"\nsecret = "{MALLORY}"\n'
-                      f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n')
+    tokens.write_text(
+        f'[[tokens]]\nname = "mallory"\nrole = "actor"\nsecret = "{MALLORY}"\n'
+        f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n'
+    )
     run = f"ctl-{time.time_ns()}"
     p = ProxyProcess(redis_server.url, (folder / "store").as_uri(), run, tls_pair, tokens).start()
     learner = HttpQueue(p.url, TOKENS["learner"], QueueConfig(run=run), verify=p.ca, retry_s=2)  # outlives each case
@@ -511,10 +565,16 @@ def test_printable_escapes_what_the_wire_refuses() -> None:
     assert printable("a\U000e0041\u00adb") == "a\\U000e0041\\xadb" and is_safe(printable("\U000e0041"))
 
 
-def _actors(p: ProxyProcess, *args: str, token: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _actors(
+    p: ProxyProcess, *args: str, token: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "actors.cli", *args], capture_output=True, text=True, timeout=180,
-        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": token, "SPOTGRPO_CA_CERT": p.ca, **(env or {})})
+        [sys.executable, "-m", "actors.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": token, "SPOTGRPO_CA_CERT": p.ca, **(env or {})},
+    )
 
 
 def test_a_worker_checks_its_token_role_run_and_ca_before_it_loads_a_model(proxy, tmp_path: Path) -> None:
@@ -567,8 +627,12 @@ def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, to
 def _masked(b, i: int, tokens: list[int], mask: list[int]):
     """Prompt i's group whose every completion is `tokens` under `mask`."""
     g = group(b, i)
-    return msgspec.structs.replace(g, completions=[
-        Completion.of(tokens, [-0.5 if m else 0.0 for m in mask], mask, finish_reason="stop") for _ in g.completions])
+    return msgspec.structs.replace(
+        g,
+        completions=[
+            Completion.of(tokens, [-0.5 if m else 0.0 for m in mask], mask, finish_reason="stop") for _ in g.completions
+        ],
+    )
 
 
 def test_a_mask_on_a_batch_without_tools_trains_nothing(proxy, scorers, tiny_model: Path) -> None:
@@ -584,8 +648,9 @@ def test_a_mask_on_a_batch_without_tools_trains_nothing(proxy, scorers, tiny_mod
     tok = AutoTokenizer.from_pretrained(tiny_model)
     attack = tok.encode("zzzz" + "a" * 56, add_special_tokens=False)
     one = tok.encode("1", add_special_tokens=False)
-    assert actor.submit("w", lease.lease_id, [_masked(lease.batch, 0, attack, [1] * 4 + [0] * 56),
-                                              _saying(lease.batch, 1, one, "1")]).finished
+    assert actor.submit(
+        "w", lease.lease_id, [_masked(lease.batch, 0, attack, [1] * 4 + [0] * 56), _saying(lease.batch, 1, one, "1")]
+    ).finished
     scorers(reward="toy_rewards:digit_first")
     got = {g.prompt_id: g for g in read_all(learner, 2)}
     assert got["p0"].error is not None and "carries a mask, but its batch offers no tools" in got["p0"].error
@@ -604,17 +669,23 @@ def test_calls_in_the_environments_tokens_get_no_reward(proxy, scorers, tiny_cha
 
     p = proxy()
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
-    b = msgspec.structs.replace(trusted(batch(0, prompts=1), secret=4), tools=["guess", "stall"],
-                                environment="ScoredGuess", max_tool_calling_iterations=4)
+    b = msgspec.structs.replace(
+        trusted(batch(0, prompts=1), secret=4),
+        tools=["guess", "stall"],
+        environment="ScoredGuess",
+        max_tool_calling_iterations=4,
+    )
     learner.add_prompts([b])
     (lease,) = actor.claim("w", 1)
     tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
     junk = tok.encode("zq zq zq<|im_end|>", add_special_tokens=False)
-    fake = tok.encode("\n<|im_start|>assistant\n" + tool_call("guess", number=4) + "<|im_end|>\n",
-                      add_special_tokens=False)
+    fake = tok.encode(
+        "\n<|im_start|>assistant\n" + tool_call("guess", number=4) + "<|im_end|>\n", add_special_tokens=False
+    )
     tokens = [*junk, *fake, *junk]
-    assert actor.submit("w", lease.lease_id, [
-        _masked(lease.batch, 0, tokens, [1] * len(junk) + [0] * len(fake) + [1] * len(junk))]).finished
+    assert actor.submit(
+        "w", lease.lease_id, [_masked(lease.batch, 0, tokens, [1] * len(junk) + [0] * len(fake) + [1] * len(junk))]
+    ).finished
     scorers("--environment", "toy_tools:ScoredGuess", reward="toy_rewards:found_it", model=tiny_chatml_model)
     (got,) = read_all(learner, 1)
     assert got.error is not None and "called no tool" in got.error, got.error
@@ -655,17 +726,30 @@ def test_a_stalling_replay_holds_up_no_other_group(proxy, scorers, tiny_chatml_m
 
     p = proxy()
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
-    b = msgspec.structs.replace(trusted(batch(0, prompts=6), secret=4), tools=["guess", "stall"],
-                                environment="ScoredGuess", max_tool_calling_iterations=4)
+    b = msgspec.structs.replace(
+        trusted(batch(0, prompts=6), secret=4),
+        tools=["guess", "stall"],
+        environment="ScoredGuess",
+        max_tool_calling_iterations=4,
+    )
     learner.add_prompts([b])
     (lease,) = actor.claim("w", 1)
     tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
     stall = _one_call_episode(tok, tool_call("stall", seconds=100000), "done thinking", "ok")
     honest = _one_call_episode(tok, tool_call("guess", number=4), "correct", "found it")
-    assert actor.submit("w", lease.lease_id, [_masked(lease.batch, i, *(stall if i == 0 else honest))
-                                              for i in range(6)]).finished
-    scorers("--environment", "toy_tools:ScoredGuess", "--tool-timeout-s", "2", "--reward-timeout-s", "30",
-            reward="toy_rewards:found_it", model=tiny_chatml_model)
+    assert actor.submit(
+        "w", lease.lease_id, [_masked(lease.batch, i, *(stall if i == 0 else honest)) for i in range(6)]
+    ).finished
+    scorers(
+        "--environment",
+        "toy_tools:ScoredGuess",
+        "--tool-timeout-s",
+        "2",
+        "--reward-timeout-s",
+        "30",
+        reward="toy_rewards:found_it",
+        model=tiny_chatml_model,
+    )
     got = read_all(learner, 6, timeout_s=90)
     assert [g.prompt_id for g in got][-1] == "p0", [g.prompt_id for g in got]  # the staller comes last
     assert all(g.error is None and g.rewards == [2.0] * 4 for g in got[:-1]), [(g.error, g.rewards) for g in got]
@@ -724,6 +808,7 @@ def test_bodies_in_flight_are_capped_per_token(proxy) -> None:
     async def trickle() -> list[int]:
         headers = {"Authorization": f"Bearer {MALLORY}", "Content-Type": CONTENT_TYPE}
         async with httpx.AsyncClient(base_url=p.url, verify=p.ssl(), timeout=30) as client:
+
             async def slow_body() -> AsyncIterator[bytes]:
                 for _ in range(4):  # 4 MiB a body, a MiB at a time, never finished quickly
                     yield b"\x00" * (1024 * 1024)
@@ -750,8 +835,9 @@ def test_a_big_submission_for_a_made_up_lease_is_decoded_off_the_event_loop(prox
     (lease,) = actor.claim("w", 1)
     g = group(lease.batch, 0)
     n = 237_500
-    big = msgspec.structs.replace(g, completions=[Completion.of([5] * n, [-0.5] * n, finish_reason="length")
-                                                  for _ in range(8)])
+    big = msgspec.structs.replace(
+        g, completions=[Completion.of([5] * n, [-0.5] * n, finish_reason="length") for _ in range(8)]
+    )
     body = encode_body(SubmitRequest(worker="w", lease_id="1-0", groups=[big]))
     assert 14 * 1024 * 1024 < len(body) < 16 * 1024 * 1024
     before = _ledger(learner)
@@ -778,21 +864,29 @@ def test_the_tier_reads_each_episode_before_it_scores_it(proxy, scorers, tiny_ch
 
     p = proxy()
     learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
-    b = msgspec.structs.replace(trusted(batch(0, prompts=4), secret=4), tools=["guess", "stall"],
-                                environment="ScoredGuess", max_tool_calling_iterations=3,
-                                sampling=SamplingParams(max_tokens=12_000))
+    b = msgspec.structs.replace(
+        trusted(batch(0, prompts=4), secret=4),
+        tools=["guess", "stall"],
+        environment="ScoredGuess",
+        max_tool_calling_iterations=3,
+        sampling=SamplingParams(max_tokens=12_000),
+    )
     learner.add_prompts([b])
     (lease,) = actor.claim("w", 1)
     tok = AutoTokenizer.from_pretrained(tiny_chatml_model)
     alternating = (tok.encode("ab" * 4800, add_special_tokens=False), [1, 0] * 4800)
     eight = _episode(tok, [(tool_call("guess", number=n), "lower") for n in range(9, 1, -1)], "found it")
     honest = _episode(tok, [(tool_call("guess", number=4), "correct")], "found it")
-    deep = '<tool_call>\n{"name": "guess", "arguments": {"number": ' + "[" * 1100 + "]" * 1100 + '}}\n</tool_call>'
+    deep = '<tool_call>\n{"name": "guess", "arguments": {"number": ' + "[" * 1100 + "]" * 1100 + "}}\n</tool_call>"
     error = str({"error": "the tool call could not be read: a tool call needs a name and an object of arguments"})
     deep_episode = _episode(tok, [(deep, error), (tool_call("guess", number=4), "correct")], "found it")
     made = [_masked(lease.batch, i, *e) for i, e in enumerate([alternating, eight, honest, deep_episode])]
-    made[2] = msgspec.structs.replace(made[2], completions=[
-        msgspec.structs.replace(c, turns=4_600_000_000_000_000_000, tool_calls=10**9) for c in made[2].completions])
+    made[2] = msgspec.structs.replace(
+        made[2],
+        completions=[
+            msgspec.structs.replace(c, turns=4_600_000_000_000_000_000, tool_calls=10**9) for c in made[2].completions
+        ],
+    )
     assert actor.submit("w", lease.lease_id, made).finished
     scorers("--environment", "toy_tools:ScoredGuess", reward="toy_rewards:found_it", model=tiny_chatml_model)
     got = {g.prompt_id: g for g in read_all(learner, 4, timeout_s=90)}

@@ -43,7 +43,10 @@ def _batch(batch_id: str, n: int = 4, max_tokens: int = 6, prompts: Sequence[Seq
     return PromptBatch(
         batch_id=batch_id,
         prompts=[Prompt(id=f"p{i}", token_ids=pack_i32(p), text=f"prompt {i}") for i, p in enumerate(prompts)],
-        num_generations=n, sampling=SamplingParams(max_tokens=max_tokens), learner_version=0, issued_at=time.time(),
+        num_generations=n,
+        sampling=SamplingParams(max_tokens=max_tokens),
+        learner_version=0,
+        issued_at=time.time(),
     )
 
 
@@ -63,8 +66,9 @@ class RecordingQueue(RedisQueue):
 
 
 @pytest.mark.redis
-def test_many_leases_in_flight_and_groups_streamed_as_they_finish(tmp_path: Path, tiny_model: Path,
-                                                                   redis_server, run_name: str) -> None:
+def test_many_leases_in_flight_and_groups_streamed_as_they_finish(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     config = QueueConfig(run=run_name)
     queue = RecordingQueue(RedisQueue.from_url(redis_server.url, config)._r, config)
     queue.add_prompts([_batch(f"b{i}") for i in range(6)])
@@ -72,8 +76,15 @@ def test_many_leases_in_flight_and_groups_streamed_as_they_finish(tmp_path: Path
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
     from protocol.usercode.rewards import Scorer, load_reward
 
-    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
-                    claim_block_s=0.2, max_num_seqs=3 * len(PROMPTS) * 4)  # room for three leases
+    worker = Worker(
+        queue,
+        engine,
+        watcher,
+        Scorer([load_reward("toy_rewards:digit_first")]),
+        "w",
+        claim_block_s=0.2,
+        max_num_seqs=3 * len(PROMPTS) * 4,
+    )  # room for three leases
     assert worker.work(max_batches=6) == 0
     assert max(queue.held) == 3, queue.held  # three leases in flight at once, never more
     assert any(n < len(PROMPTS) for _, n, _ in queue.submits), "no group was streamed ahead of its batch"
@@ -89,7 +100,9 @@ def test_a_hung_reward_is_killed_and_the_pool_recovers(tmp_path: Path) -> None:
     try:
         pid_file = tmp_path / "pid"
         started = time.monotonic()
-        hung = pool.submit(Prompt(id="a", text="hang", columns={"pid_file": str(pid_file)}), "hang", ["1", "x"], [[1], [2]])
+        hung = pool.submit(
+            Prompt(id="a", text="hang", columns={"pid_file": str(pid_file)}), "hang", ["1", "x"], [[1], [2]]
+        )
         scores = hung.result(timeout=30)
         assert scores.error is not None and "killed" in scores.error and scores.rewards == [None, None]
         assert time.monotonic() - started < 10
@@ -138,10 +151,31 @@ def _actor(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *extra:
     """A worker as a user starts one: through the proxy, with an actor token (the proxy's
     store holds the adapters)."""
     return [
-        sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run,
-        "--engine", "transformers", "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
-        "--worker-id", worker, "--lease-timeout-s", "2", "--claim-block-s", "0.2", "--max-batch-sequences", "4",
-        "--max-num-seqs", str(3 * len(PROMPTS) * 4), *extra,
+        sys.executable,
+        "-m",
+        "actors.cli",
+        "run",
+        "--queue",
+        proxy.url,
+        "--run",
+        run,
+        "--engine",
+        "transformers",
+        "--model",
+        str(tiny_model),
+        "--reward",
+        "toy_rewards:slow_digit_first",
+        "--worker-id",
+        worker,
+        "--lease-timeout-s",
+        "2",
+        "--claim-block-s",
+        "0.2",
+        "--max-batch-sequences",
+        "4",
+        "--max-num-seqs",
+        str(3 * len(PROMPTS) * 4),
+        *extra,
     ]
 
 
@@ -160,17 +194,26 @@ def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Po
 
 @pytest.mark.redis
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
-def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model: Path, redis_server, run_name: str,
-                                                      signum: int, make_proxy) -> None:
+def test_leases_in_flight_survive_sigkill_and_sigterm(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str, signum: int, make_proxy
+) -> None:
     """SIGKILL: the leases expire and another worker finishes them. SIGTERM: they are
     handed back at once (the other worker needs no lease timeout). Either way every
     group is stored exactly once."""
-    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600 if signum == signal.SIGTERM else 2))
+    queue = RedisQueue.from_url(
+        redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600 if signum == signal.SIGTERM else 2)
+    )
     queue.add_prompts([_batch(f"b{i}", max_tokens=4) for i in range(4)])
     timeout = "600" if signum == signal.SIGTERM else "2"
     proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", timeout))
-    victim = subprocess.Popen(_actor(tiny_model, proxy, run_name, "victim", "--lease-timeout-s", timeout),
-                              cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    victim = subprocess.Popen(
+        _actor(tiny_model, proxy, run_name, "victim", "--lease-timeout-s", timeout),
+        cwd=REPO,
+        env=_env(proxy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         _wait_for_leases(queue, "victim", 3, victim)
         sent = time.monotonic()
@@ -182,8 +225,14 @@ def test_leases_in_flight_survive_sigkill_and_sigterm(tmp_path: Path, tiny_model
             # handed back, not expired: the rescuer below gets them at once despite the 600 s lease
     finally:
         kill_process(victim)
-    rescuer = subprocess.Popen(_actor(tiny_model, proxy, run_name, "rescuer", "--lease-timeout-s", timeout),
-                               cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rescuer = subprocess.Popen(
+        _actor(tiny_model, proxy, run_name, "rescuer", "--lease-timeout-s", timeout),
+        cwd=REPO,
+        env=_env(proxy),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while queue.stats().prompts.length:
@@ -215,7 +264,9 @@ class DyingEngine(TransformersEngine):
 
 
 @pytest.mark.redis
-def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_an_engine_that_dies_hands_every_lease_back(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     from actors.worker import WorkerEngineDead
     from protocol.usercode.rewards import Scorer, load_reward
 
@@ -223,8 +274,15 @@ def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: 
     queue.add_prompts([_batch(f"b{i}") for i in range(3)])
     engine = DyingEngine(str(tiny_model), max_batch_sequences=4)
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
-    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
-                    claim_block_s=0.2, max_num_seqs=3 * len(PROMPTS) * 4)
+    worker = Worker(
+        queue,
+        engine,
+        watcher,
+        Scorer([load_reward("toy_rewards:digit_first")]),
+        "w",
+        claim_block_s=0.2,
+        max_num_seqs=3 * len(PROMPTS) * 4,
+    )
     with pytest.raises(WorkerEngineDead, match="died"):
         worker.work()
     # handed back, not left to a 600 s expiry: another worker has them all at once
@@ -233,15 +291,41 @@ def test_an_engine_that_dies_hands_every_lease_back(tmp_path: Path, tiny_model: 
 
 
 @pytest.mark.redis
-def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp_path: Path, redis_server,
-                                                           run_name: str, make_proxy) -> None:
+def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(
+    tiny_model: Path, tmp_path: Path, redis_server, run_name: str, make_proxy
+) -> None:
     proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "600"))
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([_batch(f"b{i}", max_tokens=200) for i in range(4)])
-    cmd = [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run_name, "--model", str(tiny_model), "--reward", "toy_rewards:slow_digit_first",
-           "--worker-id", "box", "--lease-timeout-s", "600", "--claim-block-s", "0.2", "--max-num-seqs", "16",
-           "--metrics-port", str(port := free_port()), "--gpus", "0,1"]
-    parent = subprocess.Popen(cmd, cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "actors.cli",
+        "run",
+        "--queue",
+        proxy.url,
+        "--run",
+        run_name,
+        "--model",
+        str(tiny_model),
+        "--reward",
+        "toy_rewards:slow_digit_first",
+        "--worker-id",
+        "box",
+        "--lease-timeout-s",
+        "600",
+        "--claim-block-s",
+        "0.2",
+        "--max-num-seqs",
+        "16",
+        "--metrics-port",
+        str(port := free_port()),
+        "--gpus",
+        "0,1",
+    ]
+    parent = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         deadline = time.monotonic() + 120
         while set(queue.stats().leases_by_worker) != {through_proxy("box-gpu0"), through_proxy("box-gpu1")}:
@@ -263,8 +347,9 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(tiny_model: Path, tmp
 
 
 @pytest.mark.redis
-def test_prompts_sent_as_text_are_tokenized_by_the_actor(tmp_path: Path, tiny_model: Path, redis_server,
-                                                         run_name: str) -> None:
+def test_prompts_sent_as_text_are_tokenized_by_the_actor(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     from factories import batch
 
     from protocol.usercode.rewards import Scorer, load_reward

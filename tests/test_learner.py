@@ -56,10 +56,22 @@ def fake_queue_factory(run: str):
 
 def small_config(tmp_path: Path, tiny_model: Path, **overrides: object) -> LearnerConfig:
     values: dict[str, object] = {
-        "run": "t", "queue": "redis://unused", "store": (tmp_path / "store").as_uri(), "model": str(tiny_model),
-        "dataset": str(write_dataset(tmp_path / "data.jsonl")), "run_dir": tmp_path / "run",
-        "steps": 4, "groups_per_step": 4, "num_generations": 4, "prompts_per_batch": 2, "max_inflight": 8,
-        "max_tokens": 4, "learning_rate": 3e-3, "lora_rank": 8, "checkpoint_every": 2, "tensorboard": False,
+        "run": "t",
+        "queue": "redis://unused",
+        "store": (tmp_path / "store").as_uri(),
+        "model": str(tiny_model),
+        "dataset": str(write_dataset(tmp_path / "data.jsonl")),
+        "run_dir": tmp_path / "run",
+        "steps": 4,
+        "groups_per_step": 4,
+        "num_generations": 4,
+        "prompts_per_batch": 2,
+        "max_inflight": 8,
+        "max_tokens": 4,
+        "learning_rate": 3e-3,
+        "lora_rank": 8,
+        "checkpoint_every": 2,
+        "tensorboard": False,
     }
     values.update(overrides)
     return LearnerConfig(**values)
@@ -107,7 +119,10 @@ def test_prompts_from_jsonl_parquet_and_chat(tmp_path: Path, tiny_model: Path) -
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "answer": np.int64(4)}, {"prompt": [{"role": "user", "content": "1+1?"}], "answer": 2}]
+    rows = [
+        {"prompt": [{"role": "user", "content": "2+2?"}], "answer": np.int64(4)},
+        {"prompt": [{"role": "user", "content": "1+1?"}], "answer": 2},
+    ]
     import pandas as pd
 
     pd.DataFrame([{"prompt": "ab", "answer": "c"}]).to_parquet(tmp_path / "d.parquet")
@@ -156,8 +171,14 @@ def test_behaviour_logprobs_from_the_same_adapter_give_unit_weights(tmp_path: Pa
     actor._refresh()
     assert actor.version == 1
     source = PromptSource(load_rows(cfg.dataset), policy.tokenizer, "prompt", 0, 100)
-    batch = PromptBatch(batch_id="b", prompts=[source.prompt(i) for i in range(4)], num_generations=8,
-                        sampling=SamplingParams(temperature=0.7, max_tokens=8), learner_version=1, issued_at=time.time())
+    batch = PromptBatch(
+        batch_id="b",
+        prompts=[source.prompt(i) for i in range(4)],
+        num_generations=8,
+        sampling=SamplingParams(temperature=0.7, max_tokens=8),
+        learner_version=1,
+        issued_at=time.time(),
+    )
     groups = actor.groups(batch)
     sums = _Sums()
     accumulate(policy, build_step_batch(groups, cfg, policy.pad_id), cfg, None, sums)
@@ -215,14 +236,22 @@ class ScriptedActor(SyntheticActor):
             elif self.batches == 4 and i == 0:
                 prompt_tokens = pack_i32([5, 6, 7])  # not the prompt the learner issued
             completions = [
-                Completion.of(tokens, [-1.0] * len(tokens), finish_reason="length", reward=None if error else r,
-                              error=error)
+                Completion.of(
+                    tokens, [-1.0] * len(tokens), finish_reason="length", reward=None if error else r, error=error
+                )
                 for r in rewards
             ]
-            out.append(RolloutGroup(
-                group_id=group_id_for(batch.batch_id, p.id), batch_id=batch.batch_id, prompt_id=p.id,
-                adapter_version=version, actor_id=self.worker, prompt_token_ids=prompt_tokens, completions=completions,
-            ))
+            out.append(
+                RolloutGroup(
+                    group_id=group_id_for(batch.batch_id, p.id),
+                    batch_id=batch.batch_id,
+                    prompt_id=p.id,
+                    adapter_version=version,
+                    actor_id=self.worker,
+                    prompt_token_ids=prompt_tokens,
+                    completions=completions,
+                )
+            )
         return out
 
 
@@ -234,8 +263,14 @@ def test_bad_groups_are_rejected_counted_and_training_continues(tmp_path: Path, 
     state = Learner(cfg, make(), store).run()
     actor.close()
     assert state.step == 3
-    expected = {"rejected_bad_vocab": 1, "rejected_future_version": 1, "rejected_too_long": 1,
-                "rejected_reward_error": 1, "rejected_bad_reward": 1, "rejected_bad_shape": 2}
+    expected = {
+        "rejected_bad_vocab": 1,
+        "rejected_future_version": 1,
+        "rejected_too_long": 1,
+        "rejected_reward_error": 1,
+        "rejected_bad_reward": 1,
+        "rejected_bad_shape": 2,
+    }
     assert {k: v for k, v in state.totals.items() if k.startswith("rejected_")} == expected
     rows = metrics(cfg.resolved_run_dir)
     assert sum(r["rejected"] for r in rows) == 7 and [r["step"] for r in rows] == [1, 2, 3]
@@ -284,10 +319,25 @@ def test_an_adapter_with_a_nan_is_never_published(tmp_path: Path, tiny_model: Pa
 def test_the_console_line_copes_with_missing_figures() -> None:
     from learner.metrics import console_line
 
-    row = {"step": 3, "adapter_version": 2, "reward": None, "reward_std": None, "staleness_mean": 0.5,
-           "staleness_max": 1, "sampling/importance_sampling_ratio/mean": None, "loss": None, "grad_norm": None, "groups": 4,
-           "dropped_stale": 0, "dropped_flat": 1, "rejected": 0, "wait_s": 0.1, "step_s": None, "publish_s": None,
-           "skipped_updates": 1}
+    row = {
+        "step": 3,
+        "adapter_version": 2,
+        "reward": None,
+        "reward_std": None,
+        "staleness_mean": 0.5,
+        "staleness_max": 1,
+        "sampling/importance_sampling_ratio/mean": None,
+        "loss": None,
+        "grad_norm": None,
+        "groups": 4,
+        "dropped_stale": 0,
+        "dropped_flat": 1,
+        "rejected": 0,
+        "wait_s": 0.1,
+        "step_s": None,
+        "publish_s": None,
+        "skipped_updates": 1,
+    }
     line = console_line(row, 10)
     assert "reward -±-" in line and "loss -" in line and "SKIPPED 1" in line
 
@@ -299,11 +349,22 @@ def test_the_console_line_copes_with_missing_figures() -> None:
 @pytest.mark.redis
 def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     cfg = small_config(
-        tmp_path, tiny_model, run=run_name, queue=redis_server.url, steps=20, groups_per_step=8,
-        num_generations=8, prompts_per_batch=4, max_inflight=16, checkpoint_every=5, tensorboard=True,
+        tmp_path,
+        tiny_model,
+        run=run_name,
+        queue=redis_server.url,
+        steps=20,
+        groups_per_step=8,
+        num_generations=8,
+        prompts_per_batch=4,
+        max_inflight=16,
+        checkpoint_every=5,
+        tensorboard=True,
     )
     store = open_store(cfg.store)
-    actor = SyntheticActor(RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model, digit_first).start()
+    actor = SyntheticActor(
+        RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model, digit_first
+    ).start()
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     try:
         Learner(cfg, queue, store).run()
@@ -314,8 +375,16 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
     first, last = np.mean([r["reward"] for r in rows[:3]]), np.mean([r["reward"] for r in rows[-5:]])
     assert last > first + 0.3, (first, last)
     assert max(r["staleness_max"] for r in rows) <= cfg.max_staleness
-    for key in ("sampling/importance_sampling_ratio/mean", "ess", "kl_behaviour_k3", "clip_ratio/region_mean", "entropy",
-                "grad_norm", "wait_s", "publish_s"):
+    for key in (
+        "sampling/importance_sampling_ratio/mean",
+        "ess",
+        "kl_behaviour_k3",
+        "clip_ratio/region_mean",
+        "entropy",
+        "grad_norm",
+        "wait_s",
+        "publish_s",
+    ):
         assert all(r[key] is not None for r in rows), key
     for r in rows:  # TRL's figures hold together
         assert r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"] == pytest.approx(r["clip_ratio/region_mean"])
@@ -338,26 +407,66 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
 
 def _learner_cmd(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "learner.cli", "run", "--run", run, "--queue", redis_url,
-        "--store", (tmp_path / "store").as_uri(), "--model", str(tiny_model),
-        "--dataset", str(tmp_path / "data.jsonl"), "--run-dir", str(tmp_path / "run"),
+        sys.executable,
+        "-m",
+        "learner.cli",
+        "run",
+        "--run",
+        run,
+        "--queue",
+        redis_url,
+        "--store",
+        (tmp_path / "store").as_uri(),
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(tmp_path / "data.jsonl"),
+        "--run-dir",
+        str(tmp_path / "run"),
         # TRL's names for steps, checkpoints and completion length: the same run
-        "--max-steps", "16", "--save-steps", "4", "--groups-per-step", "8", "--prompts-per-batch", "4",
-        "--max-inflight", "16", "--num-generations", "8", "--max-completion-length", "4", "--learning-rate", "3e-3",
-        "--lora-rank", "8", "--no-tensorboard", *extra,
+        "--max-steps",
+        "16",
+        "--save-steps",
+        "4",
+        "--groups-per-step",
+        "8",
+        "--prompts-per-batch",
+        "4",
+        "--max-inflight",
+        "16",
+        "--num-generations",
+        "8",
+        "--max-completion-length",
+        "4",
+        "--learning-rate",
+        "3e-3",
+        "--lora-rank",
+        "8",
+        "--no-tensorboard",
+        *extra,
     ]
 
 
 @pytest.mark.slow
 @pytest.mark.redis
-def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
+def test_sigkill_then_resume_trains_every_group_exactly_once(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+) -> None:
     write_dataset(tmp_path / "data.jsonl")
     store = open_store((tmp_path / "store").as_uri())
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    actor = SyntheticActor(RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model, digit_first).start()
+    actor = SyntheticActor(
+        RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)), store, tiny_model, digit_first
+    ).start()
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log1 = (tmp_path / "first.log").open("w")
-    first = subprocess.Popen(_learner_cmd(tmp_path, tiny_model, redis_server.url, run_name), cwd=REPO, env=env, stdout=log1, stderr=subprocess.STDOUT)
+    first = subprocess.Popen(
+        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name),
+        cwd=REPO,
+        env=env,
+        stdout=log1,
+        stderr=subprocess.STDOUT,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:  # kill between checkpoints 4 and 8, with steps trained and not checkpointed
@@ -377,7 +486,11 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tin
 
     second = subprocess.run(
         _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name, "--resume"),
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     actor.close()
     assert second.returncode == 0, second.stderr[-3000:]
@@ -403,7 +516,9 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(tmp_path: Path, tin
     events = queue.adapter_events(after="0", count=1000)
     versions = [e.manifest.version for e in events]
     assert versions == sorted(set(versions)) and versions[-1] > version_at_kill
-    assert [json.loads(x)["adapter_version"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][4] > version_at_kill
+    assert [json.loads(x)["adapter_version"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()][
+        4
+    ] > version_at_kill
     for v in versions[-3:]:
         manifest = store.read_manifest(v)
         for entry in manifest.files:
@@ -436,11 +551,21 @@ def test_learner_rides_out_a_redis_crash(tmp_path: Path, tiny_model: Path, make_
     server = make_server(persistent=True)
     server.start()
     cfg = small_config(
-        tmp_path, tiny_model, run="crash", queue=server.url, steps=10, groups_per_step=8,
-        num_generations=4, prompts_per_batch=4, max_inflight=16, checkpoint_every=3,
+        tmp_path,
+        tiny_model,
+        run="crash",
+        queue=server.url,
+        steps=10,
+        groups_per_step=8,
+        num_generations=4,
+        prompts_per_batch=4,
+        max_inflight=16,
+        checkpoint_every=3,
     )
     store = open_store(cfg.store)
-    actor = SyntheticActor(RedisQueue.from_url(server.url, QueueConfig(run="crash")), store, tiny_model, digit_first).start()
+    actor = SyntheticActor(
+        RedisQueue.from_url(server.url, QueueConfig(run="crash")), store, tiny_model, digit_first
+    ).start()
     queue = RedisQueue.from_url(server.url, QueueConfig(run="crash"))
     learner = Learner(cfg, queue, store)
 
@@ -476,8 +601,14 @@ def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Pat
     a checkpoint holding its data cursor."""
     write_dataset(tmp_path / "data.jsonl")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(_learner_cmd(tmp_path, tiny_model, redis_server.url, run_name), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     try:
         deadline = time.monotonic() + 60
@@ -554,8 +685,13 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
     def decode(ids: object) -> str:
         return "7" * 5_000_000 if current[0] in doomed else tok.decode(list(ids), skip_special_tokens=True)
 
-    tier = scoring.Tier(queue=sq, scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
-                        name="tier-0", decode=decode, timeout_s=30)
+    tier = scoring.Tier(
+        queue=sq,
+        scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
+        name="tier-0",
+        decode=decode,
+        timeout_s=30,
+    )
     stop = threading.Event()
 
     def serve() -> None:
@@ -583,13 +719,21 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
     assert state.step == 3
 
 
-def test_a_run_whose_groups_are_all_flat_says_so_within_its_warning_time(tmp_path: Path, tiny_model: Path,
-                                                                         caplog: pytest.LogCaptureFixture) -> None:
+def test_a_run_whose_groups_are_all_flat_says_so_within_its_warning_time(
+    tmp_path: Path, tiny_model: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """No silent waits (issue 37): every group flat, so no step ever happens. The learner
     names the cause, the rewards the groups had and the reward function, and says it again
     later; the groups it consumed are counted as flat."""
-    cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2, stall_warning_s=2.0,
-                       reward=["toy_rewards:nothing"], scoring="actors")
+    cfg = small_config(
+        tmp_path,
+        tiny_model,
+        steps=3,
+        groups_per_step=2,
+        stall_warning_s=2.0,
+        reward=["toy_rewards:nothing"],
+        scoring="actors",
+    )
     make = fake_queue_factory("flat")
     store = open_store(cfg.store)
     actor = SyntheticActor(make(), store, tiny_model, lambda _p, _t, _text: 0.0).start()

@@ -38,16 +38,44 @@ def test_undo_gives_a_prompt_back() -> None:
     assert ledger.outstanding["b0"].consumed == [] and ledger.inflight == 2
 
 
-@pytest.mark.parametrize(("letter", "lost", "still_out"), [
-    # a batch lost with two prompts it lacked; its stored group came as a group
-    (DeadLetter("1-0", "prompts", "1-0", "max_deliveries", 3, "w", batch(0, prompts=3),
-                missing_groups=[group_id_for("batch-0", "p1"), group_id_for("batch-0", "p2")]), 2, False),
-    # a batch lost, nothing known of its groups: what the ledger had not consumed
-    (DeadLetter("1-0", "prompts", "1-0", "missing", 0, "", batch(0, prompts=3)), 2, False),
-    # one group the scoring tier could not store: its prompt is consumed, the batch goes on
-    (DeadLetter("1-0", "unscored", "5-0", "unstorable", 0, "", None, group_id=group_id_for("batch-0", "p2"),
-                batch_id="batch-0"), 1, True),
-])
+@pytest.mark.parametrize(
+    ("letter", "lost", "still_out"),
+    [
+        # a batch lost with two prompts it lacked; its stored group came as a group
+        (
+            DeadLetter(
+                "1-0",
+                "prompts",
+                "1-0",
+                "max_deliveries",
+                3,
+                "w",
+                batch(0, prompts=3),
+                missing_groups=[group_id_for("batch-0", "p1"), group_id_for("batch-0", "p2")],
+            ),
+            2,
+            False,
+        ),
+        # a batch lost, nothing known of its groups: what the ledger had not consumed
+        (DeadLetter("1-0", "prompts", "1-0", "missing", 0, "", batch(0, prompts=3)), 2, False),
+        # one group the scoring tier could not store: its prompt is consumed, the batch goes on
+        (
+            DeadLetter(
+                "1-0",
+                "unscored",
+                "5-0",
+                "unstorable",
+                0,
+                "",
+                None,
+                group_id=group_id_for("batch-0", "p2"),
+                batch_id="batch-0",
+            ),
+            1,
+            True,
+        ),
+    ],
+)
 def test_a_dead_letter_loses_exactly_its_prompts(letter: DeadLetter, lost: int, still_out: bool) -> None:
     ledger = PromptLedger()
     ledger.issue("batch-0", 3)
@@ -70,16 +98,33 @@ def test_the_ledger_round_trips_through_a_checkpoint_and_reads_the_old_layout() 
     state.ledger.finish("e0", 100, 4)
     again = LearnerState.from_json(json.loads(json.dumps(asdict(state))))
     assert again == state
-    old = {"step": 3, "policy_version": 2, "cursor": 4, "batches_issued": 2, "consumed_prompts": 1,
-           "dead_letter_after": "7-0", "outstanding": {"b1": [2, 2, ["p2"]]}, "finished": {"b0": [0, 2]},
-           "totals": {"trained_groups": 1}, "unacked": {}, "rng": {}}
+    old = {
+        "step": 3,
+        "policy_version": 2,
+        "cursor": 4,
+        "batches_issued": 2,
+        "consumed_prompts": 1,
+        "dead_letter_after": "7-0",
+        "outstanding": {"b1": [2, 2, ["p2"]]},
+        "finished": {"b0": [0, 2]},
+        "totals": {"trained_groups": 1},
+        "unacked": {},
+        "rng": {},
+    }
     read = LearnerState.from_json(old)
     assert read.ledger.outstanding == {"b1": Outstanding(2, 2, ["p2"])} and read.ledger.finished == {"b0": Span(0, 2)}
     assert (read.ledger.cursor, read.ledger.dead_letter_after, read.policy_version) == (4, "7-0", 2)
 
 
-BOUNDS = Bounds(scoring_mode="actors", max_abs_reward=10.0, vocab_size=100, context=32, num_generations=4,
-                max_tokens=8, max_staleness=2)
+BOUNDS = Bounds(
+    scoring_mode="actors",
+    max_abs_reward=10.0,
+    vocab_size=100,
+    context=32,
+    num_generations=4,
+    max_tokens=8,
+    max_staleness=2,
+)
 
 
 def _with(g, **changes):
@@ -87,7 +132,9 @@ def _with(g, **changes):
 
 
 def _rewards(g, *values):
-    return _with(g, completions=[msgspec.structs.replace(c, reward=v) for c, v in zip(g.completions, values, strict=True)])
+    return _with(
+        g, completions=[msgspec.structs.replace(c, reward=v) for c, v in zip(g.completions, values, strict=True)]
+    )
 
 
 B = batch(0)
@@ -100,27 +147,53 @@ CASES = [
     ("the tier gave up", _with(GOOD, error="hung", scored_by="tier"), 5, ISSUED, "rejected_scoring"),
     ("a reward missing", _rewards(GOOD, 0.0, None, 1.0, 1.0), 5, ISSUED, "rejected_reward_error"),
     # the learner trains mask-1 tokens, the rewards score every token: without tools, no mask
-    ("a mask in a run without tools", _with(GOOD, completions=[
-        msgspec.structs.replace(c, mask=b"\x01" + b"\x00" * (c.tokens.size - 1)) for c in GOOD.completions]),
-     5, ISSUED, "rejected_mask"),
+    (
+        "a mask in a run without tools",
+        _with(
+            GOOD,
+            completions=[
+                msgspec.structs.replace(c, mask=b"\x01" + b"\x00" * (c.tokens.size - 1)) for c in GOOD.completions
+            ],
+        ),
+        5,
+        ISSUED,
+        "rejected_mask",
+    ),
     ("a reward too large", _rewards(GOOD, 0.0, 11.0, 1.0, 1.0), 5, ISSUED, "rejected_bad_reward"),
     ("no prompt", _with(GOOD, prompt_token_ids=pack_i32([])), 5, ISSUED, "rejected_empty_prompt"),
     ("a token past the vocabulary", _with(GOOD, prompt_token_ids=pack_i32([1, 200])), 5, ISSUED, "rejected_bad_vocab"),
     ("longer than the context", _with(GOOD, prompt_token_ids=pack_i32([1] * 30)), 5, ISSUED, "rejected_too_long"),
     ("too few completions", _with(GOOD, completions=GOOD.completions[:3]), 5, ISSUED, "rejected_bad_shape"),
-    ("a completion past max_tokens", _with(GOOD, completions=[
-        Completion.of([5] * 9, [-0.1] * 9, finish_reason="length", reward=1.0), *GOOD.completions[1:]]), 5, ISSUED,
-        "rejected_bad_shape"),
-    ("other prompt tokens than issued", _with(GOOD, prompt_token_ids=pack_i32([1, 2, 4])), 5, ISSUED,
-     "rejected_bad_shape"),
+    (
+        "a completion past max_tokens",
+        _with(
+            GOOD,
+            completions=[Completion.of([5] * 9, [-0.1] * 9, finish_reason="length", reward=1.0), *GOOD.completions[1:]],
+        ),
+        5,
+        ISSUED,
+        "rejected_bad_shape",
+    ),
+    (
+        "other prompt tokens than issued",
+        _with(GOOD, prompt_token_ids=pack_i32([1, 2, 4])),
+        5,
+        ISSUED,
+        "rejected_bad_shape",
+    ),
     ("a prompt not issued", GOOD, 5, {"p1": None}, "rejected_bad_shape"),
     ("a batch from before a restart", _with(GOOD, prompt_token_ids=pack_i32([1, 2, 4])), 5, None, None),
     ("from the future", _with(GOOD, adapter_version=6), 5, ISSUED, "rejected_future_version"),
     ("at the staleness bound", _with(GOOD, adapter_version=3), 5, ISSUED, None),
     ("past the staleness bound", _with(GOOD, adapter_version=2), 5, ISSUED, "dropped_stale"),
     ("every reward equal", _rewards(GOOD, 1.0, 1.0, 1.0, 1.0), 5, ISSUED, "dropped_flat"),
-    ("a rejection comes before staleness", _rewards(_with(GOOD, adapter_version=0), 0.0, 99.0, 0.0, 0.0), 5, ISSUED,
-     "rejected_bad_reward"),
+    (
+        "a rejection comes before staleness",
+        _rewards(_with(GOOD, adapter_version=0), 0.0, 99.0, 0.0, 0.0),
+        5,
+        ISSUED,
+        "rejected_bad_reward",
+    ),
 ]
 
 
@@ -131,8 +204,12 @@ def test_judge(group_, version: int, issued, reason: str | None) -> None:
 
 
 def test_a_mask_is_judged_by_the_rest_of_the_rules_in_a_run_with_tools() -> None:
-    masked = _with(GOOD, completions=[msgspec.structs.replace(c, mask=b"\x01" + b"\x00" * (c.tokens.size - 1))
-                                      for c in GOOD.completions])
+    masked = _with(
+        GOOD,
+        completions=[
+            msgspec.structs.replace(c, mask=b"\x01" + b"\x00" * (c.tokens.size - 1)) for c in GOOD.completions
+        ],
+    )
     assert judge(masked, Bounds(**{**asdict(BOUNDS), "episodes": True}), 5, ISSUED) is None
 
 
@@ -142,8 +219,11 @@ def test_step_groups_keep_the_verdicts_in_order() -> None:
     for g, reason in ((GOOD, None), (stale, "dropped_stale"), (flat, "dropped_flat"), (GOOD, "rejected_bad_vocab")):
         step.add(g, reason)
     assert step.kept == [GOOD] and step.count("dropped_stale") == 1
-    assert step.reasons() == [(stale.group_id, "dropped_stale"), (flat.group_id, "dropped_flat"),
-                              (GOOD.group_id, "rejected_bad_vocab")]
+    assert step.reasons() == [
+        (stale.group_id, "dropped_stale"),
+        (flat.group_id, "dropped_flat"),
+        (GOOD.group_id, "rejected_bad_vocab"),
+    ]
     assert step.dropped_rewards() == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # the stale and flat ones only
 
 
@@ -160,5 +240,9 @@ def test_a_repeated_rejection_is_logged_once_a_minute_with_its_count(caplog: pyt
             warnings.warn("rejected_too_long", f"group g{t}: too_long")
         warnings.warn("rejected_bad_shape", "group x: bad_shape")
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["group g0: too_long", "group g60: too_long (and 29 more like it in the last 60s)",
-                     "group g120: too_long (and 29 more like it in the last 60s)", "group x: bad_shape"], lines
+    assert lines == [
+        "group g0: too_long",
+        "group g60: too_long (and 29 more like it in the last 60s)",
+        "group g120: too_long (and 29 more like it in the last 60s)",
+        "group x: bad_shape",
+    ], lines

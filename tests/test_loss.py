@@ -53,7 +53,9 @@ def test_masked_importance_sampling_token_and_sequence() -> None:
 
     # sequence level: geometric mean of token ratios; 2 is inside [0.5, 2], 3 is not
     prox = torch.tensor([[LOG(2.0), LOG(2.0)], [LOG(9.0), 0.0]])
-    w = importance_weights(prox, torch.zeros(2, 2), torch.ones(2, 2), "mis", mis_level="sequence", mis_low=0.5, mis_high=2.0)
+    w = importance_weights(
+        prox, torch.zeros(2, 2), torch.ones(2, 2), "mis", mis_level="sequence", mis_low=0.5, mis_high=2.0
+    )
     assert w.keep_BT.tolist() == [[True, True], [False, False]]
     assert w.weights_BT.flatten().tolist() == pytest.approx([2.0, 2.0, 0.0, 0.0])
 
@@ -76,7 +78,14 @@ def test_policy_loss_clips_against_the_proximal_policy() -> None:
     # d/dlogp of -ratio*A*w = -ratio*w where unclipped, 0 where clipped
     assert logp.grad[0].tolist() == pytest.approx([0.0, -0.5 * 2.0, -0.9])
 
-    neg = policy_loss(torch.tensor([[LOG(0.5)]]), torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1), epsilon_low=0.2, epsilon_high=0.28)
+    neg = policy_loss(
+        torch.tensor([[LOG(0.5)]]),
+        torch.zeros(1, 1),
+        torch.tensor([-1.0]),
+        torch.ones(1, 1),
+        epsilon_low=0.2,
+        epsilon_high=0.28,
+    )
     assert neg[0].item() == pytest.approx(0.8) and neg[1].item()
 
 
@@ -152,7 +161,11 @@ def _on_policy_batch(policy: Policy) -> tuple[StepBatch, list[list[int]], list[l
 
 
 def _grads(policy: Policy) -> dict[str, torch.Tensor]:
-    out = {n.removeprefix("base_model.model."): p.grad.clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    out = {
+        n.removeprefix("base_model.model."): p.grad.clone()
+        for n, p in policy.model.named_parameters()
+        if p.requires_grad
+    }
     policy.model.zero_grad(set_to_none=True)
     return out
 
@@ -231,13 +244,25 @@ def test_on_policy_gradient_equals_trl_grpo_trainer(tiny_model, tmp_path, mode, 
     ours = _grads(policy)
 
     args = GRPOConfig(
-        output_dir=str(tmp_path), use_cpu=True, bf16=False, loss_type=trl_loss, beta=0.0,
-        temperature=policy.cfg.temperature, per_device_train_batch_size=4, num_generations=2,
-        max_completion_length=policy.cfg.max_tokens, report_to="none", epsilon=0.2, epsilon_high=0.28,
+        output_dir=str(tmp_path),
+        use_cpu=True,
+        bf16=False,
+        loss_type=trl_loss,
+        beta=0.0,
+        temperature=policy.cfg.temperature,
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=policy.cfg.max_tokens,
+        report_to="none",
+        epsilon=0.2,
+        epsilon_high=0.28,
     )
     trainer = GRPOTrainer(
-        model=policy.model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-        train_dataset=Dataset.from_list([{"prompt": "ab"}] * 4), processing_class=policy.tokenizer,
+        model=policy.model,
+        reward_funcs=lambda completions, **_: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "ab"}] * 4),
+        processing_class=policy.tokenizer,
     )
     trainer.current_gradient_accumulation_steps = 1
     width_p, width_c = max(map(len, prompts)), max(map(len, completions))
@@ -275,12 +300,19 @@ def test_an_episodes_environment_tokens_take_no_part_in_the_loss(tiny_model) -> 
     cfg = policy.cfg
     mask = [1, 1, 0, 0, 0, 1, 1, 0, 0]  # model, tool result, model, glue at the end
 
-    def step_grads(tail: list[int], env_logp: float, episode_mask: list[int] | None,
-                   cfg: LearnerConfig = cfg) -> tuple[dict, float]:
+    def step_grads(
+        tail: list[int], env_logp: float, episode_mask: list[int] | None, cfg: LearnerConfig = cfg
+    ) -> tuple[dict, float]:
         completions = [
-            Completion.of([10 + k, 11, 20, 21, 22, 12 + k, 13, *tail],
-                          [-1.0 if m else env_logp for m in mask], episode_mask, finish_reason="stop",
-                          reward=float(k), turns=2, tool_calls=1)
+            Completion.of(
+                [10 + k, 11, 20, 21, 22, 12 + k, 13, *tail],
+                [-1.0 if m else env_logp for m in mask],
+                episode_mask,
+                finish_reason="stop",
+                reward=float(k),
+                turns=2,
+                tool_calls=1,
+            )
             for k in range(2)
         ]
         episode_group = msgspec.structs.replace(group(batch(), completions=2), completions=completions)

@@ -120,18 +120,58 @@ REJECTIONS: list[tuple[str, Callable[[], protocol.Message], Callable[[dict[str, 
     ("group id not derived", lambda: group(batch()), _set(["group_id"], "forged"), "group_id"),
     ("no completions", lambda: group(batch()), _set(["completions"], []), "completions"),
     ("ragged token bytes", lambda: group(batch()), _set(["completions", 0, "token_ids"], b"\x01\x00\x00"), "token_ids"),
-    ("negative token id", lambda: group(batch()), _set(["completions", 0, "token_ids"], pack_i32([1, -2, 3, 4])), "token_ids"),
-    ("negative prompt token id", lambda: group(batch()), _set(["prompt_token_ids"], pack_i32([1, -2])), "prompt_token_ids"),
-    ("ragged prompt token bytes", lambda: group(batch()), _set(["prompt_token_ids"], b"\x01\x00\x00"), "prompt_token_ids"),
-    ("+inf log-probability", lambda: group(batch()), _set(["completions", 1, "logprobs"], pack_f32([-0.1, float("inf"), -0.2, -0.3])), "completions[1].logprobs"),
+    (
+        "negative token id",
+        lambda: group(batch()),
+        _set(["completions", 0, "token_ids"], pack_i32([1, -2, 3, 4])),
+        "token_ids",
+    ),
+    (
+        "negative prompt token id",
+        lambda: group(batch()),
+        _set(["prompt_token_ids"], pack_i32([1, -2])),
+        "prompt_token_ids",
+    ),
+    (
+        "ragged prompt token bytes",
+        lambda: group(batch()),
+        _set(["prompt_token_ids"], b"\x01\x00\x00"),
+        "prompt_token_ids",
+    ),
+    (
+        "+inf log-probability",
+        lambda: group(batch()),
+        _set(["completions", 1, "logprobs"], pack_f32([-0.1, float("inf"), -0.2, -0.3])),
+        "completions[1].logprobs",
+    ),
     ("length mismatch", lambda: group(batch()), _set(["completions", 0, "logprobs"], pack_f32([-0.1] * 3)), "logprobs"),
     ("NaN log-probability", lambda: group(batch()), _set(["completions", 0, "logprobs"], NAN_LOGPROBS), "logprobs"),
-    ("infinite log-probability", lambda: group(batch()), _set(["completions", 0, "logprobs"], INF_LOGPROBS), "logprobs"),
-    ("positive log-probability", lambda: group(batch()), _set(["completions", 0, "logprobs"], POSITIVE_LOGPROBS), "logprobs"),
+    (
+        "infinite log-probability",
+        lambda: group(batch()),
+        _set(["completions", 0, "logprobs"], INF_LOGPROBS),
+        "logprobs",
+    ),
+    (
+        "positive log-probability",
+        lambda: group(batch()),
+        _set(["completions", 0, "logprobs"], POSITIVE_LOGPROBS),
+        "logprobs",
+    ),
     ("logprobs as a list", lambda: group(batch()), _set(["completions", 0, "logprobs"], [-0.1] * 4), "logprobs"),
-    ("unknown finish reason", lambda: group(batch()), _set(["completions", 0, "finish_reason"], "tired"), "finish_reason"),
+    (
+        "unknown finish reason",
+        lambda: group(batch()),
+        _set(["completions", 0, "finish_reason"], "tired"),
+        "finish_reason",
+    ),
     ("reward NaN", lambda: group(batch()), _set(["completions", 0, "reward"], float("nan")), "reward"),
-    ("reward component inf", lambda: group(batch()), _set(["completions", 0, "reward_components", "acc"], float("inf")), "reward_components"),
+    (
+        "reward component inf",
+        lambda: group(batch()),
+        _set(["completions", 0, "reward_components", "acc"], float("inf")),
+        "reward_components",
+    ),
     ("timing NaN", lambda: group(batch()), _set(["timings", "generate_s"], float("nan")), "timings"),
     ("manifest version zero", manifest, _set(["version"], 0), "version"),
     ("manifest negative step", manifest, _set(["step"], -1), "step"),
@@ -144,7 +184,9 @@ REJECTIONS: list[tuple[str, Callable[[], protocol.Message], Callable[[dict[str, 
 
 
 @pytest.mark.parametrize(("make", "mutate", "field"), [r[1:] for r in REJECTIONS], ids=[r[0] for r in REJECTIONS])
-def test_rejection_names_the_field(make: Callable[[], protocol.Message], mutate: Callable[[dict[str, Any]], None], field: str) -> None:
+def test_rejection_names_the_field(
+    make: Callable[[], protocol.Message], mutate: Callable[[dict[str, Any]], None], field: str
+) -> None:
     d = as_dict(make())
     decode(raw(d))  # the unmutated message is fine
     mutate(d)
@@ -158,7 +200,8 @@ GROUP_REJECTIONS = [r for r in REJECTIONS if r[1] not in (batch, manifest)]
 
 @pytest.mark.parametrize(("mutate", "field"), [r[2:] for r in GROUP_REJECTIONS], ids=[r[0] for r in GROUP_REJECTIONS])
 def test_a_read_of_many_groups_refuses_the_bad_one_alone_and_names_its_field(
-        mutate: Callable[[dict[str, Any]], None], field: str) -> None:
+    mutate: Callable[[dict[str, Any]], None], field: str
+) -> None:
     """`decode_each` checks the groups' arrays together (one pass for all): a bad group
     among good ones is refused as `decode` refuses it, the others come through."""
     from protocol.wire.codec import decode_each
@@ -221,20 +264,25 @@ def test_limits(limits: Limits, make: Callable[[], protocol.Message], field: str
 def test_a_groups_limits_hold_at_their_bounds_and_name_the_field_past_them() -> None:
     """A group's sizes are checked longest-first and named only past the bound: exactly at
     it passes, one past it is refused naming the completion (or the prompt)."""
+
     def long(completion: int, tokens: int = 0, text: int = 0, prompt: int = 3) -> protocol.RolloutGroup:
         g = group(batch(), completions=3)
         cs = list(g.completions)
         cs[completion] = msgspec.structs.replace(cs[completion], text="x" * text)
         if tokens:
             cs[completion] = msgspec.structs.replace(
-                cs[completion], token_ids=pack_i32([1] * tokens), logprobs=pack_f32([-0.5] * tokens))
+                cs[completion], token_ids=pack_i32([1] * tokens), logprobs=pack_f32([-0.5] * tokens)
+            )
         return msgspec.structs.replace(g, completions=cs, prompt_token_ids=pack_i32([1] * prompt))
 
     limits = Limits(max_tokens=16, max_text_chars=5)
     for ok in (long(2, tokens=16), long(1, text=5), long(0, prompt=16)):
         decode(encode(ok), limits)
-    for bad, field in ((long(2, tokens=17), "completions[2].token_ids"), (long(1, text=6), "completions[1].text"),
-                       (long(0, prompt=17), "prompt_token_ids")):
+    for bad, field in (
+        (long(2, tokens=17), "completions[2].token_ids"),
+        (long(1, text=6), "completions[1].text"),
+        (long(0, prompt=17), "prompt_token_ids"),
+    ):
         with pytest.raises(ProtocolError, match=re.escape(field)):
             decode(encode(bad), limits)
 

@@ -120,18 +120,32 @@ def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:
         (b"\xc1garbage", CONTENT_TYPE, 400, ""),
         (encode_body(ClaimRequest(worker="w")), "application/json", 415, "content type"),
         (encode_body(ClaimRequest(worker="w")), "", 415, "content type"),
-        (msgspec.msgpack.encode({"type": "claim", "schema": SCHEMA_VERSION, "worker": "w", "sneaky": 1}), CONTENT_TYPE, 400, "sneaky"),
+        (
+            msgspec.msgpack.encode({"type": "claim", "schema": SCHEMA_VERSION, "worker": "w", "sneaky": 1}),
+            CONTENT_TYPE,
+            400,
+            "sneaky",
+        ),
         (msgspec.msgpack.encode({"type": "claim", "schema": 99, "worker": "w"}), CONTENT_TYPE, 400, "schema"),
-        (msgspec.msgpack.encode({"type": "submit", "schema": SCHEMA_VERSION, "worker": "w"}), CONTENT_TYPE, 400, "Invalid value 'submit'"),
+        (
+            msgspec.msgpack.encode({"type": "submit", "schema": SCHEMA_VERSION, "worker": "w"}),
+            CONTENT_TYPE,
+            400,
+            "Invalid value 'submit'",
+        ),
     ],
 )
-def test_malformed_bodies_get_4xx_and_change_nothing(make_proxy, body: bytes, content_type: str, status: int, message: str) -> None:
+def test_malformed_bodies_get_4xx_and_change_nothing(
+    make_proxy, body: bytes, content_type: str, status: int, message: str
+) -> None:
     proxy = make_proxy()
     learner = proxy.queue("learner")
     learner.add_prompts([batch(1)])
     before = _state(learner)
     with _client(proxy, "actor") as client:
-        r = client.post("/v1/leases/claim", content=body, headers={"Content-Type": content_type} if content_type else {})
+        r = client.post(
+            "/v1/leases/claim", content=body, headers={"Content-Type": content_type} if content_type else {}
+        )
     assert r.status_code == status
     if message:
         assert message in r.content.decode(errors="replace")
@@ -148,13 +162,18 @@ def test_protocol_violations_inside_valid_msgpack(make_proxy) -> None:
     body = msgspec.msgpack.decode(encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[group(b, 0)])))
     cases = {
         "group_id": ("group_id", "0" * 32),  # not derived from batch and prompt
-        "logprobs": ("completions", [{**body["groups"][0]["completions"][0], "logprobs": b"\x00\x00\xc0\x7f" * 4}]),  # NaN
+        "logprobs": (
+            "completions",
+            [{**body["groups"][0]["completions"][0], "logprobs": b"\x00\x00\xc0\x7f" * 4}],
+        ),  # NaN
         "token_ids": ("completions", [{**body["groups"][0]["completions"][0], "token_ids": b"\x01\x00\x00"}]),
     }
     with _client(proxy, "actor") as client:
         for expected, (field, value) in cases.items():
             tampered = {**body, "groups": [{**body["groups"][0], field: value}]}
-            r = client.post("/v1/leases/submit", content=msgspec.msgpack.encode(tampered), headers={"Content-Type": CONTENT_TYPE})
+            r = client.post(
+                "/v1/leases/submit", content=msgspec.msgpack.encode(tampered), headers={"Content-Type": CONTENT_TYPE}
+            )
             assert r.status_code == 400 and expected.encode() in r.content, (expected, r.content)
     assert learner.stats().rollouts.length == 0
     assert actor.heartbeat("w", [lease.lease_id]) == [lease.lease_id]  # the lease is untouched
@@ -176,8 +195,11 @@ def test_finished_batches_through_the_proxy(make_proxy, redis_server, run_name) 
     body = msgspec.msgpack.decode(encode_body(AckRequest(delivery_ids=[d.delivery_id for d in got])))
     with _client(proxy, "learner") as client:
         for bad in ([{"batch_id": b.batch_id, "group_ids": ["zz"]}], [{"batch_id": "", "group_ids": []}], "x"):
-            r = client.post("/v1/rollouts/ack", content=msgspec.msgpack.encode({**body, "finished": bad}),
-                            headers={"Content-Type": CONTENT_TYPE})
+            r = client.post(
+                "/v1/rollouts/ack",
+                content=msgspec.msgpack.encode({**body, "finished": bad}),
+                headers={"Content-Type": CONTENT_TYPE},
+            )
             assert r.status_code == 400, r.content
     assert learner.stats().rollouts.pending == 2 and direct._r.scard(direct.keys.groups_seen) == 2
     finished = FinishedBatch(b.batch_id, [g.group_id for g in groups(b)])
@@ -208,9 +230,18 @@ def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:
     learner.close()
 
 
-@pytest.mark.parametrize("path", ["/v1/adapters/1/files/..", "/v1/adapters/1/files/..%2F..%2Fetc%2Fpasswd",
-                                  "/v1/adapters/..%2F1/files/x", "/v1/adapters/0", "/v1/adapters/-1",
-                                  "/v1/adapters/1/files/.hidden", "/v1/adapters/99999999999"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/adapters/1/files/..",
+        "/v1/adapters/1/files/..%2F..%2Fetc%2Fpasswd",
+        "/v1/adapters/..%2F1/files/x",
+        "/v1/adapters/0",
+        "/v1/adapters/-1",
+        "/v1/adapters/1/files/.hidden",
+        "/v1/adapters/99999999999",
+    ],
+)
 def test_adapter_paths_cannot_leave_the_adapter_prefix(make_proxy, path: str) -> None:
     proxy = make_proxy()
     with _client(proxy, "actor") as client:
@@ -224,20 +255,41 @@ def test_fuzzed_bodies_only_ever_get_4xx(make_proxy) -> None:
     learner = proxy.queue("learner")
     learner.add_prompts([batch(1)])
     before = _state(learner)
-    routes = [("actor", "/v1/leases/claim"), ("actor", "/v1/leases/heartbeat"), ("actor", "/v1/leases/submit"),
-              ("actor", "/v1/leases/release"), ("learner", "/v1/prompts"), ("learner", "/v1/rollouts/read"),
-              ("learner", "/v1/rollouts/ack"), ("learner", "/v1/adapters/announce")]
+    routes = [
+        ("actor", "/v1/leases/claim"),
+        ("actor", "/v1/leases/heartbeat"),
+        ("actor", "/v1/leases/submit"),
+        ("actor", "/v1/leases/release"),
+        ("learner", "/v1/prompts"),
+        ("learner", "/v1/rollouts/read"),
+        ("learner", "/v1/rollouts/ack"),
+        ("learner", "/v1/adapters/announce"),
+    ]
     clients = {role: _client(proxy, role) for role in ("actor", "learner")}
     json_like = st.recursive(
-        st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats(allow_nan=True) | st.text(max_size=20) | st.binary(max_size=20),
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**63), 2**64 - 1)
+        | st.floats(allow_nan=True)
+        | st.text(max_size=20)
+        | st.binary(max_size=20),
         lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
         max_leaves=12,
     )
-    type_tags = st.sampled_from(["claim", "heartbeat", "submit", "release", "add_prompts", "read_rollouts", "ack", "announce", "x"])
-    structured = st.builds(lambda tag, rest: msgspec.msgpack.encode({"type": tag, "schema": SCHEMA_VERSION, **rest}),
-                           type_tags, st.dictionaries(st.sampled_from(["worker", "lease_id", "groups", "batches", "count",
-                                                                       "consumer", "delivery_ids", "manifest", "block_s"]),
-                                                      json_like, max_size=4))
+    type_tags = st.sampled_from(
+        ["claim", "heartbeat", "submit", "release", "add_prompts", "read_rollouts", "ack", "announce", "x"]
+    )
+    structured = st.builds(
+        lambda tag, rest: msgspec.msgpack.encode({"type": tag, "schema": SCHEMA_VERSION, **rest}),
+        type_tags,
+        st.dictionaries(
+            st.sampled_from(
+                ["worker", "lease_id", "groups", "batches", "count", "consumer", "delivery_ids", "manifest", "block_s"]
+            ),
+            json_like,
+            max_size=4,
+        ),
+    )
     bodies = st.binary(max_size=200) | json_like.map(msgspec.msgpack.encode) | structured
 
     @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -344,8 +396,14 @@ def _manifest(store, version: int) -> AdapterManifest:
     files = {"adapter_model.safetensors": f"weights-{version}".encode(), "adapter_config.json": b"{}"}
     for name, data in files.items():
         store.put(adapter_key(version, name), data)
-    manifest = AdapterManifest(version=version, step=version, base_model="m", rank=1,
-                               files=[file_entry(n, d) for n, d in files.items()], created_at=time.time())
+    manifest = AdapterManifest(
+        version=version,
+        step=version,
+        base_model="m",
+        rank=1,
+        files=[file_entry(n, d) for n, d in files.items()],
+        created_at=time.time(),
+    )
     store.put(adapter_key(version, "manifest.json"), to_json(manifest))
     return manifest
 
@@ -423,8 +481,11 @@ def test_presigned_urls_name_the_public_endpoint(make_proxy, s3_bucket, moto_ser
     outside workers only at the public address, which `--presign-endpoint` names."""
     public = Forwarder(moto_server.port)
     try:
-        proxy = make_proxy(store=f"s3://{s3_bucket}/run", env=moto_server.env(),
-                           extra=("--presign-endpoint", f"http://127.0.0.1:{public.port}"))
+        proxy = make_proxy(
+            store=f"s3://{s3_bucket}/run",
+            env=moto_server.env(),
+            extra=("--presign-endpoint", f"http://127.0.0.1:{public.port}"),
+        )
         _manifest(open_store(f"s3://{s3_bucket}/run"), 3)
         actor = proxy.queue("actor")
         download = actor.adapter_download(3)
@@ -441,9 +502,28 @@ def test_a_presign_endpoint_needs_an_s3_store(tmp_path, tls_pair, tokens_file) -
     import sys
 
     proc = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--redis", "memory://", "--store", (tmp_path / "s").as_uri(),
-         "--tokens", str(tokens_file), "--tls-cert", str(tls_pair[0]), "--tls-key", str(tls_pair[1]),
-         "--presign-endpoint", "https://s3.example.com"], capture_output=True, text=True, timeout=60)
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "serve",
+            "--redis",
+            "memory://",
+            "--store",
+            (tmp_path / "s").as_uri(),
+            "--tokens",
+            str(tokens_file),
+            "--tls-cert",
+            str(tls_pair[0]),
+            "--tls-key",
+            str(tls_pair[1]),
+            "--presign-endpoint",
+            "https://s3.example.com",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "only for an s3:// store" in proc.stderr, proc.stderr
 
 
@@ -457,8 +537,9 @@ def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(mak
     learner.announce(_manifest(store, 1))
     assert sub.get(10).version == 1
     proxy.kill()  # the event stream drops
-    direct = RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1],
-                                 QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1]))
+    direct = RedisQueue.from_url(
+        proxy.cmd[proxy.cmd.index("--redis") + 1], QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1])
+    )
     direct.announce(_manifest(store, 2))  # announced while the proxy is down
     direct.announce(_manifest(store, 3))
     proxy.start()  # same port
@@ -484,8 +565,12 @@ def test_sigterm_ends_open_event_streams_cleanly_and_promptly(make_proxy) -> Non
     connected = threading.Barrier(4)
 
     def listen() -> None:
-        with httpx.Client(verify=proxy.ssl(), timeout=30) as client, client.stream(
-                "GET", f"{proxy.url}/v1/adapters/events", headers={"Authorization": f"Bearer {TOKENS['actor']}"}) as r:
+        with (
+            httpx.Client(verify=proxy.ssl(), timeout=30) as client,
+            client.stream(
+                "GET", f"{proxy.url}/v1/adapters/events", headers={"Authorization": f"Bearer {TOKENS['actor']}"}
+            ) as r,
+        ):
             assert r.status_code == 200
             lines = r.iter_lines()
             while next(lines) != ": connected":
@@ -528,13 +613,16 @@ def test_a_submission_while_redis_is_down_is_told_503_and_lands_when_it_returns(
     impatient, patient = proxy.queue("actor"), proxy.queue("actor")
     impatient.retry_s = 1.0
     first, second = patient.claim("w", 2)
-    assert patient.submit("w", first.lease_id, groups(first.batch, actor="w")).stored == 2  # the loop's client connected
+    assert (
+        patient.submit("w", first.lease_id, groups(first.batch, actor="w")).stored == 2
+    )  # the loop's client connected
     server.kill()
     with pytest.raises(QueueUnavailable, match="503"):
         impatient.submit("w", second.lease_id, groups(second.batch, actor="w"))
     results: list[object] = []
-    sender = threading.Thread(target=lambda: results.append(
-        patient.submit("w", second.lease_id, groups(second.batch, actor="w"))))
+    sender = threading.Thread(
+        target=lambda: results.append(patient.submit("w", second.lease_id, groups(second.batch, actor="w")))
+    )
     sender.start()
     time.sleep(1.5)  # retrying against 503s
     server.start()
@@ -598,7 +686,9 @@ def test_encode_is_what_the_proxy_serves() -> None:
 
 @pytest.mark.slow
 @pytest.mark.s3
-def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucket, moto_server, tiny_model, tmp_path, run_name) -> None:
+def test_learner_and_actor_complete_a_run_through_the_proxy(
+    make_proxy, s3_bucket, moto_server, tiny_model, tmp_path, run_name
+) -> None:
     """`learner run --queue https://…` and `actors run --queue https://…`: the learner
     publishes to S3, the actor downloads through presigned URLs holding no AWS
     credentials, and the run completes."""
@@ -616,21 +706,74 @@ def test_learner_and_actor_complete_a_run_through_the_proxy(make_proxy, s3_bucke
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     base_env.update(PYTHONPATH=os.pathsep.join([str(repo), str(repo / "tests")]), SPOTGRPO_CA_CERT=proxy.ca)
     actor = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", run_name, "--engine", "transformers",
-         "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--worker-id", "remote-1", "--claim-block-s", "1",
-         "--report-every-s", "1"],
-        cwd=repo, env={**base_env, "SPOTGRPO_TOKEN": TOKENS["actor"]},  # no AWS variables at all
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "run",
+            "--queue",
+            proxy.url,
+            "--run",
+            run_name,
+            "--engine",
+            "transformers",
+            "--model",
+            str(tiny_model),
+            "--reward",
+            "toy_rewards:digit_first",
+            "--worker-id",
+            "remote-1",
+            "--claim-block-s",
+            "1",
+            "--report-every-s",
+            "1",
+        ],
+        cwd=repo,
+        env={**base_env, "SPOTGRPO_TOKEN": TOKENS["actor"]},  # no AWS variables at all
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         learner = subprocess.run(
-            [sys.executable, "-m", "learner.cli", "run", "--run", run_name, "--queue", proxy.url, "--store", store,
-             "--model", str(tiny_model), "--dataset", str(write_dataset(tmp_path / "data.jsonl")),
-             "--run-dir", str(tmp_path / "run"), "--steps", "4", "--groups-per-step", "4", "--prompts-per-batch", "2",
-             "--max-inflight", "8", "--num-generations", "4", "--max-tokens", "4", "--checkpoint-every", "2",
-             "--no-tensorboard"],
-            cwd=repo, env={**base_env, **moto_server.env(), "SPOTGRPO_TOKEN": TOKENS["learner"]},
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "run",
+                "--run",
+                run_name,
+                "--queue",
+                proxy.url,
+                "--store",
+                store,
+                "--model",
+                str(tiny_model),
+                "--dataset",
+                str(write_dataset(tmp_path / "data.jsonl")),
+                "--run-dir",
+                str(tmp_path / "run"),
+                "--steps",
+                "4",
+                "--groups-per-step",
+                "4",
+                "--prompts-per-batch",
+                "2",
+                "--max-inflight",
+                "8",
+                "--num-generations",
+                "4",
+                "--max-tokens",
+                "4",
+                "--checkpoint-every",
+                "2",
+                "--no-tensorboard",
+            ],
+            cwd=repo,
+            env={**base_env, **moto_server.env(), "SPOTGRPO_TOKEN": TOKENS["learner"]},
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert learner.returncode == 0, learner.stderr[-3000:]
         time.sleep(2)  # one more status report, with the last adapter loaded
@@ -657,8 +800,16 @@ def test_workers_report_under_their_token_and_admins_list_them(make_proxy) -> No
     proxy = make_proxy()
     actor, admin = proxy.queue("actor"), proxy.queue("admin")
     # a worker cannot report under another token's name, nor from another time
-    actor.report_status(WorkerStatus(worker="gpu-7", adapter_version=4, tokens_per_s=120.5, adapters_refused=1,
-                                     last_error="adapter v5 refused: sha256 mismatch", reported_at=1.0))
+    actor.report_status(
+        WorkerStatus(
+            worker="gpu-7",
+            adapter_version=4,
+            tokens_per_s=120.5,
+            adapters_refused=1,
+            last_error="adapter v5 refused: sha256 mismatch",
+            reported_at=1.0,
+        )
+    )
     (status,) = admin.workers()
     assert status.worker == "actor-token/gpu-7" and status.adapter_version == 4
     assert status.last_error == "adapter v5 refused: sha256 mismatch" and time.time() - status.reported_at < 30
@@ -701,9 +852,11 @@ def test_a_client_that_dies_mid_body_is_logged_in_one_line(make_proxy) -> None:
     host, port = proxy.url.removeprefix("https://").split(":")
     with socket.create_connection((host, int(port))) as raw:
         with proxy.ssl().wrap_socket(raw, server_hostname=host) as conn:
-            conn.sendall(b"POST /v1/leases/claim HTTP/1.1\r\nHost: x\r\n"
-                         b"Authorization: Bearer " + TOKENS["actor"].encode() + b"\r\n"
-                         b"Content-Type: " + CONTENT_TYPE.encode() + b"\r\nContent-Length: 100\r\n\r\n\x83")
+            conn.sendall(
+                b"POST /v1/leases/claim HTTP/1.1\r\nHost: x\r\n"
+                b"Authorization: Bearer " + TOKENS["actor"].encode() + b"\r\n"
+                b"Content-Type: " + CONTENT_TYPE.encode() + b"\r\nContent-Length: 100\r\n\r\n\x83"
+            )
             time.sleep(0.3)
     deadline = time.monotonic() + 10
     while "disconnected before its body" not in proxy.log.read_text():

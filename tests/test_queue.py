@@ -228,8 +228,11 @@ def test_bad_finished_batches_are_refused_and_change_nothing(make_queue) -> None
     (lease,) = q.claim("w", 1)
     q.submit("w", lease.lease_id, groups(lease.batch))
     (d,) = q.read_rollouts("learner", 10)[:1]
-    for bad in (FinishedBatch("batch-0", ["not-a-group-id"]), FinishedBatch("", []),
-                FinishedBatch("batch-0", ["a" * 32] * 5000)):
+    for bad in (
+        FinishedBatch("batch-0", ["not-a-group-id"]),
+        FinishedBatch("", []),
+        FinishedBatch("batch-0", ["a" * 32] * 5000),
+    ):
         with pytest.raises(ValueError, match="finished"):
             q.ack_rollouts([d.delivery_id], [bad])
     assert q.stats().rollouts.pending == 2 and q._r.scard(q.keys.groups_seen) == 2
@@ -281,8 +284,11 @@ def test_a_blocked_reader_wakes_for_stored_groups_only_and_no_gate_outlives_a_su
     first, second = q.claim("w", 2)
 
     def no_gate_left() -> bool:
-        return client.exists(q.keys.submit_gate, q.keys.submit_alias) == 0 and \
-            client.type(q.keys.rollouts) == b"stream" and client.type(q.keys.unscored) == b"stream"
+        return (
+            client.exists(q.keys.submit_gate, q.keys.submit_alias) == 0
+            and client.type(q.keys.rollouts) == b"stream"
+            and client.type(q.keys.unscored) == b"stream"
+        )
 
     got: list = []
     reader = threading.Thread(target=lambda: got.extend(learner.read_rollouts("learner", 10, block_s=8.0)))
@@ -438,7 +444,9 @@ def test_heavy_traffic_with_trimming_never_loses_a_pending_entry(make_queue) -> 
         except BaseException as err:
             errors.append(err)
 
-    threads = [threading.Thread(target=produce)] + [threading.Thread(target=work, args=(f"w{i}",)) for i in range(workers)]
+    threads = [threading.Thread(target=produce)] + [
+        threading.Thread(target=work, args=(f"w{i}",)) for i in range(workers)
+    ]
     for t in threads:
         t.start()
     learner = make_queue()

@@ -29,15 +29,34 @@ def real_model() -> Path:
 
 
 def _learner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "learner.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run(
+        [sys.executable, "-m", "learner.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
 
 
 @pytest.fixture(scope="module")
 def example_run(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("arithmetic") / "run"
-    proc = _learner("run", "--example", "arithmetic", "--run-dir", str(run_dir), "--steps", "3", "--actors", "1",
-                    "--eval-max-prompts", "6", "--model", str(real_model), "--no-tensorboard")
+    proc = _learner(
+        "run",
+        "--example",
+        "arithmetic",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "3",
+        "--actors",
+        "1",
+        "--eval-max-prompts",
+        "6",
+        "--model",
+        str(real_model),
+        "--no-tensorboard",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return run_dir
 
@@ -47,7 +66,9 @@ def test_the_arithmetic_example_trains_the_real_model(example_run: Path) -> None
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["rejected"] == 0 for r in rows), rows  # nothing too long, nothing malformed
     assert all(r["completions/max_length"] <= 32 for r in rows)
-    evals = {r["eval/version"]: r for r in (json.loads(x) for x in (example_run / "evals.jsonl").read_text().splitlines())}
+    evals = {
+        r["eval/version"]: r for r in (json.loads(x) for x in (example_run / "evals.jsonl").read_text().splitlines())
+    }
     assert sorted(evals) == [0, 3] and all(r["eval/prompts"] == 6 and "eval/cut_short" not in r for r in evals.values())
     summary = json.loads((example_run / "summary.json").read_text())
     assert summary["accounting"]["balanced"], summary["accounting"]
@@ -60,8 +81,22 @@ def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path
     """Its first step: SmolLM2 offered the add tool through the ChatML fallback template,
     episodes on the actor, the answer scored on the trusted tier, the shape reported."""
     run_dir = tmp_path / "run"
-    proc = _learner("run", "--example", "calculator", "--run-dir", str(run_dir), "--steps", "1", "--actors", "1",
-                    "--eval-every", "0", "--model", str(real_model), "--no-tensorboard")
+    proc = _learner(
+        "run",
+        "--example",
+        "calculator",
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        "1",
+        "--actors",
+        "1",
+        "--eval-every",
+        "0",
+        "--model",
+        str(real_model),
+        "--no-tensorboard",
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "episodes use Qwen2.5's ChatML tool template" in proc.stderr
     [row] = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,8 +104,9 @@ def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path
     assert row["completions/max_length"] <= 96
 
 
-def test_the_exported_adapter_generates_what_the_actor_generated(example_run: Path, real_model: Path,
-                                                                  tmp_path: Path) -> None:
+def test_the_exported_adapter_generates_what_the_actor_generated(
+    example_run: Path, real_model: Path, tmp_path: Path
+) -> None:
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -84,12 +120,21 @@ def test_the_exported_adapter_generates_what_the_actor_generated(example_run: Pa
     engine = TransformersEngine(str(real_model))
     engine.load_adapter(version, example_run / "store" / "adapters" / f"v{version}")
     messages = [{"role": "user", "content": "Ana has 3 apples and gets 4 more. How many apples does Ana have?"}]
-    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     (actor,) = engine.generate([prompt], 1, SamplingParams(temperature=0.0, max_tokens=12), version)
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(real_model), str(tmp_path / "adapter")).eval()
-    out = model.generate(input_ids=torch.tensor([prompt]), do_sample=False, max_new_tokens=12,
-                         eos_token_id=list(engine.stop_ids), pad_token_id=engine.tokenizer.pad_token_id)
-    peft_tokens = out[0, len(prompt):].tolist()
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(real_model), str(tmp_path / "adapter")
+    ).eval()
+    out = model.generate(
+        input_ids=torch.tensor([prompt]),
+        do_sample=False,
+        max_new_tokens=12,
+        eos_token_id=list(engine.stop_ids),
+        pad_token_id=engine.tokenizer.pad_token_id,
+    )
+    peft_tokens = out[0, len(prompt) :].tolist()
     ends = [i for i, t in enumerate(peft_tokens) if t in engine.stop_ids]
     peft_tokens = peft_tokens[: ends[0] + 1] if ends else peft_tokens  # generate pads after the end
     assert peft_tokens[:8] == actor[0].token_ids[:8]
@@ -112,12 +157,16 @@ def test_completions_stop_at_end_of_turn_and_are_capped_at_the_context(real_mode
     end_of_turn = engine.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert engine.context == 96 and end_of_turn in engine.stop_ids
     messages = [{"role": "user", "content": "Write a long story about a cat who learns to count."}]
-    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     (group,) = engine.generate([prompt], 2, SamplingParams(temperature=0.8, max_tokens=256, seed=1), 0)
     assert all(len(prompt) + len(s.token_ids) <= 96 for s in group)
     assert any(s.finish_reason == "length" and len(prompt) + len(s.token_ids) == 96 for s in group), group
     messages = [{"role": "user", "content": "Say yes."}]
-    prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    prompt = engine.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True
+    )["input_ids"]
     (group,) = engine.generate([prompt], 4, SamplingParams(temperature=0.7, max_tokens=40, seed=2), 0)
     ended = [s for s in group if s.finish_reason == "stop"]
     assert ended and all(s.token_ids[-1] == end_of_turn for s in ended)
@@ -125,8 +174,18 @@ def test_completions_stop_at_end_of_turn_and_are_capped_at_the_context(real_mode
 
 
 def test_a_configuration_that_cannot_fit_is_refused_on_the_real_model(real_model: Path, tmp_path: Path) -> None:
-    proc = _learner("run", "--example", "arithmetic", "--run-dir", str(tmp_path / "run"), "--model", str(real_model),
-                    "--max-tokens", "8180", timeout=300)
+    proc = _learner(
+        "run",
+        "--example",
+        "arithmetic",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--model",
+        str(real_model),
+        "--max-tokens",
+        "8180",
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "do not fit in the model's context of 8192" in proc.stderr and "lower --max-tokens" in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -90,7 +90,10 @@ def test_queue_recreates_its_groups_after_redis_restarts_empty(make_server, requ
 # The queue keeps one connection of its pool checked out for its reads and transactions
 # (`protocol.trusted.redis_calls`); these try to break what the pool did for it.
 
-def _queue_on_own_server(make_server, request: pytest.FixtureRequest, run: str, batches: int = 1) -> tuple[RedisQueue, int]:
+
+def _queue_on_own_server(
+    make_server, request: pytest.FixtureRequest, run: str, batches: int = 1
+) -> tuple[RedisQueue, int]:
     """A queue on a private redis-server (and its port), `batches` prompt batches added."""
     server = make_server()
     server.start()
@@ -101,7 +104,8 @@ def _queue_on_own_server(make_server, request: pytest.FixtureRequest, run: str, 
 
 
 def test_a_kept_connection_the_server_dropped_is_replaced_before_a_read_or_a_submit(
-        make_server, request: pytest.FixtureRequest) -> None:
+    make_server, request: pytest.FixtureRequest
+) -> None:
     """Dropped between calls (CLIENT KILL here; an idle timeout, a failover elsewhere), it is
     found before the next use, as the pool finds its own: no call fails on it."""
     q, port = _queue_on_own_server(make_server, request, "dropped", batches=2)
@@ -119,7 +123,8 @@ def test_a_kept_connection_the_server_dropped_is_replaced_before_a_read_or_a_sub
 
 
 def test_a_thread_blocked_in_a_read_leaves_the_others_their_connections(
-        make_server, request: pytest.FixtureRequest) -> None:
+    make_server, request: pytest.FixtureRequest
+) -> None:
     q, _port = _queue_on_own_server(make_server, request, "threads")
     (lease,) = q.claim("w", 1)
     got: list[object] = []
@@ -133,7 +138,8 @@ def test_a_thread_blocked_in_a_read_leaves_the_others_their_connections(
 
 
 def test_a_forked_child_never_writes_on_its_parents_kept_connection(
-        make_server, request: pytest.FixtureRequest) -> None:
+    make_server, request: pytest.FixtureRequest
+) -> None:
     """The child blocks in a read while the parent submits: on one shared socket one of
     them would read the other's reply."""
     q, _port = _queue_on_own_server(make_server, request, "fork")
@@ -156,8 +162,10 @@ def test_a_forked_child_never_writes_on_its_parents_kept_connection(
 # The proxy sends submissions from its event loop (`RedisQueue.submit_async`, on a
 # `redis.asyncio` client): the same faults must end as they do for the blocking call.
 
+
 def test_a_submission_from_an_event_loop_meets_the_faults_the_blocking_one_does(
-        make_server, request: pytest.FixtureRequest) -> None:
+    make_server, request: pytest.FixtureRequest
+) -> None:
     q, port = _queue_on_own_server(make_server, request, "aio", batches=4)
     admin = redis.Redis(port=port)
     request.addfinalizer(admin.close)
@@ -189,7 +197,9 @@ def test_a_submission_from_an_event_loop_meets_the_faults_the_blocking_one_does(
     assert q.stats().prompts.pending == 1  # the fourth lease, still held
 
 
-def test_a_submission_from_an_event_loop_to_a_dead_or_emptied_redis(make_server, request: pytest.FixtureRequest) -> None:
+def test_a_submission_from_an_event_loop_to_a_dead_or_emptied_redis(
+    make_server, request: pytest.FixtureRequest
+) -> None:
     """Redis down: QueueUnavailable (the proxy answers 503). Back without its data: the late
     submission is answered as the blocking call answers it (its lease went with the data);
     a consumer group lost alone is recreated, as the blocking call recreates it."""
@@ -227,7 +237,8 @@ def test_a_submission_from_an_event_loop_to_a_dead_or_emptied_redis(make_server,
 
 
 def test_an_event_loop_transaction_that_times_out_leaves_no_reply_for_the_next(
-        make_server, request: pytest.FixtureRequest) -> None:
+    make_server, request: pytest.FixtureRequest
+) -> None:
     """A server that stops answering (SIGSTOP: a stalled host) past the timeout: the call
     fails in bounded time, and its connection is not reused, or the next call would read
     the late reply as its own."""

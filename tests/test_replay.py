@@ -59,10 +59,10 @@ def test_memory_past_the_limit_fails_the_call_not_the_tier() -> None:
 
 
 def test_one_groups_slow_replay_delays_no_other() -> None:
-    slow = replay.start(ScoredGuess, {"secret": 4}, [calls(("stall", {"seconds": 100000}))],
-                        replay.ReplayLimits(call_timeout_s=3), 30.0)
-    fast = [replay.start(ScoredGuess, {"secret": 4}, [calls(("guess", {"number": 4}))], LIMITS, 30.0)
-            for _ in range(3)]
+    slow = replay.start(
+        ScoredGuess, {"secret": 4}, [calls(("stall", {"seconds": 100000}))], replay.ReplayLimits(call_timeout_s=3), 30.0
+    )
+    fast = [replay.start(ScoredGuess, {"secret": 4}, [calls(("guess", {"number": 4}))], LIMITS, 30.0) for _ in range(3)]
     order = finish([slow, *fast])
     assert order[-1] is slow and [r.result for r in order[:3]] == [[1.0]] * 3
 

@@ -12,8 +12,13 @@ from protocol.usercode.rewards import Scorer, load_reward
 
 def test_math_accuracy_on_gsm8k_style_answers() -> None:
     answer = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether 48+24 = <<48+24=72>>72 clips.\n#### 72"
-    completions = ["She sold 72 clips in total.", "The answer is \\boxed{72}", "I get 71.", "no idea",
-                   [{"role": "assistant", "content": "72"}]]
+    completions = [
+        "She sold 72 clips in total.",
+        "The answer is \\boxed{72}",
+        "I get 71.",
+        "no idea",
+        [{"role": "assistant", "content": "72"}],
+    ]
     assert accuracy(completions, answer=[answer] * 5) == [1.0, 1.0, 0.0, 0.0, 1.0]
     # MATH-style LaTeX references; an unparsable reference abstains rather than scoring 0
     assert accuracy(["so $\\frac{1}{2}$", "0.5", "1/3"], solution=["$\\frac{1}{2}$"] * 3) == [1.0, 1.0, 0.0]
@@ -51,7 +56,8 @@ def test_trl_extras_reach_a_reward_that_takes_them_and_only_such_a_one() -> None
     prompt = Prompt(id="p", text="q", columns={"answer": "1"})
     at_step = msgspec.structs.replace(prompt, progress=Progress(global_step=3, max_steps=12, epoch=0.5))
     scores = Scorer([load_reward("toy_rewards:scheduled"), load_reward("toy_rewards:strict")], timeout_s=None).score(
-        at_step, "", ["1", "x"], [[1], [2]])
+        at_step, "", ["1", "x"], [[1], [2]]
+    )
     assert scores.error is None and scores.rewards == [2.0, 0.0]
     assert scores.metrics == {"schedule/progress": 0.25}
     # no trainer state known (a hand-made batch): None, as the reward then finds out
@@ -71,6 +77,8 @@ def test_logged_metrics_are_bounded_and_named_safely() -> None:
         log_metric("inf", float("inf"))
         return [1.0] * len(completions)
 
-    scores = Scorer([RewardFn("noisy", noisy)], timeout_s=None).score(factories.batch(0, 1).prompts[0], "", ["a"], [[1]])
+    scores = Scorer([RewardFn("noisy", noisy)], timeout_s=None).score(
+        factories.batch(0, 1).prompts[0], "", ["a"], [[1]]
+    )
     assert len(scores.metrics) == MAX_LOGGED_METRICS and scores.metrics["m0"] == 1.0
     assert "inf" not in scores.metrics

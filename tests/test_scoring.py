@@ -30,8 +30,11 @@ SECRET = "the-answer-is-4217"
 
 def trusted_batch(i: int, prompts: int = 2, **columns: object) -> PromptBatch:
     b = factories.batch(i, prompts)
-    return msgspec.structs.replace(b, scoring="trusted", prompts=[
-        msgspec.structs.replace(p, columns={**p.columns, "answer": SECRET, **columns}) for p in b.prompts])
+    return msgspec.structs.replace(
+        b,
+        scoring="trusted",
+        prompts=[msgspec.structs.replace(p, columns={**p.columns, "answer": SECRET, **columns}) for p in b.prompts],
+    )
 
 
 @pytest.fixture
@@ -48,10 +51,18 @@ def submit_unscored(q: RedisQueue, batches: list[PromptBatch], reward: float = 1
     for _ in batches:
         (lease,) = q.claim("actor-1", 1)
         groups = factories.groups(lease.batch)
-        forged = [msgspec.structs.replace(g, timings={"submitted_at": 1.0, "score_s": 0.0, "generated_at": 2.0},
-                                          metrics={"forged": reward}, completions=[
-            msgspec.structs.replace(c, reward=reward, reward_components={"forged": reward}) for c in g.completions])
-            for g in groups]
+        forged = [
+            msgspec.structs.replace(
+                g,
+                timings={"submitted_at": 1.0, "score_s": 0.0, "generated_at": 2.0},
+                metrics={"forged": reward},
+                completions=[
+                    msgspec.structs.replace(c, reward=reward, reward_components={"forged": reward})
+                    for c in g.completions
+                ],
+            )
+            for g in groups
+        ]
         assert q.submit("actor-1", lease.lease_id, forged).finished
         gids += [g.group_id for g in groups]
     return gids
@@ -89,7 +100,9 @@ def test_private_columns_never_reach_an_actor_on_the_wire(make_proxy, run_name: 
     client.close()
 
 
-def test_a_forged_reward_is_ignored_and_only_the_tier_writes_rollouts(queue: RedisQueue, scorers, run_name: str) -> None:
+def test_a_forged_reward_is_ignored_and_only_the_tier_writes_rollouts(
+    queue: RedisQueue, scorers, run_name: str
+) -> None:
     gids = submit_unscored(queue, [trusted_batch(i) for i in range(3)], reward=100.0)
     # the actor's submission went to the unscored stream, not to the learner
     assert queue.read_rollouts("learner-0", 10) == []
@@ -111,7 +124,9 @@ def test_a_forged_reward_is_ignored_and_only_the_tier_writes_rollouts(queue: Red
     assert queue._r.hlen(queue.keys.private) == 0  # private prompts go once scored
 
 
-def test_a_hung_reward_is_killed_at_its_timeout_and_its_group_rejected(queue: RedisQueue, scorers, tmp_path: Path) -> None:
+def test_a_hung_reward_is_killed_at_its_timeout_and_its_group_rejected(
+    queue: RedisQueue, scorers, tmp_path: Path
+) -> None:
     attempts = tmp_path / "attempts"
     submit_unscored(queue, [trusted_batch(0, prompts=1, attempts_file=str(attempts))])
     started = time.monotonic()
@@ -132,7 +147,10 @@ def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueu
     assert len(groups) == 2
     for g in groups:
         assert g.rewards == [None] * 4
-        assert g.error.startswith("scoring failed after 3 attempt(s)") and "ZeroDivisionError: the judge is down" in g.error
+        assert (
+            g.error.startswith("scoring failed after 3 attempt(s)")
+            and "ZeroDivisionError: the judge is down" in g.error
+        )
         # rejected, the group still carries its tokens' text, never the actor's ("xxxx")
         assert {c.text for c in g.completions} == {"6789"}
     # the lease's job: 3 attempts, each stopping at the first group; then 3 per group
@@ -211,15 +229,31 @@ def test_a_dead_lettered_trusted_batch_drops_its_private_prompts(redis_server: R
     q.close()
 
 
-def test_an_actor_without_rewards_refuses_a_batch_the_actors_must_score(queue: RedisQueue, tiny_model: Path,
-                                                                         make_proxy) -> None:
+def test_an_actor_without_rewards_refuses_a_batch_the_actors_must_score(
+    queue: RedisQueue, tiny_model: Path, make_proxy
+) -> None:
     proxy = make_proxy()
     queue.add_prompts([factories.batch(0)])
     proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "run", "--queue", proxy.url, "--run", queue.config.run,
-         "--model", str(tiny_model), "--claim-block-s", "1"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca})
+        [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "run",
+            "--queue",
+            proxy.url,
+            "--run",
+            queue.config.run,
+            "--model",
+            str(tiny_model),
+            "--claim-block-s",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca},
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "start this worker with --reward" in proc.stderr
     # and the lease went back at once, for a worker that can score it
@@ -233,9 +267,13 @@ def queue_url(q: RedisQueue) -> str:
 
 def test_learner_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServer, tiny_model: Path) -> None:
     def score(*args: str, cli: str = "learner.cli") -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", cli, "score", "--model", str(tiny_model), *args],
-                              capture_output=True, text=True,
-                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        return subprocess.run(
+            [sys.executable, "-m", cli, "score", "--model", str(tiny_model), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
 
     proc = score("--redis", "https://proxy:8443", "--reward", "protocol.usercode.tasks:next_digit")
     assert proc.returncode == 2 and "never through the proxy" in proc.stderr
@@ -246,13 +284,30 @@ def test_learner_score_refuses_the_proxy_and_bad_rewards(redis_server: RedisServ
     assert proc.returncode == 2 and "cannot import no_such_module" in proc.stderr
     proc = score("--redis", redis_server.url)
     assert proc.returncode == 2 and "at least one --reward is needed" in proc.stderr
-    proc = subprocess.run([sys.executable, "-m", "learner.cli", "score", "--model", str(tiny_model), "--redis",
-                           redis_server.url, "--environment", "toy_tools:GuessNumber"], capture_output=True, text=True,
-                          timeout=60, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "learner.cli",
+            "score",
+            "--model",
+            str(tiny_model),
+            "--redis",
+            redis_server.url,
+            "--environment",
+            "toy_tools:GuessNumber",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+    )
     assert proc.returncode == 2 and "has no get_reward()" in proc.stderr, proc.stderr
 
 
-def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, tmp_path: Path, tiny_model: Path) -> None:
+def test_a_scoring_worker_rides_out_a_redis_restart(
+    make_server, run_name: str, tmp_path: Path, tiny_model: Path
+) -> None:
     """RQ's own worker quits when Redis goes away; `learner score` waits for it to come
     back (on its AOF, the same port) and scores on under a new RQ worker name."""
     server = make_server(persistent=True)
@@ -260,9 +315,28 @@ def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, 
     q = RedisQueue.from_url(server.url, QueueConfig(run=run_name, lease_timeout_s=30))
     with (tmp_path / "scorer.log").open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "learner.cli", "score", "--queue", server.url, "--run", run_name,
-             "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--maintenance-interval-s", "1", "--monitoring-interval-s", "1"],
-            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}, stdout=log, stderr=subprocess.STDOUT)
+            [
+                sys.executable,
+                "-m",
+                "learner.cli",
+                "score",
+                "--queue",
+                server.url,
+                "--run",
+                run_name,
+                "--model",
+                str(tiny_model),
+                "--reward",
+                "toy_rewards:digit_first",
+                "--maintenance-interval-s",
+                "1",
+                "--monitoring-interval-s",
+                "1",
+            ],
+            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     try:
         first = submit_unscored(q, [trusted_batch(0)])
         assert sorted(g.group_id for g in read_all(q, 2)) == sorted(first)
@@ -280,7 +354,9 @@ def test_a_scoring_worker_rides_out_a_redis_restart(make_server, run_name: str, 
         q.close()
 
 
-def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobody(queue: RedisQueue, run_name: str) -> None:
+def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobody(
+    queue: RedisQueue, run_name: str
+) -> None:
     """A scored copy past the wire's limits (here: a tokenizer whose text outgrows what the
     actor sent) leaves the unscored stream for the dead letters with its reason and its
     group, at once and never again; the job's other group is stored."""
@@ -298,8 +374,13 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     def decode(ids: object) -> str:  # the first group's text outgrows the limits
         return "7" * 5_000_000 if decoding[0] in big else "7"
 
-    tier = scoring.Tier(queue=sq, scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
-                        name="t", decode=decode, timeout_s=10)
+    tier = scoring.Tier(
+        queue=sq,
+        scorer=Scorer([load_reward("toy_rewards:digit_first")], timeout_s=None, reraise=True),
+        name="t",
+        decode=decode,
+        timeout_s=10,
+    )
     results = []
     for e in entries:
         decoding[0] = e.group_id
@@ -309,14 +390,16 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     assert (dl.source, dl.group_id, dl.batch_id) == ("unscored", entries[0].group_id, "batch-0")
     assert "unstorable after scoring" in dl.reason and "exceed the limit" in dl.reason
     assert sq.stats().unscored.length == 0 and not sq._r.hexists(sq.keys.private, entries[0].group_id)
-    assert scoring.score_entries(tier, [entries[0].entry_id]) == [{"entry": entries[0].entry_id, "stored": False}]  # a re-run
+    assert scoring.score_entries(tier, [entries[0].entry_id]) == [
+        {"entry": entries[0].entry_id, "stored": False}
+    ]  # a re-run
     assert [g.group_id for g in read_all(queue, 1)] == [gids[1]] and len(queue.dead_letters()) == 1
     sq.close()
 
 
-def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: RedisQueue, run_name: str,
-                                                                        redis_server: RedisServer,
-                                                                        tiny_model: Path) -> None:
+def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(
+    queue: RedisQueue, run_name: str, redis_server: RedisServer, tiny_model: Path
+) -> None:
     from learner.scoring.tier import NameTaken, free_name
 
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
@@ -331,9 +414,27 @@ def test_a_scorer_name_is_scoped_to_its_run_and_a_taken_one_is_refused(queue: Re
     assert free_name(sq, "scorer-h-1", chosen=True) == "scorer-h-1"  # a worker that died cleanly
     queue._r.hdel(key, "death")
     proc = subprocess.run(
-        [sys.executable, "-m", "learner.cli", "score", "--queue", redis_server.url, "--run", run_name,
-         "--model", str(tiny_model), "--reward", "toy_rewards:digit_first", "--name", "scorer-h-1"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+        [
+            sys.executable,
+            "-m",
+            "learner.cli",
+            "score",
+            "--queue",
+            redis_server.url,
+            "--run",
+            run_name,
+            "--model",
+            str(tiny_model),
+            "--reward",
+            "toy_rewards:digit_first",
+            "--name",
+            "scorer-h-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("learner score: --name scorer-h-1: a scoring worker")
     sq.close()
@@ -390,12 +491,14 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
             logger.error("Worker %s: found an unhandled exception, quitting...", "w", exc_info=True)
     assert [r.getMessage() for r in caplog.records] == [
         "RQ's scheduler stopped: redis unreachable: Connection closed by server.",
-        "Worker w: found an unhandled exception, quitting... (redis unreachable: Error 111 connecting)"]
+        "Worker w: found an unhandled exception, quitting... (redis unreachable: Error 111 connecting)",
+    ]
     assert "Traceback" not in caplog.text
 
 
 def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_reaches_the_step(
-        redis_server: RedisServer, scorers, run_name: str, tiny_model: Path, tmp_path: Path) -> None:
+    redis_server: RedisServer, scorers, run_name: str, tiny_model: Path, tmp_path: Path
+) -> None:
     """A reward reading `trainer_state` (a schedule) and calling `log_metric`, as TRL users
     write them, scored by the tier in a learner run: its metric is a figure of each step,
     and the state it saw is the issuing step's, so it never runs backwards."""
@@ -408,15 +511,31 @@ def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_r
 
     scorers(reward="toy_rewards:scheduled")
     cfg = LearnerConfig(
-        run=run_name, queue=redis_server.url, store=(tmp_path / "store").as_uri(), model=str(tiny_model),
-        dataset=str(factories.write_dataset(tmp_path / "train.jsonl")), run_dir=tmp_path / "run",
-        reward=["toy_rewards:scheduled"], steps=4, groups_per_step=2, num_generations=4, prompts_per_batch=2,
-        max_tokens=4, lora_rank=4, checkpoint_every=4, tensorboard=False,
+        run=run_name,
+        queue=redis_server.url,
+        store=(tmp_path / "store").as_uri(),
+        model=str(tiny_model),
+        dataset=str(factories.write_dataset(tmp_path / "train.jsonl")),
+        run_dir=tmp_path / "run",
+        reward=["toy_rewards:scheduled"],
+        steps=4,
+        groups_per_step=2,
+        num_generations=4,
+        prompts_per_batch=2,
+        max_tokens=4,
+        lora_rank=4,
+        checkpoint_every=4,
+        tensorboard=False,
     )
     assert cfg.scoring_mode == "trusted"
-    state, rows = run_with_a_worker(cfg, RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)),
-                                    StoreSource(open_store(cfg.store)), TransformersEngine(str(tiny_model)), None,
-                                    tmp_path / "cache")
+    state, rows = run_with_a_worker(
+        cfg,
+        RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name)),
+        StoreSource(open_store(cfg.store)),
+        TransformersEngine(str(tiny_model)),
+        None,
+        tmp_path / "cache",
+    )
     assert state.step == 4
     progress = [r["schedule/progress"] for r in rows]
     assert progress == sorted(progress) and progress[0] == 0.0 and progress[-1] < 1.0, progress
@@ -434,8 +553,9 @@ def test_a_busy_tier_gets_fuller_jobs(queue: RedisQueue, run_name: str) -> None:
 
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
     rq = RQQueue(scoring.rq_queue_name(run_name), connection=sq.client, serializer=JSONSerializer)
-    dispatcher = scoring.Dispatcher(sq, rq, "d", str, job_timeout_s=10, retries=0, retry_backoff_s=0,
-                                    groups_per_job=5, sweep_s=60)
+    dispatcher = scoring.Dispatcher(
+        sq, rq, "d", str, job_timeout_s=10, retries=0, retry_backoff_s=0, groups_per_job=5, sweep_s=60
+    )
     dispatcher.start()
     try:
         submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
@@ -462,7 +582,8 @@ def test_a_busy_tier_gets_fuller_jobs(queue: RedisQueue, run_name: str) -> None:
 
 
 def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going(
-        queue: RedisQueue, caplog: pytest.LogCaptureFixture) -> None:
+    queue: RedisQueue, caplog: pytest.LogCaptureFixture
+) -> None:
     """RQ's own calls (the sweep's worker count, an enqueue) raise redis-py's errors, not the
     queue's: the dispatcher takes them as the outage they are — a warning, a backoff, no
     traceback (the embedded run's scorer logged one when its Redis ended first)."""
@@ -479,8 +600,7 @@ def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going
         port = s.getsockname()[1]
     sq = ScoringQueue.from_url(queue_url(queue), queue.config)
     rq = RQQueue("gone", connection=redis.Redis(port=port, socket_connect_timeout=1), serializer=JSONSerializer)
-    dispatcher = Dispatcher(sq, rq, "d", lambda ids: "", job_timeout_s=1.0, retries=0, retry_backoff_s=0.1,
-                            sweep_s=0.1)
+    dispatcher = Dispatcher(sq, rq, "d", lambda ids: "", job_timeout_s=1.0, retries=0, retry_backoff_s=0.1, sweep_s=0.1)
     with caplog.at_level(logging.INFO, logger="learner.scoring.tier"):
         dispatcher.start()
         deadline = time.monotonic() + 10

@@ -121,7 +121,9 @@ def _publish_one(store: Store, tiny_model: Path, version: int = 1) -> AdapterMan
 
 
 @pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=pytest.mark.s3)])
-def test_published_adapter_manifest_verifies(kind: str, tmp_path: Path, tiny_model: Path, request: pytest.FixtureRequest) -> None:
+def test_published_adapter_manifest_verifies(
+    kind: str, tmp_path: Path, tiny_model: Path, request: pytest.FixtureRequest
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -199,8 +201,7 @@ def test_old_adapter_versions_are_pruned_except_the_pinned_ones(tmp_path: Path) 
     store = FileStore(tmp_path)
     pinned = {2}
     state = {"w": torch.zeros(2)}
-    publisher = Publisher(store, Announced(), base_model="m", rank=1, keep_adapters=3,
-                          protected=lambda: set(pinned))
+    publisher = Publisher(store, Announced(), base_model="m", rank=1, keep_adapters=3, protected=lambda: set(pinned))
     for version in range(1, 8):
         publisher.submit(PublishJob(version, version, state, b"{}"))
         publisher.flush()

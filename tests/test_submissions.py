@@ -58,8 +58,7 @@ def test_a_queued_batch_cannot_be_front_run(make_queue, backend) -> None:
 
 def test_groups_must_answer_their_batch(make_queue) -> None:
     q = make_queue()
-    b = PromptBatch(**{**msgspec.structs.asdict(batch(0, prompts=3)),
-                       "sampling": SamplingParams(max_tokens=8)})
+    b = PromptBatch(**{**msgspec.structs.asdict(batch(0, prompts=3)), "sampling": SamplingParams(max_tokens=8)})
     other = batch(1)
     q.add_prompts([b, other])
     (lease, _) = q.claim("w", 2)
@@ -81,8 +80,12 @@ def test_groups_must_answer_their_batch(make_queue) -> None:
 
 def test_prompt_tokens_must_be_the_issued_ones(make_queue) -> None:
     q = make_queue()
-    b = PromptBatch(**{**msgspec.structs.asdict(batch(0)),
-                       "prompts": [msgspec.structs.replace(p, token_ids=pack_i32([1, 2, 3])) for p in batch(0).prompts]})
+    b = PromptBatch(
+        **{
+            **msgspec.structs.asdict(batch(0)),
+            "prompts": [msgspec.structs.replace(p, token_ids=pack_i32([1, 2, 3])) for p in batch(0).prompts],
+        }
+    )
     q.add_prompts([b])
     (lease,) = q.claim("w", 1)
     swapped = msgspec.structs.replace(group(b, 0), prompt_token_ids=pack_i32([1, 2, 4]))
@@ -199,14 +202,19 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
 
         @initialize(max_deliveries=st.sampled_from([1, 2]))
         def open_queue(self, max_deliveries: int) -> None:
-            config = QueueConfig(run=f"sm-{uuid.uuid4().hex[:10]}", max_deliveries=max_deliveries, lease_timeout_s=60,
-                                 limits=limits)
+            config = QueueConfig(
+                run=f"sm-{uuid.uuid4().hex[:10]}", max_deliveries=max_deliveries, lease_timeout_s=60, limits=limits
+            )
             self.q = RedisQueue(redis_py.Redis(port=redis_server.port), config)
             sq = ScoringQueue(redis_py.Redis(port=redis_server.port), config)
             self.too_big: set[str] = set()  # groups whose scored copy outgrows the limits
             self.tier = scoring.Tier(
-                queue=sq, scorer=Scorer([RewardFn("digit_first", digit_first)], timeout_s=None, reraise=True),
-                name="tier", decode=lambda ids: "7" * 70_000 if self.scoring_now in self.too_big else "7", timeout_s=10)
+                queue=sq,
+                scorer=Scorer([RewardFn("digit_first", digit_first)], timeout_s=None, reraise=True),
+                name="tier",
+                decode=lambda ids: "7" * 70_000 if self.scoring_now in self.too_big else "7",
+                timeout_s=10,
+            )
             self.scoring_now = ""
 
         def teardown(self) -> None:
@@ -236,8 +244,10 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
         @rule(data=st.data(), shape=st.sampled_from(["ok", "ok", "ok", "short", "long"]))
         def submit(self, data: st.DataObject, shape: str) -> None:
             """Mostly the holder of a lease held now; sometimes anyone, for any lease ever seen."""
-            held = [(e["message_id"].decode(), e["consumer"].decode())
-                    for e in self.raw.xpending_range(self.q.keys.prompts, ACTORS_GROUP, "-", "+", 100)]
+            held = [
+                (e["message_id"].decode(), e["consumer"].decode())
+                for e in self.raw.xpending_range(self.q.keys.prompts, ACTORS_GROUP, "-", "+", 100)
+            ]
             anyone = [(lease_id, w) for lease_id in sorted(self.leases) for w in ("w1", "w2")]
             if not held + anyone:
                 return
@@ -254,14 +264,17 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
         @rule(data=st.data())
         def submit_oversized(self, data: st.DataObject) -> None:
             """A group past the room the tier needs is refused whole: nothing changes."""
-            held = [(e["message_id"].decode(), e["consumer"].decode())
-                    for e in self.raw.xpending_range(self.q.keys.prompts, ACTORS_GROUP, "-", "+", 100)]
+            held = [
+                (e["message_id"].decode(), e["consumer"].decode())
+                for e in self.raw.xpending_range(self.q.keys.prompts, ACTORS_GROUP, "-", "+", 100)
+            ]
             if not held:
                 return
             lease_id, worker = data.draw(st.sampled_from(held))
             g = group(self.leases[lease_id], 0, actor=worker)
-            big = msgspec.structs.replace(g, completions=[msgspec.structs.replace(c, text="x" * 15_000)
-                                                          for c in g.completions])
+            big = msgspec.structs.replace(
+                g, completions=[msgspec.structs.replace(c, text="x" * 15_000) for c in g.completions]
+            )
             try:
                 self.q.submit(worker, lease_id, [big])
                 raise AssertionError("an oversized group was accepted")
@@ -309,8 +322,15 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
         def expire(self) -> None:
             """Time passes: every lease idles past its timeout, delivery counts kept."""
             for entry in self.raw.xpending_range(self.q.keys.prompts, ACTORS_GROUP, "-", "+", 100):
-                self.raw.xclaim(self.q.keys.prompts, ACTORS_GROUP, entry["consumer"], 0,
-                                [entry["message_id"]], idle=10**9, justid=True)
+                self.raw.xclaim(
+                    self.q.keys.prompts,
+                    ACTORS_GROUP,
+                    entry["consumer"],
+                    0,
+                    [entry["message_id"]],
+                    idle=10**9,
+                    justid=True,
+                )
 
         @rule(worker=workers)
         def expire_and_take_over(self, worker: str) -> None:
@@ -348,8 +368,15 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
             seen["dead"] += bool(dead)
             seen["partial"] += bool(set(stored) & {g for d in self.q.dead_letters(count=1000) for g in issued_of(d)})
 
-    seen = {"checks": 0, "dead": 0, "partial": 0, "stored": 0, "oversized": 0, "tier_stored": 0,
-            "tier_dead_lettered": 0}
+    seen = {
+        "checks": 0,
+        "dead": 0,
+        "partial": 0,
+        "stored": 0,
+        "oversized": 0,
+        "tier_stored": 0,
+        "tier_dead_lettered": 0,
+    }
 
     def issued_of(d) -> set[str]:
         return {group_id_for(d.batch.batch_id, p.id) for p in d.batch.prompts} if d.batch else set()
@@ -380,11 +407,32 @@ def test_only_groups_decoded_with_the_queues_bounds_skip_validation(make_queue) 
     (lease,) = q.claim("w", 1)
     out_of_bounds = [msgspec.structs.replace(g, adapter_version=-1, actor_id="w") for g in groups(lease.batch)]
     _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, out_of_bounds)
-    _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, out_of_bounds,
-             decoded_with=Limits(max_tokens=DEFAULT_LIMITS.max_tokens - 1))
+    _refused(
+        q,
+        ProtocolError,
+        "adapter_version",
+        "w",
+        lease.lease_id,
+        out_of_bounds,
+        decoded_with=Limits(max_tokens=DEFAULT_LIMITS.max_tokens - 1),
+    )
     renamed = [msgspec.structs.replace(g, actor_id="someone-else") for g in out_of_bounds]
-    _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, renamed,
-             decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20))
+    _refused(
+        q,
+        ProtocolError,
+        "adapter_version",
+        "w",
+        lease.lease_id,
+        renamed,
+        decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20),
+    )
     # what the proxy's decode passed goes in as it is (its size aside, the same bounds)
-    assert q.submit("w", lease.lease_id, out_of_bounds,
-                    decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20)).stored == 2
+    assert (
+        q.submit(
+            "w",
+            lease.lease_id,
+            out_of_bounds,
+            decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20),
+        ).stored
+        == 2
+    )

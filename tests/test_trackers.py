@@ -22,10 +22,22 @@ from protocol.trusted import RedisQueue, open_store
 
 REPO = Path(__file__).resolve().parents[1]
 
-TRL_NAMES = {"train/reward", "train/reward_std", "train/kl", "train/entropy", "train/clip_ratio/region_mean",
-             "train/completions/mean_length", "train/completions/clipped_ratio", "train/frac_reward_zero_std",
-             "train/num_tokens", "train/loss", "train/grad_norm", "train/learning_rate",
-             "train/sampling/importance_sampling_ratio/mean", "train/staleness_mean"}
+TRL_NAMES = {
+    "train/reward",
+    "train/reward_std",
+    "train/kl",
+    "train/entropy",
+    "train/clip_ratio/region_mean",
+    "train/completions/mean_length",
+    "train/completions/clipped_ratio",
+    "train/frac_reward_zero_std",
+    "train/num_tokens",
+    "train/loss",
+    "train/grad_norm",
+    "train/learning_rate",
+    "train/sampling/importance_sampling_ratio/mean",
+    "train/staleness_mean",
+}
 """TRL's GRPOTrainer names that dashboards look for, and one of spotgrpo's beside them."""
 
 
@@ -44,16 +56,59 @@ def test_report_to_is_read_as_trl_writes_it() -> None:
 def test_every_tracker_writes_its_files(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
     store = open_store((tmp_path / "store").as_uri())
     actor_queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    actor = SyntheticActor(actor_queue, store, tiny_model, lambda _p, _t, text: 1.0 if text[:1].isdigit() else 0.0).start()
+    actor = SyntheticActor(
+        actor_queue, store, tiny_model, lambda _p, _t, text: 1.0 if text[:1].isdigit() else 0.0
+    ).start()
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path / "wandb"),
-           "WANDB_SILENT": "true", "TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path / "wandb"),
+        "WANDB_SILENT": "true",
+        "TRACKIO_DIR": str(tmp_path / "trackio"),
+        "HF_HUB_OFFLINE": "1",
+    }
     (tmp_path / "wandb").mkdir()
-    cmd = [sys.executable, "-m", "learner.cli", "run", "--run", run_name, "--queue", redis_server.url,
-           "--store", store.url, "--model", str(tiny_model), "--dataset", str(write_dataset(tmp_path / "d.jsonl")),
-           "--run-dir", str(run_dir), "--max-steps", "4", "--groups-per-step", "4", "--prompts-per-batch", "2",
-           "--max-inflight", "8", "--num-generations", "4", "--max-completion-length", "4", "--lora-rank", "8",
-           "--samples-every", "2", "--report-to", "tensorboard", "wandb", "trackio", "mlflow"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "learner.cli",
+        "run",
+        "--run",
+        run_name,
+        "--queue",
+        redis_server.url,
+        "--store",
+        store.url,
+        "--model",
+        str(tiny_model),
+        "--dataset",
+        str(write_dataset(tmp_path / "d.jsonl")),
+        "--run-dir",
+        str(run_dir),
+        "--max-steps",
+        "4",
+        "--groups-per-step",
+        "4",
+        "--prompts-per-batch",
+        "2",
+        "--max-inflight",
+        "8",
+        "--num-generations",
+        "4",
+        "--max-completion-length",
+        "4",
+        "--lora-rank",
+        "8",
+        "--samples-every",
+        "2",
+        "--report-to",
+        "tensorboard",
+        "wandb",
+        "trackio",
+        "mlflow",
+    ]
     try:
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     finally:

@@ -56,8 +56,13 @@ def ids(tokenizer, text: str) -> list[int]:
 def prompt(tokenizer) -> list[int]:
     from protocol.usercode.chat import load_tools
 
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "what is 2+3"}], add_generation_prompt=True,
-                                         tokenize=False, chat_template=HERMES_CHATML, tools=load_tools(TOOLS))
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "what is 2+3"}],
+        add_generation_prompt=True,
+        tokenize=False,
+        chat_template=HERMES_CHATML,
+        tools=load_tools(TOOLS),
+    )
     return ids(tokenizer, text)
 
 
@@ -75,8 +80,7 @@ def read(tokenizer, tokens: list[int], mask: list[int] | None, max_turns: int | 
 
 
 def completion(tokens: list[int], mask: list[int] | None) -> Completion:
-    return Completion.of(tokens, [LOGP if m else 0.0 for m in (mask or [1] * len(tokens))], mask,
-                         finish_reason="stop")
+    return Completion.of(tokens, [LOGP if m else 0.0 for m in (mask or [1] * len(tokens))], mask, finish_reason="stop")
 
 
 # ---------------------------------------------------------------- honest episodes pass
@@ -87,8 +91,11 @@ def test_an_honest_episode_passes_and_the_tier_counts_its_turns_and_calls(tokeni
     samples = honest(tokenizer, toolbox, lambda text, j: "it is 5" if "<tool_response>" in text else two_calls)
     for s in samples:
         t = read(tokenizer, s.token_ids, s.mask)
-        assert (len(t.turns), t.tool_calls, t.tool_errors, t.turn_limit) == (s.turns, s.tool_calls, s.tool_errors,
-                                                                              s.turn_limit) == (2, 2, 0, False)
+        assert (
+            (len(t.turns), t.tool_calls, t.tool_errors, t.turn_limit)
+            == (s.turns, s.tool_calls, s.tool_errors, s.turn_limit)
+            == (2, 2, 0, False)
+        )
         assert [content for _, content in t.turns[0].results] == ["5", "2"]
         assert answered_calls(t) == [[c for c in t.turns[0].parsed.calls]]
 
@@ -104,8 +111,16 @@ def test_failed_calls_and_the_turn_limit_are_counted_as_the_actor_did(tokenizer,
 def test_the_tier_replaces_the_actors_episode_figures_with_its_own(tokenizer, toolbox, reader) -> None:
     """Finding 8: an actor's `turns` of 4.6e18 became the run's `turns_mean`."""
     s = honest(tokenizer, toolbox, lambda text, j: "5" if "<tool_response>" in text else tool_call("add", a=2, b=3))[0]
-    lying = Completion.of(s.token_ids, s.logprobs, s.mask, finish_reason="stop", turns=4_600_000_000_000_000_000,
-                          tool_calls=9_000, tool_errors=9_000, turn_limit=True)
+    lying = Completion.of(
+        s.token_ids,
+        s.logprobs,
+        s.mask,
+        finish_reason="stop",
+        turns=4_600_000_000_000_000_000,
+        tool_calls=9_000,
+        tool_errors=9_000,
+        turn_limit=True,
+    )
     transcripts = read_episodes(reader, [lying], ["add", "hang"], 4)
     (counted,) = recounted([lying], transcripts)
     assert (counted.turns, counted.tool_calls, counted.tool_errors, counted.turn_limit) == (2, 1, 0, False)
@@ -212,9 +227,9 @@ def test_an_alternating_mask_is_refused_at_its_first_environment_token(tokenizer
 
 def test_a_deeply_nested_argument_is_a_tool_error_not_a_crash(tokenizer) -> None:
     deep = "[" * 1100 + "]" * 1100
-    text = '<tool_call>\n{"name": "add", "arguments": {"a": ' + deep + '}}\n</tool_call>'
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": ' + deep + "}}\n</tool_call>"
     parsed = model_turn_calls(tokenizer, ids(tokenizer, text), tool_template(tokenizer))
     assert parsed.calls == [] and parsed.error is not None
-    quoted = '<tool_call>\n{"name": "add", "arguments": ' + json.dumps(deep) + '}\n</tool_call>'
+    quoted = '<tool_call>\n{"name": "add", "arguments": ' + json.dumps(deep) + "}\n</tool_call>"
     parsed = model_turn_calls(tokenizer, ids(tokenizer, quoted), tool_template(tokenizer))  # read, not raised
     assert all(c.arguments == {} for c in parsed.calls)

@@ -19,21 +19,53 @@ from learner.loss import policy_loss
 REPO = Path(__file__).resolve().parents[1]
 
 OURS = {
-    "max_tokens": 64, "loss_agg": "constant", "epsilon_low": 0.3, "advantage_scale": "none",
-    "lr_scheduler": "cosine", "steps": 50, "log_every": 5, "checkpoint_every": 25, "keep_checkpoints": 3,
-    "run_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
-    "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
-    "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
-    "run": "trl-names", "environment": "toy_tools:GuessNumber",
+    "max_tokens": 64,
+    "loss_agg": "constant",
+    "epsilon_low": 0.3,
+    "advantage_scale": "none",
+    "lr_scheduler": "cosine",
+    "steps": 50,
+    "log_every": 5,
+    "checkpoint_every": 25,
+    "keep_checkpoints": 3,
+    "run_dir": "out/run",
+    "num_generations": 4,
+    "epsilon_high": 0.3,
+    "beta": 0.04,
+    "learning_rate": 1e-6,
+    "seed": 7,
+    "warmup_ratio": 0.1,
+    "importance_sampling_level": "sequence",
+    "mask_truncated_completions": True,
+    "reward": ["toy_rewards:digit_first", "toy_rewards:length_bonus"],
+    "reward_weights": [1.0, 0.5],
+    "run": "trl-names",
+    "environment": "toy_tools:GuessNumber",
 }
 TRL = {
-    "max_completion_length": 64, "loss_type": "dr_grpo", "epsilon": 0.3, "scale_rewards": False,
-    "lr_scheduler_type": "cosine", "max_steps": 50, "logging_steps": 5, "save_steps": 25, "save_total_limit": 3,
-    "output_dir": "out/run", "num_generations": 4, "epsilon_high": 0.3, "beta": 0.04, "learning_rate": 1e-6,
-    "seed": 7, "warmup_ratio": 0.1, "importance_sampling_level": "sequence", "mask_truncated_completions": True,
+    "max_completion_length": 64,
+    "loss_type": "dr_grpo",
+    "epsilon": 0.3,
+    "scale_rewards": False,
+    "lr_scheduler_type": "cosine",
+    "max_steps": 50,
+    "logging_steps": 5,
+    "save_steps": 25,
+    "save_total_limit": 3,
+    "output_dir": "out/run",
+    "num_generations": 4,
+    "epsilon_high": 0.3,
+    "beta": 0.04,
+    "learning_rate": 1e-6,
+    "seed": 7,
+    "warmup_ratio": 0.1,
+    "importance_sampling_level": "sequence",
+    "mask_truncated_completions": True,
     # GRPOTrainer's arguments beside GRPOConfig's keys
-    "reward_funcs": ["toy_rewards:digit_first", "toy_rewards:length_bonus"], "reward_weights": [1.0, 0.5],
-    "run_name": "trl-names", "environment_factory": "toy_tools:GuessNumber",
+    "reward_funcs": ["toy_rewards:digit_first", "toy_rewards:length_bonus"],
+    "reward_weights": [1.0, 0.5],
+    "run_name": "trl-names",
+    "environment_factory": "toy_tools:GuessNumber",
 }
 
 
@@ -48,15 +80,59 @@ def test_grpoconfig_names_give_the_same_configuration(tmp_path: Path) -> None:
     assert load_config(tmp_path / "trl.toml", {}) == ours
     assert ours.warmup == 5 and ours.reward_specs == ["toy_rewards:digit_first=1.0", "toy_rewards:length_bonus=0.5"]
     assert set(TRL_NAMES) <= set(TRL)  # every translated name is exercised here
-    flags = build_parser().parse_args([
-        "run", "--max-completion-length", "64", "--loss-type", "dr_grpo", "--epsilon", "0.3",
-        "--scale-rewards", "none", "--lr-scheduler-type", "cosine", "--max-steps", "50", "--logging-steps", "5",
-        "--save-steps", "25", "--save-total-limit", "3", "--output-dir", "out/run", "--num-generations", "4",
-        "--epsilon-high", "0.3", "--beta", "0.04", "--learning-rate", "1e-6", "--seed", "7", "--warmup-ratio", "0.1",
-        "--importance-sampling-level", "sequence", "--mask-truncated-completions",
-        "--reward", "toy_rewards:digit_first", "--reward", "toy_rewards:length_bonus", "--reward-weights", "1.0", "0.5",
-        "--run-name", "trl-names", "--environment-factory", "toy_tools:GuessNumber", "--log-level", "warning",
-    ])
+    flags = build_parser().parse_args(
+        [
+            "run",
+            "--max-completion-length",
+            "64",
+            "--loss-type",
+            "dr_grpo",
+            "--epsilon",
+            "0.3",
+            "--scale-rewards",
+            "none",
+            "--lr-scheduler-type",
+            "cosine",
+            "--max-steps",
+            "50",
+            "--logging-steps",
+            "5",
+            "--save-steps",
+            "25",
+            "--save-total-limit",
+            "3",
+            "--output-dir",
+            "out/run",
+            "--num-generations",
+            "4",
+            "--epsilon-high",
+            "0.3",
+            "--beta",
+            "0.04",
+            "--learning-rate",
+            "1e-6",
+            "--seed",
+            "7",
+            "--warmup-ratio",
+            "0.1",
+            "--importance-sampling-level",
+            "sequence",
+            "--mask-truncated-completions",
+            "--reward",
+            "toy_rewards:digit_first",
+            "--reward",
+            "toy_rewards:length_bonus",
+            "--reward-weights",
+            "1.0",
+            "0.5",
+            "--run-name",
+            "trl-names",
+            "--environment-factory",
+            "toy_tools:GuessNumber",
+            "--log-level",
+            "warning",
+        ]
+    )
     overrides = {k: v for k, v in vars(flags).items() if k not in ("command", "config", "verbose", "log_level")}
     assert load_config(None, overrides) == ours
     for loss_type, agg in (("grpo", "seq_mean"), ("dapo", "token_mean"), ("bnpo", "token_mean")):
@@ -66,7 +142,9 @@ def test_grpoconfig_names_give_the_same_configuration(tmp_path: Path) -> None:
 
 
 def test_unknown_and_trl_only_keys_are_refused_with_a_way_forward(tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match=r"max_complection_length: unknown setting \(did you mean max_completion_length\?\)"):
+    with pytest.raises(
+        ConfigError, match=r"max_complection_length: unknown setting \(did you mean max_completion_length\?\)"
+    ):
         load_config(None, {"max_complection_length": 3})
     with pytest.raises(ConfigError, match=r"lerning_rate: unknown setting \(did you mean learning_rate\?\)"):
         load_config(None, {"lerning_rate": 3})
@@ -96,25 +174,48 @@ def test_every_grpoconfig_key_is_answered() -> None:
 
 
 def test_a_migrating_config_gets_every_answer_at_once(tmp_path: Path) -> None:
-    carried = {"bf16": True, "log_completions": False, "use_cpu": True, "eval_strategy": "steps", "eval_steps": 5,
-               "eval_dataset": "held.jsonl", "save_strategy": "steps", "shuffle_dataset": True}
+    carried = {
+        "bf16": True,
+        "log_completions": False,
+        "use_cpu": True,
+        "eval_strategy": "steps",
+        "eval_steps": 5,
+        "eval_dataset": "held.jsonl",
+        "save_strategy": "steps",
+        "shuffle_dataset": True,
+    }
     cfg = load_config(None, carried)
     assert (cfg.dtype, cfg.samples_every, cfg.device, cfg.eval_every) == ("bfloat16", 0, "cpu", 5)
     assert load_config(None, {"fp16": True}).dtype == "float16"
     assert load_config(None, {"eval_strategy": "no"}).eval_every == 0
-    (tmp_path / "trl.toml").write_text('model_init_kwargs = { torch_dtype = "bfloat16" }\n' + _toml({
-        "push_to_hub": True, "disable_dropout": True,
-        "vllm_importance_sampling_correction": True, "loss_type": "cispo", "eval_strategy": "epoch",
-        "dataloader_num_workers": 4, "gradient_accumulation_steps": 4, "learning_rate": 1e-6}))
+    (tmp_path / "trl.toml").write_text(
+        'model_init_kwargs = { torch_dtype = "bfloat16" }\n'
+        + _toml(
+            {
+                "push_to_hub": True,
+                "disable_dropout": True,
+                "vllm_importance_sampling_correction": True,
+                "loss_type": "cispo",
+                "eval_strategy": "epoch",
+                "dataloader_num_workers": 4,
+                "gradient_accumulation_steps": 4,
+                "learning_rate": 1e-6,
+            }
+        )
+    )
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "trl.toml", {})
     message = str(caught.value)
-    for answer in ("push_to_hub: publish the trained adapter after the run: `learner export",
-                   "model_init_kwargs: --dtype", "disable_dropout: dropout is --lora-dropout",
-                   "vllm_importance_sampling_correction: the off-policy correction is --correction",
-                   "loss_type = 'cispo': not built here; loss_type is one of grpo, dapo, bnpo, dr_grpo",
-                   "eval_strategy = 'epoch': evaluation is counted in adapter versions",
-                   "dataloader_num_workers: prompts are issued", "gradient_accumulation_steps: micro-batching"):
+    for answer in (
+        "push_to_hub: publish the trained adapter after the run: `learner export",
+        "model_init_kwargs: --dtype",
+        "disable_dropout: dropout is --lora-dropout",
+        "vllm_importance_sampling_correction: the off-policy correction is --correction",
+        "loss_type = 'cispo': not built here; loss_type is one of grpo, dapo, bnpo, dr_grpo",
+        "eval_strategy = 'epoch': evaluation is counted in adapter versions",
+        "dataloader_num_workers: prompts are issued",
+        "gradient_accumulation_steps: micro-batching",
+    ):
         assert answer in message, message
     assert "token_mean" not in message.split("loss_agg")[0]  # our internal names come second, as an alternative
     with pytest.raises(ConfigError, match="bf16 and dtype are the same setting"):
@@ -126,8 +227,9 @@ def test_gspo_ratio_is_the_geometric_mean_of_the_sequence(tmp_path: Path) -> Non
     prox = torch.tensor([[-1.2, -1.8, -3.0], [-0.4, -0.9, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     adv = torch.tensor([1.0, -1.0])
-    loss, clipped = policy_loss(logp, prox, adv, torch.ones(2, 3), epsilon_low=0.2, epsilon_high=0.2,
-                                level="sequence", mask_BT=mask)
+    loss, clipped = policy_loss(
+        logp, prox, adv, torch.ones(2, 3), epsilon_low=0.2, epsilon_high=0.2, level="sequence", mask_BT=mask
+    )
     # by hand: sequence 0 log-ratios 0.2, -0.2, 0 -> mean 0 -> ratio 1, inside the clip
     # sequence 1 log-ratios -0.1, 0.4 (the third is padding) -> mean 0.15 -> ratio e^0.15
     r1 = math.exp(0.15)
@@ -150,8 +252,14 @@ def test_truncated_completions_are_left_out_of_the_loss(tmp_path: Path, tiny_mod
     b = batch(0, prompts=1)
     g = group(b, 0)
     cut = Completion.of([10, 11, 12], [-0.5] * 3, finish_reason="length", reward=1.0)
-    g = type(g)(**{**{f: getattr(g, f) for f in g.__struct_fields__}, "completions": [cut, *g.completions[1:]],
-                   "group_id": group_id_for(b.batch_id, "p0"), "prompt_token_ids": pack_i32([1, 2, 3])})
+    g = type(g)(
+        **{
+            **{f: getattr(g, f) for f in g.__struct_fields__},
+            "completions": [cut, *g.completions[1:]],
+            "group_id": group_id_for(b.batch_id, "p0"),
+            "prompt_token_ids": pack_i32([1, 2, 3]),
+        }
+    )
     for masked in (False, True):
         cfg = load_config(None, {"mask_truncated_completions": masked, "num_generations": 4})
         step = build_step_batch([g], cfg, pad_id=0)
@@ -207,8 +315,11 @@ def test_chat_template_kwargs_reach_the_template(tiny_model: Path) -> None:
     )
     rows = [{"prompt": [{"role": "user", "content": "abc"}]}]
     plain = PromptSource(rows, tokenizer, "prompt", 0, 100).prompt(0)
-    no_think = PromptSource(rows, tokenizer, "prompt", 0, 100, chat_template_kwargs={"enable_thinking": False}).prompt(0)
+    no_think = PromptSource(rows, tokenizer, "prompt", 0, 100, chat_template_kwargs={"enable_thinking": False}).prompt(
+        0
+    )
     decode = lambda p: tokenizer.decode(unpack_i32(p.token_ids).tolist())  # noqa: E731
     assert decode(plain).endswith("abc?") and decode(no_think).endswith("abc:")
-    assert build_parser().parse_args(["run", "--chat-template-kwargs", '{"enable_thinking": false}']).chat_template_kwargs \
-        == {"enable_thinking": False}
+    assert build_parser().parse_args(
+        ["run", "--chat-template-kwargs", '{"enable_thinking": false}']
+    ).chat_template_kwargs == {"enable_thinking": False}

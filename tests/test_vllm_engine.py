@@ -150,9 +150,11 @@ def test_a_new_adapter_every_step_never_pulls_files_from_under_queued_requests(
         engine.load_adapter(version, folder)
         loaded = engine.loaded_versions()
         for old in loaded[: max(0, len(loaded) - 2)]:
+
             def release(old: int = old, folder: Path = tmp_path / f"v{old}") -> None:
                 released_at[old] = calls
                 shutil.rmtree(folder)
+
             engine.evict_adapter(old, on_released=release)
         engine.add([GroupRequest(("step", version), PROMPTS[version % 3], 2, sampling, version)])
         step(0.0)
@@ -190,8 +192,15 @@ def test_the_worker_keeps_several_leases_in_the_vllm_engine(
     queue.add_prompts([_batch(f"b{i}", max_tokens=30) for i in range(8)])
     watcher = AdapterWatcher(queue, StoreSource(open_store(tmp_path.as_uri())), engine, tmp_path / "cache")
     lease_seqs = len(LEASE_PROMPTS) * 4
-    worker = Worker(queue, engine, watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
-                    claim_block_s=0.2, max_num_seqs=4 * lease_seqs)
+    worker = Worker(
+        queue,
+        engine,
+        watcher,
+        Scorer([load_reward("toy_rewards:digit_first")]),
+        "w",
+        claim_block_s=0.2,
+        max_num_seqs=4 * lease_seqs,
+    )
     assert worker.work(max_batches=8) == 0
     assert max(queue.held) >= 3, queue.held  # leases generated together, not one after another
     # (streaming a lease's groups one by one is the worker's, shown with the transformers

@@ -46,8 +46,13 @@ def test_episodes_on_the_vllm_engine(tiny_chatml_model: Path, tmp_path: Path) ->
     try:
         engine.load_adapter(1, tmp_path / "v1")
         tok = inner.tokenizer
-        text = tok.apply_chat_template([{"role": "user", "content": "what is 2+3"}], add_generation_prompt=True,
-                                       tokenize=False, chat_template=HERMES_CHATML, tools=load_tools(["toy_tools:add"]))
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": "what is 2+3"}],
+            add_generation_prompt=True,
+            tokenize=False,
+            chat_template=HERMES_CHATML,
+            tools=load_tools(["toy_tools:add"]),
+        )
         ids = tok(text, add_special_tokens=False)["input_ids"]
         greedy = SamplingParams(temperature=0.0, max_tokens=300)
         engine.add([episode_request(GroupRequest("episode", ids, 2, greedy, 1), 1)])
@@ -64,10 +69,11 @@ def test_episodes_on_the_vllm_engine(tiny_chatml_model: Path, tmp_path: Path) ->
         for s in done["episode"]:
             assert s.mask is not None and s.turns == 2 and s.tool_calls == 1 and s.tool_errors == 0
             second = s.mask.index(1, s.mask.index(0))
-            glue = tok.decode(s.token_ids[s.mask.index(0):second])
+            glue = tok.decode(s.token_ids[s.mask.index(0) : second])
             assert "<tool_response>\n5\n</tool_response>" in glue
-            alone = VLLMEngine.generate(inner, [ids + s.token_ids[:second]], 1,
-                                        SamplingParams(temperature=0.0, max_tokens=300 - second), 1)[0][0]
+            alone = VLLMEngine.generate(
+                inner, [ids + s.token_ids[:second]], 1, SamplingParams(temperature=0.0, max_tokens=300 - second), 1
+            )[0][0]
             assert s.token_ids[second:] == alone.token_ids  # the second turn continued the episode, on v1
     finally:
         engine.close()

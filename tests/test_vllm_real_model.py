@@ -52,9 +52,22 @@ def test_the_real_model_on_vllm_caps_stops_and_serves_an_exported_adapter(tmp_pa
     publisher.submit(PublishJob(1, 1, policy.adapter_state(), policy.adapter_config_json()))
     publisher.close()
     del policy
-    proc = subprocess.run([sys.executable, "-m", "learner.cli", "export", "--run-dir", str(tmp_path / "run"),
-                           "--out", str(tmp_path / "adapter")], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "learner.cli",
+            "export",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "--out",
+            str(tmp_path / "adapter"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 0, proc.stderr
     assert adapter_files  # the same two files the actors load
 
@@ -64,12 +77,16 @@ def test_the_real_model_on_vllm_caps_stops_and_serves_an_exported_adapter(tmp_pa
         assert engine.context == 96 and end_of_turn in engine.stop_ids
         story = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Write a long story about a cat who learns to count."}],
-            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
         (group,) = engine.generate([story], 2, SamplingParams(temperature=0.8, max_tokens=256, seed=1), 0)
         assert all(len(story) + len(s.token_ids) <= 96 for s in group)
         assert any(s.finish_reason == "length" and len(story) + len(s.token_ids) == 96 for s in group), group
-        yes = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say yes."}], add_generation_prompt=True,
-                                                   tokenize=True, return_dict=True)["input_ids"]
+        yes = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Say yes."}], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"]
         (group,) = engine.generate([yes], 4, SamplingParams(temperature=0.7, max_tokens=40, seed=2), 0)
         ended = [s for s in group if s.finish_reason == "stop"]
         assert ended and all(s.token_ids[-1] == end_of_turn for s in ended)
@@ -77,14 +94,17 @@ def test_the_real_model_on_vllm_caps_stops_and_serves_an_exported_adapter(tmp_pa
         engine.load_adapter(1, tmp_path / "adapter")
         question = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": "Ana has 3 apples and gets 4 more. How many apples does Ana have?"}],
-            add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=True,
+        )["input_ids"]
         (served,) = engine.generate([question], 1, SamplingParams(temperature=0.0, max_tokens=8), 1)
         (base,) = engine.generate([question], 1, SamplingParams(temperature=0.0, max_tokens=8), 0)
     finally:
         engine.close()
     peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(tmp_path / "adapter")).eval()
     out = peft.generate(input_ids=torch.tensor([question]), do_sample=False, max_new_tokens=8, pad_token_id=2)
-    expected = out[0, len(question):].tolist()
+    expected = out[0, len(question) :].tolist()
     expected = expected[: expected.index(2) + 1] if 2 in expected else expected  # generate pads after the end
     assert served[0].token_ids[:4] == expected[:4], (served[0].token_ids, expected)
     assert served[0].token_ids != base[0].token_ids  # the adapter is in use

@@ -109,7 +109,9 @@ async def async_digit_first(prompts: list, completions: list, **kw: object) -> l
 
 def last_line_is_answer(prompts: list, completions: list, answer: list, **_: object) -> list[float]:
     """1 when the completion's last line (an episode's final answer) is the private answer."""
-    return [1.0 if _text(c).strip().splitlines()[-1:] == [str(a)] else 0.0 for c, a in zip(completions, answer, strict=True)]
+    return [
+        1.0 if _text(c).strip().splitlines()[-1:] == [str(a)] else 0.0 for c, a in zip(completions, answer, strict=True)
+    ]
 
 
 def found_it(prompts: list, completions: list, **_: object) -> list[float]:

@@ -18,8 +18,9 @@ from protocol import QueueConfig
 from protocol.trusted import RedisQueue, open_store
 
 
-def run_with_a_worker(cfg: LearnerConfig, actor_queue: Any, source: AdapterSource, engine: Engine,
-                      scorer: Scoring | None, cache: Path) -> tuple[Any, list[dict[str, Any]]]:
+def run_with_a_worker(
+    cfg: LearnerConfig, actor_queue: Any, source: AdapterSource, engine: Engine, scorer: Scoring | None, cache: Path
+) -> tuple[Any, list[dict[str, Any]]]:
     """The learner's state at the end and its metrics rows. The learner reads `cfg.queue`
     (Redis); the worker, `actor_queue` (Redis or the proxy). Everything it was handed is
     closed when the run ends."""

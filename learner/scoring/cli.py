@@ -18,45 +18,101 @@ log = logging.getLogger("learner.score")
 
 def add_score_flags(score: argparse.ArgumentParser) -> None:
     a = score.add_argument
-    a("--queue", "--redis", dest="redis", required=True, metavar="URL",
-      help="redis://host:port/db of the run, the learner's --queue (the trusted side reaches Redis itself; "
-           "--redis is the same flag)")
-    a("--rq-redis", metavar="URL", default=None,
-      help="a plain Redis for RQ's jobs (default: the run's); needed where --queue is a Redis Cluster, whose "
-           "hash slots RQ's transactions cannot span")
+    a(
+        "--queue",
+        "--redis",
+        dest="redis",
+        required=True,
+        metavar="URL",
+        help="redis://host:port/db of the run, the learner's --queue (the trusted side reaches Redis itself; "
+        "--redis is the same flag)",
+    )
+    a(
+        "--rq-redis",
+        metavar="URL",
+        default=None,
+        help="a plain Redis for RQ's jobs (default: the run's); needed where --queue is a Redis Cluster, whose "
+        "hash slots RQ's transactions cannot span",
+    )
     a("--run", default="default", help="run name (the learner's --run)")
-    a("--model", required=True,
-      help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
-           "completion's token ids with it and scores that text, the text the learner trains on")
-    a("--reward", action="append", default=None, metavar="MODULE:FUNCTION[=WEIGHT]",
-      help="reward function with TRL's signature (may be async def); repeat for several (weighted sum)")
-    a("--environment", default=None, metavar="MODULE:CLASS",
-      help="the learner's --environment, when it owns a reward (get_reward): each episode is replayed in a fresh "
-           "instance with every column and its get_reward() added, weight 1 (it may stand without --reward)")
-    a("--tools", action="append", default=None, metavar="MODULE:FUNCTION",
-      help="the learner's --tools, when its batches offer tools: they are not run here, but the run's tokenizer is "
-           "then loaded once, to check each episode's mask against its model turns (else in each job that meets one)")
-    a("--tool-timeout-s", type=float, default=10.0,
-      help="the environment's replay: time limit per call, reset and get_reward included (default 10, the actors'); "
-           "past it the group is rejected with that reason")
-    a("--tool-memory-mb", type=int, default=2048,
-      help="the environment's replay: address space it may add (default 2048); past it the group is rejected")
-    a("--reward-timeout-s", type=float, default=60.0,
-      help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
-           "not retried, and the job goes on with the lease's other groups")
+    a(
+        "--model",
+        required=True,
+        help="the learner's --model (a path or hub id; only its tokenizer is loaded): the tier decodes each "
+        "completion's token ids with it and scores that text, the text the learner trains on",
+    )
+    a(
+        "--reward",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION[=WEIGHT]",
+        help="reward function with TRL's signature (may be async def); repeat for several (weighted sum)",
+    )
+    a(
+        "--environment",
+        default=None,
+        metavar="MODULE:CLASS",
+        help="the learner's --environment, when it owns a reward (get_reward): each episode is replayed in a fresh "
+        "instance with every column and its get_reward() added, weight 1 (it may stand without --reward)",
+    )
+    a(
+        "--tools",
+        action="append",
+        default=None,
+        metavar="MODULE:FUNCTION",
+        help="the learner's --tools, when its batches offer tools: they are not run here, but the run's tokenizer is "
+        "then loaded once, to check each episode's mask against its model turns (else in each job that meets one)",
+    )
+    a(
+        "--tool-timeout-s",
+        type=float,
+        default=10.0,
+        help="the environment's replay: time limit per call, reset and get_reward included (default 10, the actors'); "
+        "past it the group is rejected with that reason",
+    )
+    a(
+        "--tool-memory-mb",
+        type=int,
+        default=2048,
+        help="the environment's replay: address space it may add (default 2048); past it the group is rejected",
+    )
+    a(
+        "--reward-timeout-s",
+        type=float,
+        default=60.0,
+        help="time limit per group (default 60): a group whose rewards run longer is rejected with that reason, "
+        "not retried, and the job goes on with the lease's other groups",
+    )
     a("--retries", type=int, default=2, help="re-runs of a group whose reward raised (default 2), with backoff")
     a("--retry-backoff-s", type=float, default=1.0, help="first retry after this, doubling (default 1)")
-    a("--abandon-after-s", type=int, default=60,
-      help="a job whose worker stopped heartbeating this long is abandoned and retried by another (default 60)")
+    a(
+        "--abandon-after-s",
+        type=int,
+        default=60,
+        help="a job whose worker stopped heartbeating this long is abandoned and retried by another (default 60)",
+    )
     a("--monitoring-interval-s", type=int, default=10, help="worker heartbeat while a job runs (default 10)")
     a("--maintenance-interval-s", type=int, default=30, help="how often RQ's registries are cleaned (default 30)")
-    a("--groups-per-job", type=int, default=32,
-      help="most groups scored in one RQ job, from one lease or several read together (default 32; 1: a job per group)")
-    a("--redispatch-s", type=float, default=30.0,
-      help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)")
-    a("--name", default=None,
-      help="worker name within the run (default scorer-<host>-<pid>, with a suffix if a worker of the run holds it); "
-           "a name held by a live worker of the run is refused")
+    a(
+        "--groups-per-job",
+        type=int,
+        default=32,
+        help=(
+            "most groups scored in one RQ job, from one lease or several read together (default 32; 1: a job per group)"
+        ),
+    )
+    a(
+        "--redispatch-s",
+        type=float,
+        default=30.0,
+        help="a group read by a dispatcher that made no job of it for this long is dispatched again (default 30)",
+    )
+    a(
+        "--name",
+        default=None,
+        help="worker name within the run (default scorer-<host>-<pid>, with a suffix if a worker of the run holds it); "
+        "a name held by a live worker of the run is refused",
+    )
     a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
     add_logging_flags(score)
 
@@ -79,8 +135,11 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     from protocol.usercode.transcript import environment_reward
 
     if not args.redis.startswith(("redis://", "rediss://", "unix://")):
-        print(f"{prog}: --queue {args.redis!r}: expected redis://, rediss:// or unix:// "
-              "(scoring runs on the trusted side, on the run's Redis itself, never through the proxy)", file=sys.stderr)
+        print(
+            f"{prog}: --queue {args.redis!r}: expected redis://, rediss:// or unix:// "
+            "(scoring runs on the trusted side, on the run's Redis itself, never through the proxy)",
+            file=sys.stderr,
+        )
         return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the tokenizer is used in forked work horses
     try:
@@ -90,8 +149,12 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         tokenizer = load_tokenizer(args.model) if args.environment or args.tools else None
         decode = load_decode(args.model, tokenizer)
         environment = environment_reward(args.environment, tokenizer) if args.environment else None
-        scorer = Scorer([load_reward(spec) for spec in args.reward or []], timeout_s=None, reraise=True,
-                        extra=environment.name if environment else None)
+        scorer = Scorer(
+            [load_reward(spec) for spec in args.reward or []],
+            timeout_s=None,
+            reraise=True,
+            extra=environment.name if environment else None,
+        )
         queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run), rq_url=args.rq_redis)
     except (RewardError, ValueError, OSError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
@@ -100,7 +163,9 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
     try:
-        name = free_name(queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None)
+        name = free_name(
+            queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None
+        )
     except NameTaken as err:
         print(f"{prog}: {err}", file=sys.stderr)
         queue.close()
@@ -109,21 +174,35 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         queue.close()
         return 1
-    log.info("scoring worker %s for run %s: %s", name, args.run,
-             ", ".join([*(args.reward or []), *([args.environment] if args.environment else [])]))
+    log.info(
+        "scoring worker %s for run %s: %s",
+        name,
+        args.run,
+        ", ".join([*(args.reward or []), *([args.environment] if args.environment else [])]),
+    )
 
     try:
-        serve(queue, scorer, name, decode=decode, job_timeout_s=args.reward_timeout_s, retries=args.retries,
-              retry_backoff_s=args.retry_backoff_s, groups_per_job=args.groups_per_job,
-              abandon_after_s=args.abandon_after_s,
-              monitoring_interval_s=args.monitoring_interval_s, maintenance_interval_s=args.maintenance_interval_s,
-              redispatch_s=args.redispatch_s, burst=args.burst, environment=environment,
-              episodes=EpisodeReader(args.model, tokenizer),
-              replay_limits=ReplayLimits(args.tool_timeout_s, args.tool_memory_mb))
+        serve(
+            queue,
+            scorer,
+            name,
+            decode=decode,
+            job_timeout_s=args.reward_timeout_s,
+            retries=args.retries,
+            retry_backoff_s=args.retry_backoff_s,
+            groups_per_job=args.groups_per_job,
+            abandon_after_s=args.abandon_after_s,
+            monitoring_interval_s=args.monitoring_interval_s,
+            maintenance_interval_s=args.maintenance_interval_s,
+            redispatch_s=args.redispatch_s,
+            burst=args.burst,
+            environment=environment,
+            episodes=EpisodeReader(args.model, tokenizer),
+            replay_limits=ReplayLimits(args.tool_timeout_s, args.tool_memory_mb),
+        )
     except QueueUnavailable as err:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
     finally:
         queue.close()
     return 0
-

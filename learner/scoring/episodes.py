@@ -36,20 +36,26 @@ class EpisodeReader:
                 from learner.detokenize import load_generation_config, load_tokenizer
 
                 tokenizer = self.tokenizer if self.tokenizer is not None else load_tokenizer(self.model)
-                self._rules = (tokenizer, tool_template(tokenizer),
-                               stop_token_ids(tokenizer, load_generation_config(self.model)))
+                self._rules = (
+                    tokenizer,
+                    tool_template(tokenizer),
+                    stop_token_ids(tokenizer, load_generation_config(self.model)),
+                )
             return self._rules
 
 
-def read_episodes(reader: EpisodeReader | None, completions: Sequence[Completion], tools: Sequence[str],
-                  max_turns: int | None) -> list[Transcript] | None:
+def read_episodes(
+    reader: EpisodeReader | None, completions: Sequence[Completion], tools: Sequence[str], max_turns: int | None
+) -> list[Transcript] | None:
     """Each completion's transcript (None: single turns, nothing to read). `TranscriptError`
     says why the group is refused."""
     if not tools:
         masked = [i for i, c in enumerate(completions) if c.mask is not None]
         if masked:
-            raise TranscriptError(f"completion {masked[0]} carries a mask, but its batch offers no tools: every "
-                                  "token of a single-turn completion is the model's and is scored as such")
+            raise TranscriptError(
+                f"completion {masked[0]} carries a mask, but its batch offers no tools: every "
+                "token of a single-turn completion is the model's and is scored as such"
+            )
         return None
     if reader is None:
         raise TranscriptError("the scoring tier has no tokenizer to read episodes with")
@@ -57,8 +63,16 @@ def read_episodes(reader: EpisodeReader | None, completions: Sequence[Completion
     out = []
     for i, c in enumerate(completions):
         try:
-            out.append(read_transcript(tokenizer, template, stop_ids, c.tokens.tolist(),
-                                       None if c.mask is None else list(c.mask), max_turns))
+            out.append(
+                read_transcript(
+                    tokenizer,
+                    template,
+                    stop_ids,
+                    c.tokens.tolist(),
+                    None if c.mask is None else list(c.mask),
+                    max_turns,
+                )
+            )
         except TranscriptError as err:
             raise TranscriptError(f"completion {i}: {err}") from None
     return out
@@ -68,11 +82,13 @@ def recounted(completions: Sequence[Completion], transcripts: Sequence[Transcrip
     """The completions with the tier's own counts of turns, calls, failed calls and the
     turn limit in place of the actor's."""
     if transcripts is None:
-        return [msgspec.structs.replace(c, turns=1, tool_calls=0, tool_errors=0, turn_limit=False)
-                for c in completions]
-    return [msgspec.structs.replace(c, turns=max(1, len(t.turns)), tool_calls=t.tool_calls,
-                                    tool_errors=t.tool_errors, turn_limit=t.turn_limit)
-            for c, t in zip(completions, transcripts, strict=True)]
+        return [msgspec.structs.replace(c, turns=1, tool_calls=0, tool_errors=0, turn_limit=False) for c in completions]
+    return [
+        msgspec.structs.replace(
+            c, turns=max(1, len(t.turns)), tool_calls=t.tool_calls, tool_errors=t.tool_errors, turn_limit=t.turn_limit
+        )
+        for c, t in zip(completions, transcripts, strict=True)
+    ]
 
 
 def single_turns(completions: Sequence[Completion]) -> list[Transcript]:

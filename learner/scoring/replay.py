@@ -55,8 +55,13 @@ class Replay:
     """The episodes' rewards, or why the replay failed; None while it runs."""
 
 
-def start(environment: type, columns: dict[str, Any], episodes: Sequence[Sequence[Sequence[ToolCall]]],
-          limits: ReplayLimits, group_limit_s: float) -> Replay:
+def start(
+    environment: type,
+    columns: dict[str, Any],
+    episodes: Sequence[Sequence[Sequence[ToolCall]]],
+    limits: ReplayLimits,
+    group_limit_s: float,
+) -> Replay:
     """Fork the process that replays one group's episodes (each: its answered calls, turn by
     turn) and return at once."""
     read_fd, write_fd = os.pipe()
@@ -137,11 +142,12 @@ def _end(r: Replay, why: str) -> None:
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
-def _replay_in_child(environment: type, columns: dict[str, Any], episodes: Sequence[Sequence[Sequence[ToolCall]]],
-                     limits: ReplayLimits) -> dict[str, Any]:
+def _replay_in_child(
+    environment: type, columns: dict[str, Any], episodes: Sequence[Sequence[Sequence[ToolCall]]], limits: ReplayLimits
+) -> dict[str, Any]:
     with open("/proc/self/statm") as statm:
         vm_pages = int(statm.read().split()[0])
     room = vm_pages * os.sysconf("SC_PAGE_SIZE") + limits.memory_mb * 1024 * 1024

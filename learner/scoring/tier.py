@@ -81,6 +81,7 @@ from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
 
+
 def rq_queue_name(run: str) -> str:
     return f"spotgrpo:{run}:scoring"
 
@@ -120,8 +121,14 @@ ERROR_CHARS = 300
 """A completion's error as the tier writes it (the group's error says it whole)."""
 
 
-def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_by: str, score_s: float,
-                 completions: Sequence[Completion] | None = None) -> RolloutGroup:
+def scored_group(
+    item: UnscoredGroup,
+    scores: Scores,
+    texts: list[str],
+    scored_by: str,
+    score_s: float,
+    completions: Sequence[Completion] | None = None,
+) -> RolloutGroup:
     """The actor's group with the tier's rewards in place of whatever it sent, and the
     text the tier scored (decoded from the token ids) in place of the actor's;
     `completions`: the group's with the tier's episode counts (`recounted`)."""
@@ -130,22 +137,29 @@ def scored_group(item: UnscoredGroup, scores: Scores, texts: list[str], scored_b
     short = printable(scores.error, ERROR_CHARS) if scores.error is not None else None
     completions = [
         msgspec.structs.replace(c, text=t, reward=r, reward_components=comp, error=short)
-        for c, t, r, comp in zip(completions or group.completions, texts, scores.rewards, scores.components,
-                                 strict=True)
+        for c, t, r, comp in zip(
+            completions or group.completions, texts, scores.rewards, scores.components, strict=True
+        )
     ]
     submitted = entry_time(item.entry_id)
     timings = {k: v for k, v in group.timings.items() if k not in ("score_s", "scored_at", "submitted_at")}
     timings.update(score_s=score_s, scored_at=time.time(), **({"submitted_at": submitted} if submitted else {}))
-    return msgspec.structs.replace(group, completions=completions, error=error, scored_by=scored_by, timings=timings,
-                                   metrics=scores.metrics)
+    return msgspec.structs.replace(
+        group, completions=completions, error=error, scored_by=scored_by, timings=timings, metrics=scores.metrics
+    )
 
 
 def rejected_group(item: UnscoredGroup, error: str, scored_by: str, decode: Decode) -> RolloutGroup:
     """The group with no rewards and the reason; its text decoded from its tokens too (the
     actor's text never reaches the learner from the tier)."""
     n = len(item.group.completions)
-    return scored_group(item, Scores([None] * n, [{} for _ in range(n)], error),
-                        [decode(c.tokens.tolist()) for c in item.group.completions], scored_by, 0.0)
+    return scored_group(
+        item,
+        Scores([None] * n, [{} for _ in range(n)], error),
+        [decode(c.tokens.tolist()) for c in item.group.completions],
+        scored_by,
+        0.0,
+    )
 
 
 def entry_time(entry_id: str) -> float | None:
@@ -218,21 +232,26 @@ def _read_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | N
     if item is None or item.scored:
         return {"entry": entry_id, "stored": False}
     if item.prompt is None:
-        return _stored(tier, entry_id,
-                       rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode))
+        return _stored(
+            tier,
+            entry_id,
+            rejected_group(item, "scoring: the private prompt record is missing", tier.name, tier.decode),
+        )
     started = time.monotonic()
     completions = item.group.completions
     try:
         transcripts = read_episodes(tier.episodes, completions, item.tools, item.max_tool_calling_iterations)
     except TranscriptError as err:
-        log.warning("group %s of worker %s rejected: %s", item.group.group_id, item.group.actor_id,
-                    printable(str(err), 300))
+        log.warning(
+            "group %s of worker %s rejected: %s", item.group.group_id, item.group.actor_id, printable(str(err), 300)
+        )
         return _stored(tier, entry_id, rejected_group(item, f"episode refused: {err}", tier.name, tier.decode))
     ready = _Ready(entry_id, item, transcripts, started)
     if tier.environment is not None:
         episodes = [answered_calls(t) for t in (transcripts if transcripts is not None else single_turns(completions))]
-        ready.running = replay.start(tier.environment.environment, item.prompt.columns, episodes, tier.replay_limits,
-                                    tier.timeout_s)
+        ready.running = replay.start(
+            tier.environment.environment, item.prompt.columns, episodes, tier.replay_limits, tier.timeout_s
+        )
     return ready
 
 
@@ -247,11 +266,13 @@ def _score_ready(tier: Tier, r: _Ready) -> dict[str, Any]:
             if isinstance(outcome, str) or outcome is None:
                 raise RewardRefused(outcome or "the environment's replay gave no answer")
             return outcome
+
     ids = [c.tokens.tolist() for c in completions]
     texts = [tier.decode(i) for i in ids]
     scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
-    group = scored_group(item, scores, texts, tier.name, time.monotonic() - r.started,
-                         recounted(completions, r.transcripts))
+    group = scored_group(
+        item, scores, texts, tier.name, time.monotonic() - r.started, recounted(completions, r.transcripts)
+    )
     return _stored(tier, r.entry_id, group)
 
 
@@ -346,9 +367,20 @@ class Dispatcher(threading.Thread):
     """Unscored stream -> RQ jobs; RQ's failed jobs -> rejected groups. See the module
     docstring."""
 
-    def __init__(self, queue: ScoringQueue, rq: RQQueue, name: str, decode: Decode, *, job_timeout_s: float, retries: int,
-                 retry_backoff_s: float, groups_per_job: int = 8, redispatch_s: float = 30.0,
-                 sweep_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        queue: ScoringQueue,
+        rq: RQQueue,
+        name: str,
+        decode: Decode,
+        *,
+        job_timeout_s: float,
+        retries: int,
+        retry_backoff_s: float,
+        groups_per_job: int = 8,
+        redispatch_s: float = 30.0,
+        sweep_s: float = 1.0,
+    ) -> None:
         super().__init__(name=f"dispatcher-{name}", daemon=True)
         self.queue, self.rq, self.consumer, self.decode = queue, rq, name, decode
         self.job_timeout_s = job_timeout_s
@@ -375,8 +407,9 @@ class Dispatcher(threading.Thread):
                 if len(held) < self.groups_per_job * HELD_JOBS:
                     if not held:
                         held_since = time.monotonic()
-                    held += self.queue.read_unscored(self.consumer, 64,
-                                                     block_s=HOLD_POLL_S if held else min(1.0, self.sweep_s))
+                    held += self.queue.read_unscored(
+                        self.consumer, 64, block_s=HOLD_POLL_S if held else min(1.0, self.sweep_s)
+                    )
                 else:
                     self.stopping.wait(HOLD_POLL_S)
                 # while a job waits for every worker, groups gather here and go out in fuller
@@ -390,8 +423,10 @@ class Dispatcher(threading.Thread):
                     self.workers = max(1, Worker.count(queue=self.rq))
                     reclaimed = self.queue.reclaim_unscored(self.consumer, self.redispatch_s)
                     if reclaimed:
-                        log.warning("%d unscored group(s) read by a dispatcher that never made them jobs; "
-                                    "dispatching them now", len(reclaimed))
+                        log.warning(
+                            "%d unscored group(s) read by a dispatcher that never made them jobs; dispatching them now",
+                            len(reclaimed),
+                        )
                         self.dispatch(reclaimed)
                     self.reject_failed()
                 backoff.reset()
@@ -417,14 +452,21 @@ class Dispatcher(threading.Thread):
         self.queue.dispatched([e.entry_id for e in entries])
 
     def enqueue(self, entries: list[UnscoredEntry]) -> None:
-        retry = (Retry(max=self.retries, interval=[self.retry_backoff_s * 2**i for i in range(self.retries)])
-                 if self.retries else None)
+        retry = (
+            Retry(max=self.retries, interval=[self.retry_backoff_s * 2**i for i in range(self.retries)])
+            if self.retries
+            else None
+        )
         self.rq.enqueue(
-            score_job, *[e.entry_id for e in entries], job_id=self.job_id([e.group_id for e in entries]),
+            score_job,
+            *[e.entry_id for e in entries],
+            job_id=self.job_id([e.group_id for e in entries]),
             # each group has its own limit inside the job (`Tier.timeout_s`); RQ's kills a horse that hangs anyway
-            job_timeout=max(1, round(self.job_timeout_s * len(entries) + JOB_MARGIN_S)), retry=retry, result_ttl=300,
-            failure_ttl=3600, description=f"score {len(entries)} group(s) of batch(es) "
-                                          f"{' '.join(sorted({e.batch_id for e in entries}))}",
+            job_timeout=max(1, round(self.job_timeout_s * len(entries) + JOB_MARGIN_S)),
+            retry=retry,
+            result_ttl=300,
+            failure_ttl=3600,
+            description=f"score {len(entries)} group(s) of batch(es) {' '.join(sorted({e.batch_id for e in entries}))}",
             meta={"groups": [e.group_id for e in entries], "batches": [e.batch_id for e in entries]},
         )
 
@@ -498,33 +540,71 @@ def free_name(queue: ScoringQueue, name: str, chosen: bool) -> str:
         if chosen:
             raise NameTaken(
                 f"--name {name}: a scoring worker of run {queue.config.run!r} by that name is registered "
-                "(a live one, or one killed less than a minute ago); choose another name or leave --name out")
+                "(a live one, or one killed less than a minute ago); choose another name or leave --name out"
+            )
     raise AssertionError("unreachable")
 
 
-def serve(queue: ScoringQueue, scorer: Scorer, name: str, *, decode: Decode, job_timeout_s: float, retries: int = 2,
-          retry_backoff_s: float = 1.0, groups_per_job: int = 8, abandon_after_s: int = 60,
-          monitoring_interval_s: int = 30, maintenance_interval_s: int = 30, redispatch_s: float = 30.0,
-          burst: bool = False, outage_s: float = 300.0, environment: EnvironmentReward | None = None,
-          episodes: EpisodeReader | None = None, replay_limits: replay.ReplayLimits | None = None) -> bool:
+def serve(
+    queue: ScoringQueue,
+    scorer: Scorer,
+    name: str,
+    *,
+    decode: Decode,
+    job_timeout_s: float,
+    retries: int = 2,
+    retry_backoff_s: float = 1.0,
+    groups_per_job: int = 8,
+    abandon_after_s: int = 60,
+    monitoring_interval_s: int = 30,
+    maintenance_interval_s: int = 30,
+    redispatch_s: float = 30.0,
+    burst: bool = False,
+    outage_s: float = 300.0,
+    environment: EnvironmentReward | None = None,
+    episodes: EpisodeReader | None = None,
+    replay_limits: replay.ReplayLimits | None = None,
+) -> bool:
     """Run one scoring worker (and its dispatcher) until SIGTERM (RQ's warm shutdown).
     RQ's worker quits when Redis goes away; this one waits for Redis (up to `outage_s`,
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     global _TIER
-    _TIER = Tier(queue=queue, scorer=scorer, name=name, decode=decode, timeout_s=job_timeout_s, environment=environment,
-                 episodes=episodes, replay_limits=replay_limits or replay.ReplayLimits())
+    _TIER = Tier(
+        queue=queue,
+        scorer=scorer,
+        name=name,
+        decode=decode,
+        timeout_s=job_timeout_s,
+        environment=environment,
+        episodes=episodes,
+        replay_limits=replay_limits or replay.ReplayLimits(),
+    )
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)
-    dispatcher = Dispatcher(queue, rq, name, decode, job_timeout_s=job_timeout_s, retries=retries,
-                            retry_backoff_s=retry_backoff_s, groups_per_job=groups_per_job, redispatch_s=redispatch_s)
+    dispatcher = Dispatcher(
+        queue,
+        rq,
+        name,
+        decode,
+        job_timeout_s=job_timeout_s,
+        retries=retries,
+        retry_backoff_s=retry_backoff_s,
+        groups_per_job=groups_per_job,
+        redispatch_s=redispatch_s,
+    )
     dispatcher.start()
     try:
         for generation in itertools.count():
             rq_name = rq_worker_name(queue.config.run, name if generation == 0 else f"{name}-{generation}")
-            worker = ScoringWorker([rq], name=rq_name,
-                                   connection=queue.client, serializer=JSONSerializer,
-                                   job_monitoring_interval=monitoring_interval_s, maintenance_interval=maintenance_interval_s,
-                                   worker_ttl=max(20, maintenance_interval_s + 15))
+            worker = ScoringWorker(
+                [rq],
+                name=rq_name,
+                connection=queue.client,
+                serializer=JSONSerializer,
+                job_monitoring_interval=monitoring_interval_s,
+                maintenance_interval=maintenance_interval_s,
+                worker_ttl=max(20, maintenance_interval_s + 15),
+            )
             worker.abandon_after_s = abandon_after_s
             try:
                 done = worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
@@ -553,4 +633,3 @@ def _wait_for_redis(queue: ScoringQueue, outage_s: float) -> None:
         retry(queue.client.ping, on=(redis.exceptions.RedisError,), deadline_s=outage_s, cap=5.0)
     except redis.exceptions.RedisError as err:
         raise QueueUnavailable(f"Redis unreachable for {outage_s:.0f}s: {err}") from None
-

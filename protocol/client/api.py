@@ -57,32 +57,138 @@ class Endpoint:
         return self.path.format(**params)
 
 
-def _e(method: str, path: str, roles: set[str], summary: str, request: type | None = None,
-       response: type | None = None) -> Endpoint:
+def _e(
+    method: str, path: str, roles: set[str], summary: str, request: type | None = None, response: type | None = None
+) -> Endpoint:
     return Endpoint(method, path, frozenset(roles), summary, request, response)
 
 
 ACTOR, LEARNER, ADMIN = "actor", "learner", "admin"
 
-CLAIM = _e("POST", "/v1/leases/claim", {ACTOR}, "Claim prompt batches (long-poll); expired leases are taken over first.", ClaimRequest, ClaimResponse)
-HEARTBEAT = _e("POST", "/v1/leases/heartbeat", {ACTOR}, "Extend leases; returns those still held.", HeartbeatRequest, HeartbeatResponse)
-SUBMIT = _e("POST", "/v1/leases/submit", {ACTOR}, "Store a batch's rollout groups and acknowledge its lease (idempotent by group id).", SubmitRequest, SubmitResponse)
+CLAIM = _e(
+    "POST",
+    "/v1/leases/claim",
+    {ACTOR},
+    "Claim prompt batches (long-poll); expired leases are taken over first.",
+    ClaimRequest,
+    ClaimResponse,
+)
+HEARTBEAT = _e(
+    "POST",
+    "/v1/leases/heartbeat",
+    {ACTOR},
+    "Extend leases; returns those still held.",
+    HeartbeatRequest,
+    HeartbeatResponse,
+)
+SUBMIT = _e(
+    "POST",
+    "/v1/leases/submit",
+    {ACTOR},
+    "Store a batch's rollout groups and acknowledge its lease (idempotent by group id).",
+    SubmitRequest,
+    SubmitResponse,
+)
 RELEASE = _e("POST", "/v1/leases/release", {ACTOR}, "Hand a lease back unfinished.", ReleaseRequest, ReleaseResponse)
-REPORT_STATUS = _e("POST", "/v1/workers/status", {ACTOR}, "Report this worker's status (adapter loaded, last error, throughput).", ReportStatusRequest, ReportStatusResponse)
-WORKERS = _e("GET", "/v1/workers", {LEARNER, ADMIN}, "Workers that reported within ?max_age_s= (default 120), with their status: up to ?limit= (default 500, at most 1000), furthest behind first, and how many in all.", None, WorkersResponse)
-WHOAMI = _e("GET", "/v1/whoami", {ACTOR, LEARNER, ADMIN}, "The token's name and role, and the run this proxy serves.", None, WhoAmIResponse)
-LATEST_ADAPTER = _e("GET", "/v1/adapters/latest", {ACTOR, LEARNER}, "The newest announced adapter manifest.", None, LatestAdapterResponse)
-ADAPTER_EVENTS = _e("GET", "/v1/adapters/events", {ACTOR, LEARNER}, "Adapter announcements as server-sent events; resumes after Last-Event-ID.")
-ADAPTER_HISTORY = _e("GET", "/v1/adapters/history", {ACTOR, LEARNER}, "Announcements after ?after= (up to ?count=, waiting up to ?block_ms=).", None, AdapterEventsResponse)
-ADAPTER_DOWNLOAD = _e("GET", "/v1/adapters/{version}", {ACTOR}, "Manifest and short-lived download URLs of one adapter version.", None, AdapterDownload)
-ADAPTER_FILE = _e("GET", "/v1/adapters/{version}/files/{name}", {ACTOR}, "One adapter file, streamed by the proxy (file:// stores).")
-ADD_PROMPTS = _e("POST", "/v1/prompts", {LEARNER}, "Queue prompt batches (idempotent by batch id).", AddPromptsRequest, AddPromptsResponse)
-READ_ROLLOUTS = _e("POST", "/v1/rollouts/read", {LEARNER}, "Read new (or, with pending, unacknowledged) rollout groups.", ReadRolloutsRequest, RolloutsResponse)
+REPORT_STATUS = _e(
+    "POST",
+    "/v1/workers/status",
+    {ACTOR},
+    "Report this worker's status (adapter loaded, last error, throughput).",
+    ReportStatusRequest,
+    ReportStatusResponse,
+)
+WORKERS = _e(
+    "GET",
+    "/v1/workers",
+    {LEARNER, ADMIN},
+    (
+        "Workers that reported within ?max_age_s= (default 120), with their status: up to ?limit= (default 500, at "
+        "most 1000), furthest behind first, and how many in all."
+    ),
+    None,
+    WorkersResponse,
+)
+WHOAMI = _e(
+    "GET",
+    "/v1/whoami",
+    {ACTOR, LEARNER, ADMIN},
+    "The token's name and role, and the run this proxy serves.",
+    None,
+    WhoAmIResponse,
+)
+LATEST_ADAPTER = _e(
+    "GET",
+    "/v1/adapters/latest",
+    {ACTOR, LEARNER},
+    "The newest announced adapter manifest.",
+    None,
+    LatestAdapterResponse,
+)
+ADAPTER_EVENTS = _e(
+    "GET",
+    "/v1/adapters/events",
+    {ACTOR, LEARNER},
+    "Adapter announcements as server-sent events; resumes after Last-Event-ID.",
+)
+ADAPTER_HISTORY = _e(
+    "GET",
+    "/v1/adapters/history",
+    {ACTOR, LEARNER},
+    "Announcements after ?after= (up to ?count=, waiting up to ?block_ms=).",
+    None,
+    AdapterEventsResponse,
+)
+ADAPTER_DOWNLOAD = _e(
+    "GET",
+    "/v1/adapters/{version}",
+    {ACTOR},
+    "Manifest and short-lived download URLs of one adapter version.",
+    None,
+    AdapterDownload,
+)
+ADAPTER_FILE = _e(
+    "GET", "/v1/adapters/{version}/files/{name}", {ACTOR}, "One adapter file, streamed by the proxy (file:// stores)."
+)
+ADD_PROMPTS = _e(
+    "POST",
+    "/v1/prompts",
+    {LEARNER},
+    "Queue prompt batches (idempotent by batch id).",
+    AddPromptsRequest,
+    AddPromptsResponse,
+)
+READ_ROLLOUTS = _e(
+    "POST",
+    "/v1/rollouts/read",
+    {LEARNER},
+    "Read new (or, with pending, unacknowledged) rollout groups.",
+    ReadRolloutsRequest,
+    RolloutsResponse,
+)
 ACK = _e("POST", "/v1/rollouts/ack", {LEARNER}, "Acknowledge consumed rollout groups.", AckRequest, AckResponse)
-EXPIRE_RUN = _e("POST", "/v1/run/expire", {LEARNER}, "The run is over: its keys expire after ttl_s.", ExpireRunRequest, ExpireRunResponse)
-ANNOUNCE = _e("POST", "/v1/adapters/announce", {LEARNER}, "Make a manifest the latest adapter.", AnnounceRequest, AnnounceResponse)
-DEAD_LETTERS = _e("GET", "/v1/dead-letters", {LEARNER, ADMIN}, "Dead-lettered batches after ?after=, up to ?count=.", None, DeadLettersResponse)
-STATS = _e("GET", "/v1/stats", {LEARNER, ADMIN}, "Stream depths, leases by worker, latest version.", None, StatsResponse)
+EXPIRE_RUN = _e(
+    "POST",
+    "/v1/run/expire",
+    {LEARNER},
+    "The run is over: its keys expire after ttl_s.",
+    ExpireRunRequest,
+    ExpireRunResponse,
+)
+ANNOUNCE = _e(
+    "POST", "/v1/adapters/announce", {LEARNER}, "Make a manifest the latest adapter.", AnnounceRequest, AnnounceResponse
+)
+DEAD_LETTERS = _e(
+    "GET",
+    "/v1/dead-letters",
+    {LEARNER, ADMIN},
+    "Dead-lettered batches after ?after=, up to ?count=.",
+    None,
+    DeadLettersResponse,
+)
+STATS = _e(
+    "GET", "/v1/stats", {LEARNER, ADMIN}, "Stream depths, leases by worker, latest version.", None, StatsResponse
+)
 METRICS = _e("GET", "/metrics", {ADMIN}, "Prometheus metrics.")
 HEALTHZ = _e("GET", "/healthz", set(), "200 when Redis answers.")
 OPENAPI = _e("GET", "/openapi.json", set(), "This document.")

@@ -274,7 +274,5 @@ def _nested(body: Any) -> list[Any]:
 
 def schema_components() -> tuple[dict[str, Any], dict[str, Any]]:
     """JSON Schemas of every body, for the OpenAPI document: ({name: ref}, components)."""
-    refs, components = msgspec.json.schema_components(
-        REQUESTS + RESPONSES, ref_template="#/components/schemas/{name}"
-    )
+    refs, components = msgspec.json.schema_components(REQUESTS + RESPONSES, ref_template="#/components/schemas/{name}")
     return {cls.__name__: ref for cls, ref in zip(REQUESTS + RESPONSES, refs, strict=True)}, components

@@ -156,9 +156,14 @@ class HttpQueue(Queue):
         would parse each call's URL again)."""
         self._absolute = proxy is not None and self.url.startswith("http://")
         """Plain HTTP through a proxy: it is sent the absolute URL (HTTPS goes through a tunnel)."""
-        self.client = httpx.Client(base_url=self.url, headers=headers, verify=self._verify, proxy=proxy,
-                                   timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
-                                   trust_env=False)
+        self.client = httpx.Client(
+            base_url=self.url,
+            headers=headers,
+            verify=self._verify,
+            proxy=proxy,
+            timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
+            trust_env=False,
+        )
         """For the event stream and proxied adapter files."""
         self._headers = headers
         self._body_headers = {**headers, "Content-Type": CONTENT_TYPE}
@@ -173,7 +178,9 @@ class HttpQueue(Queue):
         self._stopping.set()
 
     # ------------------------------------------------------------------ plumbing
-    def _call(self, endpoint: Endpoint, body: Any = None, params: dict[str, Any] | None = None, **path_params: object) -> Any:
+    def _call(
+        self, endpoint: Endpoint, body: Any = None, params: dict[str, Any] | None = None, **path_params: object
+    ) -> Any:
         """One call of `endpoint` (`protocol.client.api`), retried through outages; its response body."""
         method, path, response = endpoint.method, endpoint.url(**path_params), endpoint.response
         content = encode_body(body) if body is not None else None
@@ -187,8 +194,9 @@ class HttpQueue(Queue):
             # ~0.4-0.5 ms of CPU a call on 2 cores, where the TLS socket alone takes 24 us
             # (bench/proxy.py's clients: 0.68-0.77 -> 0.41-0.47 ms a group with urllib3).
             try:
-                r = self.pool.urlopen(method, target, body=content, headers=headers, redirect=False,
-                                      assert_same_host=False)
+                r = self.pool.urlopen(
+                    method, target, body=content, headers=headers, redirect=False, assert_same_host=False
+                )
             except urllib3.exceptions.HTTPError as err:
                 if (bad := _tls_failure(err)) is not None:
                     raise QueueTLSError(
@@ -209,11 +217,20 @@ class HttpQueue(Queue):
             self.retried = True
 
         try:
-            return retry(attempt, on=(_Transient,), deadline_s=self.retry_s, first=0.25, cap=5.0, stop=self._stopping,
-                         delay_of=lambda err, delay: err.wait if err.wait is not None else delay,  # type: ignore[attr-defined]
-                         before_wait=before_wait)
+            return retry(
+                attempt,
+                on=(_Transient,),
+                deadline_s=self.retry_s,
+                first=0.25,
+                cap=5.0,
+                stop=self._stopping,
+                delay_of=lambda err, delay: err.wait if err.wait is not None else delay,  # type: ignore[attr-defined]
+                before_wait=before_wait,
+            )
         except _Transient as err:
-            raise QueueUnavailable(f"{self.url}{path}: {err}" + (" (stopping)" if self._stopping.is_set() else "")) from None
+            raise QueueUnavailable(
+                f"{self.url}{path}: {err}" + (" (stopping)" if self._stopping.is_set() else "")
+            ) from None
 
     # -------------------------------------------------------------------- prompts
     def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
@@ -360,8 +377,12 @@ def _api_pool(context: ssl.SSLContext, proxy: str | None, read_s: float) -> urll
     """Connections for the API's calls: kept alive (16 a host), never retried by urllib3
     (`_call` retries), through `proxy` where the environment names one (a CONNECT tunnel;
     credentials in its URL sent as Proxy-Authorization)."""
-    options: dict[str, Any] = {"maxsize": 16, "retries": False, "ssl_context": context,
-                               "timeout": urllib3.Timeout(connect=10.0, read=read_s)}
+    options: dict[str, Any] = {
+        "maxsize": 16,
+        "retries": False,
+        "ssl_context": context,
+        "timeout": urllib3.Timeout(connect=10.0, read=read_s),
+    }
     if proxy is None:
         return urllib3.PoolManager(**options)
     auth = urllib.parse.urlsplit(proxy)
@@ -439,7 +460,9 @@ class SseSubscription(AdapterSubscription):
             if self.last_event_id is not None:
                 headers["Last-Event-ID"] = self.last_event_id
             try:
-                with self.client.stream("GET", self.path, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0)) as r:
+                with self.client.stream(
+                    "GET", self.path, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0)
+                ) as r:
                     self._response = r
                     if r.status_code in (401, 403):
                         log.error("adapter events: the proxy refused the token (HTTP %d); not retrying", r.status_code)
@@ -486,9 +509,13 @@ def confirm_identity(queue: object, role: str, run: str | None, what: str) -> st
         return run or "default"
     who = queue.whoami()
     if who.role != role:
-        raise ValueError(f"the token {who.name!r} has role {who.role}; {what} needs a token with role {role} "
-                         "(--token or SPOTGRPO_TOKEN)")
+        raise ValueError(
+            f"the token {who.name!r} has role {who.role}; {what} needs a token with role {role} "
+            "(--token or SPOTGRPO_TOKEN)"
+        )
     if run is not None and run != who.run:
-        raise ValueError(f"--run {run}: the proxy serves run {who.run!r}; give --run {who.run} (or leave --run out), "
-                         "or point --queue at the proxy of run " + repr(run))
+        raise ValueError(
+            f"--run {run}: the proxy serves run {who.run!r}; give --run {who.run} (or leave --run out), "
+            "or point --queue at the proxy of run " + repr(run)
+        )
     return who.run

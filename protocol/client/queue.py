@@ -53,8 +53,15 @@ def is_entry_id(text: object) -> bool:
     if not isinstance(text, str) or len(text) > 41:
         return False
     ms, sep, seq = text.partition("-")
-    return bool(sep) and ms.isascii() and seq.isascii() and ms.isdigit() and seq.isdigit() \
-        and int(ms) <= _MAX_U64 and int(seq) <= _MAX_U64
+    return (
+        bool(sep)
+        and ms.isascii()
+        and seq.isascii()
+        and ms.isdigit()
+        and seq.isdigit()
+        and int(ms) <= _MAX_U64
+        and int(seq) <= _MAX_U64
+    )
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,9 @@ def check_finished(batch: FinishedBatch) -> FinishedBatch:
     if not isinstance(batch.batch_id, str) or not _BATCH_ID.match(batch.batch_id):
         raise ValueError(f"finished.batch_id: {str(batch.batch_id)[:48]!r} is not a batch id")
     if len(batch.group_ids) > DEFAULT_LIMITS.max_prompts:
-        raise ValueError(f"finished.group_ids: {len(batch.group_ids)} ids, a batch has at most {DEFAULT_LIMITS.max_prompts}")
+        raise ValueError(
+            f"finished.group_ids: {len(batch.group_ids)} ids, a batch has at most {DEFAULT_LIMITS.max_prompts}"
+        )
     for gid in batch.group_ids:
         if not isinstance(gid, str) or not _GROUP_ID.match(gid):
             raise ValueError(f"finished.group_ids: {str(gid)[:48]!r} is not a group id")
@@ -286,9 +295,7 @@ class Queue(abc.ABC):
         """The newest announced adapter, or None before the first announcement."""
 
     @abc.abstractmethod
-    def adapter_events(
-        self, after: str = "0", count: int = 100, block_s: float = 0.0
-    ) -> list[AdapterEvent]:
+    def adapter_events(self, after: str = "0", count: int = 100, block_s: float = 0.0) -> list[AdapterEvent]:
         """Announcements after position `after` ("0": from the oldest kept)."""
 
     @abc.abstractmethod

@@ -19,15 +19,20 @@ log = logging.getLogger(__name__)
 
 
 def open_queue(
-    url: str, config: QueueConfig | None = None, token: str | None = None, retry_s: float = 30.0,
+    url: str,
+    config: QueueConfig | None = None,
+    token: str | None = None,
+    retry_s: float = 30.0,
     stop: threading.Event | None = None,
 ) -> Queue:
     """`retry_s`: how long one call through the proxy retries an outage on its own; `stop`:
     once set, such calls stop retrying (the process is shutting down)."""
     scheme = urlparse(url).scheme
     if scheme in ("redis", "rediss", "unix"):
-        raise ValueError(f"queue {url!r}: a worker reaches a run through `proxy serve` (https://proxy:port with "
-                         "--token); a redis:// URL holds every key of every run, which only the trusted side gets")
+        raise ValueError(
+            f"queue {url!r}: a worker reaches a run through `proxy serve` (https://proxy:port with "
+            "--token); a redis:// URL holds every key of every run, which only the trusted side gets"
+        )
     if scheme in ("https", "http"):
         from protocol.client.http_queue import HttpQueue  # httpx only where it is used
 
@@ -39,7 +44,11 @@ Opener = Callable[..., Queue]
 
 
 def connect_queue(
-    url: str, config: QueueConfig, token: str | None, timeout_s: float, stop: threading.Event,
+    url: str,
+    config: QueueConfig,
+    token: str | None,
+    timeout_s: float,
+    stop: threading.Event,
     opener: Opener = open_queue,
 ) -> Queue:
     """Open the queue and make one call through it (the latest adapter: every role may ask),
@@ -47,6 +56,7 @@ def connect_queue(
     `stop` is set; the queue keeps `stop` as its own signal to stop retrying. A refusal
     (token, role, certificate) raises at once: it is not an outage. Raises QueueUnavailable
     with one line when the time is up."""
+
     def connect() -> Queue:
         queue = opener(url, config, token, retry_s=min(30.0, timeout_s), stop=stop)
         try:
@@ -57,8 +67,14 @@ def connect_queue(
         return queue
 
     try:
-        return retry(connect, on=(QueueUnavailable,), deadline_s=timeout_s, first=1.0, stop=stop,
-                     before_wait=lambda err, delay: log.warning("queue unreachable, retrying in %.0fs: %s", delay, err))
+        return retry(
+            connect,
+            on=(QueueUnavailable,),
+            deadline_s=timeout_s,
+            first=1.0,
+            stop=stop,
+            before_wait=lambda err, delay: log.warning("queue unreachable, retrying in %.0fs: %s", delay, err),
+        )
     except QueueUnavailable as err:
         if stop.is_set():
             raise QueueUnavailable(f"{url} unreachable; stopped while waiting") from None

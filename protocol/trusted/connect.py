@@ -12,7 +12,10 @@ from protocol.client.queue import Queue, QueueConfig
 
 
 def open_queue(
-    url: str, config: QueueConfig | None = None, token: str | None = None, retry_s: float = 30.0,
+    url: str,
+    config: QueueConfig | None = None,
+    token: str | None = None,
+    retry_s: float = 30.0,
     stop: threading.Event | None = None,
 ) -> Queue:
     if urlparse(url).scheme in ("redis", "rediss", "unix"):
@@ -24,8 +27,6 @@ def open_queue(
     return urls.open_queue(url, config, token, retry_s=retry_s, stop=stop)
 
 
-def connect_queue(
-    url: str, config: QueueConfig, token: str | None, timeout_s: float, stop: threading.Event
-) -> Queue:
+def connect_queue(url: str, config: QueueConfig, token: str | None, timeout_s: float, stop: threading.Event) -> Queue:
     """`protocol.client.urls.connect_queue`, opening Redis directly where the URL says so."""
     return urls.connect_queue(url, config, token, timeout_s, stop, opener=open_queue)

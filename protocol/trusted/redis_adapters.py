@@ -28,6 +28,7 @@ class RedisAdapters:
 
     def _call(self, fn: Callable[[], T]) -> T:
         raise NotImplementedError
+
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any: ...
     def _block_ms(self, block_s: float) -> int | None: ...
     @contextlib.contextmanager
@@ -36,9 +37,7 @@ class RedisAdapters:
 
     def announce(self, manifest: AdapterManifest) -> str:
         if not isinstance(manifest, AdapterManifest):
-            raise ProtocolError(
-                f"announce: expected AdapterManifest, got {type(manifest).__name__}"
-            )
+            raise ProtocolError(f"announce: expected AdapterManifest, got {type(manifest).__name__}")
         return text_of(
             self._script(
                 "ANNOUNCE",
@@ -56,15 +55,11 @@ class RedisAdapters:
         payload = self._call(lambda: self._r.hget(self.keys.adapter_latest, "m"))
         return decode_manifest(payload) if payload else None
 
-    def adapter_events(
-        self, after: str = "0", count: int = 100, block_s: float = 0.0
-    ) -> list[AdapterEvent]:
+    def adapter_events(self, after: str = "0", count: int = 100, block_s: float = 0.0) -> list[AdapterEvent]:
         if after != "0":
             check_ids("after", [after])
         block_ms = self._block_ms(block_s)
-        resp = self._call(
-            lambda: self._r.xread({self.keys.adapter_events: after}, count=count, block=block_ms)
-        )
+        resp = self._call(lambda: self._r.xread({self.keys.adapter_events: after}, count=count, block=block_ms))
         events = []
         for _stream, entries in resp or ():
             for raw_id, flat in entries:

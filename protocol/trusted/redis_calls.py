@@ -43,8 +43,9 @@ def transaction(client: Any, commands: list[tuple[Any, ...]], script: Script | N
     return replies
 
 
-async def aio_transaction(aclient: Any, commands: list[tuple[Any, ...]], script: Script | None = None, *,
-                          timeout_s: float = 30.0) -> list[Any]:
+async def aio_transaction(
+    aclient: Any, commands: list[tuple[Any, ...]], script: Script | None = None, *, timeout_s: float = 30.0
+) -> list[Any]:
     """`transaction` on a `redis.asyncio.Redis` (`protocol.trusted.redis_client.connect_async`): the
     same one write, the same replies, a dropped connection tried once more; each exchange
     bounded by `timeout_s` (redis.exceptions.TimeoutError past it)."""
@@ -144,8 +145,9 @@ Entry = tuple[bytes, dict[bytes, bytes] | None]
 """A stream entry as read: its id and its fields (None: deleted since it was delivered)."""
 
 
-def read_group(client: Any, group: str, consumer: str, stream: str, after: str, count: int,
-               block_ms: int | None = None) -> list[Entry]:
+def read_group(
+    client: Any, group: str, consumer: str, stream: str, after: str, count: int, block_ms: int | None = None
+) -> list[Entry]:
     """`XREADGROUP` of one stream from `after` (">": entries never delivered; an id: this
     consumer's pending entries past it). On a plain `redis.Redis` the command goes on a
     pooled connection and its reply is taken as hiredis gives it (RESP2 or RESP3): redis-py's

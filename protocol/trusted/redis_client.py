@@ -29,8 +29,9 @@ def is_cluster_node(url: str, connect_timeout_s: float = 5.0) -> bool:
     if parts.scheme == "unix":
         return False
     # asked without a database: a cluster node refuses SELECT
-    probe = redis.Redis.from_url(parts._replace(path="").geturl(), socket_timeout=connect_timeout_s,
-                                 socket_connect_timeout=connect_timeout_s)
+    probe = redis.Redis.from_url(
+        parts._replace(path="").geturl(), socket_timeout=connect_timeout_s, socket_connect_timeout=connect_timeout_s
+    )
     try:
         return bool(probe.info("cluster").get("cluster_enabled"))
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
@@ -44,8 +45,11 @@ def is_cluster_node(url: str, connect_timeout_s: float = 5.0) -> bool:
 def connect(url: str, *, socket_timeout: float, max_connections: int = 100) -> Any:
     """`redis.Redis`, or `RedisCluster` where `url` names a cluster node (a database
     number other than 0 is refused there: a cluster has only database 0)."""
-    options: dict[str, Any] = {"socket_timeout": socket_timeout, "socket_connect_timeout": 5.0,
-                               "max_connections": max_connections}
+    options: dict[str, Any] = {
+        "socket_timeout": socket_timeout,
+        "socket_connect_timeout": 5.0,
+        "max_connections": max_connections,
+    }
     if not is_cluster_node(url):
         return redis.Redis.from_url(url, health_check_interval=30, **options)
     parts = urlparse(url)
@@ -54,8 +58,11 @@ def connect(url: str, *, socket_timeout: float, max_connections: int = 100) -> A
         raise ValueError(f"{url}: a Redis Cluster has only database 0 (drop /{path})")
     try:  # no database in the URL: redis-py would SELECT it, which a cluster refuses
         return RedisCluster.from_url(parts._replace(path="").geturl(), **options)
-    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
-            redis.exceptions.RedisClusterException) as err:
+    except (
+        redis.exceptions.ConnectionError,
+        redis.exceptions.TimeoutError,
+        redis.exceptions.RedisClusterException,
+    ) as err:
         raise QueueUnavailable(f"redis cluster unreachable: {err}") from err
 
 
@@ -66,7 +73,8 @@ def connect_async(url: str, *, max_connections: int = 64, wait_s: float = 10.0) 
     (redis-py's, 5 s unless told, starts a task for every write and a timer for every
     reply read): its callers bound each exchange whole."""
     pool = redis.asyncio.BlockingConnectionPool.from_url(
-        url, max_connections=max_connections, timeout=wait_s, socket_timeout=None, socket_connect_timeout=5.0)
+        url, max_connections=max_connections, timeout=wait_s, socket_timeout=None, socket_connect_timeout=5.0
+    )
     return redis.asyncio.Redis.from_pool(pool)
 
 

@@ -34,9 +34,7 @@ _WORKER = re.compile(f"^[^\\x20{UNSAFE}]{{1,256}}$")
 
 def check_worker(worker: str) -> None:
     if not isinstance(worker, str) or not _WORKER.match(worker):
-        raise ValueError(
-            f"worker: {worker!r} must be 1-256 characters without spaces or control characters"
-        )
+        raise ValueError(f"worker: {worker!r} must be 1-256 characters without spaces or control characters")
 
 
 _SHORT_IDS = re.compile(r"[0-9]{1,19}-[0-9]{1,19}(?: [0-9]{1,19}-[0-9]{1,19})*")
@@ -75,9 +73,12 @@ def split_private(b: PromptBatch) -> tuple[PromptBatch, dict[str, bytes]]:
     episode rules, a `PrivatePrompt` in MessagePack) for the scoring tier."""
     if b.scoring != "trusted":
         return b, {}
-    private = {group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(
-        PrivatePrompt(prompt=p, tools=b.tools, max_tool_calling_iterations=b.max_tool_calling_iterations))
-        for p in b.prompts}
+    private = {
+        group_id_for(b.batch_id, p.id): msgspec.msgpack.encode(
+            PrivatePrompt(prompt=p, tools=b.tools, max_tool_calling_iterations=b.max_tool_calling_iterations)
+        )
+        for p in b.prompts
+    }
     public = msgspec.structs.replace(b, prompts=[msgspec.structs.replace(p, columns={}) for p in b.prompts])
     return public, private
 
@@ -95,7 +96,9 @@ def decode_as(payload: bytes | None, cls: type[M], limits: Limits = DEFAULT_LIMI
     return _as(cls, None if payload is None else decode(payload, limits))
 
 
-def decode_each_as(payloads: Sequence[bytes | None], cls: type[M], limits: Limits = DEFAULT_LIMITS) -> list[M | ProtocolError]:
+def decode_each_as(
+    payloads: Sequence[bytes | None], cls: type[M], limits: Limits = DEFAULT_LIMITS
+) -> list[M | ProtocolError]:
     """`decode_as` of each stored payload, in order, each one's `ProtocolError` in its place
     (`protocol.wire.codec.decode_each`: a read's rollout groups have their arrays checked together)."""
     decoded = iter(decode_each([p for p in payloads if p is not None], limits))

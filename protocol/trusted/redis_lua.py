@@ -69,7 +69,9 @@ local function dead_letter(stream, source, dead, group, id, flat, deliveries, wo
 end
 """
 
-ADD_PROMPTS = _HELPERS + r"""
+ADD_PROMPTS = (
+    _HELPERS
+    + r"""
 -- KEYS: prompts, batches_seen, private
 -- ARGV: (batch_id, payload, num_generations, max_tokens, expected, scoring, k, (group_id, record)*k)*
 -- `expected` lists "<group id>:<prompt digest>;" for each prompt: what SUBMIT checks
@@ -92,6 +94,7 @@ end
 follow_ttl(KEYS[1], KEYS[2], KEYS[3])
 return added
 """
+)
 
 CLAIM_EXPIRED = (
     _HELPERS
@@ -327,7 +330,9 @@ return 1
 """
 )
 
-STORE_SCORED = _HELPERS + r"""
+STORE_SCORED = (
+    _HELPERS
+    + r"""
 -- KEYS: rollouts, scored_seen, unscored, private   ARGV: group, entry_id, group_id, payload
 -- The scoring tier's one write: a scored (or rejected) group enters the rollouts stream
 -- once however often it is scored; its unscored entry is deleted (and acknowledged, if
@@ -350,6 +355,7 @@ redis.call('XDEL', KEYS[3], ARGV[2])
 redis.call('HDEL', KEYS[4], ARGV[3])
 return stored
 """
+)
 
 ANNOUNCE = r"""
 -- KEYS: adapter_latest, adapter_events   ARGV: version, payload, channel, maxlen
@@ -375,7 +381,9 @@ COUNT_AFTER = r"""
 return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+')
 """
 
-REPORT_STATUS = _HELPERS + r"""
+REPORT_STATUS = (
+    _HELPERS
+    + r"""
 -- KEYS: workers, prompts, owner's workers (zset: name -> last report), owners (set)
 -- ARGV: worker, payload, now, max_age_s, cap (0: no cap)
 -- A report from a worker new to its owner (a token) is refused (0) while the owner has
@@ -395,3 +403,4 @@ redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 follow_ttl(KEYS[2], KEYS[1])
 return 1
 """
+)

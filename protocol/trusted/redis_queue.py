@@ -82,7 +82,10 @@ class Submission:
             raise QueueError("redis: the submission's gate was not open at its close")
         stored, dups, held, finished, missing = replies[-1]
         return SubmitResult(
-            stored=int(stored), duplicates=int(dups), lease_held=bool(held), finished=bool(finished),
+            stored=int(stored),
+            duplicates=int(dups),
+            lease_held=bool(held),
+            finished=bool(finished),
             missing=int(missing),
         )
 
@@ -198,8 +201,15 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
             if not isinstance(b, PromptBatch):
                 raise ProtocolError(f"add_prompts: expected PromptBatch, got {type(b).__name__}")
             public, private = split_private(b)
-            args += [b.batch_id, encode(public, self.config.limits), b.num_generations, b.sampling.max_tokens,
-                     expected_groups(b), b.scoring, len(private)]
+            args += [
+                b.batch_id,
+                encode(public, self.config.limits),
+                b.num_generations,
+                b.sampling.max_tokens,
+                expected_groups(b),
+                b.scoring,
+                len(private),
+            ]
             for group_id, record in private.items():
                 args += [group_id, record]
         if not args:
@@ -259,16 +269,24 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         held = self._script("HEARTBEAT", [self.keys.prompts], [ACTORS_GROUP, worker, *lease_ids])
         return [text_of(i) for i in held]
 
-    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
-               decoded_with: Limits | None = None) -> SubmitResult:
+    def submit(
+        self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *, decoded_with: Limits | None = None
+    ) -> SubmitResult:
         """`decoded_with`: the groups came out of `decode` with these limits (the proxy's
         request bodies) and changed since only in `actor_id`, set to `worker` (checked
         here): where they are this queue's limits, they are not validated again."""
         sub = self.prepare_submit(worker, lease_id, groups, decoded_with=decoded_with)
         return self._call(lambda: sub.result(transaction(self._r, sub.commands, sub.script)))
 
-    async def submit_async(self, aclient: Any, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
-                           decoded_with: Limits | None = None) -> SubmitResult:
+    async def submit_async(
+        self,
+        aclient: Any,
+        worker: str,
+        lease_id: str,
+        groups: Sequence[RolloutGroup],
+        *,
+        decoded_with: Limits | None = None,
+    ) -> SubmitResult:
         """`submit` from an event loop: its transaction sent on `aclient`, a `redis.asyncio`
         client of this queue's server (`protocol.trusted.redis_client.connect_async`; the proxy's, so
         that a submission costs it no hand-off to a thread and back). Consumer groups lost
@@ -283,8 +301,9 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
                 self._regroup(err)
                 return sub.result(await aio_transaction(aclient, sub.commands, sub.script, timeout_s=timeout_s))
 
-    def prepare_submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *,
-                       decoded_with: Limits | None = None) -> Submission:
+    def prepare_submit(
+        self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *, decoded_with: Limits | None = None
+    ) -> Submission:
         """A submit's transaction, its arguments checked and its groups encoded, not yet sent."""
         check_worker(worker)
         check_ids("lease_id", [lease_id])
@@ -302,14 +321,13 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
             if len(payload) > room:
                 raise ProtocolError(
                     f"group {g.group_id}: {len(payload)} bytes exceed the {room} a group of {len(g.completions)} "
-                    f"completions may have (the message limit less the room the scoring tier needs)")
+                    f"completions may have (the message limit less the room the scoring tier needs)"
+                )
             checks += [g.group_id, len(g.completions), longest, prompt_digest(g.prompt_token_ids)]
             payloads.append(payload)
         batch_ids = {g.batch_id for g in groups}
         if len(batch_ids) != 1:
-            raise ProtocolError(
-                f"groups: all groups of a submit belong to one batch, got {sorted(batch_ids)}"
-            )
+            raise ProtocolError(f"groups: all groups of a submit belong to one batch, got {sorted(batch_ids)}")
         batch_id = batch_ids.pop()
         # One MULTI/EXEC: the script checks and opens a gate per group, a plain XADD stores
         # each message (never passed to Lua: see SUBMIT in protocol.trusted.redis_lua).
@@ -329,9 +347,7 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         check_worker(worker)
         check_ids("lease_id", [lease_id])
         idle_ms = int(self.config.lease_timeout_s * 1000) + 1000
-        return bool(
-            self._script("RELEASE", [self.keys.prompts], [ACTORS_GROUP, worker, lease_id, idle_ms])
-        )
+        return bool(self._script("RELEASE", [self.keys.prompts], [ACTORS_GROUP, worker, lease_id, idle_ms]))
 
     # ------------------------------------------------------------------ rollouts
 
@@ -339,8 +355,9 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         out = []
         handed = self._handed_out.setdefault(consumer, set())
         payloads = [flat.get(b"m") if flat else None for _id, flat in entries]  # bytes (see the class)
-        for (raw_id, _flat), group in zip(entries, decode_each_as(payloads, RolloutGroup, self.config.limits),
-                                          strict=True):
+        for (raw_id, _flat), group in zip(
+            entries, decode_each_as(payloads, RolloutGroup, self.config.limits), strict=True
+        ):
             entry_id = text_of(raw_id)
             if isinstance(group, ProtocolError):
                 log.error("rollout entry %s is unreadable, dead-lettering it: %s", entry_id, group)
@@ -364,9 +381,7 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         block_ms = self._block_ms(block_s)
         if consumer in self._resync:
             handed = self._handed_out.get(consumer, set())
-            lost = [
-                e for e in self._read_pending(consumer, 1_000_000, "0") if text_of(e[0]) not in handed
-            ]
+            lost = [e for e in self._read_pending(consumer, 1_000_000, "0") if text_of(e[0]) not in handed]
             self._resync.discard(consumer)
             if lost:
                 log.warning("recovered %d rollout entries whose read reply was lost", len(lost))
@@ -402,8 +417,11 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
             chunk = ids[i : i + _ACK_CHUNK]
             commands += [("XACK", k.rollouts, LEARNER_GROUP, *chunk), ("XDEL", k.rollouts, *chunk)]
         group_ids = [g for b in batches for g in b.group_ids]
-        for key, members in ((k.batches_seen, [b.batch_id for b in batches]),
-                             (k.groups_seen, group_ids), (k.scored_seen, group_ids)):
+        for key, members in (
+            (k.batches_seen, [b.batch_id for b in batches]),
+            (k.groups_seen, group_ids),
+            (k.scored_seen, group_ids),
+        ):
             for i in range(0, len(members), _ACK_CHUNK):
                 commands.append(("SREM", key, *members[i : i + _ACK_CHUNK]))
 
@@ -463,8 +481,9 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
 
     # ------------------------------------------------------------------ fleet
 
-    def report_status(self, status: WorkerStatus, owner: str = "", max_per_owner: int = 0,
-                      max_age_s: float = 120.0) -> None:
+    def report_status(
+        self, status: WorkerStatus, owner: str = "", max_per_owner: int = 0, max_age_s: float = 120.0
+    ) -> None:
         """`owner` (the proxy: the token's name) with `max_per_owner` > 0: a worker new to
         its owner is refused (`TooManyWorkers`) while the owner has that many that reported
         within `max_age_s`."""
@@ -475,11 +494,13 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         accepted = self._script(
             "REPORT_STATUS",
             [self.keys.workers, self.keys.prompts, self.keys.workers_of(owner), self.keys.worker_owners],
-            [status.worker, payload, time.time(), max_age_s, max_per_owner if owner else 0])
+            [status.worker, payload, time.time(), max_age_s, max_per_owner if owner else 0],
+        )
         if not int(accepted):
             raise TooManyWorkers(
                 f"worker {status.worker}: token {owner!r} already has {max_per_owner} workers reporting "
-                f"(the proxy's --max-workers-per-token); this one's status is not recorded")
+                f"(the proxy's --max-workers-per-token); this one's status is not recorded"
+            )
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         now = time.time()

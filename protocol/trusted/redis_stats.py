@@ -23,6 +23,7 @@ class RedisStats:
 
     def _call(self, fn: Callable[[], T]) -> T:
         raise NotImplementedError
+
     def _script(self, name: str, keys: list[str], args: list[Any]) -> Any: ...
 
     def _stream_stats(self, stream: str, group: str) -> StreamStats:
@@ -59,9 +60,7 @@ class RedisStats:
             prompts=prompts,
             rollouts=self._stream_stats(self.keys.rollouts, LEARNER_GROUP),
             dead_letters=int(self._call(lambda: self._r.xlen(self.keys.dead_letters))),
-            leases_by_worker={
-                text_of(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])
-            },
+            leases_by_worker={text_of(c["name"]): int(c["pending"]) for c in consumers if int(c["pending"])},
             latest_adapter_version=int(version or 0),
             unscored=unscored,
         )

@@ -60,8 +60,9 @@ class ScoringQueue(RedisQueue):
     _rq: Any = None
 
     @classmethod
-    def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100,
-                 rq_url: str | None = None) -> Self:
+    def from_url(
+        cls, url: str, config: QueueConfig | None = None, max_connections: int = 100, rq_url: str | None = None
+    ) -> Self:
         """`rq_url`: a plain Redis for RQ's jobs, needed where `url` is a Redis Cluster
         (RQ's transactions span slots); by default RQ uses the run's Redis."""
         queue = super().from_url(url, config, max_connections)
@@ -72,9 +73,11 @@ class ScoringQueue(RedisQueue):
                 raise ValueError(f"--rq-redis {rq_url}: a Redis Cluster node; RQ needs a plain Redis server")
         elif queue.on_cluster:
             queue.close()
-            raise ValueError(f"{url} is a Redis Cluster: RQ, which runs the scoring tier's jobs, needs a plain "
-                             "Redis for them (its transactions span hash slots); give it one with --rq-redis "
-                             "redis://HOST:PORT (the groups stay on the cluster)")
+            raise ValueError(
+                f"{url} is a Redis Cluster: RQ, which runs the scoring tier's jobs, needs a plain "
+                "Redis for them (its transactions span hash slots); give it one with --rq-redis "
+                "redis://HOST:PORT (the groups stay on the cluster)"
+            )
         return queue
 
     @property
@@ -95,14 +98,19 @@ class ScoringQueue(RedisQueue):
             self._rq.close()
 
     def _entries(self, raw: list[Any]) -> list[UnscoredEntry]:
-        return [UnscoredEntry(text_of(i), text_of(fields_of(f).get("g")), text_of(fields_of(f).get("b"))) for i, f in raw if f is not None]
+        return [
+            UnscoredEntry(text_of(i), text_of(fields_of(f).get("g")), text_of(fields_of(f).get("b")))
+            for i, f in raw
+            if f is not None
+        ]
 
     def read_unscored(self, consumer: str, count: int, block_s: float = 0.0) -> list[UnscoredEntry]:
         """New unscored groups for dispatcher `consumer`, pending until it `dispatched` them."""
         check_worker(consumer)
         block_ms = self._block_ms(block_s)
-        resp = self._call(lambda: self._r.xreadgroup(
-            SCORERS_GROUP, consumer, {self.keys.unscored: ">"}, count=count, block=block_ms))
+        resp = self._call(
+            lambda: self._r.xreadgroup(SCORERS_GROUP, consumer, {self.keys.unscored: ">"}, count=count, block=block_ms)
+        )
         return self._entries([e for _stream, entries in resp or () for e in entries])
 
     def dispatched(self, entry_ids: list[str]) -> int:
@@ -117,8 +125,11 @@ class ScoringQueue(RedisQueue):
         """Entries read by a dispatcher more than `idle_s` ago and never made jobs (it died
         in between), now `consumer`'s to dispatch."""
         check_worker(consumer)
-        resp = self._call(lambda: self._r.xautoclaim(
-            self.keys.unscored, SCORERS_GROUP, consumer, int(idle_s * 1000), "0-0", count=count))
+        resp = self._call(
+            lambda: self._r.xautoclaim(
+                self.keys.unscored, SCORERS_GROUP, consumer, int(idle_s * 1000), "0-0", count=count
+            )
+        )
         return self._entries(resp[1])
 
     def fetch_unscored(self, entry_id: str) -> UnscoredGroup | None:
@@ -140,8 +151,9 @@ class ScoringQueue(RedisQueue):
         groups: list[RolloutGroup | ProtocolError | None] = []
         for entries in ranges:
             try:
-                groups.append(decode_as(fields_of(entries[0][1]).get("m"), RolloutGroup, self.config.limits)
-                              if entries else None)
+                groups.append(
+                    decode_as(fields_of(entries[0][1]).get("m"), RolloutGroup, self.config.limits) if entries else None
+                )
             except ProtocolError as err:
                 groups.append(err)
         found = [g for g in groups if isinstance(g, RolloutGroup)]
@@ -161,10 +173,16 @@ class ScoringQueue(RedisQueue):
             except (msgspec.MsgspecError, ProtocolError) as err:
                 out.append(ProtocolError(f"private prompt of group {group.group_id}: {err}"))
                 continue
-            out.append(UnscoredGroup(
-                entry_id=entry_id, group=group, prompt=private.prompt if private else None, scored=bool(scored),
-                tools=tuple(private.tools) if private else (),
-                max_tool_calling_iterations=private.max_tool_calling_iterations if private else None))
+            out.append(
+                UnscoredGroup(
+                    entry_id=entry_id,
+                    group=group,
+                    prompt=private.prompt if private else None,
+                    scored=bool(scored),
+                    tools=tuple(private.tools) if private else (),
+                    max_tool_calling_iterations=private.max_tool_calling_iterations if private else None,
+                )
+            )
         return out
 
     def store_scored(self, entry_id: str, group: RolloutGroup) -> bool:
@@ -173,19 +191,26 @@ class ScoringQueue(RedisQueue):
         check_ids("entry_id", [entry_id])
         if not isinstance(group, RolloutGroup):
             raise ProtocolError(f"store_scored: expected RolloutGroup, got {type(group).__name__}")
-        return bool(self._script(
-            "STORE_SCORED",
-            [self.keys.rollouts, self.keys.scored_seen, self.keys.unscored, self.keys.private],
-            [SCORERS_GROUP, entry_id, group.group_id, encode(group, self.config.limits)],
-        ))
+        return bool(
+            self._script(
+                "STORE_SCORED",
+                [self.keys.rollouts, self.keys.scored_seen, self.keys.unscored, self.keys.private],
+                [SCORERS_GROUP, entry_id, group.group_id, encode(group, self.config.limits)],
+            )
+        )
 
     def dead_letter_unscored(self, entry_id: str, reason: str) -> bool:
         """An unscored entry the tier cannot read or store goes to the dead letters, with
         its group and batch ids and the reason (the learner counts it there), whether or
         not a dispatcher still holds it. False if it was gone already."""
         check_ids("entry_id", [entry_id])
-        return bool(self._script("DEAD_LETTER_UNSCORED", [self.keys.unscored, self.keys.dead_letters, self.keys.private],
-                                 [SCORERS_GROUP, entry_id, reason, time.time()]))
+        return bool(
+            self._script(
+                "DEAD_LETTER_UNSCORED",
+                [self.keys.unscored, self.keys.dead_letters, self.keys.private],
+                [SCORERS_GROUP, entry_id, reason, time.time()],
+            )
+        )
 
 
 def _private(record: bytes) -> PrivatePrompt:

@@ -51,6 +51,7 @@ from protocol.wire.messages import AdapterManifest
 
 T = TypeVar("T")
 
+
 class Store(abc.ABC):
     """A flat key -> bytes store with atomic whole-object writes."""
 
@@ -153,8 +154,9 @@ class FileStore(Store):
 
 
 class S3Store(Store):
-    def __init__(self, bucket: str, prefix: str = "", client: object | None = None,
-                 presign_endpoint: str | None = None) -> None:
+    def __init__(
+        self, bucket: str, prefix: str = "", client: object | None = None, presign_endpoint: str | None = None
+    ) -> None:
         """`presign_endpoint`: the address presigned URLs name, when the workers reach the
         bucket at another address than this process (MinIO inside compose as
         `http://minio:9000`, outside as `https://s3.example.com`). boto3 has no setting
@@ -201,9 +203,7 @@ class S3Store(Store):
         )
 
     def get(self, key: str) -> bytes:
-        response = self._call(
-            f"get {key}", lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        )
+        response = self._call(f"get {key}", lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key)))
         return self._call(f"get {key}", lambda: response["Body"].read())
 
     def exists(self, key: str) -> bool:
@@ -234,8 +234,9 @@ class S3Store(Store):
             chunk = [{"Key": self._key(k)} for k in keys[i : i + 1000]]
             self._call(
                 "delete",
-                functools.partial(self.client.delete_objects, Bucket=self.bucket,
-                                  Delete={"Objects": chunk, "Quiet": True}),
+                functools.partial(
+                    self.client.delete_objects, Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True}
+                ),
             )
 
     def presign(self, key: str, expires_s: int) -> str | None:
@@ -302,8 +303,9 @@ def retrying(
             on_retry(next(failures), err)
 
     try:
-        return retry(fn, on=retry_on, never=(StoreMissing,), attempts=attempts, first=base_s, cap=max_s,
-                     before_wait=before_wait)
+        return retry(
+            fn, on=retry_on, never=(StoreMissing,), attempts=attempts, first=base_s, cap=max_s, before_wait=before_wait
+        )
     except StoreMissing:
         raise
     except StoreError as err:

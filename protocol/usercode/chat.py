@@ -92,8 +92,13 @@ HERMES_RESPONSE = {
     "start_anchor": "<|im_start|>assistant\n",
     "fields": {
         "reasoning_content": {"open": "<think>", "close_pattern": r"</think>\s*", "content": "text"},
-        "tool_calls": {"open": "<tool_call>", "close_pattern": r"</tool_call>\s*", "repeats": True, "content": "json",
-                       "transform": {"type": "function", "function": "{content}"}},
+        "tool_calls": {
+            "open": "<tool_call>",
+            "close_pattern": r"</tool_call>\s*",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": "{content}"},
+        },
         "content": {"close_pattern": r"<\|im_end\|>\s*", "content": "text"},
     },
 }
@@ -108,8 +113,11 @@ def _probe(tokenizer: Any, template: str | None) -> bool:
     `supports_tool_calling`: the call's name, arguments and the result all appear)."""
     marks = ("tool_name_a8f3e2b1", "tool_arg_key_b9d4", "tool_arg_val_d6e7", "tool_content_c4f9")
     calls = [{"type": "function", "function": {"name": marks[0], "arguments": {marks[1]: marks[2]}}}]
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": calls},
-                {"role": "tool", "name": marks[0], "content": marks[3]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "name": marks[0], "content": marks[3]},
+    ]
     try:
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
     except Exception:  # jinja's TemplateError and what templates raise on roles they refuse
@@ -126,7 +134,8 @@ def tool_template(tokenizer: Any) -> str | None:
         return HERMES_CHATML
     raise ToolTemplateError(
         "the model's chat template cannot render tool calls and is not ChatML: give a model whose template "
-        "offers tools (Qwen2.5, Llama 3.1, ...), or set a tool-calling template on its tokenizer")
+        "offers tools (Qwen2.5, Llama 3.1, ...), or set a tool-calling template on its tokenizer"
+    )
 
 
 _SAID: list[bool] = []
@@ -136,8 +145,10 @@ def say_template(template: str | None) -> None:
     """One warning, once per process, when the fallback template is in use."""
     if template is HERMES_CHATML and not _SAID:
         _SAID.append(True)
-        log.warning("the model's chat template has no tools section: episodes use Qwen2.5's ChatML tool template "
-                    "(TRL's), which lists the tools' JSON schemas in the system turn and reads <tool_call> JSON")
+        log.warning(
+            "the model's chat template has no tools section: episodes use Qwen2.5's ChatML tool template "
+            "(TRL's), which lists the tools' JSON schemas in the system turn and reads <tool_call> JSON"
+        )
 
 
 def tool_schemas(tools: Sequence[Callable[..., Any]]) -> list[dict[str, Any]]:
@@ -195,8 +206,11 @@ def load_environment(spec: str) -> type:
 
 def environment_methods(instance: Any) -> list[Callable[..., Any]]:
     """An environment's tools: its public methods, bar `ENVIRONMENT_HOOKS`."""
-    return [getattr(instance, name) for name in sorted(dir(type(instance)))
-            if not name.startswith("_") and name not in ENVIRONMENT_HOOKS and callable(getattr(instance, name))]
+    return [
+        getattr(instance, name)
+        for name in sorted(dir(type(instance)))
+        if not name.startswith("_") and name not in ENVIRONMENT_HOOKS and callable(getattr(instance, name))
+    ]
 
 
 def load_episode_tools(specs: list[str], environment: str | None) -> tuple[list[Callable[..., Any]], type | None]:
@@ -205,7 +219,9 @@ def load_episode_tools(specs: list[str], environment: str | None) -> tuple[list[
     try:
         methods = environment_methods(cls()) if cls is not None else []
     except Exception as err:  # the user's constructor
-        raise ToolError(f"--environment {environment!r}: {getattr(cls, '__name__', cls)}() raised {type(err).__name__}: {err}") from None
+        raise ToolError(
+            f"--environment {environment!r}: {getattr(cls, '__name__', cls)}() raised {type(err).__name__}: {err}"
+        ) from None
     if cls is not None and not methods:
         raise ToolError(f"--environment {environment!r}: {cls.__name__} has no public method to offer as a tool")
     tools = [load_tool(spec) for spec in specs] + methods
@@ -239,14 +255,15 @@ def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> tuple[int, 
     if getattr(tokenizer, "chat_template", None):
         try:
             text = tokenizer.apply_chat_template(
-                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": END_OF_TURN_PROBE}],
-                tokenize=False)
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": END_OF_TURN_PROBE}], tokenize=False
+            )
         except Exception:  # a template that wants other turns: EOS is what we have
             text = ""
         after = text.split(END_OF_TURN_PROBE, 1)[1] if END_OF_TURN_PROBE in text else ""
         following = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
         special = set(getattr(tokenizer, "all_special_ids", []) or []) | set(
-            getattr(tokenizer, "added_tokens_decoder", {}) or {})
+            getattr(tokenizer, "added_tokens_decoder", {}) or {}
+        )
         if following and following[0] in special:
             add(following[0])
     return tuple(ids)
@@ -275,11 +292,14 @@ def parse_turn(tokenizer: Any, ids: Sequence[int], prefix: str | Sequence[int], 
     schema = None if template is None and getattr(tokenizer, "response_template", None) else HERMES_RESPONSE
     text = tokenizer.decode(list(ids), skip_special_tokens=False)
     try:
-        parsed = tokenizer.parse_response(list(ids), schema=schema,
-                                          prefix=prefix if isinstance(prefix, str) else list(prefix))
+        parsed = tokenizer.parse_response(
+            list(ids), schema=schema, prefix=prefix if isinstance(prefix, str) else list(prefix)
+        )
     except (ValueError, TypeError, KeyError, RecursionError) as err:
         if TOOL_CALL_OPEN in text:
-            return ParsedTurn([], f"the tool call could not be read: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            return ParsedTurn(
+                [], f"the tool call could not be read: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            )
         return ParsedTurn([])
     calls, errors = [], []
     for call in (parsed or {}).get("tool_calls") or []:
@@ -296,8 +316,9 @@ def parse_turn(tokenizer: Any, ids: Sequence[int], prefix: str | Sequence[int], 
             continue
         calls.append(ToolCall(name, arguments or {}))
     if not calls and not errors and TOOL_CALL_OPEN in text:
-        errors.append("the tool call could not be read: expected <tool_call>{\"name\": ..., \"arguments\": {...}}"
-                      "</tool_call>")
+        errors.append(
+            'the tool call could not be read: expected <tool_call>{"name": ..., "arguments": {...}}</tool_call>'
+        )
     return ParsedTurn(calls, errors[0] if errors else None)
 
 
@@ -311,7 +332,7 @@ def assistant_header(tokenizer: Any, template: str | None) -> str:
         warnings.simplefilter("ignore")
         bare = tokenizer.apply_chat_template(turn, tokenize=False, chat_template=template)
         headed = tokenizer.apply_chat_template(turn, tokenize=False, chat_template=template, add_generation_prompt=True)
-    return str(headed[len(bare):]) if headed.startswith(bare) else ""
+    return str(headed[len(bare) :]) if headed.startswith(bare) else ""
 
 
 def model_turn_calls(tokenizer: Any, ids: Sequence[int], template: str | None) -> ParsedTurn:
@@ -321,28 +342,36 @@ def model_turn_calls(tokenizer: Any, ids: Sequence[int], template: str | None) -
     return parse_turn(tokenizer, ids, assistant_header(tokenizer, template), template)
 
 
-def tool_result_ids(tokenizer: Any, template: str | None, results: Sequence[tuple[str, str]],
-                    end_ids: Sequence[int]) -> list[int]:
+def tool_result_ids(
+    tokenizer: Any, template: str | None, results: Sequence[tuple[str, str]], end_ids: Sequence[int]
+) -> list[int]:
     """The tokens that follow a turn that called tools (and ended on one of `end_ids`, the
     engine's stop tokens): each result as a tool turn, then the next assistant turn's header
     (TRL's `_get_tool_suffix_ids`: render a dummy exchange with and without the results and
     keep the difference, from the end of the assistant turn)."""
-    dummy = [{"role": "user", "content": "dummy"},
-             {"role": "assistant", "content": "",
-              "tool_calls": [{"type": "function", "function": {"name": results[0][0], "arguments": {}}}]}]
+    dummy = [
+        {"role": "user", "content": "dummy"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": results[0][0], "arguments": {}}}],
+        },
+    ]
     tool_turns = [{"role": "tool", "name": name, "content": content} for name, content in results]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         before = list(tokenizer.apply_chat_template(dummy, tokenize=True, chat_template=template, return_dict=False))
-        after = list(tokenizer.apply_chat_template(dummy + tool_turns, add_generation_prompt=True, tokenize=True,
-                                                   chat_template=template, return_dict=False))
+        after = list(
+            tokenizer.apply_chat_template(
+                dummy + tool_turns, add_generation_prompt=True, tokenize=True, chat_template=template, return_dict=False
+            )
+        )
     ends = [i for i, t in enumerate(before) if t in end_ids]
     if ends:
         before = before[: ends[-1] + 1]
     if after[: len(before)] != before:
         raise ToolTemplateError("the chat template does not render a tool exchange as a prefix of the next turn")
-    return after[len(before):]
-
+    return after[len(before) :]
 
 
 def model_turns(mask: Sequence[int] | None, n: int) -> list[tuple[int, int]]:

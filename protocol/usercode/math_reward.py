@@ -33,8 +33,9 @@ def _reference(value: Any) -> str:
     return text.rsplit("####", 1)[1].strip() if "####" in text else text.strip()
 
 
-def accuracy(completions: list[Any], answer: list[Any] | None = None, solution: list[Any] | None = None,
-             **_: Any) -> list[float | None]:
+def accuracy(
+    completions: list[Any], answer: list[Any] | None = None, solution: list[Any] | None = None, **_: Any
+) -> list[float | None]:
     references = answer if answer is not None else solution
     if references is None:
         raise ValueError("math_reward.accuracy needs an `answer` or `solution` column")

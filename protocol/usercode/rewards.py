@@ -82,8 +82,11 @@ class RewardFn:
             params = inspect.signature(self.fn).parameters.values()
         except (TypeError, ValueError):  # a builtin or a C function: nothing extra
             return frozenset()
-        return frozenset(k for k in TRL_EXTRAS if any(
-            p.kind is p.VAR_KEYWORD or (p.name == k and p.kind is not p.POSITIONAL_ONLY) for p in params))
+        return frozenset(
+            k
+            for k in TRL_EXTRAS
+            if any(p.kind is p.VAR_KEYWORD or (p.name == k and p.kind is not p.POSITIONAL_ONLY) for p in params)
+        )
 
 
 @dataclass(frozen=True)
@@ -150,8 +153,9 @@ def unscored(n: int) -> Future[Scores]:
 
 
 class Scorer:
-    def __init__(self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False,
-                 extra: str | None = None) -> None:
+    def __init__(
+        self, functions: list[RewardFn], timeout_s: float | None = 60.0, reraise: bool = False, extra: str | None = None
+    ) -> None:
         """`timeout_s`: per reward call, enforced by a thread; None calls rewards directly
         (inside a `ScoringPool` process or an RQ job, whose own timeout kills the process).
         `reraise`: an exception from a reward function propagates (an RQ job, which RQ
@@ -164,7 +168,9 @@ class Scorer:
         self.timeout_s = timeout_s
         self.reraise = reraise
 
-    def submit(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Future[Scores]:
+    def submit(
+        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+    ) -> Future[Scores]:
         """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
         future: Future[Scores] = Future()
         future.set_result(self.score(prompt, prompt_text, texts, completion_ids))
@@ -173,8 +179,14 @@ class Scorer:
     def close(self) -> None:
         return None
 
-    def score(self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]],
-              extra: Callable[[], list[float]] | None = None) -> Scores:
+    def score(
+        self,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        extra: Callable[[], list[float]] | None = None,
+    ) -> Scores:
         """`extra`: the `extra` reward's values, computed when called (an environment's)."""
         n = len(texts)
         if prompt.messages is not None:
@@ -186,8 +198,9 @@ class Scorer:
         columns = {k: [v] * n for k, v in prompt.columns.items()}
         logged: dict[str, list[float]] = {}
         trl = {
-            "trainer_state": None if prompt.progress is None else TrainerState(
-                prompt.progress.global_step, prompt.progress.max_steps, prompt.progress.epoch),
+            "trainer_state": None
+            if prompt.progress is None
+            else TrainerState(prompt.progress.global_step, prompt.progress.max_steps, prompt.progress.epoch),
             "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
             "log_extra": lambda column, values: None,
         }
@@ -220,17 +233,27 @@ class Scorer:
             return Scores.failed(n, "every reward function abstained for some completion", components)
         return Scores(rewards, components, None, _logged_metrics(logged))
 
-    def score_within(self, timeout_s: float, prompt: Prompt, prompt_text: str, texts: list[str],
-                     completion_ids: list[list[int]], extra: Callable[[], list[float]] | None = None) -> Scores:
+    def score_within(
+        self,
+        timeout_s: float,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        extra: Callable[[], list[float]] | None = None,
+    ) -> Scores:
         """`score` under one time limit for the whole group, on a thread: past it the
         group fails with that reason, and its thread is abandoned (in an RQ work horse it
         ends with the job's process). An exception `reraise` lets through is raised here."""
         try:
-            return within(timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids, extra),
-                          "score-group")
+            return within(
+                timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids, extra), "score-group"
+            )
         except PastLimit:
-            return Scores.failed(len(texts), f"the rewards exceeded the group's time limit of {timeout_s:g}s "
-                                             "(the group is rejected, not retried)")
+            return Scores.failed(
+                len(texts),
+                f"the rewards exceeded the group's time limit of {timeout_s:g}s (the group is rejected, not retried)",
+            )
 
     def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):
         def call() -> Any:

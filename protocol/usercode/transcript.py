@@ -88,12 +88,24 @@ class Transcript:
     def turn_limit(self) -> bool:
         """The last turn called tools past the limit and was left unanswered."""
         last = self.turns[-1] if self.turns else None
-        return bool(last and not last.results and last.ended and self.max_turns is not None
-                    and len(self.turns) > self.max_turns and (last.parsed.calls or last.parsed.error))
+        return bool(
+            last
+            and not last.results
+            and last.ended
+            and self.max_turns is not None
+            and len(self.turns) > self.max_turns
+            and (last.parsed.calls or last.parsed.error)
+        )
 
 
-def read_transcript(tokenizer: Any, template: str | None, stop_ids: Sequence[int], tokens: Sequence[int],
-                    mask: Sequence[int] | None, max_turns: int | None) -> Transcript:
+def read_transcript(
+    tokenizer: Any,
+    template: str | None,
+    stop_ids: Sequence[int],
+    tokens: Sequence[int],
+    mask: Sequence[int] | None,
+    max_turns: int | None,
+) -> Transcript:
     """The episode's turns, each model turn's calls and the results rendered after it;
     `TranscriptError` (saying what and where) if the environment's tokens are not derived
     from the model's turns as the module docstring says."""
@@ -117,8 +129,9 @@ def read_transcript(tokenizer: Any, template: str | None, stop_ids: Sequence[int
         names = [PARSE_ERROR_TOOL] if parsed.error is not None else [c.name for c in parsed.calls]
         contents = _contents(tokenizer, template, stop_ids, names, env)
         if contents is None:
-            raise TranscriptError(f"{where}: not the chat template's rendering of {len(names)} tool result(s) "
-                                  f"for {', '.join(names)}")
+            raise TranscriptError(
+                f"{where}: not the chat template's rendering of {len(names)} tool result(s) for {', '.join(names)}"
+            )
         turns.append(Turn(start, end, parsed, tuple(zip(names, contents, strict=True))))
     return Transcript(tuple(turns), max_turns)
 
@@ -126,16 +139,20 @@ def read_transcript(tokenizer: Any, template: str | None, stop_ids: Sequence[int
 SENTINEL = "Qzq{}spotgrpoResult{}qzQ"
 
 
-def _contents(tokenizer: Any, template: str | None, stop_ids: Sequence[int], names: list[str],
-              env: list[int]) -> list[str] | None:
+def _contents(
+    tokenizer: Any, template: str | None, stop_ids: Sequence[int], names: list[str], env: list[int]
+) -> list[str] | None:
     """The results' contents if `env` is exactly the rendering of one result per name."""
     marks = [SENTINEL.format(i, i) for i in range(len(names))]
-    shape = tokenizer.decode(tool_result_ids(tokenizer, template, list(zip(names, marks, strict=True)), stop_ids),
-                             skip_special_tokens=False)
+    shape = tokenizer.decode(
+        tool_result_ids(tokenizer, template, list(zip(names, marks, strict=True)), stop_ids), skip_special_tokens=False
+    )
     if not all(shape.count(m) == 1 for m in marks):
         return None  # the template does not render results as given: nothing to match against
-    pattern = "".join(re.escape(piece) if i % 2 == 0 else "(.*?)"
-                      for i, piece in enumerate(re.split("(" + "|".join(map(re.escape, marks)) + ")", shape)))
+    pattern = "".join(
+        re.escape(piece) if i % 2 == 0 else "(.*?)"
+        for i, piece in enumerate(re.split("(" + "|".join(map(re.escape, marks)) + ")", shape))
+    )
     found = re.fullmatch(pattern, tokenizer.decode(env, skip_special_tokens=False), re.DOTALL)
     if found is None:
         return None
@@ -157,8 +174,9 @@ class CallPastLimit(BaseException):
     BaseException, so that the replay's own handling of a call that raised lets it through."""
 
 
-def replay_reward(environment: type, columns: dict[str, Any], calls: Sequence[Sequence[ToolCall]],
-                  call_timeout_s: float | None = None) -> float:
+def replay_reward(
+    environment: type, columns: dict[str, Any], calls: Sequence[Sequence[ToolCall]], call_timeout_s: float | None = None
+) -> float:
     """An environment's own reward (TRL's `get_reward`) for an episode, on the trusted side:
     a fresh instance, `reset` with every column of the prompt (the private ones too), the
     calls the model's turns made (`answered_calls`: read from the model's tokens alone;
@@ -235,6 +253,7 @@ def environment_reward(spec: str, tokenizer: Any) -> EnvironmentReward:
     """`--environment` on the scoring tier: a class with `get_reward`, and the run's template."""
     cls = load_environment(spec)
     if not owns_reward(cls):
-        raise ToolError(f"--environment {spec!r}: {cls.__name__} has no get_reward(); the tier scores with "
-                        "--reward functions alone")
+        raise ToolError(
+            f"--environment {spec!r}: {cls.__name__} has no get_reward(); the tier scores with --reward functions alone"
+        )
     return EnvironmentReward(cls, tokenizer, tool_template(tokenizer))

@@ -33,4 +33,6 @@ def fingerprint_of_model(spec: str) -> str:
     tokenizer's vocabulary, no weights loaded."""
     from transformers import AutoConfig, AutoTokenizer  # only where a model is checked
 
-    return model_fingerprint(AutoConfig.from_pretrained(spec).to_dict(), AutoTokenizer.from_pretrained(spec).get_vocab())
+    return model_fingerprint(
+        AutoConfig.from_pretrained(spec).to_dict(), AutoTokenizer.from_pretrained(spec).get_vocab()
+    )

@@ -78,13 +78,9 @@ def _check_limits(msg: Message, limits: Limits, size: int) -> None:
         return
     if isinstance(msg, PromptBatch):
         if len(msg.prompts) > limits.max_prompts:
-            raise ProtocolError(
-                f"prompts: {len(msg.prompts)} prompts exceed the limit of {limits.max_prompts}"
-            )
+            raise ProtocolError(f"prompts: {len(msg.prompts)} prompts exceed the limit of {limits.max_prompts}")
         if msg.num_generations > limits.max_completions:
-            raise ProtocolError(
-                f"num_generations: {msg.num_generations} exceeds the limit of {limits.max_completions}"
-            )
+            raise ProtocolError(f"num_generations: {msg.num_generations} exceeds the limit of {limits.max_completions}")
         if msg.sampling.max_tokens > limits.max_tokens:
             raise ProtocolError(f"sampling.max_tokens: exceeds the limit of {limits.max_tokens}")
         for i, p in enumerate(msg.prompts):
@@ -105,9 +101,11 @@ def _check_group_limits(msg: RolloutGroup, limits: Limits, size: int) -> None:
     most_bytes = (limits.max_tokens + 1) * 4 - 1  # `_check_tokens` refuses from (max_tokens + 1) * 4
     if size <= most_bytes and size <= limits.max_text_chars:
         return
-    if len(msg.prompt_token_ids) > most_bytes or \
-            max([len(c.token_ids) for c in msg.completions], default=0) > most_bytes or \
-            max([len(c.text) for c in msg.completions], default=0) > limits.max_text_chars:
+    if (
+        len(msg.prompt_token_ids) > most_bytes
+        or max([len(c.token_ids) for c in msg.completions], default=0) > most_bytes
+        or max([len(c.text) for c in msg.completions], default=0) > limits.max_text_chars
+    ):
         _check_tokens("prompt_token_ids", msg.prompt_token_ids, limits)
         for i, c in enumerate(msg.completions):
             _check_tokens(f"completions[{i}].token_ids", c.token_ids, limits)
@@ -179,9 +177,7 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     if not isinstance(data, bytes | bytearray | memoryview):
         raise ProtocolError(f"message: expected bytes, got {type(data).__name__}")
     if len(data) > limits.max_message_bytes:
-        raise ProtocolError(
-            f"message: {len(data)} bytes exceed the limit of {limits.max_message_bytes}"
-        )
+        raise ProtocolError(f"message: {len(data)} bytes exceed the limit of {limits.max_message_bytes}")
     try:  # inline, not `_as_protocol_error`: a context manager costs a group's decode ~6%
         if not _known_envelope(data):
             envelope = _ENVELOPE.decode(data)
@@ -195,8 +191,9 @@ def decode(data: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
     return msg
 
 
-def decode_each(payloads: Sequence[bytes | bytearray | memoryview],
-                limits: Limits = DEFAULT_LIMITS) -> list[Message | ProtocolError]:
+def decode_each(
+    payloads: Sequence[bytes | bytearray | memoryview], limits: Limits = DEFAULT_LIMITS
+) -> list[Message | ProtocolError]:
     """`decode` of each payload, in order: the message, or what is wrong with that payload
     as a `ProtocolError` in its place. The rollout groups' arrays are checked together,
     one pass for all (`check_groups_arrays`)."""

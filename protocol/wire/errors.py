@@ -80,13 +80,24 @@ class QueueNotFound(QueueError, LookupError):
 
 REFUSALS: dict[str, type[QueueRefused]] = {
     cls.code: cls
-    for cls in (QueueForbidden, QueueTLSError, LeaseMismatch, LeaseLost, SubmissionRejected, VersionConflict,
-                TooManyWorkers)
+    for cls in (
+        QueueForbidden,
+        QueueTLSError,
+        LeaseMismatch,
+        LeaseLost,
+        SubmissionRejected,
+        VersionConflict,
+        TooManyWorkers,
+    )
 }
 """Refusals by their wire code, so the HTTPS client raises what the proxy's queue raised."""
 
 REFUSAL_STATUS: dict[type[QueueRefused], int] = {
-    QueueForbidden: 403, SubmissionRejected: 422, LeaseLost: 409, LeaseMismatch: 409, VersionConflict: 409,
+    QueueForbidden: 403,
+    SubmissionRejected: 422,
+    LeaseLost: 409,
+    LeaseMismatch: 409,
+    VersionConflict: 409,
     TooManyWorkers: 409,
 }
 """The HTTP status each refusal travels as (its `code` goes in the body); 409 for any other."""

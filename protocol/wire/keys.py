@@ -105,9 +105,20 @@ class Keys:
 
     def all(self) -> list[str]:
         """Every key of the run (the pub/sub channel is not a key)."""
-        return [self.prompts, self.rollouts, self.unscored, self.dead_letters, self.batches_seen, self.groups_seen,
-                self.private, self.scored_seen, self.workers, self.worker_owners, self.adapter_latest,
-                self.adapter_events]
+        return [
+            self.prompts,
+            self.rollouts,
+            self.unscored,
+            self.dead_letters,
+            self.batches_seen,
+            self.groups_seen,
+            self.private,
+            self.scored_seen,
+            self.workers,
+            self.worker_owners,
+            self.adapter_latest,
+            self.adapter_events,
+        ]
 
     @property
     def adapter_channel(self) -> str:

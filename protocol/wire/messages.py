@@ -131,9 +131,7 @@ class Prompt(_Struct, frozen=True):
 
     def __post_init__(self) -> None:
         if self.text is None and self.messages is None and self.token_ids is None:
-            raise ProtocolError(
-                f"prompt {self.id!r}: one of text, messages or token_ids is required"
-            )
+            raise ProtocolError(f"prompt {self.id!r}: one of text, messages or token_ids is required")
         if self.token_ids is not None:
             check_token_ids("token_ids", self.token_ids)
         check_json_like("columns", self.columns, depth=0)
@@ -249,9 +247,7 @@ class Completion(_Struct, frozen=True):
         if self.tool_errors > self.tool_calls:
             raise ProtocolError(f"tool_errors: {self.tool_errors} errors for {self.tool_calls} tool calls")
         if len(self.logprobs) % 4:
-            raise ProtocolError(
-                f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values"
-            )
+            raise ProtocolError(f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values")
         if len(self.logprobs) // 4 != n:
             raise ProtocolError(f"logprobs: {len(self.logprobs) // 4} values for {n} token ids")
 
@@ -347,8 +343,10 @@ def check_groups_arrays(groups: list[RolloutGroup]) -> list[ProtocolError | None
     """`check_group_arrays` of each group (decoded under `deferred_group_arrays`), as one
     pass over all of them: numpy's cost per call is what a group's arrays cost, so a read
     of 16 groups pays it once. Each group's error or None, in order."""
-    if not _bad_arrays([a for g in groups for a in (g.prompt_token_ids, *[c.token_ids for c in g.completions])],
-                       [c.logprobs for g in groups for c in g.completions]):
+    if not _bad_arrays(
+        [a for g in groups for a in (g.prompt_token_ids, *[c.token_ids for c in g.completions])],
+        [c.logprobs for g in groups for c in g.completions],
+    ):
         return [None] * len(groups)
     errors: list[ProtocolError | None] = []
     for g in groups:

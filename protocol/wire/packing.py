@@ -14,6 +14,7 @@ from protocol.wire.errors import ProtocolError
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
 
+
 def pack_i32(values: Any) -> bytes:
     """Pack integers (a sequence or array) as little-endian int32 bytes."""
     arr = np.asarray(values)
@@ -26,9 +27,7 @@ def pack_i32(values: Any) -> bytes:
 
 def pack_f32(values: Any) -> bytes:
     """Pack floats (a sequence or array) as little-endian float32 bytes."""
-    return np.ascontiguousarray(
-        np.asarray(values, dtype=np.float64).reshape(-1), dtype=_F32
-    ).tobytes()
+    return np.ascontiguousarray(np.asarray(values, dtype=np.float64).reshape(-1), dtype=_F32).tobytes()
 
 
 def unpack_i32(data: bytes | memoryview) -> np.ndarray:
