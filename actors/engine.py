@@ -111,7 +111,8 @@ class Engine(abc.ABC):
         the text tokenized, or the chat rendered with the model's chat template, as the
         learner would."""
         if prompt.token_ids is not None:
-            return unpack_i32(prompt.token_ids).tolist()
+            ids: list[int] = unpack_i32(prompt.token_ids).tolist()
+            return ids
         if prompt.messages is not None:
             turns = [{"role": t.role, "content": t.content} for t in prompt.messages]
             text = self.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)

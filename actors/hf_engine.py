@@ -29,8 +29,9 @@ from typing import Any
 import msgspec
 import torch
 
-from actors.engine import Engine, EngineError, GroupRequest, Sample, stop_token_ids
+from actors.engine import Engine, EngineError, GroupRequest, Sample
 from protocol import SamplingParams
+from protocol.usercode.chat import stop_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class TransformersEngine(Engine):
             yield self.model
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
     # ------------------------------------------------------------------ generation
     @property

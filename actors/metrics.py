@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 
@@ -41,6 +43,7 @@ class WorkerMetrics:
             "spotgrpo_actor_adapters_refused", "Adapters refused (checksum, missing, load error)", registry=r
         )
 
-    def serve(self, port: int, host: str = "0.0.0.0"):
+    def serve(self, port: int, host: str = "0.0.0.0") -> tuple[Any, Any]:
         """Serve /metrics from a daemon thread; returns (server, thread)."""
-        return start_http_server(port, addr=host, registry=self.registry)
+        served: tuple[Any, Any] = start_http_server(port, addr=host, registry=self.registry)
+        return served

@@ -43,9 +43,11 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample, stop_token_ids
+from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample
 from protocol import SamplingParams
+from protocol.usercode.chat import stop_token_ids
 from protocol.util.machine import usable_cores
 
 log = logging.getLogger(__name__)
@@ -184,9 +186,9 @@ class VLLMEngine(Engine):
             return sorted(self._adapters)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
-    def _sampling(self, s: SamplingParams, seed: int | None):
+    def _sampling(self, s: SamplingParams, seed: int | None) -> Any:
         from vllm import SamplingParams as VSamplingParams
 
         return VSamplingParams(
@@ -261,7 +263,7 @@ class VLLMEngine(Engine):
         self._release_evicted()
         return done
 
-    def _finish(self, result) -> tuple[Hashable, list[Sample]] | None:
+    def _finish(self, result: Any) -> tuple[Hashable, list[Sample]] | None:
         key, j = self._sequences.pop(result.request_id)
         group = self._groups[key]
         completion = result.outputs[0]

@@ -47,11 +47,13 @@ class ProxySource(AdapterSource):
     def fetch(self, manifest: AdapterManifest, name: str) -> bytes:
         if self._download is None or self._download.manifest.version != manifest.version:
             self._download = self.queue.adapter_download(manifest.version)
-        return self.queue.fetch_adapter_file(self._download, name)
+        data: bytes = self.queue.fetch_adapter_file(self._download, name)
+        return data
 
     def manifest(self, version: int) -> AdapterManifest:
         self._download = self.queue.adapter_download(version)
-        return self._download.manifest
+        manifest: AdapterManifest = self._download.manifest
+        return manifest
 
 
 class AdapterWatcher:

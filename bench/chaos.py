@@ -492,7 +492,7 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
     `rows` replaces consumed.jsonl (the self-test plants breaches in a copy)."""
     from protocol import QueueConfig, group_id_for
     from protocol.trusted import RedisQueue, open_store
-    from protocol.trusted.store import CHECKPOINT_POINTER, checkpoint_key
+    from protocol.wire.files import CHECKPOINT_POINTER, checkpoint_key
 
     store = open_store(store_url)
     pointer = json.loads(store.get(CHECKPOINT_POINTER))

@@ -29,14 +29,8 @@ import torch
 
 from learner.ledger import PromptLedger
 from learner.policy import read_adapter_weights
-from protocol.trusted.store import (
-    ADAPTER_WEIGHTS,
-    CHECKPOINT_POINTER,
-    Store,
-    StoreMissing,
-    checkpoint_key,
-    retrying,
-)
+from protocol.trusted.store import Store, retrying
+from protocol.wire.files import ADAPTER_WEIGHTS, CHECKPOINT_POINTER, StoreMissing, checkpoint_key
 
 STATE = "state.json"
 TRAINER_STATE = "trainer_state.pt"

@@ -269,7 +269,7 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
     from protocol import QueueConfig, QueueRefused, QueueUnavailable, check_model_path
     from protocol.client.http_queue import confirm_identity
     from protocol.trusted import connect_queue, open_store
-    from protocol.trusted.store import StoreError
+    from protocol.wire.files import StoreError
 
     stop = threading.Event()
     stop_on_signals(stop)

@@ -94,7 +94,8 @@ def _load_dataset() -> Callable[..., Any]:
     from datasets import load_dataset
 
     own_handlers_off("datasets")
-    return load_dataset
+    load: Callable[..., Any] = load_dataset
+    return load
 
 
 Sources = tuple["PromptSource", "PromptSource | None"]

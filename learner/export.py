@@ -24,16 +24,8 @@ from typing import Any
 
 from protocol import ProtocolError
 from protocol.trusted import open_store
-from protocol.trusted.store import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    MANIFEST,
-    Store,
-    StoreError,
-    StoreMissing,
-    adapter_key,
-    verify,
-)
+from protocol.trusted.store import Store
+from protocol.wire.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS, MANIFEST, StoreError, StoreMissing, adapter_key, verify
 
 
 class ExportError(RuntimeError):

@@ -47,8 +47,9 @@ from protocol import (
     SamplingParams,
     fingerprint_of_model,
 )
-from protocol.trusted.store import Store, StoreError
+from protocol.trusted.store import Store
 from protocol.util.retry import Backoff, retry
+from protocol.wire.files import StoreError
 from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)

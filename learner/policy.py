@@ -25,7 +25,7 @@ from learner.config import LearnerConfig
 from learner.data import context_of
 from learner.dist import Dist, fill_from_rank0, full_tensor, resolve_device, shard_model
 from learner.loss import ACTIVATION_FLOATS_PER_LAYER_WIDTH, entropy, token_logps
-from protocol.trusted.store import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from protocol.wire.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 log = logging.getLogger(__name__)
 

@@ -27,14 +27,8 @@ from torch import Tensor
 
 from learner.policy import adapter_files
 from protocol import AdapterManifest, Queue, QueueError, QueueUnavailable, to_json
-from protocol.trusted.store import (
-    MANIFEST,
-    Store,
-    StoreError,
-    adapter_key,
-    file_entry,
-    retrying,
-)
+from protocol.trusted.store import Store, retrying
+from protocol.wire.files import MANIFEST, StoreError, adapter_key, file_entry
 
 log = logging.getLogger(__name__)
 

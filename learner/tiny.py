@@ -37,7 +37,7 @@ CHATML_TEMPLATE = (
 `protocol.usercode.chat.HERMES_CHATML` for it)."""
 
 
-def build_tokenizer(chatml: bool = False):  # -> PreTrainedTokenizerFast
+def build_tokenizer(chatml: bool = False) -> Any:  # a PreTrainedTokenizerFast
     """Characters, one token each. `chatml`: also `CHATML_CHARS` (tool calls) and ChatML's
     turn tokens, `<|im_end|>` ending a turn as SmolLM2's does, and a ChatML template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -72,7 +72,7 @@ def build_model(
     max_positions: int = 1024,
     head_gain: float = 0.75,
     seed: int = 0,
-):  # -> PreTrainedModel
+) -> Any:  # a PreTrainedModel
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
     config_cls = LlamaConfig if arch == "llama" else Qwen2Config

@@ -67,11 +67,8 @@ from protocol.wire.messages import (
     SamplingParams,
     WorkerStatus,
     group_id_for,
-    pack_f32,
-    pack_i32,
-    unpack_f32,
-    unpack_i32,
 )
+from protocol.wire.packing import pack_f32, pack_i32, unpack_f32, unpack_i32
 
 __all__ = [
     "DEFAULT_LIMITS",

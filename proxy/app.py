@@ -67,8 +67,9 @@ from protocol.client.http import (
     encode_body,
     schema_components,
 )
-from protocol.trusted.store import FileStore, StoreError, StoreMissing, adapter_key
+from protocol.trusted.store import FileStore
 from protocol.wire.errors import LeaseLost, status_of
+from protocol.wire.files import StoreError, StoreMissing, adapter_key
 from proxy.auth import Token
 from proxy.fairness import OverCap
 from proxy.handlers import (
@@ -89,7 +90,7 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 def build_app(ctx: Context) -> Starlette:
-    special: dict[Endpoint, Callable[..., Any]] = {  # streams, files, text: async, with the request itself
+    special: dict[Endpoint[Any, Any], Callable[..., Any]] = {  # streams, files, text: async, with the request itself
         api.ADAPTER_EVENTS: _events,
         api.ADAPTER_FILE: _file,
         api.METRICS: _metrics,
@@ -119,7 +120,7 @@ def build_app(ctx: Context) -> Starlette:
 
 
 def _endpoint(
-    spec: Endpoint,
+    spec: Endpoint[Any, Any],
     handler: Callable[..., Any] | None,
     special: Callable[..., Any] | None,
 ) -> Callable[[Request], Any]:
@@ -131,7 +132,8 @@ def _endpoint(
         try:
             token = await _authorise(ctx, spec, request)
             if special is not None:
-                return await special(ctx, token, request)
+                answer: Response = await special(ctx, token, request)
+                return answer
             body = await _read_body(ctx, token, spec, request) if spec.request is not None else None
             params = {**request.query_params, **request.path_params}
             if token is not None and _waits(body, params):
@@ -193,7 +195,7 @@ def _hold(ctx: Context, token: Token, kind: str) -> Iterator[None]:
         ctx.holds.release(token.name, kind)
 
 
-async def _authorise(ctx: Context, spec: Endpoint, request: Request) -> Token | None:
+async def _authorise(ctx: Context, spec: Endpoint[Any, Any], request: Request) -> Token | None:
     if not spec.roles:
         return None
     header = request.headers.get("authorization", "")
@@ -211,7 +213,7 @@ async def _authorise(ctx: Context, spec: Endpoint, request: Request) -> Token | 
     return token
 
 
-async def _read_body(ctx: Context, token: Token | None, spec: Endpoint, request: Request) -> Any:
+async def _read_body(ctx: Context, token: Token | None, spec: Endpoint[Any, Any], request: Request) -> Any:
     """The request's body, decoded. Its bytes count against the token's and everyone's
     bodies in flight as they arrive (`request.state.body_bytes`, given back when the
     request is answered); a big one is decoded in a worker thread."""

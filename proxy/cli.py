@@ -178,7 +178,7 @@ def serve(args: argparse.Namespace) -> int:
     from protocol import QueueConfig, QueueUnavailable
     from protocol.trusted import RedisQueue, open_store
     from protocol.trusted.redis_client import connect_async, memory_redis
-    from protocol.trusted.store import StoreError
+    from protocol.wire.files import StoreError
     from proxy.app import build_app
     from proxy.auth import TokenError, Tokens
     from proxy.fairness import HeaderTimeoutProtocol

@@ -52,8 +52,9 @@ from protocol.client.http import (
     encode_body,
 )
 from protocol.trusted import RedisQueue
-from protocol.trusted.store import FileStore, Store, StoreMissing, adapter_key
+from protocol.trusted.store import FileStore, Store
 from protocol.wire.codec import DEFAULT_LIMITS, Limits
+from protocol.wire.files import StoreMissing, adapter_key
 from proxy.auth import Token, Tokens
 from proxy.events import AdapterEventHub
 from proxy.fairness import BodyBytes, Holds, SharedRateLimit
@@ -322,7 +323,7 @@ def _int_param(params: dict[str, str], name: str, default: int, low: int, high: 
 # ----------------------------------------------------------------------- routes
 
 
-HANDLERS: dict[Endpoint, Callable[..., Any]] = {
+HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.CLAIM: claim,
     api.HEARTBEAT: heartbeat,
     api.SUBMIT: submit,

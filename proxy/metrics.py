@@ -126,5 +126,5 @@ def _route_of(scope: Scope) -> str:
     for route in getattr(app, "routes", []):
         match, _ = route.matches(scope)
         if match == Match.FULL:
-            return route.path
+            return str(route.path)
     return "unmatched"

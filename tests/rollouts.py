@@ -27,7 +27,8 @@ from protocol import (
     unpack_i32,
 )
 from protocol.trusted import RedisQueue
-from protocol.trusted.store import Store, adapter_key
+from protocol.trusted.store import Store
+from protocol.wire.files import adapter_key
 from protocol.wire.keys import ACTORS_GROUP
 
 Reward = Callable[[list[int], list[int], str], float]

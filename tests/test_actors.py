@@ -35,8 +35,9 @@ from protocol import (
     pack_i32,
 )
 from protocol.trusted import RedisQueue, open_store
-from protocol.trusted.store import Store, StoreSource, adapter_key
+from protocol.trusted.store import Store, StoreSource
 from protocol.usercode.rewards import RewardError, RewardFn, Scorer, load_reward
+from protocol.wire.files import adapter_key
 
 REPO = Path(__file__).resolve().parents[1]
 

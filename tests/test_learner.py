@@ -39,7 +39,7 @@ from protocol import (
     unpack_i32,
 )
 from protocol.trusted import RedisQueue, open_store
-from protocol.trusted.store import MANIFEST, adapter_key, verify
+from protocol.wire.files import MANIFEST, adapter_key, verify
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -631,7 +631,8 @@ def test_sigterm_stops_at_once_with_a_checkpoint(tmp_path: Path, tiny_model: Pat
 def test_store_failures_are_retried_and_training_goes_on(tmp_path: Path, tiny_model: Path) -> None:
     """The store refuses the first writes of each checkpoint (as S3 does with 503 Slow
     Down): the writes are retried with backoff and every checkpoint lands."""
-    from protocol.trusted.store import FileStore, StoreError
+    from protocol.trusted.store import FileStore
+    from protocol.wire.files import StoreError
 
     class FlakyStore(FileStore):
         def __init__(self, root: Path) -> None:

@@ -39,7 +39,8 @@ from protocol.client.http import (
 )
 from protocol.client.http_queue import QueueForbidden
 from protocol.trusted import RedisQueue
-from protocol.trusted.store import StoreMissing, adapter_key, file_entry, open_store
+from protocol.trusted.store import open_store
+from protocol.wire.files import StoreMissing, adapter_key, file_entry
 from proxy.auth import TokenError, Tokens
 
 pytestmark = pytest.mark.redis

@@ -496,6 +496,24 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
     assert "Traceback" not in caplog.text
 
 
+def test_importing_the_tier_changes_nothing_of_rqs_until_it_serves() -> None:
+    code = (
+        "import logging, rq.scheduler as s; own = s.run\n"
+        "import learner.scoring.tier as t\n"
+        "assert s.run is own and not logging.getLogger('rq.worker').filters, 'changed at import'\n"
+        "t.adjust_rq(); t.adjust_rq()\n"
+        "assert s.run is t._scheduler_run and len(logging.getLogger('rq.worker').filters) == 1\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_reaches_the_step(
     redis_server: RedisServer, scorers, run_name: str, tiny_model: Path, tmp_path: Path
 ) -> None:

@@ -11,18 +11,8 @@ import pytest
 import torch
 
 from protocol import AdapterManifest, ProtocolError, from_json
-from protocol.trusted.store import (
-    MANIFEST,
-    FileStore,
-    Store,
-    StoreError,
-    StoreMissing,
-    adapter_key,
-    check_key,
-    open_store,
-    retrying,
-    verify,
-)
+from protocol.trusted.store import FileStore, Store, open_store, retrying
+from protocol.wire.files import MANIFEST, StoreError, StoreMissing, adapter_key, check_key, verify
 
 
 @pytest.fixture(params=["file", "s3"])

@@ -318,8 +318,15 @@ def _scheduler_run(scheduler: Any) -> None:
         raise
 
 
-rq_scheduler.run = _scheduler_run  # RQ starts its scheduler process with this module's `run`
-logging.getLogger("rq.worker").addFilter(RedisGoneInOneLine())
+def adjust_rq() -> None:
+    """RQ's two adjustments, made by `serve` (never at import: importing this module changes
+    nothing of RQ's for anyone else in the process): its scheduler process ends in one line
+    when Redis goes away (RQ starts it with `rq.scheduler.run`), and its worker's log says a
+    lost Redis in one line. Idempotent."""
+    rq_scheduler.run = _scheduler_run
+    worker_log = logging.getLogger("rq.worker")
+    if not any(isinstance(f, RedisGoneInOneLine) for f in worker_log.filters):
+        worker_log.addFilter(RedisGoneInOneLine())
 
 
 class ScoringWorker(Worker):
@@ -340,7 +347,7 @@ class ScoringWorker(Worker):
 
     def request_stop(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
-        super().request_stop(signum, frame)
+        Worker.request_stop(self, signum, frame)
 
     SCHEDULER_STOP_S = 5.0
 
@@ -570,6 +577,7 @@ def serve(
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     global _TIER
+    adjust_rq()
     _TIER = Tier(
         queue=queue,
         scorer=scorer,

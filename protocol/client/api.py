@@ -8,6 +8,7 @@ refusal travels as, and which exception it becomes again, is in `protocol.wire.e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 from protocol.client.http import (
     AckRequest,
@@ -39,18 +40,25 @@ from protocol.client.http import (
     WorkersResponse,
 )
 
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
 
 @dataclass(frozen=True)
-class Endpoint:
+class Endpoint(Generic[Req, Resp]):
+    """One route: `Endpoint[Req, Resp]` takes a `Req` body and answers 200 with a `Resp`, so a
+    client's call of it is typed (`HttpQueue._call`); a route without a MessagePack body
+    has `None` there (and the type parameter is left unsolved)."""
+
     method: str
     path: str
     """With `{name}` for a path parameter."""
     roles: frozenset[str]
     """Who may call it; empty: no token needed."""
     summary: str
-    request: type | None = None
+    request: type[Req] | None = None
     """The MessagePack body it takes; None: none (or not MessagePack)."""
-    response: type | None = None
+    response: type[Resp] | None = None
     """The MessagePack body it answers 200 with; None: another kind (a stream, a file, text)."""
 
     def url(self, **params: object) -> str:
@@ -58,8 +66,13 @@ class Endpoint:
 
 
 def _e(
-    method: str, path: str, roles: set[str], summary: str, request: type | None = None, response: type | None = None
-) -> Endpoint:
+    method: str,
+    path: str,
+    roles: set[str],
+    summary: str,
+    request: type[Req] | None = None,
+    response: type[Resp] | None = None,
+) -> Endpoint[Req, Resp]:
     return Endpoint(method, path, frozenset(roles), summary, request, response)
 
 
@@ -98,7 +111,7 @@ REPORT_STATUS = _e(
     ReportStatusRequest,
     ReportStatusResponse,
 )
-WORKERS = _e(
+WORKERS: Endpoint[None, WorkersResponse] = _e(
     "GET",
     "/v1/workers",
     {LEARNER, ADMIN},
@@ -109,7 +122,7 @@ WORKERS = _e(
     None,
     WorkersResponse,
 )
-WHOAMI = _e(
+WHOAMI: Endpoint[None, WhoAmIResponse] = _e(
     "GET",
     "/v1/whoami",
     {ACTOR, LEARNER, ADMIN},
@@ -117,7 +130,7 @@ WHOAMI = _e(
     None,
     WhoAmIResponse,
 )
-LATEST_ADAPTER = _e(
+LATEST_ADAPTER: Endpoint[None, LatestAdapterResponse] = _e(
     "GET",
     "/v1/adapters/latest",
     {ACTOR, LEARNER},
@@ -125,13 +138,13 @@ LATEST_ADAPTER = _e(
     None,
     LatestAdapterResponse,
 )
-ADAPTER_EVENTS = _e(
+ADAPTER_EVENTS: Endpoint[None, None] = _e(
     "GET",
     "/v1/adapters/events",
     {ACTOR, LEARNER},
     "Adapter announcements as server-sent events; resumes after Last-Event-ID.",
 )
-ADAPTER_HISTORY = _e(
+ADAPTER_HISTORY: Endpoint[None, AdapterEventsResponse] = _e(
     "GET",
     "/v1/adapters/history",
     {ACTOR, LEARNER},
@@ -139,7 +152,7 @@ ADAPTER_HISTORY = _e(
     None,
     AdapterEventsResponse,
 )
-ADAPTER_DOWNLOAD = _e(
+ADAPTER_DOWNLOAD: Endpoint[None, AdapterDownload] = _e(
     "GET",
     "/v1/adapters/{version}",
     {ACTOR},
@@ -147,7 +160,7 @@ ADAPTER_DOWNLOAD = _e(
     None,
     AdapterDownload,
 )
-ADAPTER_FILE = _e(
+ADAPTER_FILE: Endpoint[None, None] = _e(
     "GET", "/v1/adapters/{version}/files/{name}", {ACTOR}, "One adapter file, streamed by the proxy (file:// stores)."
 )
 ADD_PROMPTS = _e(
@@ -178,7 +191,7 @@ EXPIRE_RUN = _e(
 ANNOUNCE = _e(
     "POST", "/v1/adapters/announce", {LEARNER}, "Make a manifest the latest adapter.", AnnounceRequest, AnnounceResponse
 )
-DEAD_LETTERS = _e(
+DEAD_LETTERS: Endpoint[None, DeadLettersResponse] = _e(
     "GET",
     "/v1/dead-letters",
     {LEARNER, ADMIN},
@@ -186,14 +199,14 @@ DEAD_LETTERS = _e(
     None,
     DeadLettersResponse,
 )
-STATS = _e(
+STATS: Endpoint[None, StatsResponse] = _e(
     "GET", "/v1/stats", {LEARNER, ADMIN}, "Stream depths, leases by worker, latest version.", None, StatsResponse
 )
-METRICS = _e("GET", "/metrics", {ADMIN}, "Prometheus metrics.")
-HEALTHZ = _e("GET", "/healthz", set(), "200 when Redis answers.")
-OPENAPI = _e("GET", "/openapi.json", set(), "This document.")
+METRICS: Endpoint[None, None] = _e("GET", "/metrics", {ADMIN}, "Prometheus metrics.")
+HEALTHZ: Endpoint[None, None] = _e("GET", "/healthz", set(), "200 when Redis answers.")
+OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document.")
 
-ENDPOINTS: tuple[Endpoint, ...] = (
+ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
     ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, ANNOUNCE,
     DEAD_LETTERS, STATS, METRICS, HEALTHZ, OPENAPI,

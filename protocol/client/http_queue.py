@@ -42,7 +42,7 @@ import urllib3
 import urllib3.exceptions
 
 from protocol.client import api
-from protocol.client.api import Endpoint
+from protocol.client.api import Endpoint, Resp
 from protocol.client.http import (
     CONTENT_TYPE,
     AckRequest,
@@ -179,8 +179,12 @@ class HttpQueue(Queue):
 
     # ------------------------------------------------------------------ plumbing
     def _call(
-        self, endpoint: Endpoint, body: Any = None, params: dict[str, Any] | None = None, **path_params: object
-    ) -> Any:
+        self,
+        endpoint: Endpoint[Any, Resp],
+        body: Any = None,
+        params: dict[str, Any] | None = None,
+        **path_params: object,
+    ) -> Resp:
         """One call of `endpoint` (`protocol.client.api`), retried through outages; its response body."""
         method, path, response = endpoint.method, endpoint.url(**path_params), endpoint.response
         content = encode_body(body) if body is not None else None
@@ -217,7 +221,7 @@ class HttpQueue(Queue):
             self.retried = True
 
         try:
-            return retry(
+            answer: Resp = retry(
                 attempt,
                 on=(_Transient,),
                 deadline_s=self.retry_s,
@@ -227,6 +231,7 @@ class HttpQueue(Queue):
                 delay_of=lambda err, delay: err.wait if err.wait is not None else delay,  # type: ignore[attr-defined]
                 before_wait=before_wait,
             )
+            return answer
         except _Transient as err:
             raise QueueUnavailable(
                 f"{self.url}{path}: {err}" + (" (stopping)" if self._stopping.is_set() else "")

@@ -32,20 +32,13 @@ from protocol.client.adapters import AdapterSource
 from protocol.util.retry import retry
 from protocol.wire.codec import from_json
 from protocol.wire.errors import ProtocolError
-from protocol.wire.files import (  # noqa: F401 - re-exported: the trusted side names them here
+from protocol.wire.files import (
     _VERSION_DIR,
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    CHECKPOINT_POINTER,
     MANIFEST,
     StoreError,
     StoreMissing,
     adapter_key,
     check_key,
-    checkpoint_key,
-    file_entry,
-    sha256_hex,
-    verify,
 )
 from protocol.wire.messages import AdapterManifest
 
@@ -204,7 +197,8 @@ class S3Store(Store):
 
     def get(self, key: str) -> bytes:
         response = self._call(f"get {key}", lambda: self.client.get_object(Bucket=self.bucket, Key=self._key(key)))
-        return self._call(f"get {key}", lambda: response["Body"].read())
+        data: bytes = self._call(f"get {key}", lambda: response["Body"].read())
+        return data
 
     def exists(self, key: str) -> bool:
         try:
@@ -240,7 +234,7 @@ class S3Store(Store):
             )
 
     def presign(self, key: str, expires_s: int) -> str | None:
-        return self._call(
+        url: str | None = self._call(
             f"presign {key}",
             lambda: self.presign_client.generate_presigned_url(
                 "get_object",
@@ -248,6 +242,7 @@ class S3Store(Store):
                 ExpiresIn=expires_s,
             ),
         )
+        return url
 
 
 class StoreSource(AdapterSource):

@@ -154,7 +154,7 @@ def say_template(template: str | None) -> None:
 def tool_schemas(tools: Sequence[Callable[..., Any]]) -> list[dict[str, Any]]:
     """The JSON schemas transformers builds from each tool's signature and docstring (a
     tool without a documented argument is refused here, with transformers' reason)."""
-    from transformers.utils import get_json_schema
+    from transformers.utils.chat_template_utils import get_json_schema
 
     schemas = []
     for fn in tools:

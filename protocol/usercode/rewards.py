@@ -208,8 +208,8 @@ class Scorer:
         for rf in self.functions:
             extras = {k: v for k, v in trl.items() if k not in columns and k in rf.extras}
             values, error = self._call(rf, prompts, completions, completion_ids, {**columns, **extras}, n)
-            if error is not None:
-                return Scores.failed(n, error)
+            if error is not None or values is None:
+                return Scores.failed(n, error or f"reward {rf.name} returned nothing")
             per_fn[rf.name] = values
         weights = {rf.name: rf.weight for rf in self.functions}
         if extra is not None and self.extra is not None:
@@ -255,7 +255,15 @@ class Scorer:
                 f"the rewards exceeded the group's time limit of {timeout_s:g}s (the group is rejected, not retried)",
             )
 
-    def _call(self, rf: RewardFn, prompts, completions, completion_ids, columns, n: int):
+    def _call(
+        self,
+        rf: RewardFn,
+        prompts: list[Any],
+        completions: list[Any],
+        completion_ids: list[list[int]],
+        columns: dict[str, Any],
+        n: int,
+    ) -> tuple[list[float | None] | None, str | None]:
         def call() -> Any:
             value = rf.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
             if inspect.isawaitable(value):  # an `async def` reward (an HTTP judge, a sandbox)
@@ -318,7 +326,8 @@ def within(timeout_s: float, fn: Callable[[], T], name: str) -> T:
         raise PastLimit(name)
     if "error" in box:
         raise box["error"]
-    return box["value"]
+    value: T = box["value"]
+    return value
 
 
 async def _awaited(value: Any) -> Any:
