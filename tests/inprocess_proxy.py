@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
-from conftest import TOKENS, free_port
+from servers import TOKENS, free_port
 
 from protocol import (
     AdapterManifest,

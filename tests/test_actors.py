@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import toy_rewards
-from conftest import TOKENS, ProxyProcess, kill_process, through_proxy
 from rollouts import perturbed_policy
+from servers import TOKENS, ProxyProcess, kill_process, through_proxy
 
 from actors.engine import Engine, EngineError
 from actors.hf_engine import TransformersEngine
@@ -476,7 +476,7 @@ def test_test_engines_subclass_the_real_interface() -> None:
 
 def test_worker_metrics_are_served_for_prometheus() -> None:
     import httpx
-    from conftest import free_port
+    from servers import free_port
 
     from actors.metrics import WorkerMetrics
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TOKENS, kill_process
 from rollouts import perturbed_policy
+from servers import TOKENS, kill_process
 
 from learner.publish import Publisher, PublishJob
 from protocol import fingerprint_of_model

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from conftest import TOKENS, free_port, kill_process
 from factories import batch, write_dataset
+from servers import TOKENS, free_port, kill_process
 
 from protocol import QueueConfig, pack_i32
 from protocol.trusted import RedisQueue

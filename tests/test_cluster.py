@@ -15,8 +15,8 @@ from pathlib import Path
 
 import factories
 import pytest
-from conftest import TOKENS, RedisClusterNodes, RedisServer, kill_process
 from redis.cluster import RedisCluster
+from servers import TOKENS, RedisClusterNodes, RedisServer, kill_process
 
 from protocol import QueueConfig
 from protocol.trusted import RedisQueue

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import kill_process
 from factories import batch, group, write_dataset
 from rollouts import SyntheticActor
 from safetensors.torch import load_file
+from servers import kill_process
 
 from learner.config import LearnerConfig
 from learner.loop import CONSUMER

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import kill_process
+from servers import kill_process
 
 from learner.local_system import LEASE_TIMEOUT_S
 from learner.progress import read_evals

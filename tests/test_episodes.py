@@ -623,9 +623,9 @@ def test_a_worker_killed_mid_episode_loses_nothing(
     import sys
 
     import msgspec
-    from conftest import kill_process
     from factories import batch, trusted
     from scripted import FirstTurnCalls
+    from servers import kill_process
 
     from actors.hf_engine import TransformersEngine
     from actors.watcher import AdapterWatcher

@@ -19,8 +19,9 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-from conftest import TOKENS, ProxyProcess, read_all
+from conftest import read_all
 from factories import batch, group, groups, trusted
+from servers import TOKENS, ProxyProcess
 
 from protocol import (
     SCHEMA_VERSION,

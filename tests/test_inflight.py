@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from conftest import TOKENS, ProxyProcess, free_port, kill_process, through_proxy
+from servers import TOKENS, ProxyProcess, free_port, kill_process, through_proxy
 
 from actors.hf_engine import TransformersEngine
 from actors.rewards import ScoringPool

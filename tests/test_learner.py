@@ -19,9 +19,9 @@ import fakeredis
 import numpy as np
 import pytest
 import torch
-from conftest import kill_process
 from factories import write_dataset
 from rollouts import SyntheticActor, raw_submit
+from servers import kill_process
 
 from learner.cli import main as learner_main
 from learner.config import ConfigError, LearnerConfig, load_config

@@ -12,10 +12,10 @@ import time
 import httpx
 import msgspec
 import pytest
-from conftest import TOKENS, kill_process
 from factories import batch, group, groups
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from servers import TOKENS, kill_process
 
 from protocol import (
     SCHEMA_VERSION,

@@ -16,7 +16,8 @@ import factories
 import msgspec
 import pytest
 import redis
-from conftest import TOKENS, RedisServer, kill_process, read_all
+from conftest import read_all
+from servers import TOKENS, RedisServer, kill_process
 
 from protocol import FinishedBatch, PromptBatch, QueueConfig
 from protocol.trusted import RedisQueue
