@@ -21,6 +21,7 @@ import msgspec
 import torch
 
 from learner.admission import Admission
+from learner.batch import StepBatch, build_step_batch
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
 from learner.data import Sources, open_sources
@@ -32,7 +33,6 @@ from learner.ledger import PromptLedger
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
 from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
-from learner.train import StepBatch, build_step_batch
 from learner.trainer import Trainer
 from learner.watchdog import ProgressWatch
 from protocol import (

@@ -124,9 +124,9 @@ QWEN25_05B_SHAPE = {
 def synthetic_batch(policy: Any, groups: int, group_size: int, prompt_len: int, completion_len: int) -> Any:
     """A learner step's batch of random tokens (benchmarks): `groups` prompts, `group_size`
     completions each, random rewards, behaviour log-probabilities of -3."""
+    from learner.batch import StepBatch
     from learner.loss import advantages
     from learner.policy import pack_sequences
-    from learner.train import StepBatch
 
     g = torch.Generator().manual_seed(0)
     vocab = policy.vocab_size

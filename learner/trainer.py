@@ -18,12 +18,24 @@ from typing import Any
 
 import torch
 
+from learner.batch import StepBatch, zeros_batch
 from learner.config import LearnerConfig
 from learner.dist import ADAPTER, RESTORE, SAVE, STEP, STOP, Dist
 from learner.policy import Policy
-from learner.train import StepBatch, receive_step, send_step, train_on
+from learner.train import train_on
 
 log = logging.getLogger(__name__)
+
+
+def send_step(dist: Dist, batch: StepBatch) -> list[int]:
+    """Rank 0: the step's tensors to every rank, and each row's rank (`Dist.send_step`)."""
+    return dist.send_step(batch.tensors(), batch.lengths())
+
+
+def receive_step(dist: Dist, b: int, width: int) -> tuple[StepBatch, list[int]]:
+    """A follower: the batch rank 0 sent with `send_step`."""
+    batch = zeros_batch(b, width, torch.device("cpu"))
+    return batch, dist.receive_step(batch.tensors())
 
 
 class Trainer:

@@ -21,11 +21,12 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, as und
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from learner.batch import StepBatch  # noqa: E402
 from learner.config import LearnerConfig  # noqa: E402
 from learner.dist import Dist, full_tensor, split_rows  # noqa: E402
 from learner.loss import advantages  # noqa: E402
 from learner.policy import pack_sequences  # noqa: E402
-from learner.train import StepBatch, train_on  # noqa: E402
+from learner.train import train_on  # noqa: E402
 from learner.trainer import Trainer  # noqa: E402
 
 CASES = {

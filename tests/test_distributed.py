@@ -20,10 +20,11 @@ from rollouts import SyntheticActor
 from safetensors.torch import load_file
 from servers import kill_process
 
+from learner.batch import build_step_batch, plan_micro_batches
 from learner.config import LearnerConfig
 from learner.loop import CONSUMER
 from learner.policy import Policy
-from learner.train import build_step_batch, plan_micro_batches, train_on
+from learner.train import train_on
 from protocol import QueueConfig
 from protocol.trusted import RedisQueue, open_store
 

@@ -150,9 +150,10 @@ def test_prompts_from_jsonl_parquet_and_chat(tmp_path: Path, tiny_model: Path) -
 def test_behaviour_logprobs_from_the_same_adapter_give_unit_weights(tmp_path: Path, tiny_model: Path) -> None:
     """An adapter published by the learner, loaded by a sampler with PEFT and sampled at
     temperature 0.7: the learner's importance weights are 1 within 1e-3."""
+    from learner.batch import build_step_batch
     from learner.policy import Policy
     from learner.publish import Publisher, PublishJob
-    from learner.train import _Sums, accumulate, build_step_batch
+    from learner.train import _Sums, accumulate
 
     cfg = small_config(tmp_path, tiny_model, temperature=0.7, max_tokens=8)
     make = fake_queue_factory("agree")
@@ -278,8 +279,9 @@ def test_bad_groups_are_rejected_counted_and_training_continues(tmp_path: Path, 
 
 
 def test_an_update_that_is_not_finite_is_skipped_not_applied(tmp_path: Path, tiny_model: Path) -> None:
+    from learner.batch import StepBatch
     from learner.policy import Policy
-    from learner.train import StepBatch, train_on
+    from learner.train import train_on
 
     cfg = small_config(tmp_path, tiny_model)
     policy = Policy(cfg)

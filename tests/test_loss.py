@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from learner.batch import StepBatch
 from learner.config import LearnerConfig
 from learner.loss import advantages, aggregate, importance_weights, kl_k3, policy_loss, token_logps
 from learner.policy import Policy, pack_sequences
-from learner.train import StepBatch, _Sums, accumulate
+from learner.train import _Sums, accumulate
 
 LOG = math.log
 
@@ -293,7 +294,7 @@ def test_an_episodes_environment_tokens_take_no_part_in_the_loss(tiny_model) -> 
     import msgspec
     from factories import batch, group
 
-    from learner.train import build_step_batch
+    from learner.batch import build_step_batch
     from protocol import Completion
 
     policy = _policy(tiny_model)

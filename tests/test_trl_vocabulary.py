@@ -246,7 +246,7 @@ def test_gspo_ratio_is_the_geometric_mean_of_the_sequence(tmp_path: Path) -> Non
 def test_truncated_completions_are_left_out_of_the_loss(tmp_path: Path, tiny_model: Path) -> None:
     from factories import batch, group
 
-    from learner.train import build_step_batch
+    from learner.batch import build_step_batch
     from protocol import Completion, group_id_for, pack_i32
 
     b = batch(0, prompts=1)
