@@ -346,6 +346,18 @@ class ProxyProcess:
     def stop(self) -> None:
         stop_process(self.proc)
 
+    def actor_command(self, model: Path, worker: str, *flags: str) -> list[str]:
+        """`actors run` as a user starts a worker on this proxy's run (with `actor_env`)."""
+        run = self.cmd[self.cmd.index("--run") + 1]
+        return [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", run, "--engine",
+                "transformers", "--model", str(model), "--worker-id", worker, *flags]  # fmt: skip
+
+    def actor_env(self) -> dict[str, str]:
+        """A worker's environment: the actor token and the proxy's CA, the tests' modules on the path."""
+        repo = Path(__file__).resolve().parents[1]
+        path = os.pathsep.join([str(repo), str(repo / "tests")])
+        return {**os.environ, "PYTHONPATH": path, "SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": self.ca}
+
     def queue(self, role: str, **config: object):
         from protocol.client.http_queue import HttpQueue
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 import toy_rewards
 from rollouts import perturbed_policy
-from servers import TOKENS, ProxyProcess, kill_process, through_proxy
+from servers import ProxyProcess, kill_process, through_proxy
 
 from actors.engine import Engine, EngineError
 from actors.hf_engine import TransformersEngine
@@ -346,37 +346,18 @@ def test_a_failing_reward_is_reported_and_the_worker_goes_on(
     queue.close()
 
 
-def _actor_cmd(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *extra: str) -> list[str]:
-    """A worker as a user starts one: through the proxy, with an actor token (the proxy's
-    store holds the adapters)."""
-    return [
-        sys.executable,
-        "-m",
-        "actors.cli",
-        "run",
-        "--queue",
-        proxy.url,
-        "--run",
-        run,
-        "--engine",
-        "transformers",
-        "--model",
-        str(tiny_model),
+def _actor_cmd(tiny_model: Path, proxy: ProxyProcess, worker: str, *extra: str) -> list[str]:
+    return proxy.actor_command(
+        tiny_model,
+        worker,
         "--reward",
         "toy_rewards:slow_digit_first",
-        "--worker-id",
-        worker,
         "--lease-timeout-s",
         "2",
         "--claim-block-s",
         "0.5",
         *extra,
-    ]
-
-
-def _env(proxy: ProxyProcess | None = None) -> dict[str, str]:
-    through = {} if proxy is None else {"SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca}
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **through}
+    )
 
 
 def _wait_for_lease(queue: RedisQueue, worker: str, proc: subprocess.Popen, timeout: float = 90) -> None:
@@ -396,9 +377,9 @@ def test_sigkill_mid_batch_another_worker_completes_it(
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=4)])
     victim = subprocess.Popen(
-        _actor_cmd(tiny_model, proxy, run_name, "victim"),
+        _actor_cmd(tiny_model, proxy, "victim"),
         cwd=REPO,
-        env=_env(proxy),
+        env=proxy.actor_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -411,9 +392,9 @@ def test_sigkill_mid_batch_another_worker_completes_it(
         kill_process(victim)
     assert queue.stats().rollouts.length == 0
     rescuer = subprocess.Popen(
-        _actor_cmd(tiny_model, proxy, run_name, "rescuer"),
+        _actor_cmd(tiny_model, proxy, "rescuer"),
         cwd=REPO,
-        env=_env(proxy),
+        env=proxy.actor_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -446,9 +427,9 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=8, max_tokens=200)])
     proc = subprocess.Popen(
-        _actor_cmd(tiny_model, proxy, run_name, "spot", "--lease-timeout-s", "600"),
+        _actor_cmd(tiny_model, proxy, "spot", "--lease-timeout-s", "600"),
         cwd=REPO,
-        env=_env(proxy),
+        env=proxy.actor_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -527,7 +508,6 @@ def test_a_spot_worker_imports_no_redis_client() -> None:
     the work loop, the engines' interface, the watcher, rewards, the HTTPS queue) imports
     neither redis nor rq nor fakeredis: the trust boundary shows in the imports."""
     import subprocess
-    import sys
 
     code = (
         "import sys\n"

@@ -4,7 +4,6 @@ real Redis with the transformers engine (the vLLM engine's share is in test_vllm
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from servers import TOKENS, ProxyProcess, free_port, kill_process, through_proxy
+from servers import ProxyProcess, free_port, kill_process, through_proxy
 
 from actors.hf_engine import TransformersEngine
 from actors.rewards import ScoringPool
@@ -147,26 +146,12 @@ def test_a_partial_submission_racing_a_takeover_stores_each_group_once(redis_ser
     q.close()
 
 
-def _actor(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *extra: str) -> list[str]:
-    """A worker as a user starts one: through the proxy, with an actor token (the proxy's
-    store holds the adapters)."""
-    return [
-        sys.executable,
-        "-m",
-        "actors.cli",
-        "run",
-        "--queue",
-        proxy.url,
-        "--run",
-        run,
-        "--engine",
-        "transformers",
-        "--model",
-        str(tiny_model),
+def _actor(tiny_model: Path, proxy: ProxyProcess, worker: str, *extra: str) -> list[str]:
+    return proxy.actor_command(
+        tiny_model,
+        worker,
         "--reward",
         "toy_rewards:slow_digit_first",
-        "--worker-id",
-        worker,
         "--lease-timeout-s",
         "2",
         "--claim-block-s",
@@ -176,12 +161,7 @@ def _actor(tiny_model: Path, proxy: ProxyProcess, run: str, worker: str, *extra:
         "--max-num-seqs",
         str(3 * len(PROMPTS) * 4),
         *extra,
-    ]
-
-
-def _env(proxy: ProxyProcess | None = None) -> dict[str, str]:
-    through = {} if proxy is None else {"SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca}
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]), **through}
+    )
 
 
 def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Popen) -> None:
@@ -207,9 +187,9 @@ def test_leases_in_flight_survive_sigkill_and_sigterm(
     timeout = "600" if signum == signal.SIGTERM else "2"
     proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", timeout))
     victim = subprocess.Popen(
-        _actor(tiny_model, proxy, run_name, "victim", "--lease-timeout-s", timeout),
+        _actor(tiny_model, proxy, "victim", "--lease-timeout-s", timeout),
         cwd=REPO,
-        env=_env(proxy),
+        env=proxy.actor_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -226,9 +206,9 @@ def test_leases_in_flight_survive_sigkill_and_sigterm(
     finally:
         kill_process(victim)
     rescuer = subprocess.Popen(
-        _actor(tiny_model, proxy, run_name, "rescuer", "--lease-timeout-s", timeout),
+        _actor(tiny_model, proxy, "rescuer", "--lease-timeout-s", timeout),
         cwd=REPO,
-        env=_env(proxy),
+        env=proxy.actor_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -324,7 +304,7 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(
         "0,1",
     ]
     parent = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(proxy), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=REPO, env=proxy.actor_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         deadline = time.monotonic() + 120
@@ -342,7 +322,9 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(
     assert parent.returncode == 0, out[-3000:]
     assert len(queue.claim("other", 10)) == 4  # both handed their leases back
     queue.close()
-    bad = subprocess.run([*cmd[:-1], "0,x"], cwd=REPO, env=_env(proxy), capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*cmd[:-1], "0,x"], cwd=REPO, env=proxy.actor_env(), capture_output=True, text=True, timeout=60
+    )
     assert bad.returncode == 2 and "--gpus" in bad.stderr
 
 

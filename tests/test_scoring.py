@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import redis
 from conftest import read_all
-from servers import TOKENS, RedisServer, kill_process
+from servers import RedisServer, kill_process
 
 from protocol import FinishedBatch, PromptBatch, QueueConfig
 from protocol.trusted import RedisQueue
@@ -236,24 +236,11 @@ def test_an_actor_without_rewards_refuses_a_batch_the_actors_must_score(
     proxy = make_proxy()
     queue.add_prompts([factories.batch(0)])
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "actors.cli",
-            "run",
-            "--queue",
-            proxy.url,
-            "--run",
-            queue.config.run,
-            "--model",
-            str(tiny_model),
-            "--claim-block-s",
-            "1",
-        ],
+        proxy.actor_command(tiny_model, "w", "--claim-block-s", "1"),
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO), "SPOTGRPO_TOKEN": TOKENS["actor"], "SPOTGRPO_CA_CERT": proxy.ca},
+        env=proxy.actor_env(),
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "start this worker with --reward" in proc.stderr
