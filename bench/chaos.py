@@ -142,30 +142,9 @@ class Soak:
         self.store = f"s3://chaos/{RUN}"
         self.model = save_tiny(self.work / "model", hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2)
         self.data = write_next_digit_dataset(self.work / "data.jsonl")
-        tls = self.work / "tls"
-        subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "proxy.cli",
-                "selfsigned",
-                "--cert",
-                str(tls / "cert.pem"),
-                "--key",
-                str(tls / "key.pem"),
-                "--host",
-                "127.0.0.1",
-            ],
-            check=True,
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-        )
-        self.cert = tls / "cert.pem"
-        self.secrets = {role: f"{role}-chaos-secret-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
-        self.tokens = self.work / "tokens.toml"
-        self.tokens.write_text(
-            "".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in self.secrets.items())
-        )
+        from bench.queue import proxy_credentials
+
+        self.cert, tls_key, self.tokens, self.secrets = proxy_credentials(self.work)
         base = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.aws}
         self.redis_proc = Proc(
             "redis",
@@ -209,7 +188,7 @@ class Soak:
                 "--tls-cert",
                 str(self.cert),
                 "--tls-key",
-                str(tls / "key.pem"),
+                str(tls_key),
                 "--lease-timeout-s",
                 str(LEASE_S),
                 "--log-level",

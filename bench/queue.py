@@ -122,6 +122,22 @@ def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], in
     return proc, port
 
 
+def proxy_credentials(work: Path) -> tuple[Path, Path, Path, dict[str, str]]:
+    """What `proxy serve` needs on loopback, written under `work`: a self-signed certificate
+    and key (`proxy selfsigned`), and a tokens file with a fresh secret for each role.
+    Returns (cert, key, tokens file, secrets by role)."""
+    tls = work / "tls"
+    subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"), "--key",
+         str(tls / "key.pem"), "--host", "127.0.0.1"],
+        check=True, cwd=Path(__file__).resolve().parents[1], stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    secrets = {role: f"{role}-bench-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
+    tokens = work / "tokens.toml"
+    tokens.write_text("".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in secrets.items()))
+    return tls / "cert.pem", tls / "key.pem", tokens, secrets
+
+
 def start_proxy(
     work: Path, redis_url: str, store: str, run: str, prefix: Sequence[str] = (), env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
@@ -132,28 +148,7 @@ def start_proxy(
     from protocol.client.http_queue import wait_for_proxy
 
     repo = Path(__file__).resolve().parents[1]
-    tls = work / "tls"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "selfsigned",
-            "--cert",
-            str(tls / "cert.pem"),
-            "--key",
-            str(tls / "key.pem"),
-            "--host",
-            "127.0.0.1",
-        ],
-        check=True,
-        cwd=repo,
-        stdout=subprocess.DEVNULL,
-    )
-    secrets = {role: f"{role}-bench-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
-    (work / "tokens.toml").write_text(
-        "".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in secrets.items())
-    )
+    cert, key, tokens, secrets = proxy_credentials(work)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -173,13 +168,13 @@ def start_proxy(
                 "--run",
                 run,
                 "--tokens",
-                str(work / "tokens.toml"),
+                str(tokens),
                 "--port",
                 str(port),
                 "--tls-cert",
-                str(tls / "cert.pem"),
+                str(cert),
                 "--tls-key",
-                str(tls / "key.pem"),
+                str(key),
                 "--log-level",
                 "warning",
             ],
@@ -188,8 +183,8 @@ def start_proxy(
             cwd=repo,
             env={**(env or os.environ), "PYTHONPATH": str(repo)},
         )
-    wait_for_proxy(url, str(tls / "cert.pem"), proc, timeout_s=60)
-    return proc, url, {"SPOTGRPO_TOKEN": secrets["actor"], "SPOTGRPO_CA_CERT": str(tls / "cert.pem")}
+    wait_for_proxy(url, str(cert), proc, timeout_s=60)
+    return proc, url, {"SPOTGRPO_TOKEN": secrets["actor"], "SPOTGRPO_CA_CERT": str(cert)}
 
 
 def stop(procs: Sequence[subprocess.Popen[bytes]], timeout_s: float = 30) -> None:
