@@ -516,7 +516,7 @@ class Worker:
             try:
                 self._submit_ready()
             except QueueUnavailable:
-                backoff.wait(delay=min(backoff.failed(), max(0.0, deadline - time.monotonic())))
+                time.sleep(min(backoff.failed(), max(0.0, deadline - time.monotonic())))  # not past the deadline
             except (QueueForbidden, QueueTLSError):
                 break
         self._hand_back_all()

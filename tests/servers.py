@@ -293,6 +293,7 @@ class ProxyProcess:
         extra: tuple[str, ...] = (),
     ) -> None:
         self.port = free_port()
+        self.run = run
         self.cmd = [
             sys.executable,
             "-m",
@@ -348,8 +349,7 @@ class ProxyProcess:
 
     def actor_command(self, model: Path, worker: str, *flags: str) -> list[str]:
         """`actors run` as a user starts a worker on this proxy's run (with `actor_env`)."""
-        run = self.cmd[self.cmd.index("--run") + 1]
-        return [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", run, "--engine",
+        return [sys.executable, "-m", "actors.cli", "run", "--queue", self.url, "--run", self.run, "--engine",
                 "transformers", "--model", str(model), "--worker-id", worker, *flags]  # fmt: skip
 
     def actor_env(self) -> dict[str, str]:
@@ -361,8 +361,7 @@ class ProxyProcess:
     def queue(self, role: str, **config: object):
         from protocol.client.http_queue import HttpQueue
 
-        run = self.cmd[self.cmd.index("--run") + 1]
-        return HttpQueue(self.url, TOKENS[role], QueueConfig(run=run, **config), verify=self.ca)
+        return HttpQueue(self.url, TOKENS[role], QueueConfig(run=self.run, **config), verify=self.ca)
 
 
 @pytest.fixture

@@ -43,7 +43,7 @@ def published(make_proxy, tiny_model: Path, tmp_path: Path):
 def actors_check(
     proxy, *flags: str, token: str = TOKENS["actor"], ca: str | None = None
 ) -> subprocess.CompletedProcess[str]:
-    run = proxy.cmd[proxy.cmd.index("--run") + 1]
+    run = proxy.run
     env = {
         **os.environ,
         "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",
@@ -85,7 +85,7 @@ def test_the_download_check_takes_the_newest_version_when_it_runs(published, tin
     (a 7B model's check takes minutes): the check downloads v2, not the v1 it named."""
     import shutil
 
-    run = published.cmd[published.cmd.index("--run") + 1]
+    run = published.run
     env = {
         **os.environ,
         "PYTHONPATH": f"{REPO}:{REPO / 'tests'}",

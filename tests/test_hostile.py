@@ -91,7 +91,7 @@ def _close_queues():
 
 
 def _queue(p: ProxyProcess, secret: str) -> HttpQueue:
-    run = p.cmd[p.cmd.index("--run") + 1]
+    run = p.run
     _OPEN.append(HttpQueue(p.url, secret, QueueConfig(run=run), verify=p.ca, retry_s=2))
     return _OPEN[-1]
 
@@ -580,7 +580,7 @@ def _actors(
 
 def test_a_worker_checks_its_token_role_run_and_ca_before_it_loads_a_model(proxy, tmp_path: Path) -> None:
     p = proxy()
-    run = p.cmd[p.cmd.index("--run") + 1]
+    run = p.run
     model = tmp_path / "not-a-model"  # a folder a model load fails on: the refusals must come first
     model.mkdir()
     flags = ("--queue", p.url, "--model", str(model))

@@ -538,9 +538,7 @@ def test_sse_resumes_after_a_dropped_connection_without_losing_announcements(mak
     learner.announce(_manifest(store, 1))
     assert sub.get(10).version == 1
     proxy.kill()  # the event stream drops
-    direct = RedisQueue.from_url(
-        proxy.cmd[proxy.cmd.index("--redis") + 1], QueueConfig(run=proxy.cmd[proxy.cmd.index("--run") + 1])
-    )
+    direct = RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1], QueueConfig(run=proxy.run))
     direct.announce(_manifest(store, 2))  # announced while the proxy is down
     direct.announce(_manifest(store, 3))
     proxy.start()  # same port

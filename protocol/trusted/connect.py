@@ -18,11 +18,12 @@ def open_queue(
     retry_s: float = 30.0,
     stop: threading.Event | None = None,
 ) -> Queue:
-    if urlparse(url).scheme in ("redis", "rediss", "unix"):
+    scheme = urlparse(url).scheme
+    if scheme in ("redis", "rediss", "unix"):
         from protocol.trusted.redis_queue import RedisQueue
 
         return RedisQueue.from_url(url, config)
-    if urlparse(url).scheme not in ("https", "http"):
+    if scheme not in ("https", "http"):
         raise ValueError(f"queue {url!r}: use redis://host:port/db or https://proxy:port")
     return urls.open_queue(url, config, token, retry_s=retry_s, stop=stop)
 
