@@ -29,7 +29,7 @@ from actors.engine import Engine, EngineError
 from protocol import AdapterManifest, ProtocolError, Queue, QueueError
 from protocol.client.adapters import AdapterSource
 from protocol.util.retry import Backoff
-from protocol.wire.files import StoreError, verify
+from protocol.wire.files import StoreError, folder_digest, verify
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ class AdapterWatcher:
         self.current = 0
         """The newest loaded version (0: the base model)."""
         self.refused: dict[int, str] = {}
+        self.digests: dict[int, str] = {}
+        """`folder_digest` of each loaded version's files, taken once the engine loaded them:
+        the proof each group carries of the adapter it was generated with."""
         self.load_s: dict[int, float] = {}
         """Seconds from the start of the download to loaded, per version."""
         self._stop = threading.Event()
@@ -187,6 +190,7 @@ class AdapterWatcher:
                 verify(entry, data)
                 (folder / entry.name).write_bytes(data)
             self.engine.load_adapter(version, folder)
+            self.digests[version] = folder_digest(folder)
         except (ProtocolError, StoreError, EngineError, OSError) as err:
             # StoreError also covers the proxy client's download errors
             reason = f"{type(err).__name__}: {err}"
@@ -207,4 +211,5 @@ class AdapterWatcher:
             # the files go only when no queued or running request names the version any
             # more: vLLM loads a LoRA lazily, when its first request is scheduled
             folder = self.cache_dir / f"v{old}"
+            self.digests.pop(old, None)  # its groups in flight hold theirs (`actors.worker.Flight`)
             self.engine.evict_adapter(old, on_released=functools.partial(shutil.rmtree, folder, ignore_errors=True))

@@ -90,6 +90,8 @@ class Flight:
     version: int
     """The adapter version every group of the lease is generated with (and tagged with)."""
     queued_at: float
+    digest: str | None = None
+    """The digest of `version`'s files as the engine loaded them (None: the base model)."""
     waiting: set[int] = field(default_factory=set)
     """Prompt indexes whose group is not yet generated and scored."""
     ready: list[RolloutGroup] = field(default_factory=list)
@@ -381,7 +383,8 @@ class Worker:
             self.engine.add(
                 [episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools else groups
             )
-        flight = Flight(lease, prompts, version, time.monotonic(), waiting=set(range(len(prompts))))
+            digest = self.watcher.digests.get(version) if version else None
+        flight = Flight(lease, prompts, version, time.monotonic(), digest, waiting=set(range(len(prompts))))
         self.flights[lease.lease_id] = flight
         self.heartbeat.hold(lease.lease_id)
         self.batches_claimed += 1
@@ -438,6 +441,7 @@ class Worker:
             batch_id=batch.batch_id,
             prompt_id=prompt.id,
             adapter_version=flight.version,
+            adapter_digest=flight.digest,
             actor_id=self.worker_id,
             prompt_token_ids=pack_i32(flight.prompt_ids[i]),
             completions=[

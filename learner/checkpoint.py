@@ -48,6 +48,8 @@ class LearnerState:
     unacked: dict[str, str] = field(default_factory=dict)
     """group id -> delivery id of groups consumed and not yet acknowledged."""
     rng: dict[str, Any] = field(default_factory=dict)
+    quarantined: dict[str, str] = field(default_factory=dict)
+    """worker -> why: the workers whose groups are no longer trained on (`learner.audit`)."""
 
     def count(self, key: str, n: int = 1) -> None:
         self.totals[key] = self.totals.get(key, 0) + n
@@ -64,6 +66,7 @@ class LearnerState:
             totals=dict(raw.get("totals") or {}),
             unacked=dict(raw.get("unacked") or {}),
             rng=dict(raw.get("rng") or {}),
+            quarantined=dict(raw.get("quarantined") or {}),
         )
 
 

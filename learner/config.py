@@ -220,6 +220,19 @@ class LearnerConfig(BaseModel):
             "behind (pinned); needs max_inflight = groups_per_step."
         ),
     )
+    audit_rate: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description=(
+            "Share of the groups about to be trained whose log-probabilities the learner recomputes under the "
+            "adapter they name, and whose tokens it tests for having been sampled from it (learner/audit.py); a "
+            "worker that fails is quarantined. 0 with no probation: no audits."
+        ),
+    )
+    audit_probation_groups: int = Field(
+        4, ge=0, description="Audit each worker's first this many groups, all of them (then at audit_rate)."
+    )
     max_abs_reward: float = Field(
         1e6,
         gt=0,

@@ -37,11 +37,17 @@ class Bounds:
 
 
 def judge(
-    group: RolloutGroup, bounds: Bounds, policy_version: int, issued: dict[str, bytes | None] | None
+    group: RolloutGroup,
+    bounds: Bounds,
+    policy_version: int,
+    issued: dict[str, bytes | None] | None,
+    digest: str | None = None,
 ) -> str | None:
     """Why `group` is not trained on (a counter name), or None to train on it. `issued`:
     prompt id -> the prompt tokens issued, for the group's batch if this learner has it
-    outstanding (None: a batch issued before a restart, which the queue checked)."""
+    outstanding (None: a batch issued before a restart, which the queue checked).
+    `digest`: the published digest of the group's adapter version (None: the base model,
+    or a version whose manifest cannot be read now)."""
     prompt = group.prompt_tokens
     lengths = [c.tokens.size for c in group.completions]
     rewards = group.rewards
@@ -72,6 +78,8 @@ def judge(
         return "rejected_bad_shape"  # not the prompt, or not the tokens, this learner issued
     if group.adapter_version > policy_version:
         return "rejected_future_version"
+    if group.adapter_version and digest is not None and group.adapter_digest != digest:
+        return "rejected_adapter_digest"  # generated with other files than the version it names, or none
     if policy_version - group.adapter_version > bounds.max_staleness:
         return "dropped_stale"
     if len(set(rewards)) == 1:

@@ -40,6 +40,7 @@ What each option follows, and where we depart:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -234,3 +235,62 @@ def entropy(logits_BTV: Tensor, temperature: float) -> Tensor:
             logp = torch.log_softmax(flat_NV[i : i + step].float() / temperature, dim=-1)
             parts.append(-(logp.exp() * logp).sum(-1))
         return (torch.cat(parts) if parts else flat_NV.new_zeros(0, dtype=torch.float32)).reshape(B, T)
+
+
+def sampling_moments(
+    logits_BTV: Tensor,
+    targets_BT: Tensor,
+    temperature: float,
+    *,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Per position, with no gradient, chunk by chunk, for the distribution q a worker
+    samples from (`truncate`: temperature, then top-k, top-p and min-p, as Hugging Face
+    and vLLM apply them): log q(target), and E[log q(x)] and Var[log q(x)] for x drawn from
+    q. Summed over a sequence of sampled tokens, (log q(x) - E) / sqrt(Var) is a z-score
+    near 0 for tokens drawn from q, and far below it for tokens drawn elsewhere
+    (`learner.audit`). A target outside q's support (a worker rounding differently at
+    the top-p boundary) counts as q's least likely token there."""
+    B, T, V = logits_BTV.shape
+    flat_NV, targets_N = logits_BTV.reshape(B * T, V), targets_BT.reshape(B * T)
+    step = max(1, CHUNK_ELEMENTS // max(V, 1))
+    picked, means, variances = [], [], []
+    with torch.no_grad():
+        for i in range(0, B * T, step):
+            kept = truncate(flat_NV[i : i + step].float() / temperature, top_k, top_p, min_p)
+            out = ~torch.isfinite(kept)
+            logq = torch.log_softmax(kept, dim=-1).masked_fill(out, 0.0)  # q = 0 there: no term of the sums
+            q = logq.exp().masked_fill(out, 0.0)
+            floor = logq.masked_fill(out, math.inf).amin(-1)
+            mean = (q * logq).sum(-1)
+            target = logq.gather(-1, targets_N[i : i + step].unsqueeze(-1)).squeeze(-1)
+            outside = out.gather(-1, targets_N[i : i + step].unsqueeze(-1)).squeeze(-1)
+            picked.append(torch.where(outside, floor, target))
+            means.append(mean)
+            variances.append(((q * logq.square()).sum(-1) - mean.square()).clamp_min(0.0))
+    empty = flat_NV.new_zeros(0, dtype=torch.float32)
+    return tuple(  # type: ignore[return-value]
+        (torch.cat(parts) if parts else empty).reshape(B, T) for parts in (picked, means, variances)
+    )
+
+
+def truncate(scaled_NV: Tensor, top_k: int, top_p: float, min_p: float) -> Tensor:
+    """Temperature-scaled logits with the tokens top-k, top-p and min-p leave out set to
+    -inf, in that order (Hugging Face's warpers; vLLM's sampler keeps the same sets)."""
+    out = scaled_NV
+    V = out.shape[-1]
+    if 0 < top_k < V:
+        kth = out.topk(top_k, dim=-1).values[..., -1:]
+        out = out.masked_fill(out < kth, -math.inf)
+    if top_p < 1.0:
+        sorted_, order = out.sort(dim=-1, descending=True)
+        probs = sorted_.softmax(-1)
+        mass_before = probs.cumsum(-1) - probs  # the first token is always kept
+        drop = torch.zeros_like(out, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+        out = out.masked_fill(drop, -math.inf)
+    if min_p > 0.0:
+        probs = out.softmax(-1)
+        out = out.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), -math.inf)
+    return out

@@ -24,7 +24,8 @@ from torch import Tensor
 from learner.config import LearnerConfig
 from learner.data import context_of
 from learner.dist import Dist, fill_from_rank0, full_tensor, resolve_device, shard_model
-from learner.loss import ACTIVATION_FLOATS_PER_LAYER_WIDTH, entropy, token_logps
+from learner.loss import ACTIVATION_FLOATS_PER_LAYER_WIDTH, entropy, sampling_moments, token_logps
+from protocol import SamplingParams
 from protocol.wire.files import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -162,6 +163,30 @@ class Policy:
         prompts before it are never projected to the vocabulary, which with 700-token
         prompts was most of the learner's memory), and the log-softmax over those
         positions runs in chunks (`learner.loss.token_logps`)."""
+        logits, start = self._completion_logits(seqs)
+        logps = token_logps(logits, seqs.targets_BT[:, start:], temperature)
+        ent = entropy(logits, temperature) if with_entropy else None
+        return _left_pad(logps, start), None if ent is None else _left_pad(ent, start)
+
+    @torch.no_grad()
+    def sampling_moments(self, seqs: Sequences, sampling: SamplingParams) -> tuple[Tensor, Tensor, Tensor]:
+        """Per position (B, T), with no gradient: the log-probability of the next token, and
+        the mean and variance of the log-probability of a token sampled from the
+        distribution `sampling` makes there (`learner.loss.sampling_moments`): what
+        an audit compares a worker's tokens with (`learner.audit`)."""
+        logits, start = self._completion_logits(seqs)
+        logp, mean, var = sampling_moments(
+            logits,
+            seqs.targets_BT[:, start:],
+            sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            min_p=sampling.min_p,
+        )
+        return _left_pad(logp, start), _left_pad(mean, start), _left_pad(var, start)
+
+    def _completion_logits(self, seqs: Sequences) -> tuple[Tensor, int]:
+        """The logits (B, T - start, V) from `start`, the first position any completion occupies."""
         T = seqs.mask_BT.shape[1]
         active = seqs.mask_BT.any(0).nonzero()
         start = min(int(active[0]) if len(active) else T, max(T - 1, 0))  # an empty pass keeps one position
@@ -172,13 +197,7 @@ class Policy:
         logits = out.logits  # (B, T - start, V)
         if logits.shape[1] != T - start:  # a model that ignores logits_to_keep: every position came back
             logits = logits[:, start:T]
-        logps = token_logps(logits, seqs.targets_BT[:, start:], temperature)
-        ent = entropy(logits, temperature) if with_entropy else None
-        if start:
-            pad = logps.new_zeros(logps.shape[0], start)
-            logps = torch.cat([pad, logps], dim=1)
-            ent = None if ent is None else torch.cat([pad, ent], dim=1)
-        return logps, ent
+        return logits, start
 
     @contextlib.contextmanager
     def reference(self) -> Iterator[None]:
@@ -230,6 +249,13 @@ class Policy:
             if isinstance(value, set):
                 config[key] = sorted(value)
         return json.dumps(config, indent=2, sort_keys=True, default=str).encode()
+
+
+def _left_pad(values_BT: Tensor, start: int) -> Tensor:
+    """`values_BT` from position `start`, with zeros before it."""
+    if not start:
+        return values_BT
+    return torch.cat([values_BT.new_zeros(values_BT.shape[0], start), values_BT], dim=1)
 
 
 def adapter_files(state: dict[str, Tensor], config_json: bytes) -> dict[str, bytes]:

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from learner.policy import adapter_files
-from protocol import AdapterManifest, Queue, QueueError, QueueUnavailable, to_json
+from protocol import AdapterManifest, ProtocolError, Queue, QueueError, QueueUnavailable, to_json
 from protocol.trusted.store import Store, retrying
-from protocol.wire.files import MANIFEST, StoreError, adapter_key, file_entry
+from protocol.wire.files import MANIFEST, StoreError, adapter_digest, adapter_key, file_entry
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class Publisher:
         self.backoff_s = backoff_s
         self.failures = 0
         self.published: list[int] = []
+        self.digests: dict[int, str] = {}
+        """`adapter_digest` of each version, set before it is announced (`digest_of`)."""
         self.upload_s: list[float] = []
         self._jobs: stdqueue.Queue[PublishJob | None] = stdqueue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -151,9 +153,24 @@ class Publisher:
         )
         key = adapter_key(job.version, MANIFEST)
         self._retry(f"upload {key}", lambda: self.store.put(key, to_json(manifest)))
+        self.digests[job.version] = adapter_digest(manifest.files)  # before any group can name it
         self._retry(f"announce v{job.version}", lambda: self.queue.announce(manifest))
         log.info("adapter v%d published (step %d)", job.version, job.step)
         self._prune(job.version)
+
+    def digest_of(self, version: int) -> str | None:
+        """The digest of adapter `version` as published: remembered, or read from its
+        manifest in the store (a version published before a restart). None where it cannot
+        be known now (pruned, or the store unreachable): its groups go unchecked."""
+        if version in self.digests:
+            return self.digests[version]
+        try:
+            manifest = self.store.read_manifest(version)
+        except (StoreError, ProtocolError) as err:
+            log.warning("adapter v%d: no manifest to check its groups' digests against: %s", version, err)
+            return None
+        self.digests[version] = digest = adapter_digest(manifest.files)
+        return digest
 
     def _prune(self, newest: int) -> None:
         """Delete every version older than the newest `keep_adapters` that nothing protects

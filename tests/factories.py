@@ -19,6 +19,11 @@ from protocol import (
     pack_i32,
 )
 
+NO_AUDITS = {"audit_rate": 0.0, "audit_probation_groups": 0}
+"""A learner's settings for a worker whose tokens are scripted, not sampled
+(`tests/scripted.py`, made-up log-probabilities): audits would quarantine it, rightly
+(`tests/test_audit.py`), and the test is about something else."""
+
 
 def batch(i: int | str = 0, prompts: int = 2, *, version: int = 0) -> PromptBatch:
     return PromptBatch(

@@ -28,7 +28,7 @@ from protocol import (
 )
 from protocol.trusted import RedisQueue
 from protocol.trusted.store import Store
-from protocol.wire.files import adapter_key
+from protocol.wire.files import adapter_digest, adapter_key
 from protocol.wire.keys import ACTORS_GROUP
 
 Reward = Callable[[list[int], list[int], str], float]
@@ -48,6 +48,7 @@ class SyntheticActor:
         self.base = base
         self.model = None
         self.version = 0
+        self.digest: str | None = None
         self.stop = threading.Event()
         self.submitted: list[RolloutGroup] = []
         self.error: BaseException | None = None
@@ -80,7 +81,7 @@ class SyntheticActor:
                 self.model.set_adapter(f"v{latest.version}")
                 self.model.delete_adapter(f"v{self.version}")
             self.model.set_adapter(f"v{latest.version}")
-        self.version = latest.version
+        self.version, self.digest = latest.version, adapter_digest(latest.files)
 
     def _run(self) -> None:
         try:
@@ -148,6 +149,7 @@ class SyntheticActor:
             batch_id=batch.batch_id,
             prompt_id=prompt.id,
             adapter_version=self.version,
+            adapter_digest=self.digest,
             actor_id=self.worker,
             prompt_token_ids=prompt.token_ids,
             completions=completions,

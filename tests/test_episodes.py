@@ -9,6 +9,7 @@ from dataclasses import replace as dataclass_replace
 from pathlib import Path
 
 import pytest
+from factories import NO_AUDITS
 from scripted import LOGP, ScriptedEngine, tool_call
 from with_worker import run_with_a_worker
 
@@ -281,10 +282,13 @@ def test_a_message_of_the_old_schema_is_refused_with_what_to_do() -> None:
 
     from protocol import SCHEMA_VERSION
 
-    assert SCHEMA_VERSION == 2
-    old = msgspec.msgpack.encode({"type": "prompt_batch", "schema": 1, "batch_id": "b"})
-    with pytest.raises(ProtocolError, match=r"unknown schema version 1; this build speaks 2 .*same spotgrpo release"):
-        decode(old)
+    assert SCHEMA_VERSION == 3  # 3: groups carry their adapter's digest
+    for schema in (1, 2):
+        old = msgspec.msgpack.encode({"type": "prompt_batch", "schema": schema, "batch_id": "b"})
+        with pytest.raises(
+            ProtocolError, match=rf"unknown schema version {schema}; this build speaks 3 .*same spotgrpo release"
+        ):
+            decode(old)
 
 
 # ---------------------------------------------------------------- through the machine
@@ -348,6 +352,7 @@ def test_episodes_through_the_proxy_scored_by_the_tier_and_trained(
         checkpoint_every=3,
         tensorboard=False,
         max_staleness=8,
+        **NO_AUDITS,
     )
     tokenizer = build_tokenizer(chatml=True)
     engine = EpisodeEngine(
@@ -540,6 +545,7 @@ def test_an_environment_run_trains_with_the_actors_scoring(
         eval_every=1,
         eval_generations=4,
         eval_max_prompts=4,
+        **NO_AUDITS,
     )
     tokenizer = build_tokenizer(chatml=True)
     box = Toolbox([], environment="toy_tools:GuessNumber", workers=2)

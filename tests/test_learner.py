@@ -19,7 +19,7 @@ import fakeredis
 import numpy as np
 import pytest
 import torch
-from factories import write_dataset
+from factories import NO_AUDITS, write_dataset
 from rollouts import SyntheticActor, raw_submit
 from servers import kill_process
 
@@ -257,7 +257,7 @@ class ScriptedActor(SyntheticActor):
 
 
 def test_bad_groups_are_rejected_counted_and_training_continues(tmp_path: Path, tiny_model: Path) -> None:
-    cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2)
+    cfg = small_config(tmp_path, tiny_model, steps=3, groups_per_step=2, **NO_AUDITS)  # log-probabilities made up
     make = fake_queue_factory("reject")
     store = open_store(cfg.store)
     actor = ScriptedActor(make(), store, tiny_model, digit_first).start()

@@ -13,7 +13,7 @@ from factories import batch, group
 from learner.checkpoint import LearnerState
 from learner.judge import Bounds, StepGroups, judge
 from learner.ledger import Outstanding, PromptLedger, Span
-from protocol import Completion, DeadLetter, FinishedBatch, group_id_for, pack_i32
+from protocol import Completion, DeadLetter, FinishedBatch, ProtocolError, group_id_for, pack_i32
 
 
 def test_issue_consume_and_finish_account_for_every_prompt() -> None:
@@ -201,6 +201,22 @@ CASES = [
 def test_judge(group_, version: int, issued, reason: str | None) -> None:
     bounds = Bounds(**{**asdict(BOUNDS), "scoring_mode": "trusted"}) if reason == "rejected_unscored" else BOUNDS
     assert judge(group_, bounds, version, issued) == reason
+
+
+def test_a_group_naming_a_version_must_carry_that_version_s_digest() -> None:
+    published = "a" * 64
+    proven = _with(GOOD, adapter_digest=published)
+    assert judge(proven, BOUNDS, 5, ISSUED, published) is None
+    assert judge(_with(GOOD, adapter_digest="b" * 64), BOUNDS, 5, ISSUED, published) == "rejected_adapter_digest"
+    assert judge(GOOD, BOUNDS, 5, ISSUED, published) == "rejected_adapter_digest"  # none at all
+    # unknown to the learner now (a pruned manifest): not checked, judged by the rest
+    assert judge(_with(GOOD, adapter_digest="b" * 64), BOUNDS, 5, ISSUED, None) is None
+    # a rejection: it comes before staleness, so a worker serving the wrong files is named
+    stale = _with(GOOD, adapter_version=1, adapter_digest="b" * 64)
+    assert judge(stale, BOUNDS, 5, ISSUED, published) == "rejected_adapter_digest"
+    # the base model has no adapter: a group of version 0 carries no digest (the wire says so)
+    with pytest.raises(ProtocolError, match="adapter_digest: the base model"):
+        _with(GOOD, adapter_version=0, adapter_digest=published)
 
 
 def test_a_mask_is_judged_by_the_rest_of_the_rules_in_a_run_with_tools() -> None:

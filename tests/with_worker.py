@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,20 +25,41 @@ def run_with_a_worker(
     """The learner's state at the end and its metrics rows. The learner reads `cfg.queue`
     (Redis); the worker, `actor_queue` (Redis or the proxy). Everything it was handed is
     closed when the run ends."""
-    watcher = AdapterWatcher(actor_queue, source, engine, cache, poll_s=0.2)
-    watcher.start()
-    worker = Worker(actor_queue, engine, watcher, scorer, "w", claim_block_s=0.2)
-    loop = threading.Thread(target=worker.work)
-    loop.start()
+    return run_with_workers(cfg, [WorkerParts("w", actor_queue, source, engine, scorer)], cache)
+
+
+@dataclass
+class WorkerParts:
+    """One worker loop's name, queue, adapter source, engine and scorer."""
+
+    name: str
+    queue: Any
+    source: AdapterSource
+    engine: Engine
+    scorer: Scoring | None = None
+    watcher: type[AdapterWatcher] = AdapterWatcher
+
+
+def run_with_workers(cfg: LearnerConfig, workers: list[WorkerParts], cache: Path) -> tuple[Any, list[dict[str, Any]]]:
+    """`run_with_a_worker` with several worker loops, each in its own thread."""
+    running = []
+    for parts in workers:
+        watcher = parts.watcher(parts.queue, parts.source, parts.engine, cache / parts.name, poll_s=0.2)
+        watcher.start()
+        worker = Worker(parts.queue, parts.engine, watcher, parts.scorer, parts.name, claim_block_s=0.2)
+        loop = threading.Thread(target=worker.work)
+        loop.start()
+        running.append((parts, watcher, worker, loop))
     learner_queue = RedisQueue.from_url(cfg.queue, QueueConfig(run=cfg.run))
     try:
         state = Learner(cfg, learner_queue, open_store(cfg.store)).run()
     finally:
-        worker.stop()
-        loop.join(timeout=60)
-        watcher.close()
-        engine.close()
+        for parts, watcher, worker, loop in running:
+            worker.stop()
+            loop.join(timeout=60)
+            watcher.close()
+            parts.engine.close()
+            parts.queue.close()
         learner_queue.close()
-        actor_queue.close()
     rows = [json.loads(line) for line in (cfg.resolved_run_dir / "metrics.jsonl").read_text().splitlines()]
     return state, rows

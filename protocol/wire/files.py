@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Iterable
+from pathlib import Path
 
 from protocol.wire.errors import ProtocolError
 from protocol.wire.messages import AdapterFile
@@ -56,6 +58,20 @@ def sha256_hex(data: bytes) -> str:
 
 def file_entry(name: str, data: bytes) -> AdapterFile:
     return AdapterFile(name=name, sha256=sha256_hex(data), size=len(data))
+
+
+def adapter_digest(files: Iterable[AdapterFile]) -> str:
+    """One digest for a whole adapter: sha256 of each file's name and sha256, in name
+    order. What a group carries as proof of the adapter it was generated with; the same
+    for the manifest the learner wrote and the folder a worker loaded."""
+    lines = sorted(f"{f.name} {f.sha256}\n" for f in files)
+    return sha256_hex("".join(lines).encode())
+
+
+def folder_digest(folder: Path) -> str:
+    """`adapter_digest` of the files in `folder` as they are on disk (what an engine
+    loaded from it)."""
+    return adapter_digest(file_entry(p.name, p.read_bytes()) for p in sorted(folder.iterdir()) if p.is_file())
 
 
 def verify(entry: AdapterFile, data: bytes) -> None:

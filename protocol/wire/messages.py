@@ -37,9 +37,10 @@ from protocol.wire.packing import (
 )
 from protocol.wire.text import SAFE_LINE, SAFE_NAME
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """Bumped on any incompatible change; decoders refuse versions they do not know.
-2: episodes (a completion's `mask`, `turns`, `tool_calls`, `tool_errors`; a batch's `tools`)."""
+2: episodes (a completion's `mask`, `turns`, `tool_calls`, `tool_errors`; a batch's `tools`).
+3: a group's `adapter_digest`, the proof of the adapter it was generated with."""
 
 MAX_LOGGED_METRICS = 16
 """Most `log_metric` names one group may carry."""
@@ -381,6 +382,11 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
     prompt_id: Ident
     adapter_version: NonNegInt
     """The adapter that generated every completion here; 0 is the base model."""
+    adapter_digest: Sha256Hex | None = None
+    """`protocol.wire.files.adapter_digest` of the adapter files the worker loaded into
+    its engine for `adapter_version`; None for the base model (version 0). The learner
+    compares it with the digest of the version it published (`learner.judge`): a worker
+    serving the wrong adapter, or none, is found at its first group."""
     actor_id: Ident
     prompt_token_ids: bytes
     """Packed <i4 prompt tokens exactly as the actor fed them to the model."""
@@ -402,6 +408,8 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
             check_schema(self.schema)
         if self.group_id != group_id_for(self.batch_id, self.prompt_id):
             raise ProtocolError("group_id: does not match group_id_for(batch_id, prompt_id)")
+        if self.adapter_version == 0 and self.adapter_digest is not None:
+            raise ProtocolError("adapter_digest: the base model (adapter_version 0) has no adapter to digest")
         if deferred_group_arrays.get():
             check_whole_i32("prompt_token_ids", self.prompt_token_ids)
         else:

@@ -1,0 +1,228 @@
+"""Audits: what an untrusted worker says it generated, checked before it is trained on.
+
+A worker's group names its adapter version (proven by digest, `learner.judge`) and carries
+the log-probability of every token it sampled. Neither proves the tokens were sampled
+from that adapter: a worker could send another model's text, or the base model's under
+the newest version's name, or log-probabilities of its choosing (they decide what the
+importance weights keep). So the learner audits a random share of the groups it is
+about to train on. It recomputes, under the adapter of the version the group names (the
+learner keeps the last `max_staleness + 1`), for every model token:
+
+- the log-probability: the worker's must agree (`mean_abs_diff`, and `tail_frac`, the share
+  of tokens off by more than `tail_nats`);
+- where the token falls in its distribution (GRAIL's sampling-shape test): summed over the
+  group, log q(x) - E[log q] over sqrt(sum Var[log q]) is a z-score near 0 for tokens
+  sampled from q at the run's temperature, and far below 0 for text sampled elsewhere,
+  however self-consistent its log-probabilities (`shape_z`). Top-p/top-k truncation
+  only raises it (the tokens come from the head), so the test is one-sided.
+
+Which groups are audited is drawn with the operating system's randomness after the group
+is read: a worker cannot know it or influence it. A worker's first `probation_groups`
+audits come at `probation_rate`; after that, at `rate`. A failed audit quarantines the
+worker for the rest of the run (`LearnerState.quarantined`): its groups not yet trained
+are dropped, and the ones it sends later are rejected.
+
+The audit runs on the training thread, between reads, on the policy itself (its adapter
+swapped for the audited version's and back, bit for bit): no second model, and no wait
+on anything but the forward pass it costs (`bench/audit.py` measures it).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from learner.policy import Policy, pack_sequences, scatter_completion_values
+from protocol import RolloutGroup, SamplingParams
+
+log = logging.getLogger(__name__)
+
+_SYSTEM_RANDOM = random.SystemRandom()
+"""The operating system's randomness: which groups are audited cannot be foreseen."""
+
+
+@dataclass(frozen=True)
+class AuditLimits:
+    """Where an honest worker's figures end, calibrated by `bench/audit.py`."""
+
+    max_mean_abs_diff: float = 0.1
+    """Nats: the mean over a group's model tokens of |worker's log-probability - the learner's|."""
+    tail_nats: float = 1.0
+    max_tail_frac: float = 0.05
+    """Share of a group's model tokens whose log-probabilities differ by more than `tail_nats`."""
+    min_shape_z: float = -8.0
+    """The sampling-shape z-score below which the tokens were not sampled from the adapter."""
+
+
+@dataclass(frozen=True)
+class Findings:
+    """One audited group's figures."""
+
+    tokens: int
+    mean_abs_diff: float
+    tail_frac: float
+    shape_z: float
+
+    def failed(self, limits: AuditLimits) -> str | None:
+        """The check this group fails ('log-probabilities' or 'sampling shape'), or None."""
+        if self.mean_abs_diff > limits.max_mean_abs_diff or self.tail_frac > limits.max_tail_frac:
+            return "log-probabilities"
+        if self.shape_z < limits.min_shape_z:
+            return "sampling shape"
+        return None
+
+    def describe(self) -> str:
+        return (
+            f"{self.tokens} tokens, mean |logp difference| {self.mean_abs_diff:.3f} nats, "
+            f"{self.tail_frac:.1%} off by more than the tail, sampling-shape z {self.shape_z:.1f}"
+        )
+
+
+def findings(
+    claimed_BT: Tensor, logp_BT: Tensor, mean_BT: Tensor, var_BT: Tensor, mask_BT: Tensor, tail_nats: float
+) -> Findings:
+    """The figures of one group from its tensors in the learner's layout (`mask_BT`: 1 at
+    the model's tokens)."""
+    n = float(mask_BT.sum())
+    if n == 0:
+        return Findings(0, 0.0, 0.0, 0.0)
+    diff = (claimed_BT - logp_BT).abs() * mask_BT
+    spread = float((var_BT * mask_BT).sum())
+    z = float(((logp_BT - mean_BT) * mask_BT).sum()) / math.sqrt(spread) if spread > 0 else 0.0
+    return Findings(
+        tokens=int(n),
+        mean_abs_diff=float(diff.sum()) / n,
+        tail_frac=float(((diff > tail_nats).float() * mask_BT).sum()) / n,
+        shape_z=z,
+    )
+
+
+class Auditor:
+    """Picks groups, audits them on `policy`, and remembers the verdicts."""
+
+    def __init__(
+        self,
+        policy: Policy,
+        sampling: SamplingParams,
+        *,
+        rate: float,
+        probation_rate: float = 1.0,
+        probation_groups: int = 4,
+        keep_versions: int = 5,
+        limits: AuditLimits | None = None,
+        load_version: Callable[[int], dict[str, Tensor] | None] | None = None,
+        draw: Callable[[], float] = _SYSTEM_RANDOM.random,
+    ) -> None:
+        """`load_version`: an adapter's state by version when it is not kept (one published
+        before a restart); None where it cannot be had."""
+        if sampling.temperature <= 0 or sampling.repetition_penalty != 1.0:
+            raise ValueError(
+                "audits need sampling at a temperature above 0 with no repetition penalty (the distribution "
+                "each token was drawn from must be known)"
+            )
+        self.policy, self.sampling = policy, sampling
+        self.rate, self.probation_rate, self.probation_groups = rate, probation_rate, probation_groups
+        self.keep_versions = keep_versions
+        self.limits = limits or AuditLimits()
+        self.load_version = load_version
+        self.draw = draw
+        self.versions: collections.OrderedDict[int, dict[str, Tensor]] = collections.OrderedDict()
+        self.live_version: int | None = 0
+        """The version the policy's weights are now (None: trained past the last publish)."""
+        self.passed: collections.Counter[str] = collections.Counter()
+        """Audits passed, per worker: its reputation."""
+        self.seconds = 0.0
+        self.audits = 0
+
+    def remember(self, version: int, state: dict[str, Tensor]) -> None:
+        """A published version's adapter (a CPU copy, as published); the oldest beyond
+        `keep_versions` is forgotten. The policy's weights are that version now."""
+        self.versions[version] = state
+        while len(self.versions) > self.keep_versions:
+            self.versions.popitem(last=False)
+        self.live_version = version
+
+    def trained(self) -> None:
+        """The policy took a step: its weights are no published version."""
+        self.live_version = None
+
+    def picks(self, group: RolloutGroup) -> bool:
+        """Whether to audit this group (drawn now: no worker can know it beforehand)."""
+        on_probation = self.passed[group.actor_id] < self.probation_groups
+        return self.draw() < (self.probation_rate if on_probation else self.rate)
+
+    def audit(self, group: RolloutGroup) -> Findings | None:
+        """The group's figures under the adapter of its version; None when that adapter is
+        not at hand (too old, or its files unreadable): the group is not audited."""
+        state = self._state_of(group.adapter_version)
+        if state is None and group.adapter_version != self.live_version:
+            return None
+        started = time.monotonic()
+        seqs = pack_sequences(
+            [group.prompt_tokens] * len(group.completions),
+            [c.tokens for c in group.completions],
+            self.policy.pad_id,
+        )
+        prompt_lens = [group.prompt_tokens.size] * len(group.completions)
+        width = seqs.input_ids_BL.shape[1]
+        claimed = scatter_completion_values([c.logps for c in group.completions], prompt_lens, width)
+        model = scatter_completion_values([c.model_mask for c in group.completions], prompt_lens, width)
+        device = self.policy.device
+        seqs = type(seqs)(*(t.to(device) for t in (seqs.input_ids_BL, seqs.attention_mask_BL, seqs.mask_BT)))
+        with self._as_version(group.adapter_version, state):
+            logp, mean, var = (t.float().cpu() for t in self.policy.sampling_moments(seqs, self.sampling))
+        result = findings(claimed, logp, mean, var, model * seqs.mask_BT.cpu(), self.limits.tail_nats)
+        self.seconds += time.monotonic() - started
+        self.audits += 1
+        if result.failed(self.limits) is None:
+            self.passed[group.actor_id] += 1
+        return result
+
+    def _state_of(self, version: int) -> dict[str, Tensor] | None:
+        if version in self.versions or version == 0:
+            return self.versions.get(version)
+        if self.load_version is None:
+            return None
+        state = self.load_version(version)
+        if state is not None:
+            self.versions[version] = state
+            self.versions.move_to_end(version, last=False)  # older than the ones kept since
+            while len(self.versions) > self.keep_versions:
+                self.versions.popitem(last=False)
+        return state
+
+    @contextlib.contextmanager
+    def _as_version(self, version: int, state: dict[str, Tensor] | None) -> Iterator[None]:
+        """The policy as adapter `version` for the duration, in eval mode (no dropout), then
+        back as it was, bit for bit; version 0 is the base model (the adapter switched off)."""
+        policy = self.policy
+        saved = None
+        policy.model.eval()
+        try:
+            if version == self.live_version:
+                yield
+            elif version == 0:
+                with policy.reference():
+                    yield
+            else:
+                assert state is not None
+                saved = policy.adapter_state()
+                policy.load_adapter_state(state)
+                yield
+        finally:
+            if saved is not None:
+                policy.load_adapter_state(saved)
+            policy.model.train()
+
+
+def quarantine_reason(check: str, found: Findings, version: int) -> str:
+    """Why a worker is quarantined, in one line."""
+    return f"failed the {check} audit of a group it said adapter v{version} generated ({found.describe()})"
