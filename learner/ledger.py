@@ -7,7 +7,10 @@ letter (its batch dead-lettered, or its group dead-lettered by the scoring tier;
 whose every prompt is consumed is finished (`purge_completed`): it waits in `finished`
 until the queue has been told (`finished_batches`, with a checkpoint's acknowledgement),
 which then forgets its deduplication records. A step that never runs gives its prompts
-back (`undo`), so the next run consumes them.
+back (`undo`), so the next run consumes them. A prompt whose group was rejected for its
+worker's dishonesty (`REISSUED`: a failed audit or digest, a quarantined worker) waits in
+`to_reissue` and goes out again in a batch of its own (`issue_again`): the data row is
+issued twice, its first group dropped and counted, its second trained.
 
 The guarantee (`tests/test_ledger.py`, and the chaos soak's exact count): every issued
 prompt is in exactly one of trained, dropped, dead-lettered, or in flight.
@@ -20,20 +23,43 @@ from typing import Any
 
 from protocol import DeadLetter, FinishedBatch, group_id_for
 
+REISSUED = ("rejected_audit", "rejected_adapter_digest", "rejected_quarantined")
+"""Rejections that say nothing of the prompt, only of the worker: the prompt goes out again."""
+
 
 def prompt_id(position: int) -> str:
     """The id of the prompt at this data set position (`learner.data.PromptSource`)."""
     return f"p{position}"
 
 
+def position_of(prompt: str) -> int:
+    """The data set position of a training prompt's id (`prompt_id`)."""
+    return int(prompt.removeprefix("p"))
+
+
 @dataclass
-class Outstanding:
-    """A batch issued and not yet consumed to its end."""
+class Span:
+    """Where a batch's prompts are in the data set."""
 
     start: int
     """The data set position of its first prompt."""
     n: int
     """Its prompts."""
+    positions: list[int] | None = None
+    """A batch issued again (`PromptLedger.issue_again`): its prompts' positions, in
+    order; None: `start` to `start + n`."""
+
+    def all_positions(self) -> list[int]:
+        return list(self.positions) if self.positions is not None else list(range(self.start, self.start + self.n))
+
+    def prompt_ids(self) -> list[str]:
+        return [prompt_id(p) for p in self.all_positions()]
+
+
+@dataclass
+class Outstanding(Span):
+    """A batch issued and not yet consumed to its end."""
+
     consumed: list[str] = field(default_factory=list)
     """Ids of its prompts consumed so far."""
 
@@ -41,16 +67,8 @@ class Outstanding:
     def complete(self) -> bool:
         return len(self.consumed) >= self.n
 
-    def prompt_ids(self) -> list[str]:
-        return [prompt_id(self.start + i) for i in range(self.n)]
-
-
-@dataclass
-class Span:
-    """A finished batch: where its prompts are in the data set."""
-
-    start: int
-    n: int
+    def span(self) -> Span:
+        return Span(self.start, self.n, self.positions)
 
 
 @dataclass
@@ -66,10 +84,18 @@ class PromptLedger:
     """Batches issued and not fully consumed (at most max_inflight prompts' worth)."""
     finished: dict[str, Span] = field(default_factory=dict)
     """Batches consumed to the end (or dead-lettered), not yet reported to the queue."""
+    reissued: int = 0
+    """Prompts issued a second time (`issue_again`): `cursor + reissued` were issued in all."""
+    to_reissue: list[int] = field(default_factory=list)
+    """Positions of prompts to issue again (`REISSUED`), in the order their groups were dropped."""
+
+    @property
+    def issued(self) -> int:
+        return self.cursor + self.reissued
 
     @property
     def inflight(self) -> int:
-        return self.cursor - self.consumed_prompts
+        return self.issued - self.consumed_prompts
 
     def room(self, limit: int) -> int:
         """Prompts that may be issued now without passing `limit` in flight."""
@@ -82,6 +108,14 @@ class PromptLedger:
         self.cursor += n
         self.batches_issued += 1
         return start
+
+    def issue_again(self, batch_id: str, n: int) -> list[int]:
+        """A batch of the first `n` prompts waiting in `to_reissue`; returns their positions."""
+        positions, self.to_reissue = self.to_reissue[:n], self.to_reissue[n:]
+        self.outstanding.setdefault(batch_id, Outstanding(positions[0], len(positions), positions=positions))
+        self.reissued += len(positions)
+        self.batches_issued += 1
+        return positions
 
     def is_consumed(self, batch_id: str, prompt: str) -> bool:
         entry = self.outstanding.get(batch_id)
@@ -114,7 +148,7 @@ class PromptLedger:
         else:
             entry = self.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
             if entry is not None and dl.batch is not None:
-                self.finished[dl.batch.batch_id] = Span(entry.start, entry.n)
+                self.finished[dl.batch.batch_id] = entry.span()
             if dl.missing_groups is not None:  # exactly the prompts without a stored group
                 lost = len(dl.missing_groups)
             elif entry is not None:
@@ -138,7 +172,7 @@ class PromptLedger:
         done = [batch_id for batch_id, entry in self.outstanding.items() if entry.complete]
         for batch_id in done:
             entry = self.outstanding.pop(batch_id)
-            self.finished[batch_id] = Span(entry.start, entry.n)
+            self.finished[batch_id] = entry.span()
         return done
 
     def finish(self, batch_id: str, start: int, n: int) -> None:
@@ -148,7 +182,7 @@ class PromptLedger:
     def finished_batches(self) -> list[FinishedBatch]:
         """What the queue may forget, with the acknowledgement of a checkpoint."""
         return [
-            FinishedBatch(batch_id, [group_id_for(batch_id, prompt_id(s.start + i)) for i in range(s.n)])
+            FinishedBatch(batch_id, [group_id_for(batch_id, p) for p in s.prompt_ids()])
             for batch_id, s in self.finished.items()
         ]
 
@@ -163,7 +197,7 @@ class PromptLedger:
         its named types (positional lists)."""
 
         def outstanding(v: Any) -> Outstanding:
-            return Outstanding(**v) if isinstance(v, dict) else Outstanding(int(v[0]), int(v[1]), list(v[2]))
+            return Outstanding(**v) if isinstance(v, dict) else Outstanding(int(v[0]), int(v[1]), consumed=list(v[2]))
 
         def span(v: Any) -> Span:
             return Span(**v) if isinstance(v, dict) else Span(int(v[0]), int(v[1]))
@@ -175,4 +209,6 @@ class PromptLedger:
             dead_letter_after=str(raw.get("dead_letter_after", "0")),
             outstanding={k: outstanding(v) for k, v in (raw.get("outstanding") or {}).items()},
             finished={k: span(v) for k, v in (raw.get("finished") or {}).items()},
+            reissued=int(raw.get("reissued", 0)),
+            to_reissue=[int(p) for p in raw.get("to_reissue") or []],
         )

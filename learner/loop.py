@@ -30,7 +30,7 @@ from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import Evaluations, Evaluator
 from learner.fleet import FleetWatch
 from learner.judge import Bounds, RepeatedWarnings, StepGroups, judge
-from learner.ledger import PromptLedger
+from learner.ledger import REISSUED, PromptLedger, position_of
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
 from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
@@ -277,23 +277,31 @@ class Learner(Evaluations):
             size = min(size, ledger.room(limit))
             if size > 0:
                 self.publisher.flush()  # the versions the batches are pinned to must be out first
+        if (
+            ledger.to_reissue
+            and cfg.lag_versions is None
+            and (n := min(len(ledger.to_reissue), size, ledger.room(limit))) > 0
+        ):
+            # the prompts of a dishonest worker's dropped groups, first (`learner.ledger.REISSUED`)
+            again = self._batch(f"{cfg.run}-r{ledger.batches_issued}", ledger.to_reissue[:n])
+            self.queue.add_prompts([again])
+            ledger.issue_again(again.batch_id, n)
         batches: list[PromptBatch] = []
         room = ledger.room(limit)
         while size > 0 and size <= room - size * len(batches):
+            start = ledger.cursor + size * len(batches)
             batches.append(
-                self._batch(
-                    f"{cfg.run}-b{ledger.batches_issued + len(batches)}", ledger.cursor + size * len(batches), size
-                )
+                self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}", list(range(start, start + size)))
             )
         if batches:
             self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
             for b in batches:
                 ledger.issue(b.batch_id, len(b.prompts))
 
-    def _batch(self, batch_id: str, start: int, n: int) -> PromptBatch:
+    def _batch(self, batch_id: str, positions: list[int]) -> PromptBatch:
         cfg = self.cfg
-        progress = Progress(global_step=self.state.step, max_steps=cfg.steps, epoch=self.source.epochs(start))
-        prompts = [msgspec.structs.replace(self.source.prompt(start + i), progress=progress) for i in range(n)]
+        progress = Progress(global_step=self.state.step, max_steps=cfg.steps, epoch=self.source.epochs(positions[0]))
+        prompts = [msgspec.structs.replace(self.source.prompt(p), progress=progress) for p in positions]
         # kept while the batch is outstanding: what its groups must answer (`judge`)
         self._issued_tokens[batch_id] = {p.id: p.token_ids for p in prompts}
         return PromptBatch(
@@ -326,7 +334,7 @@ class Learner(Evaluations):
         """Batches the checkpoint says are not fully consumed go to the queue again: a
         no-op where the queue kept them (ids are deduplicated), and their recovery where
         it did not (a Redis without persistence, the embedded default's in-process one)."""
-        batches = [self._batch(batch_id, entry.start, entry.n) for batch_id, entry in self.ledger.outstanding.items()]
+        batches = [self._batch(batch_id, entry.all_positions()) for batch_id, entry in self.ledger.outstanding.items()]
         if batches and (added := self._retry(lambda: self.queue.add_prompts(batches))):
             log.warning("the queue had lost %d of %d outstanding batches; issued them again", added, len(batches))
 
@@ -419,6 +427,7 @@ class Learner(Evaluations):
         if time.monotonic() - self._fleet_checked_at < every_s:
             return
         self._fleet_checked_at = time.monotonic()
+        self.sync_quarantine()
         try:  # the fleet view is advice: training goes on without it
             workers, stats = self.queue.workers(), self.queue.stats()
         except (QueueError, ProtocolError) as err:
@@ -515,7 +524,9 @@ class Learner(Evaluations):
         """No group of `worker` is trained from now on: those kept for this step are
         dropped (`rejected_quarantined`), later ones rejected."""
         self.state.quarantined[worker] = why
+        self.state.count("quarantined_workers")
         log.error("worker %s quarantined: %s; its groups are no longer trained on", printable(worker), why)
+        self.sync_quarantine()
         step = self._step_groups
         theirs = [g for g in step.kept if g.actor_id == worker]
         step.kept = [g for g in step.kept if g.actor_id != worker]
@@ -524,6 +535,24 @@ class Learner(Evaluations):
             self.state.count("rejected_quarantined")
             self.state.count("read/kept", -1)
             self.state.count("read/rejected_quarantined")
+
+    def sync_quarantine(self) -> None:
+        """The door refuses the claims of the workers this learner quarantined (written again
+        if Redis lost them); a quarantine the admin lifted (`proxy quarantine --lift`) ends
+        here too, and that worker's groups are trained again. Best effort: retried at the
+        next fleet check."""
+        try:
+            door = self.queue.quarantined()
+            lifted = [w for w, why in door.items() if not why]
+            for worker in lifted:
+                if self.state.quarantined.pop(worker, None) is not None:
+                    log.warning("worker %s: quarantine lifted by the admin; its groups are trained again", worker)
+            self.queue.forget_lifted(lifted)
+            for worker, why in self.state.quarantined.items():
+                if not door.get(worker):
+                    self.queue.quarantine(worker, why)
+        except (QueueError, ProtocolError, NotImplementedError) as err:
+            log.debug("the door's quarantine list is not in step yet: %s", printable(str(err)))
 
     # ------------------------------------------------------- publish/checkpoint
     def publish(self) -> float:
@@ -644,6 +673,11 @@ class Learner(Evaluations):
         publish_s: float,
     ) -> None:
         step_groups, self._step_groups = self._step_groups, StepGroups()
+        # what a dishonest worker's groups asked goes out again (`learner.ledger.REISSUED`)
+        for g, reason in step_groups.dropped:
+            if reason in REISSUED:
+                self.ledger.to_reissue.append(position_of(g.prompt_id))
+                self.state.count("reissued_prompts")
         self.state.count(
             "num_tokens",
             sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size for g in groups for c in g.completions),

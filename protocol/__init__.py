@@ -50,6 +50,7 @@ from protocol.wire.errors import (
     QueueUnavailable,
     SubmissionRejected,
     VersionConflict,
+    WorkerQuarantined,
 )
 from protocol.wire.files import StoreError, StoreMissing
 from protocol.wire.keys import Keys
@@ -108,6 +109,7 @@ __all__ = [
     "SubmissionRejected",
     "SubmitResult",
     "VersionConflict",
+    "WorkerQuarantined",
     "WorkerStatus",
     "check_model_path",
     "connect_queue",

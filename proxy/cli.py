@@ -154,7 +154,37 @@ def build_parser() -> argparse.ArgumentParser:
         default=30,
         help="days it is valid for (default 30); a proxy serving it after that fails every TLS handshake",
     )
+    quarantine = sub.add_parser(
+        "quarantine",
+        help="List the workers the learner quarantined, or lift one's quarantine (admin token).",
+        description="List the workers the learner quarantined and why (a failed audit or adapter digest; "
+        "docs/security.md), or with --lift let one claim again and its groups be trained. Asks the proxy with "
+        "the admin token in SPOTGRPO_TOKEN (or --token); trusts SPOTGRPO_CA_CERT.",
+    )
+    quarantine.add_argument("url", help="the proxy, https://host:port")
+    quarantine.add_argument("--lift", metavar="WORKER", help="the worker's full name (token/worker), as listed")
+    quarantine.add_argument("--token", default=None, help="an admin token (default: $SPOTGRPO_TOKEN)")
+    add_logging_flags(quarantine)
     return parser
+
+
+def quarantine_command(args: argparse.Namespace) -> int:
+    """`proxy quarantine`: one line per quarantined worker, or the lift's outcome."""
+    from protocol.client.urls import open_queue
+
+    with open_queue(args.url, token=args.token, retry_s=10.0) as queue:
+        if args.lift:
+            if not queue.lift_quarantine(args.lift):
+                print(f"{args.lift} is not quarantined", file=sys.stderr)
+                return 1
+            print(f"lifted: {args.lift} may claim again; the learner trains its groups from its next fleet check")
+            return 0
+        listed = {w: why for w, why in queue.quarantined().items() if why}
+        for worker, why in sorted(listed.items()):
+            print(f"{worker}\t{why}")
+        if not listed:
+            print("no worker is quarantined", file=sys.stderr)
+        return 0
 
 
 def check_tls(cert: Path, key: Path) -> None:
@@ -337,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.util.lifeline import follow_lifeline
 
     follow_lifeline()  # started by the embedded default: end with it
+    if args.command == "quarantine":
+        return quarantine_command(args)
     return serve(args) if args.command == "serve" else selfsigned(args)
 
 

@@ -35,9 +35,14 @@ from protocol.client.http import (
     ErrorResponse,
     ExpireRunRequest,
     ExpireRunResponse,
+    ForgetLiftedRequest,
     HeartbeatRequest,
     HeartbeatResponse,
     LatestAdapterResponse,
+    LiftRequest,
+    LiftResponse,
+    QuarantineRequest,
+    QuarantineResponse,
     ReadRolloutsRequest,
     ReleaseRequest,
     ReleaseResponse,
@@ -237,6 +242,28 @@ def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> Wh
     return WhoAmIResponse(name=token.name, role=token.role, run=ctx.queue.config.run)
 
 
+def quarantine(ctx: Context, token: Token, body: QuarantineRequest, params: dict[str, str]) -> QuarantineResponse:
+    ctx.queue.quarantine(body.worker, body.reason)
+    log.warning("worker %s quarantined by the learner: %s", body.worker, body.reason)
+    return QuarantineResponse(workers=ctx.queue.quarantined())
+
+
+def quarantined(ctx: Context, token: Token, body: None, params: dict[str, str]) -> QuarantineResponse:
+    return QuarantineResponse(workers=ctx.queue.quarantined())
+
+
+def lift_quarantine(ctx: Context, token: Token, body: LiftRequest, params: dict[str, str]) -> LiftResponse:
+    lifted = ctx.queue.lift_quarantine(body.worker)
+    if lifted:
+        log.warning("quarantine of worker %s lifted by %s", body.worker, token.name)
+    return LiftResponse(lifted=lifted)
+
+
+def forget_lifted(ctx: Context, token: Token, body: ForgetLiftedRequest, params: dict[str, str]) -> QuarantineResponse:
+    ctx.queue.forget_lifted(body.workers)
+    return QuarantineResponse(workers=ctx.queue.quarantined())
+
+
 def expire_run(ctx: Context, token: Token, body: ExpireRunRequest, params: dict[str, str]) -> ExpireRunResponse:
     return ExpireRunResponse(keys=ctx.queue.expire_run(body.ttl_s))
 
@@ -338,6 +365,10 @@ HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.READ_ROLLOUTS: read_rollouts,
     api.ACK: ack,
     api.EXPIRE_RUN: expire_run,
+    api.QUARANTINE: quarantine,
+    api.QUARANTINED: quarantined,
+    api.LIFT_QUARANTINE: lift_quarantine,
+    api.FORGET_LIFTED: forget_lifted,
     api.ANNOUNCE: announce,
     api.DEAD_LETTERS: dead_letters,
     api.STATS: stats,

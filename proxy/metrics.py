@@ -55,6 +55,11 @@ class ProxyMetrics:
         self.worker_refused = Gauge(
             "spotgrpo_worker_adapters_refused", "Adapter versions a worker could not load", ["worker"], registry=r
         )
+        self.quarantined = Gauge(
+            "spotgrpo_workers_quarantined",
+            "Workers the learner quarantined (a failed audit or adapter digest); GET /v1/quarantine names them",
+            registry=r,
+        )
 
     def render(self, queue: Queue) -> tuple[bytes, str]:
         try:
@@ -69,6 +74,7 @@ class ProxyMetrics:
             self.leases.set(sum(stats.leases_by_worker.values()))
             self.dead_letters.set(stats.dead_letters)
             self.latest_version.set(stats.latest_adapter_version)
+            self.quarantined.set(sum(1 for why in queue.quarantined().values() if why))
             self._workers(queue)
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 

@@ -226,30 +226,27 @@ def test_dishonest_workers_are_quarantined_and_the_honest_one_never(
     def scorer() -> Scorer:
         return Scorer([load_reward("toy_rewards:digit_first")])
 
-    state, _rows = run_with_workers(
-        cfg,
-        [
-            WorkerParts(
-                "honest", queues["honest"], ProxySource(queues["honest"]), TransformersEngine(str(tiny_model)), scorer()
-            ),
-            WorkerParts(
-                "never-loads",
-                queues["never-loads"],
-                ProxySource(queues["never-loads"]),
-                NeverLoads(str(tiny_model)),
-                scorer(),
-            ),
-            WorkerParts(
-                "wrong-files",
-                queues["wrong-files"],
-                PreviousFiles(queues["wrong-files"]),
-                TransformersEngine(str(tiny_model)),
-                scorer(),
-                ServesPreviousFiles,
-            ),
-        ],
-        tmp_path / "cache",
-    )
+    workers = [
+        WorkerParts(
+            "honest", queues["honest"], ProxySource(queues["honest"]), TransformersEngine(str(tiny_model)), scorer()
+        ),
+        WorkerParts(
+            "never-loads",
+            queues["never-loads"],
+            ProxySource(queues["never-loads"]),
+            NeverLoads(str(tiny_model)),
+            scorer(),
+        ),
+        WorkerParts(
+            "wrong-files",
+            queues["wrong-files"],
+            PreviousFiles(queues["wrong-files"]),
+            TransformersEngine(str(tiny_model)),
+            scorer(),
+            ServesPreviousFiles,
+        ),
+    ]
+    state, _rows = run_with_workers(cfg, workers, tmp_path / "cache")
     assert state.step == 8
     quarantined = state.quarantined
     assert through_proxy("honest") not in quarantined
@@ -257,3 +254,100 @@ def test_dishonest_workers_are_quarantined_and_the_honest_one_never(
     assert "digest" in quarantined.get(through_proxy("wrong-files"), "")
     assert state.totals.get("rejected_adapter_digest", 0) >= 1 and state.totals.get("rejected_audit", 0) >= 1
     assert state.totals["audited_groups"] >= 4
+    # the door refuses them, and says why
+    from protocol import WorkerQuarantined
+
+    door = proxy.queue("admin").quarantined()
+    assert set(door) == {through_proxy("never-loads"), through_proxy("wrong-files")}
+    with pytest.raises(WorkerQuarantined, match="audit"):
+        proxy.queue("actor").claim("never-loads", 1)
+    honest, never_loads, wrong_files = workers  # the dishonest ones were told, and stopped
+    assert honest.ended is None
+    assert "quarantined by the learner: failed the" in str(never_loads.ended)
+    assert "quarantined by the learner: its group named adapter" in str(wrong_files.ended)
+    # their dropped groups' prompts went out again, each counted once (exactly-once holds)
+    reissued = state.totals.get("reissued_prompts", 0)
+    assert reissued >= 1 and reissued == state.ledger.reissued + len(state.ledger.to_reissue)
+    dropped = sum(
+        v for k, v in state.totals.items() if k in ("rejected_audit", "rejected_adapter_digest", "rejected_quarantined")
+    )
+    assert reissued == dropped
+
+
+# ------------------------------------------------------------- the door's quarantine
+
+
+@pytest.mark.redis
+def test_a_quarantined_worker_claims_nothing_until_the_admin_lifts_it(redis_server, run_name: str) -> None:
+    from factories import batch
+
+    from protocol import QueueConfig, WorkerQuarantined
+    from protocol.trusted import RedisQueue
+
+    q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    q.add_prompts([batch(0), batch(1)])
+    q.quarantine("fleet/bad", "failed the sampling shape audit")
+    with pytest.raises(WorkerQuarantined, match="fleet/bad is quarantined by the learner: failed the sampling shape"):
+        q.claim("fleet/bad", 1)
+    assert len(q.claim("fleet/good", 1)) == 1  # the others claim as before
+    assert q.quarantined() == {"fleet/bad": "failed the sampling shape audit"}
+    assert q.lift_quarantine("fleet/bad") and not q.lift_quarantine("fleet/bad") and not q.lift_quarantine("x/y")
+    assert q.quarantined() == {"fleet/bad": ""}  # lifted, until the learner has seen it
+    assert len(q.claim("fleet/bad", 1)) == 1
+    q.forget_lifted(["fleet/bad", "fleet/other"])
+    assert q.quarantined() == {}
+    assert q.keys.quarantined in q.keys.all()  # it expires with the run
+    with pytest.raises(ValueError, match="worker"):
+        q.quarantine("a worker\nwith a newline", "x")
+    q.close()
+
+
+@pytest.mark.redis
+def test_through_the_door_the_learner_quarantines_the_worker_is_told_and_the_admin_lifts(
+    make_proxy, run_name: str, tmp_path: Path
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from factories import batch
+    from servers import TOKENS, through_proxy
+
+    from protocol import QueueForbidden, WorkerQuarantined
+
+    proxy = make_proxy()
+    learner, actor, admin = proxy.queue("learner"), proxy.queue("actor"), proxy.queue("admin")
+    learner.add_prompts([batch(0), batch(1)])
+    with pytest.raises(QueueForbidden):  # an actor cannot quarantine another, nor read the list
+        actor.quarantine(through_proxy("w2"), "framed")
+    with pytest.raises(QueueForbidden):
+        actor.quarantined()
+    learner.quarantine(through_proxy("w1"), "failed the log-probabilities audit of a group")
+    with pytest.raises(WorkerQuarantined, match="failed the log-probabilities audit"):
+        actor.claim("w1", 1)
+    assert len(actor.claim("w2", 1)) == 1
+    env = {**os.environ, "SPOTGRPO_TOKEN": TOKENS["admin"], "SPOTGRPO_CA_CERT": proxy.ca}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "proxy.cli", "quarantine", proxy.url, *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    listed = cli()
+    assert (
+        listed.returncode == 0
+        and listed.stdout == f"{through_proxy('w1')}\tfailed the log-probabilities audit of a group\n"
+    )
+    lifted = cli("--lift", through_proxy("w1"))
+    assert lifted.returncode == 0 and "lifted" in lifted.stdout
+    assert cli("--lift", through_proxy("w1")).returncode == 1  # not quarantined any more
+    assert len(actor.claim("w1", 1)) == 1
+    assert admin.quarantined() == {through_proxy("w1"): ""}
+    learner.forget_lifted([through_proxy("w1")])
+    assert admin.quarantined() == {}
+    for q in (learner, actor, admin):
+        q.close()

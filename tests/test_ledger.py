@@ -96,6 +96,9 @@ def test_the_ledger_round_trips_through_a_checkpoint_and_reads_the_old_layout() 
     state.ledger.issue("b0", 2)
     state.ledger.consume("b0", "p0")
     state.ledger.finish("e0", 100, 4)
+    state.ledger.to_reissue = [1, 0]
+    state.ledger.issue_again("r2", 1)
+    state.quarantined = {"fleet/w": "failed the sampling shape audit"}
     again = LearnerState.from_json(json.loads(json.dumps(asdict(state))))
     assert again == state
     old = {
@@ -112,8 +115,26 @@ def test_the_ledger_round_trips_through_a_checkpoint_and_reads_the_old_layout() 
         "rng": {},
     }
     read = LearnerState.from_json(old)
-    assert read.ledger.outstanding == {"b1": Outstanding(2, 2, ["p2"])} and read.ledger.finished == {"b0": Span(0, 2)}
+    assert read.ledger.outstanding == {"b1": Outstanding(2, 2, consumed=["p2"])}
+    assert read.ledger.finished == {"b0": Span(0, 2)}
     assert (read.ledger.cursor, read.ledger.dead_letter_after, read.policy_version) == (4, "7-0", 2)
+
+
+def test_a_dishonest_worker_s_prompts_go_out_again_and_are_counted_once_each() -> None:
+    ledger = PromptLedger()
+    ledger.issue("b0", 3)
+    for p in ("p0", "p1", "p2"):
+        ledger.consume("b0", p)
+    ledger.to_reissue = [2, 0]  # p2 and p0: their groups failed an audit
+    assert ledger.inflight == 0 and ledger.issued == 3
+    assert ledger.issue_again("r1", 1) == [2] and ledger.to_reissue == [0]
+    assert ledger.outstanding["r1"].prompt_ids() == ["p2"] and ledger.issued == 4 and ledger.inflight == 1
+    assert ledger.room(1) == 0  # a prompt issued again takes a place in flight like any other
+    ledger.consume("r1", "p2")
+    assert sorted(ledger.purge_completed()) == ["b0", "r1"] and ledger.inflight == 0
+    finished = {f.batch_id: f.group_ids for f in ledger.finished_batches()}
+    assert finished["r1"] == [group_id_for("r1", "p2")]  # the queue forgets the new batch's group, by its own id
+    assert ledger.issue_again("r2", 5) == [0] and ledger.to_reissue == [] and ledger.inflight == 1
 
 
 BOUNDS = Bounds(

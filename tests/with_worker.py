@@ -38,6 +38,14 @@ class WorkerParts:
     engine: Engine
     scorer: Scoring | None = None
     watcher: type[AdapterWatcher] = AdapterWatcher
+    ended: BaseException | None = None
+    """How its loop ended, if it raised (a worker the learner quarantined is refused)."""
+
+    def work(self, worker: Worker) -> None:
+        try:
+            worker.work()
+        except BaseException as err:  # kept for the test to look at, not lost in a thread
+            self.ended = err
 
 
 def run_with_workers(cfg: LearnerConfig, workers: list[WorkerParts], cache: Path) -> tuple[Any, list[dict[str, Any]]]:
@@ -47,7 +55,7 @@ def run_with_workers(cfg: LearnerConfig, workers: list[WorkerParts], cache: Path
         watcher = parts.watcher(parts.queue, parts.source, parts.engine, cache / parts.name, poll_s=0.2)
         watcher.start()
         worker = Worker(parts.queue, parts.engine, watcher, parts.scorer, parts.name, claim_block_s=0.2)
-        loop = threading.Thread(target=worker.work)
+        loop = threading.Thread(target=parts.work, args=(worker,))
         loop.start()
         running.append((parts, watcher, worker, loop))
     learner_queue = RedisQueue.from_url(cfg.queue, QueueConfig(run=cfg.run))

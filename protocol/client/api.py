@@ -24,9 +24,14 @@ from protocol.client.http import (
     DeadLettersResponse,
     ExpireRunRequest,
     ExpireRunResponse,
+    ForgetLiftedRequest,
     HeartbeatRequest,
     HeartbeatResponse,
     LatestAdapterResponse,
+    LiftRequest,
+    LiftResponse,
+    QuarantineRequest,
+    QuarantineResponse,
     ReadRolloutsRequest,
     ReleaseRequest,
     ReleaseResponse,
@@ -180,6 +185,38 @@ READ_ROLLOUTS = _e(
     RolloutsResponse,
 )
 ACK = _e("POST", "/v1/rollouts/ack", {LEARNER}, "Acknowledge consumed rollout groups.", AckRequest, AckResponse)
+QUARANTINE = _e(
+    "POST",
+    "/v1/quarantine",
+    {LEARNER},
+    "Quarantine a worker (a failed audit or adapter digest): its claims are refused with the reason.",
+    QuarantineRequest,
+    QuarantineResponse,
+)
+QUARANTINED: Endpoint[None, QuarantineResponse] = _e(
+    "GET",
+    "/v1/quarantine",
+    {LEARNER, ADMIN},
+    'The quarantined workers and why ("": lifted by the admin, not yet seen by the learner).',
+    None,
+    QuarantineResponse,
+)
+LIFT_QUARANTINE = _e(
+    "POST",
+    "/v1/quarantine/lift",
+    {ADMIN},
+    "Let a quarantined worker claim again, and the learner train its groups (`proxy quarantine --lift`).",
+    LiftRequest,
+    LiftResponse,
+)
+FORGET_LIFTED = _e(
+    "POST",
+    "/v1/quarantine/lifted",
+    {LEARNER},
+    "The learner has seen these lifts.",
+    ForgetLiftedRequest,
+    QuarantineResponse,
+)
 EXPIRE_RUN = _e(
     "POST",
     "/v1/run/expire",
@@ -209,6 +246,6 @@ OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
     ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, ANNOUNCE,
-    DEAD_LETTERS, STATS, METRICS, HEALTHZ, OPENAPI,
+    DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, METRICS, HEALTHZ, OPENAPI,
 )  # fmt: skip
 """In the order routes are matched (a literal path before a parametrised one)."""

@@ -30,6 +30,7 @@ from protocol.wire.messages import (
     AdapterManifest,
     Ident,
     NonNegInt,
+    OneLine,
     PosInt,
     PromptBatch,
     RolloutGroup,
@@ -156,6 +157,31 @@ class AddPromptsResponse(_Body, frozen=True, tag="added"):
     added: NonNegInt
 
 
+class QuarantineRequest(_Body, frozen=True, tag="quarantine"):
+    """The learner quarantines a worker (its full name, `token/worker`)."""
+
+    worker: Ident
+    reason: OneLine
+
+
+class QuarantineResponse(_Body, frozen=True, tag="quarantined"):
+    workers: Annotated[dict[Ident, str], msgspec.Meta(max_length=100_000)]
+    """Worker -> why; "" for one the admin lifted that the learner has not yet seen."""
+
+
+class ForgetLiftedRequest(_Body, frozen=True, tag="forget_lifted"):
+    workers: Annotated[list[Ident], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
+class LiftRequest(_Body, frozen=True, tag="lift"):
+    worker: Ident
+
+
+class LiftResponse(_Body, frozen=True, tag="lifted"):
+    lifted: bool
+    """False: the worker was not quarantined."""
+
+
 class ExpireRunRequest(_Body, frozen=True, tag="expire_run"):
     ttl_s: Annotated[float, msgspec.Meta(gt=0.0, le=365 * 86400.0)]
 
@@ -222,13 +248,14 @@ class ErrorResponse(_Body, frozen=True, tag="error"):
 
 REQUESTS = (
     ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
-    ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest,
+    ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest, QuarantineRequest, LiftRequest,
+    ForgetLiftedRequest,
 )  # fmt: skip
 RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
-    WhoAmIResponse,
+    WhoAmIResponse, QuarantineResponse, LiftResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

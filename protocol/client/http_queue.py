@@ -52,7 +52,10 @@ from protocol.client.http import (
     ClaimRequest,
     ErrorResponse,
     ExpireRunRequest,
+    ForgetLiftedRequest,
     HeartbeatRequest,
+    LiftRequest,
+    QuarantineRequest,
     ReadRolloutsRequest,
     ReleaseRequest,
     ReportStatusRequest,
@@ -86,6 +89,7 @@ from protocol.wire.errors import (
 )
 from protocol.wire.files import StoreError, StoreMissing
 from protocol.wire.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
+from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +355,20 @@ class HttpQueue(Queue):
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         """The proxy lists at most 500, those furthest behind first."""
         return self._call(api.WORKERS, params={"max_age_s": max(1, round(max_age_s))}).workers
+
+    # ------------------------------------------------------------- quarantine
+    def quarantine(self, worker: str, reason: str) -> None:
+        self._call(api.QUARANTINE, QuarantineRequest(worker=worker, reason=printable(reason, 500) or "-"))
+
+    def quarantined(self) -> dict[str, str]:
+        return dict(self._call(api.QUARANTINED).workers)
+
+    def lift_quarantine(self, worker: str) -> bool:
+        return self._call(api.LIFT_QUARANTINE, LiftRequest(worker=worker)).lifted
+
+    def forget_lifted(self, workers: Sequence[str]) -> None:
+        if workers:
+            self._call(api.FORGET_LIFTED, ForgetLiftedRequest(workers=list(workers)))
 
     def whoami(self) -> WhoAmIResponse:
         """The token's name and role, and the run the proxy serves."""

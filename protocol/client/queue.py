@@ -316,6 +316,25 @@ class Queue(abc.ABC):
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         """Workers that reported within `max_age_s`, by name (older reports are forgotten)."""
 
+    # -- quarantine (`learner.audit`)
+    def quarantine(self, worker: str, reason: str) -> None:
+        """The learner quarantines `worker` (its full name): its claims are refused with
+        `WorkerQuarantined` and `reason` until the admin lifts it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no quarantine")
+
+    def quarantined(self) -> dict[str, str]:
+        """Worker -> why, for every quarantined worker; a worker the admin lifted and the
+        learner has not yet forgotten has "" (`forget_lifted`)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no quarantine")
+
+    def lift_quarantine(self, worker: str) -> bool:
+        """The admin lets `worker` claim again; False if it was not quarantined."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no quarantine")
+
+    def forget_lifted(self, workers: Sequence[str]) -> None:
+        """The learner has seen these lifts (it trains their groups again)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no quarantine")
+
     # -- everyone
     @abc.abstractmethod
     def stats(self) -> QueueStats: ...

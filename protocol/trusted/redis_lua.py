@@ -404,3 +404,34 @@ follow_ttl(KEYS[2], KEYS[1])
 return 1
 """
 )
+
+QUARANTINE = (
+    _HELPERS
+    + r"""
+-- KEYS: quarantined (hash), prompts   ARGV: worker, reason
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+follow_ttl(KEYS[2], KEYS[1])
+return 1
+"""
+)
+
+LIFT_QUARANTINE = r"""
+-- KEYS: quarantined (hash)   ARGV: worker
+-- 1 if it was quarantined; its reason becomes '' until the learner has seen the lift.
+local why = redis.call('HGET', KEYS[1], ARGV[1])
+if not why or why == '' then
+  return 0
+end
+redis.call('HSET', KEYS[1], ARGV[1], '')
+return 1
+"""
+
+FORGET_LIFTED = r"""
+-- KEYS: quarantined (hash)   ARGV: workers whose lift the learner has seen
+for _, worker in ipairs(ARGV) do
+  if redis.call('HGET', KEYS[1], worker) == '' then
+    redis.call('HDEL', KEYS[1], worker)
+  end
+end
+return 1
+"""

@@ -46,6 +46,7 @@ from protocol.trusted.redis_fields import (
     split_private,
     text_of,
 )
+from protocol.trusted.redis_quarantine import RedisQuarantine
 from protocol.trusted.redis_stats import RedisStats
 from protocol.wire.codec import Limits, encode, same_bounds
 from protocol.wire.errors import (
@@ -90,7 +91,7 @@ class Submission:
         )
 
 
-class RedisQueue(RedisAdapters, RedisStats, Queue):
+class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
     """`Queue` on a redis-py client (a `fakeredis.FakeRedis` works too).
 
     The client must not decode responses (`decode_responses=False`): payloads are bytes.
@@ -114,6 +115,9 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
                 "ANNOUNCE",
                 "COUNT_AFTER",
                 "REPORT_STATUS",
+                "QUARANTINE",
+                "LIFT_QUARANTINE",
+                "FORGET_LIFTED",
             )
         }
         # Rollout reads whose reply may have been lost leave entries pending that this
@@ -221,6 +225,7 @@ class RedisQueue(RedisAdapters, RedisStats, Queue):
         if count < 1:
             raise ValueError(f"count: must be >= 1, got {count}")
         block_ms = self._block_ms(block_s)
+        self.check_not_quarantined(worker)
         expired = self._script(
             "CLAIM_EXPIRED",
             [self.keys.prompts, self.keys.dead_letters, self.keys.groups_seen, self.keys.private],

@@ -74,6 +74,14 @@ class TooManyWorkers(QueueRefused):
     code = "too_many_workers"
 
 
+class WorkerQuarantined(QueueForbidden):
+    """A claim from a worker the learner quarantined (a failed audit or adapter digest,
+    `learner.audit`); the message says why. Lifted only by the admin
+    (`proxy quarantine --lift`)."""
+
+    code = "quarantined"
+
+
 class QueueNotFound(QueueError, LookupError):
     """The proxy has no such thing (404): an adapter version that does not exist."""
 
@@ -88,12 +96,14 @@ REFUSALS: dict[str, type[QueueRefused]] = {
         SubmissionRejected,
         VersionConflict,
         TooManyWorkers,
+        WorkerQuarantined,
     )
 }
 """Refusals by their wire code, so the HTTPS client raises what the proxy's queue raised."""
 
 REFUSAL_STATUS: dict[type[QueueRefused], int] = {
     QueueForbidden: 403,
+    WorkerQuarantined: 403,
     SubmissionRejected: 422,
     LeaseLost: 409,
     LeaseMismatch: 409,
@@ -112,6 +122,8 @@ def from_response(status: int, code: str, message: str, where: str) -> QueueErro
     """The client's side: the exception an error answer stands for. The body's `code`
     names a refusal exactly; otherwise the status decides (bad input is a ProtocolError,
     as the queue itself raises it)."""
+    if code == WorkerQuarantined.code:
+        return WorkerQuarantined(message)
     if status in (401, 403):
         return QueueForbidden(f"{status} {where}: {message}")
     if code in REFUSALS:

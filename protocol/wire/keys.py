@@ -82,6 +82,12 @@ class Keys:
         return self._key("worker-owners")
 
     @property
+    def quarantined(self) -> str:
+        """Hash: worker name -> why the learner quarantined it ("" once the admin lifted it,
+        until the learner has seen the lift)."""
+        return self._key("quarantined")
+
+    @property
     def adapter_latest(self) -> str:
         """Hash: version, m (manifest), event (its id in adapter-events)."""
         return self._key("adapter-latest")
@@ -116,6 +122,7 @@ class Keys:
             self.scored_seen,
             self.workers,
             self.worker_owners,
+            self.quarantined,
             self.adapter_latest,
             self.adapter_events,
         ]
