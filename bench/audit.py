@@ -19,12 +19,16 @@ groups of each worker trained before its quarantine at the default `--audit-rate
 cost: seconds per audited group, against a learner step on `--groups-per-step` such groups,
 and so the share of the learner's time at that rate.
 
-Usage: python bench/audit.py [--groups 60] [--group-size 8] [--max-tokens 48]
+`--engine vllm` generates with vLLM instead (its CPU build in `.venv-vllm` here,
+`VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python bench/audit.py --engine vllm`; a GPU's elsewhere).
+
+Usage: python bench/audit.py [--engine transformers|vllm] [--groups 60] [--group-size 8] [--max-tokens 48]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -36,6 +40,7 @@ sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repository, not be
 
 import torch
 
+from actors.engine import Engine
 from actors.hf_engine import TransformersEngine
 from learner.audit import AuditLimits, Auditor, Findings
 from learner.config import LearnerConfig
@@ -61,7 +66,7 @@ def write_adapter(folder: Path, policy: Policy, state: dict[str, torch.Tensor]) 
 
 
 def groups_from(
-    engine: TransformersEngine, version: int, prompts: list[list[int]], n: int, sampling: SamplingParams, scale: float
+    engine: Engine, version: int, prompts: list[list[int]], n: int, sampling: SamplingParams, scale: float
 ) -> list[RolloutGroup]:
     out = []
     for i, samples in enumerate(engine.generate(prompts, n, sampling, version)):
@@ -105,6 +110,7 @@ def trained_before_quarantine(failed: list[bool], probation: int, rate: float, t
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", choices=["transformers", "vllm"], default="transformers")
     ap.add_argument("--groups", type=int, default=60, help="groups per worker")
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -124,8 +130,15 @@ def main() -> None:
     prompts = [[1, *[rng.randrange(3, 13) for _ in range(rng.randrange(4, 12))]] for _ in range(args.groups)]
     plain = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, seed=0)
 
-    def engine(path: Path, dtype: str = "float32", adapter: Path | None = None) -> TransformersEngine:
-        e = TransformersEngine(str(path), dtype=dtype)
+    def engine(path: Path, dtype: str = "float32", adapter: Path | None = None) -> Engine:
+        e: Engine
+        if args.engine == "vllm":
+            from actors.vllm_engine import VLLMEngine
+
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
+            e = VLLMEngine(str(path), dtype=dtype, max_lora_rank=8, max_loras=2, max_model_len=256)
+        else:
+            e = TransformersEngine(str(path), dtype=dtype)
         if adapter is not None:
             e.load_adapter(1, adapter)
         return e
@@ -154,7 +167,8 @@ def main() -> None:
     }
     limits = AuditLimits()
     print(
-        f"tiny model (vocabulary {policy.vocab_size}), {args.groups} groups of {args.group_size} per worker, "
+        f"{args.engine} engine, tiny model (vocabulary {policy.vocab_size}), "
+        f"{args.groups} groups of {args.group_size} per worker, "
         f"up to {args.max_tokens} tokens; limits: mean |diff| <= {limits.max_mean_abs_diff}, "
         f"tail (> {limits.tail_nats} nat) <= {limits.max_tail_frac:.0%}, shape z >= {limits.min_shape_z}"
     )

@@ -254,6 +254,10 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         "dropped": dropped,
         "dead_lettered": dead,
         "duplicates_skipped": totals.get("rejected_duplicate", 0),
+        # what workers said they generated, checked (`learner.audit`; `reissued` is in `issued`)
+        "audited": totals.get("audited_groups", 0),
+        "quarantined_workers": sorted(state.quarantined),
+        "reissued": state.ledger.reissued,
         # every group the learner read, by verdict, those of a collection a stop cut short too
         # (they stay pending in the queue, so `dropped` leaves them out)
         "read": {k.removeprefix("read/"): v for k, v in sorted(totals.items()) if k.startswith("read/")},

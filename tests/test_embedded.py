@@ -90,6 +90,8 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, 
     assert summary["evaluations"]["0"]["prompts"] == 16
     accounting = summary["accounting"]
     assert accounting["balanced"] and accounting["dead_lettered"] == 0
+    # its honest actors' groups audited (each one's first 4, then 5 %), none quarantined
+    assert accounting["audited"] >= 4 and accounting["quarantined_workers"] == [] and accounting["reissued"] == 0
     # scored by the trusted tier (its own worker beside the actors), nothing rejected there
     assert accounting["scored"] >= accounting["trained"] > 0 and accounting["rejected_by_scoring"] == 0
     assert "in_scoring" in accounting and (run_dir / "logs" / "scorer-0.log").exists()
