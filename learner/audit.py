@@ -17,8 +17,8 @@ learner keeps the last `max_staleness + 1`), for every model token:
   only raises it (the tokens come from the head), so the test is one-sided.
 
 Which groups are audited is drawn with the operating system's randomness after the group
-is read: a worker cannot know it or influence it. A worker's first `probation_groups`
-audits come at `probation_rate`; after that, at `rate`. A failed audit quarantines the
+is read: a worker cannot know it or influence it. A worker's groups are all audited until
+`probation_groups` of them passed; after that, a share `rate` of them. A failed audit quarantines the
 worker for the rest of the run (`LearnerState.quarantined`): its groups not yet trained
 are dropped, and the ones it sends later are rejected.
 
@@ -31,17 +31,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
 import random
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from torch import Tensor
 
-from learner.policy import Policy, pack_sequences, scatter_completion_values
-from protocol import RolloutGroup, SamplingParams
+from learner.config import LearnerConfig
+from learner.policy import Policy, pack_sequences, read_adapter_weights, scatter_completion_values
+from protocol import ProtocolError, Queue, QueueError, RolloutGroup, SamplingParams
+from protocol.trusted.store import Store
+from protocol.wire.files import ADAPTER_WEIGHTS, adapter_key
+from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +109,57 @@ def findings(
     )
 
 
+def open_auditor(
+    cfg: LearnerConfig, policy: Policy, sampling: SamplingParams, store: Store, *, distributed: bool
+) -> Auditor | None:
+    """The run's auditor, or None (with the reason logged) where audits are off."""
+    if not cfg.audit_rate and not cfg.audit_probation_groups:
+        return None
+    if distributed:
+        log.warning("audits are not run under torchrun yet: groups are trained on their workers' word")
+        return None
+    try:
+        return Auditor(
+            policy,
+            sampling,
+            rate=cfg.audit_rate,
+            probation_groups=cfg.audit_probation_groups,
+            keep_versions=cfg.max_staleness + 1,
+            load_version=functools.partial(published_state, store),
+        )
+    except ValueError as err:
+        log.warning("audits are off: %s", err)
+        return None
+
+
+def published_state(store: Store, version: int) -> dict[str, Tensor] | None:
+    """Adapter `version` as the store holds it (published before a restart), or None."""
+    try:
+        return read_adapter_weights(store.get(adapter_key(version, ADAPTER_WEIGHTS)))
+    except Exception as err:  # a store outage, a file safetensors refuses: that group goes unaudited
+        log.warning("adapter v%d cannot be had to audit its groups: %s", version, err)
+        return None
+
+
+def sync_quarantine(queue: Queue, quarantined: dict[str, str]) -> None:
+    """Bring the door's quarantine (`Queue.quarantine`) and the learner's (`quarantined`,
+    changed in place) in step: the workers the learner quarantined are written (again, if
+    Redis lost them), and the ones the admin lifted (`proxy quarantine --lift`) leave
+    `quarantined`. Best effort: the learner calls it again at its next fleet check."""
+    try:
+        door = queue.quarantined()
+        lifted = [w for w, why in door.items() if not why]
+        for worker in lifted:
+            if quarantined.pop(worker, None) is not None:
+                log.warning("worker %s: quarantine lifted by the admin; its groups are trained again", worker)
+        queue.forget_lifted(lifted)
+        for worker, why in quarantined.items():
+            if not door.get(worker):
+                queue.quarantine(worker, why)
+    except (QueueError, ProtocolError, NotImplementedError) as err:
+        log.debug("the door's quarantine list is not in step yet: %s", printable(str(err)))
+
+
 class Auditor:
     """Picks groups, audits them on `policy`, and remembers the verdicts."""
 
@@ -114,7 +169,6 @@ class Auditor:
         sampling: SamplingParams,
         *,
         rate: float,
-        probation_rate: float = 1.0,
         probation_groups: int = 4,
         keep_versions: int = 5,
         limits: AuditLimits | None = None,
@@ -125,11 +179,11 @@ class Auditor:
         before a restart); None where it cannot be had."""
         if sampling.temperature <= 0 or sampling.repetition_penalty != 1.0:
             raise ValueError(
-                "audits need sampling at a temperature above 0 with no repetition penalty (the distribution "
-                "each token was drawn from must be known)"
+                "they need a temperature above 0 and no repetition penalty (--temperature, --repetition-penalty: "
+                "the distribution each token was sampled from must be known)"
             )
         self.policy, self.sampling = policy, sampling
-        self.rate, self.probation_rate, self.probation_groups = rate, probation_rate, probation_groups
+        self.rate, self.probation_groups = rate, probation_groups
         self.keep_versions = keep_versions
         self.limits = limits or AuditLimits()
         self.load_version = load_version
@@ -139,8 +193,6 @@ class Auditor:
         """The version the policy's weights are now (None: trained past the last publish)."""
         self.passed: collections.Counter[str] = collections.Counter()
         """Audits passed, per worker: its reputation."""
-        self.seconds = 0.0
-        self.audits = 0
 
     def remember(self, version: int, state: dict[str, Tensor]) -> None:
         """A published version's adapter (a CPU copy, as published); the oldest beyond
@@ -157,7 +209,7 @@ class Auditor:
     def picks(self, group: RolloutGroup) -> bool:
         """Whether to audit this group (drawn now: no worker can know it beforehand)."""
         on_probation = self.passed[group.actor_id] < self.probation_groups
-        return self.draw() < (self.probation_rate if on_probation else self.rate)
+        return on_probation or self.draw() < self.rate
 
     def audit(self, group: RolloutGroup) -> Findings | None:
         """The group's figures under the adapter of its version; None when that adapter is
@@ -165,7 +217,6 @@ class Auditor:
         state = self._state_of(group.adapter_version)
         if state is None and group.adapter_version != self.live_version:
             return None
-        started = time.monotonic()
         seqs = pack_sequences(
             [group.prompt_tokens] * len(group.completions),
             [c.tokens for c in group.completions],
@@ -180,8 +231,6 @@ class Auditor:
         with self._as_version(group.adapter_version, state):
             logp, mean, var = (t.float().cpu() for t in self.policy.sampling_moments(seqs, self.sampling))
         result = findings(claimed, logp, mean, var, model * seqs.mask_BT.cpu(), self.limits.tail_nats)
-        self.seconds += time.monotonic() - started
-        self.audits += 1
         if result.failed(self.limits) is None:
             self.passed[group.actor_id] += 1
         return result

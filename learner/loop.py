@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from learner.admission import Admission
-from learner.audit import Auditor, quarantine_reason
+from learner.audit import open_auditor, quarantine_reason, sync_quarantine
 from learner.batch import StepBatch, build_step_batch
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
@@ -120,7 +120,7 @@ class Learner(Evaluations):
             max_staleness=cfg.max_staleness,
             episodes=bool(cfg.tools or cfg.environment),
         )
-        self.auditor = self._auditor()
+        self.auditor = open_auditor(cfg, self.policy, self.sampling, store, distributed=self.dist.enabled)
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
@@ -427,7 +427,7 @@ class Learner(Evaluations):
         if time.monotonic() - self._fleet_checked_at < every_s:
             return
         self._fleet_checked_at = time.monotonic()
-        self.sync_quarantine()
+        sync_quarantine(self.queue, self.state.quarantined)
         try:  # the fleet view is advice: training goes on without it
             workers, stats = self.queue.workers(), self.queue.stats()
         except (QueueError, ProtocolError) as err:
@@ -464,7 +464,7 @@ class Learner(Evaluations):
         version, newest = group.adapter_version, self.state.policy_version
         checked = 0 < version <= newest and newest - version <= self.cfg.max_staleness
         digest = self.publisher.digest_of(version) if checked else None
-        reason = judge(group, self.bounds, self.state.policy_version, issued, digest)
+        reason = judge(group, self.bounds, newest, issued, digest)
         if reason is not None and reason.startswith("rejected_"):
             self._rejections.warn(
                 reason,
@@ -474,39 +474,6 @@ class Learner(Evaluations):
         return reason
 
     # ------------------------------------------------------------------ audits
-    def _auditor(self) -> Auditor | None:
-        cfg = self.cfg
-        if not cfg.audit_rate and not cfg.audit_probation_groups:
-            return None
-        if self.dist.enabled:
-            log.warning("audits are not run under torchrun yet: groups are trained on their workers' word")
-            return None
-        if cfg.temperature <= 0 or cfg.repetition_penalty != 1.0:
-            log.warning(
-                "audits are off: they need --temperature above 0 and no --repetition-penalty (the distribution "
-                "each token was sampled from must be known)"
-            )
-            return None
-        return Auditor(
-            self.policy,
-            self.sampling,
-            rate=cfg.audit_rate,
-            probation_groups=cfg.audit_probation_groups,
-            keep_versions=cfg.max_staleness + 1,
-            load_version=self._published_state,
-        )
-
-    def _published_state(self, version: int) -> dict[str, torch.Tensor] | None:
-        """Adapter `version` as the store holds it (published before a restart), or None."""
-        from learner.policy import read_adapter_weights
-        from protocol.wire.files import ADAPTER_WEIGHTS, adapter_key
-
-        try:
-            return read_adapter_weights(self.store.get(adapter_key(version, ADAPTER_WEIGHTS)))
-        except Exception as err:  # a store outage, a file safetensors refuses: that group goes unaudited
-            log.warning("adapter v%d cannot be had to audit its groups: %s", version, err)
-            return None
-
     def audit(self, group: RolloutGroup) -> str | None:
         """Audit `group` if it is picked (`learner.audit`); a failure quarantines its worker.
         Returns `rejected_audit` or None."""
@@ -514,9 +481,10 @@ class Learner(Evaluations):
             return None
         found = self.auditor.audit(group)
         self.state.count("audited_groups" if found is not None else "audits_skipped")
-        check = None if found is None else found.failed(self.auditor.limits)
-        if found is None or check is None:
+        check = found.failed(self.auditor.limits) if found is not None else None
+        if check is None:
             return None
+        assert found is not None
         self.quarantine(group.actor_id, quarantine_reason(check, found, group.adapter_version))
         return "rejected_audit"
 
@@ -526,7 +494,7 @@ class Learner(Evaluations):
         self.state.quarantined[worker] = why
         self.state.count("quarantined_workers")
         log.error("worker %s quarantined: %s; its groups are no longer trained on", printable(worker), why)
-        self.sync_quarantine()
+        sync_quarantine(self.queue, self.state.quarantined)
         step = self._step_groups
         theirs = [g for g in step.kept if g.actor_id == worker]
         step.kept = [g for g in step.kept if g.actor_id != worker]
@@ -535,24 +503,6 @@ class Learner(Evaluations):
             self.state.count("rejected_quarantined")
             self.state.count("read/kept", -1)
             self.state.count("read/rejected_quarantined")
-
-    def sync_quarantine(self) -> None:
-        """The door refuses the claims of the workers this learner quarantined (written again
-        if Redis lost them); a quarantine the admin lifted (`proxy quarantine --lift`) ends
-        here too, and that worker's groups are trained again. Best effort: retried at the
-        next fleet check."""
-        try:
-            door = self.queue.quarantined()
-            lifted = [w for w, why in door.items() if not why]
-            for worker in lifted:
-                if self.state.quarantined.pop(worker, None) is not None:
-                    log.warning("worker %s: quarantine lifted by the admin; its groups are trained again", worker)
-            self.queue.forget_lifted(lifted)
-            for worker, why in self.state.quarantined.items():
-                if not door.get(worker):
-                    self.queue.quarantine(worker, why)
-        except (QueueError, ProtocolError, NotImplementedError) as err:
-            log.debug("the door's quarantine list is not in step yet: %s", printable(str(err)))
 
     # ------------------------------------------------------- publish/checkpoint
     def publish(self) -> float:

@@ -69,8 +69,9 @@ class Publisher:
         self.backoff_s = backoff_s
         self.failures = 0
         self.published: list[int] = []
-        self.digests: dict[int, str] = {}
-        """`adapter_digest` of each version, set before it is announced (`digest_of`)."""
+        self.digests: dict[int, str | None] = {}
+        """`adapter_digest` of each version, set before it is announced; None: one published
+        before a restart whose manifest could not be read (`digest_of`)."""
         self.upload_s: list[float] = []
         self._jobs: stdqueue.Queue[PublishJob | None] = stdqueue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -165,11 +166,11 @@ class Publisher:
         if version in self.digests:
             return self.digests[version]
         try:
-            manifest = self.store.read_manifest(version)
-        except (StoreError, ProtocolError) as err:
+            digest: str | None = adapter_digest(self.store.read_manifest(version).files)
+        except (StoreError, ProtocolError) as err:  # asked once: the store is not read again per group
             log.warning("adapter v%d: no manifest to check its groups' digests against: %s", version, err)
-            return None
-        self.digests[version] = digest = adapter_digest(manifest.files)
+            digest = None
+        self.digests[version] = digest
         return digest
 
     def _prune(self, newest: int) -> None:

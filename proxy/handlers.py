@@ -245,7 +245,7 @@ def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> Wh
 def quarantine(ctx: Context, token: Token, body: QuarantineRequest, params: dict[str, str]) -> QuarantineResponse:
     ctx.queue.quarantine(body.worker, body.reason)
     log.warning("worker %s quarantined by the learner: %s", body.worker, body.reason)
-    return QuarantineResponse(workers=ctx.queue.quarantined())
+    return QuarantineResponse(workers={body.worker: body.reason})
 
 
 def quarantined(ctx: Context, token: Token, body: None, params: dict[str, str]) -> QuarantineResponse:
@@ -261,7 +261,7 @@ def lift_quarantine(ctx: Context, token: Token, body: LiftRequest, params: dict[
 
 def forget_lifted(ctx: Context, token: Token, body: ForgetLiftedRequest, params: dict[str, str]) -> QuarantineResponse:
     ctx.queue.forget_lifted(body.workers)
-    return QuarantineResponse(workers=ctx.queue.quarantined())
+    return QuarantineResponse(workers={})
 
 
 def expire_run(ctx: Context, token: Token, body: ExpireRunRequest, params: dict[str, str]) -> ExpireRunResponse:

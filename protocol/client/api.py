@@ -189,7 +189,8 @@ QUARANTINE = _e(
     "POST",
     "/v1/quarantine",
     {LEARNER},
-    "Quarantine a worker (a failed audit or adapter digest): its claims are refused with the reason.",
+    "Quarantine a worker (a failed audit or adapter digest): its claims are refused with the reason. Answers the "
+    "entry written.",
     QuarantineRequest,
     QuarantineResponse,
 )
@@ -213,7 +214,7 @@ FORGET_LIFTED = _e(
     "POST",
     "/v1/quarantine/lifted",
     {LEARNER},
-    "The learner has seen these lifts.",
+    "The learner has seen these lifts: their entries go. Answers no workers.",
     ForgetLiftedRequest,
     QuarantineResponse,
 )

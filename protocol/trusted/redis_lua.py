@@ -99,10 +99,15 @@ return added
 CLAIM_EXPIRED = (
     _HELPERS
     + r"""
--- KEYS: prompts, dead, groups_seen, private   ARGV: group, worker, lease_ms, max_deliveries, count, now
+-- KEYS: prompts, dead, groups_seen, private, quarantined   ARGV: group, worker, lease_ms, max_deliveries, count, now
 -- Takes over leases idle longer than lease_ms; dead-letters batches delivered
--- max_deliveries times already. Returns {{id, deliveries, payload}...}.
+-- max_deliveries times already. Returns {{id, deliveries, payload}...}, or the reason
+-- (a string) when the learner quarantined the worker: it claims nothing.
 local group, worker, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local why = redis.call('HGET', KEYS[5], worker)
+if why and why ~= '' then
+  return why
+end
 local max_deliveries, count, now = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local out = {}
 local dead = 0

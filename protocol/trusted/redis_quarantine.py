@@ -48,11 +48,10 @@ class RedisQuarantine:
         if workers:
             self._script("FORGET_LIFTED", [self.keys.quarantined], list(workers))
 
-    def check_not_quarantined(self, worker: str) -> None:
-        """Raise `WorkerQuarantined`, with the learner's reason, if `worker` is quarantined."""
-        reason = self._call(lambda: self._r.hget(self.keys.quarantined, worker))
-        if reason:
-            raise WorkerQuarantined(
-                f"worker {worker} is quarantined by the learner: {text_of(reason)}. It claims nothing more in this "
-                f"run: fix it, then ask the run's admin to lift the quarantine (proxy quarantine --lift {worker})"
-            )
+
+def quarantined_error(worker: str, reason: str) -> WorkerQuarantined:
+    """What a quarantined worker's claim raises (`CLAIM_EXPIRED` finds the reason)."""
+    return WorkerQuarantined(
+        f"worker {worker} is quarantined by the learner: {reason}. It claims nothing more in this run: fix it, "
+        f"then ask the run's admin to lift the quarantine (proxy quarantine --lift {worker})"
+    )

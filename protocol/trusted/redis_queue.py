@@ -46,7 +46,7 @@ from protocol.trusted.redis_fields import (
     split_private,
     text_of,
 )
-from protocol.trusted.redis_quarantine import RedisQuarantine
+from protocol.trusted.redis_quarantine import RedisQuarantine, quarantined_error
 from protocol.trusted.redis_stats import RedisStats
 from protocol.wire.codec import Limits, encode, same_bounds
 from protocol.wire.errors import (
@@ -225,10 +225,15 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         if count < 1:
             raise ValueError(f"count: must be >= 1, got {count}")
         block_ms = self._block_ms(block_s)
-        self.check_not_quarantined(worker)
         expired = self._script(
             "CLAIM_EXPIRED",
-            [self.keys.prompts, self.keys.dead_letters, self.keys.groups_seen, self.keys.private],
+            [
+                self.keys.prompts,
+                self.keys.dead_letters,
+                self.keys.groups_seen,
+                self.keys.private,
+                self.keys.quarantined,
+            ],
             [
                 ACTORS_GROUP,
                 worker,
@@ -238,6 +243,8 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 time.time(),
             ],
         )
+        if isinstance(expired, bytes | str):  # the learner quarantined it (one call, checked in the script)
+            raise quarantined_error(worker, text_of(expired))
         rows = [(text_of(i), int(n), payload) for i, n, payload in expired]
         if len(rows) < count:
             resp = self._call(

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import msgspec
 
+from protocol.wire.arrays import check_groups_arrays, deferred_group_arrays
 from protocol.wire.errors import ProtocolError
 from protocol.wire.messages import (
     SCHEMA_VERSION,
@@ -29,9 +30,7 @@ from protocol.wire.messages import (
     PromptBatch,
     RolloutGroup,
     WorkerStatus,
-    check_groups_arrays,
     check_schema,
-    deferred_group_arrays,
 )
 
 # ---------------------------------------------------------------------------- limits
