@@ -2,13 +2,18 @@
 
 On start it reads the latest announced version; then it waits on the queue's push
 notifications (Redis pub/sub) and, every `poll_s` or when a notification was missed
-(pub/sub is at-most-once), reads the latest version again. Only the newest version
+(pub/sub is at-most-once), reads the latest version again. Through a proxy, whose event
+stream resumes from its last event id, it reads it again once the stream is open and
+then every `quiet_poll_s` only: at 1,000 workers, a poll every 5 s each was 200 requests
+a second at the door for nothing. Only the newest version
 matters to an actor, so versions it never saw are skipped, not replayed.
 
 A new version is downloaded file by file, each checked against the manifest's size
 and sha256, written to `cache_dir/v<N>/`, and loaded next to the current one. A
 corrupt or missing adapter is refused with a logged reason (and never retried: a
-version names one adapter forever); the actor keeps generating with what it has.
+version names one adapter forever); the actor keeps generating with what it has. One
+that could not be fetched (the store, the network or the disk failed: at 1,000 workers on
+one machine, downloads time out) is tried again within `poll_s`.
 The newest `keep_adapters` versions stay loaded for new groups; older ones are evicted,
 and their files deleted once no queued or running request names them.
 """
@@ -29,7 +34,7 @@ from actors.engine import Engine, EngineError
 from protocol import AdapterManifest, ProtocolError, Queue, QueueError
 from protocol.client.adapters import AdapterSource
 from protocol.util.retry import Backoff
-from protocol.wire.files import StoreError, folder_digest, verify
+from protocol.wire.files import StoreError, StoreMissing, folder_digest, verify
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +60,9 @@ class ProxySource(AdapterSource):
         manifest: AdapterManifest = self._download.manifest
         return manifest
 
+    def forget(self) -> None:
+        self._download = None
+
 
 class AdapterWatcher:
     def __init__(
@@ -66,6 +74,7 @@ class AdapterWatcher:
         *,
         keep_adapters: int = 2,
         poll_s: float = 5.0,
+        quiet_poll_s: float = 60.0,
         on_loaded: Callable[[AdapterManifest, float], None] | None = None,
         on_refused: Callable[[int, str], None] | None = None,
     ) -> None:
@@ -74,11 +83,13 @@ class AdapterWatcher:
         self.queue, self.source, self.engine = queue, source, engine
         self.cache_dir = cache_dir
         self.keep_adapters = keep_adapters
-        self.poll_s = poll_s
+        self.poll_s, self.quiet_poll_s = poll_s, quiet_poll_s
         self.on_loaded, self.on_refused = on_loaded, on_refused
         self.current = 0
         """The newest loaded version (0: the base model)."""
         self.refused: dict[int, str] = {}
+        self.retry_soon = False
+        """A download failed for want of the store or the network: read the latest within `poll_s`."""
         self.digests: dict[int, str] = {}
         """`folder_digest` of each loaded version's files, taken once the engine loaded them:
         the proof each group carries of the adapter it was generated with."""
@@ -103,6 +114,7 @@ class AdapterWatcher:
         subscription = None
         synced = time.monotonic()
         backoff = Backoff(first=0.5, cap=10.0)  # an outage: 0.5, 1, 2 ... 10 s between tries
+        gapless = False
         while not self._stop.is_set():
             try:
                 if subscription is None:
@@ -112,10 +124,14 @@ class AdapterWatcher:
                     backoff.reset()
                 # short waits, so that close() is answered within a second
                 manifest = subscription.get(timeout_s=min(self.poll_s, 1.0))
+                opened, gapless = subscription.gapless and not gapless, subscription.gapless
                 if manifest is not None:
                     self.install(manifest)
-                elif time.monotonic() - synced >= self.poll_s:
-                    self.sync()
+                elif opened or time.monotonic() - synced >= (
+                    self.quiet_poll_s if gapless and not self.retry_soon else self.poll_s
+                ):
+                    self.retry_soon = False
+                    self.sync()  # `opened`: what came between the first sync and the stream
                     synced = time.monotonic()
             except QueueError as err:
                 log.warning("adapter announcements unavailable, retrying: %s", err)
@@ -191,14 +207,19 @@ class AdapterWatcher:
                 (folder / entry.name).write_bytes(data)
             self.engine.load_adapter(version, folder)
             self.digests[version] = folder_digest(folder)
-        except (ProtocolError, StoreError, EngineError, OSError) as err:
-            # StoreError also covers the proxy client's download errors
+        except (ProtocolError, EngineError, StoreMissing) as err:  # the adapter itself: never again
             reason = f"{type(err).__name__}: {err}"
             self.refused[version] = reason
             shutil.rmtree(folder, ignore_errors=True)
             log.error("adapter v%d refused, still generating with v%d: %s", version, self.current, reason)
             if self.on_refused is not None:
                 self.on_refused(version, reason)
+            return False
+        except (StoreError, OSError) as err:  # the store, the network or the disk: try again soon
+            shutil.rmtree(folder, ignore_errors=True)
+            self.source.forget()
+            self.retry_soon = True
+            log.warning("adapter v%d could not be fetched, retrying within %gs: %s", version, self.poll_s, err)
             return False
         return True
 

@@ -111,8 +111,9 @@ def build_app(ctx: Context) -> Starlette:
         yield
         await ctx.hub.stop()
         await ctx.rate.aclose()
-        if ctx.aredis is not None:
-            await ctx.aredis.aclose()
+        for client in (ctx.aredis, ctx.waits):
+            if client is not None:
+                await client.aclose()
 
     app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(MetricsMiddleware, metrics=ctx.metrics)])
     app.state.ctx = ctx
@@ -138,7 +139,11 @@ def _endpoint(
             params = {**request.query_params, **request.path_params}
             if token is not None and _waits(body, params):
                 with _hold(ctx, token, "long-poll"):
-                    result = await in_thread(handler, ctx, token, body, params)  # type: ignore[arg-type]
+                    result = (
+                        await handler(ctx, token, body, params)  # type: ignore[misc]
+                        if on_loop
+                        else await in_thread(handler, ctx, token, body, params)  # type: ignore[arg-type]
+                    )
             elif on_loop:
                 result = await handler(ctx, token, body, params)  # type: ignore[misc]
             else:

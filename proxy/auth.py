@@ -4,6 +4,7 @@
     name = "spot-fleet-a"   # shows up in logs and metrics instead of the secret
     role = "actor"          # actor | learner | admin
     secret = "..."          # at least 32 characters
+    workers = 1000          # optional, actors: a fleet of this many workers (sizes its caps)
 
 The variable `SPOTGRPO_TOKENS` holds the same TOML text. Secrets are compared in
 constant time against every known token and never logged.
@@ -22,6 +23,7 @@ from typing import Literal
 Role = Literal["actor", "learner", "admin"]
 ROLES: tuple[Role, ...] = ("actor", "learner", "admin")
 MIN_SECRET = 32
+MAX_WORKERS = 100_000
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -35,6 +37,10 @@ class Token:
     role: Role
     digest: bytes
     """sha256 of the secret: what is compared, so secrets of any length compare in the same time."""
+    workers: int | None = None
+    """A fleet's token: the workers it is for. Its caps (event streams, long-polls, live
+    workers, requests/s, body bytes) are sized for them (`proxy.handlers.ProxyLimits.caps`)
+    in place of the proxy's per-token flags, so a stolen copy holds no more than that fleet does."""
 
     def __repr__(self) -> str:  # never the secret, not even its digest
         return f"Token(name={self.name!r}, role={self.role!r})"
@@ -58,8 +64,8 @@ class Tokens:
         tokens, names, secrets = [], set(), set()
         for i, entry in enumerate(entries):
             where = f"{source}: tokens[{i}]"
-            if not isinstance(entry, dict) or set(entry) - {"name", "role", "secret"}:
-                raise TokenError(f"{where}: only name, role and secret are allowed")
+            if not isinstance(entry, dict) or set(entry) - {"name", "role", "secret", "workers"}:
+                raise TokenError(f"{where}: only name, role, secret and workers are allowed")
             name, role, secret = entry.get("name"), entry.get("role"), entry.get("secret")
             if not isinstance(name, str) or not _NAME.match(name):
                 raise TokenError(f"{where}: name must be 1-64 letters, digits, '.', '_' or '-'")
@@ -67,11 +73,19 @@ class Tokens:
                 raise TokenError(f"{where} ({name}): role must be one of {', '.join(ROLES)}")
             if not isinstance(secret, str) or len(secret) < MIN_SECRET:
                 raise TokenError(f"{where} ({name}): secret must be at least {MIN_SECRET} characters")
+            workers = entry.get("workers")
+            if workers is not None and (
+                role != "actor"
+                or isinstance(workers, bool)
+                or not isinstance(workers, int)
+                or not 1 <= workers <= MAX_WORKERS
+            ):
+                raise TokenError(f"{where} ({name}): workers is for an actor token: a whole number 1-{MAX_WORKERS}")
             if name in names or secret in secrets:
                 raise TokenError(f"{where} ({name}): names and secrets must be unique")
             names.add(name)
             secrets.add(secret)
-            tokens.append(Token(name, role, hashlib.sha256(secret.encode()).digest()))
+            tokens.append(Token(name, role, hashlib.sha256(secret.encode()).digest(), workers))
         return cls(tokens)
 
     @classmethod

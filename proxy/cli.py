@@ -206,6 +206,7 @@ def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from protocol import QueueConfig, QueueUnavailable
+    from protocol.client.http import CHUNK_ITEMS
     from protocol.trusted import RedisQueue, open_store
     from protocol.trusted.redis_client import connect_async, memory_redis
     from protocol.wire.files import StoreError
@@ -217,6 +218,12 @@ def serve(args: argparse.Namespace) -> int:
     from proxy.server import ProxyServer, raise_open_files_limit
     from proxy.threads import THREADS
 
+    if args.max_messages < CHUNK_ITEMS:
+        print(
+            f"proxy serve: --max-messages must be at least {CHUNK_ITEMS}, what clients send in one call",
+            file=sys.stderr,
+        )
+        return 2
     if args.insecure_http == bool(args.tls_cert or args.tls_key):
         print("proxy serve: give --tls-cert and --tls-key, or --insecure-http (plain HTTP)", file=sys.stderr)
         return 2
@@ -272,6 +279,7 @@ def serve(args: argparse.Namespace) -> int:
     )
     if args.redis != "memory://" and not queue.on_cluster:  # submissions from the event loop (proxy.handlers)
         ctx.aredis = connect_async(args.redis)
+        ctx.waits = connect_async(args.redis, max_connections=args.max_connections)
     HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
     log.info(
         "proxy for run %s on %s://%s:%d (%d tokens)",
@@ -295,10 +303,11 @@ def serve(args: argparse.Namespace) -> int:
         limit_concurrency=args.max_connections,
     )
     files = raise_open_files_limit()
-    if files < args.max_connections + 64:
+    # a socket for each connection, and one to Redis for each claim waiting (`ctx.waits`)
+    if files < 2 * args.max_connections + THREADS + 64:
         log.warning(
-            "open-files limit %d is below --max-connections %d: connections past it fail at accept "
-            "(raise the hard limit: ulimit -Hn, or the container's nofile)",
+            "open-files limit %d is below twice --max-connections %d and the Redis pool: connections past it fail "
+            "at accept (raise the hard limit: ulimit -Hn, or the container's nofile)",
             files,
             args.max_connections,
         )

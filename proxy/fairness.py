@@ -41,10 +41,21 @@ class SharedRateLimit:
     (`async+redis://…`, or `async+memory://` for one process), taken `reserve_s` worth
     at a time."""
 
-    def __init__(self, storage_url: str, rate_per_s: float, burst: float, prefix: str, reserve_s: float = 0.05) -> None:
-        window = max(1, round(burst / rate_per_s))
-        self.item = RateLimitItemPerSecond(max(1, int(rate_per_s * window)), window)
-        self.slice = max(1, int(rate_per_s * reserve_s))
+    def __init__(
+        self,
+        storage_url: str,
+        rate_per_s: float,
+        burst: float,
+        prefix: str,
+        reserve_s: float = 0.05,
+        rates: dict[str, float] | None = None,
+    ) -> None:
+        """`rates`: token name -> its own sustained rate (a fleet's token sized for its
+        workers), with a burst of the same proportion."""
+        self.item, self.slice = self._budget(rate_per_s, burst, reserve_s)
+        self._budgets = {
+            name: self._budget(rate, burst * rate / rate_per_s, reserve_s) for name, rate in (rates or {}).items()
+        }
         self._reserved: dict[str, tuple[int, float]] = {}
         """Token name -> (requests left of its slice, when the slice was taken)."""
         self._locks: dict[str, asyncio.Lock] = {}
@@ -59,6 +70,12 @@ class SharedRateLimit:
         self.storage = storage_from_string(storage_url, **options)
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
         self._warned_at = 0.0
+
+    @staticmethod
+    def _budget(rate_per_s: float, burst: float, reserve_s: float) -> tuple[RateLimitItemPerSecond, int]:
+        """The limits item (a window holding the burst) and the slice taken at a time."""
+        window = max(1, round(burst / rate_per_s))
+        return RateLimitItemPerSecond(max(1, int(rate_per_s * window)), window), max(1, int(rate_per_s * reserve_s))
 
     async def aclose(self) -> None:
         """Close the store's Redis connections (the `limits` library has no call for it)."""
@@ -97,13 +114,14 @@ class SharedRateLimit:
 
     async def _reserve(self, name: str) -> float:
         now = time.monotonic()
+        item, piece = self._budgets.get(name, (self.item, self.slice))
         try:
-            if self.slice > 1 and await self.limiter.hit(self.item, name, cost=self.slice):
-                self._reserved[name] = (self.slice - 1, now)
+            if piece > 1 and await self.limiter.hit(item, name, cost=piece):
+                self._reserved[name] = (piece - 1, now)
                 return 0.0
-            if await self.limiter.hit(self.item, name):  # the rest of the budget, one at a time
+            if await self.limiter.hit(item, name):  # the rest of the budget, one at a time
                 return 0.0
-            stats = await self.limiter.get_window_stats(self.item, name)
+            stats = await self.limiter.get_window_stats(item, name)
         except StorageError as err:
             if time.monotonic() - self._warned_at > 60:
                 self._warned_at = time.monotonic()
@@ -125,14 +143,16 @@ class Holds:
     """Open long-polls and event streams per (token, kind). The event loop is one thread,
     so the counts need no lock."""
 
-    def __init__(self, caps: dict[str, int]) -> None:
-        self.caps = caps
+    def __init__(self, caps: dict[str, int], sized: dict[str, dict[str, int]] | None = None) -> None:
+        """`caps`: kind -> cap; `sized`: token name -> its own caps (a fleet's token)."""
+        self.caps, self.sized = caps, sized or {}
         self.counts: dict[tuple[str, str], int] = {}
 
     def acquire(self, token: str, kind: str) -> None:
         key = (token, kind)
-        if self.counts.get(key, 0) >= self.caps[kind]:
-            raise OverCap(f"token {token} already holds {self.caps[kind]} open {kind}s; retry later")
+        cap = self.sized.get(token, self.caps)[kind]
+        if self.counts.get(key, 0) >= cap:
+            raise OverCap(f"token {token} already holds {cap} open {kind}s; retry later")
         self.counts[key] = self.counts.get(key, 0) + 1
 
     def release(self, token: str, kind: str) -> None:
@@ -156,16 +176,17 @@ class BodyBytes:
     request is refused (`OverCap`, `.everyone` says which cap), so 64 bodies trickled at
     once cannot take the proxy's memory. The event loop is one thread: no lock."""
 
-    def __init__(self, per_token: int, in_all: int) -> None:
-        self.per_token, self.in_all = per_token, in_all
+    def __init__(self, per_token: int, in_all: int, sized: dict[str, int] | None = None) -> None:
+        """`sized`: token name -> its own cap (a fleet's token)."""
+        self.per_token, self.in_all, self.sized = per_token, in_all, sized or {}
         self.held: dict[str, int] = {}
         self.total = 0
 
     def take(self, token: str, n: int) -> None:
-        if self.held.get(token, 0) + n > self.per_token:
+        cap = self.sized.get(token, self.per_token)
+        if self.held.get(token, 0) + n > cap:
             raise OverCap(
-                f"token {token} has {self.per_token} bytes of request bodies in flight already; "
-                "retry when one is answered"
+                f"token {token} has {cap} bytes of request bodies in flight already; retry when one is answered"
             )
         if self.total + n > self.in_all:
             raise OverCap(f"the proxy holds {self.in_all} bytes of request bodies already; retry later", everyone=True)

@@ -61,6 +61,7 @@ from protocol.trusted.store import FileStore, Store
 from protocol.wire.codec import DEFAULT_LIMITS, Limits
 from protocol.wire.files import StoreMissing, adapter_key
 from proxy.auth import Token, Tokens
+from proxy.downloads import DownloadCache
 from proxy.events import AdapterEventHub
 from proxy.fairness import BodyBytes, Holds, SharedRateLimit
 from proxy.metrics import ProxyMetrics, behind_first
@@ -97,6 +98,40 @@ class ProxyLimits:
     """Request-body bytes one token may have in flight at once (429 past it)."""
     max_body_bytes_in_flight: int = 512 * 1024 * 1024
     """Request-body bytes in flight over every token (503 past it)."""
+    rate_per_worker_s: float = 5.0
+    """A fleet token's (`workers = N` in the tokens file) rate: N times this."""
+    body_bytes_per_worker: int = 1024 * 1024
+    """A fleet token's body bytes in flight: N times this (at least one full body)."""
+
+    def caps(self, workers: int | None) -> TokenCaps:
+        """What one token may hold: the flags' caps, or a fleet token's sized for its `workers`."""
+        if workers is None:
+            return TokenCaps(
+                self.max_long_polls_per_token,
+                self.max_streams_per_token,
+                self.max_workers_per_token,
+                self.rate_per_s,
+                self.max_body_bytes_per_token,
+            )
+        return TokenCaps(
+            workers,
+            workers,
+            2 * workers,  # a departed worker's status stays live 2 minutes: room for a fleet replaced within them
+            workers * self.rate_per_worker_s,
+            min(self.max_body_bytes_in_flight, max(self.max_body_bytes, workers * self.body_bytes_per_worker)),
+        )
+
+
+@dataclass(frozen=True)
+class TokenCaps:
+    """One token's share of the door (`ProxyLimits.caps`)."""
+
+    long_polls: int
+    streams: int
+    workers: int
+    """Live worker statuses in the fleet view."""
+    rate_per_s: float
+    body_bytes: int
 
 
 OFF_LOOP_BYTES = 1 << 20
@@ -131,25 +166,36 @@ class Context:
     holds: Holds = field(init=False)
     bodies: BodyBytes = field(init=False)
     hub: AdapterEventHub = field(init=False)
+    downloads: DownloadCache = field(init=False)
     body_limits: Limits = field(init=False)
     """The wire limits with this proxy's body size: what every request body is decoded with."""
     aredis: Any = None
     """A `redis.asyncio` client of the queue's server where it is a plain Redis (closed with
     the app): submissions go from the event loop (`RedisQueue.submit_async`)."""
+    waits: Any = None
+    """Another, with a connection for every claim that may wait at once (`claim`)."""
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
+        sized = {t.name: self.limits.caps(t.workers) for t in self.tokens.tokens if t.workers is not None}
         self.rate = SharedRateLimit(
             self.rate_storage,
             self.limits.rate_per_s,
             self.limits.burst,
             prefix=f"spotgrpo:{{{self.queue.config.run}}}:rate",
+            rates={name: caps.rate_per_s for name, caps in sized.items()},
         )
         self.holds = Holds(
-            {"long-poll": self.limits.max_long_polls_per_token, "event stream": self.limits.max_streams_per_token}
+            {"long-poll": self.limits.max_long_polls_per_token, "event stream": self.limits.max_streams_per_token},
+            {name: {"long-poll": caps.long_polls, "event stream": caps.streams} for name, caps in sized.items()},
         )
         self.hub = AdapterEventHub(self.queue)
-        self.bodies = BodyBytes(self.limits.max_body_bytes_per_token, self.limits.max_body_bytes_in_flight)
+        self.downloads = DownloadCache(partial(make_download, self), self.limits.presign_s)
+        self.bodies = BodyBytes(
+            self.limits.max_body_bytes_per_token,
+            self.limits.max_body_bytes_in_flight,
+            {name: caps.body_bytes for name, caps in sized.items()},
+        )
         self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
 
     def block(self, requested: float) -> float:
@@ -182,9 +228,18 @@ def worker_name(token: Token, worker: str) -> str:
     return name
 
 
-def claim(ctx: Context, token: Token, body: ClaimRequest, params: dict[str, str]) -> ClaimResponse:
+async def claim(ctx: Context, token: Token, body: ClaimRequest, params: dict[str, str]) -> ClaimResponse:
+    """The claim in a worker thread; its wait, where it has one, on the event loop
+    (`ctx.waits`): a thread held by each waiting worker starved every other call of a
+    fleet at 300 workers (`bench/fleet.py`)."""
     ctx.check_count("count", body.count)
-    return ClaimResponse(leases=ctx.queue.claim(worker_name(token, body.worker), body.count, ctx.block(body.block_s)))
+    worker, block = worker_name(token, body.worker), ctx.block(body.block_s)
+    if ctx.waits is None:  # fakeredis or a cluster: the whole blocking claim in a thread
+        return ClaimResponse(leases=await in_thread(ctx.queue.claim, worker, body.count, block))
+    leases = await in_thread(ctx.queue.claim, worker, body.count, 0.0)
+    if not leases and block:
+        leases = await ctx.queue.wait_for_prompts_async(ctx.waits, worker, body.count, block)
+    return ClaimResponse(leases=leases)
 
 
 def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[str, str]) -> HeartbeatResponse:
@@ -227,7 +282,7 @@ def report_status(
 ) -> ReportStatusResponse:
     name = worker_name(token, body.status.worker)
     status = msgspec.structs.replace(body.status, worker=name, reported_at=time.time())  # the proxy's clock
-    ctx.queue.report_status(status, owner=token.name, max_per_owner=ctx.limits.max_workers_per_token)
+    ctx.queue.report_status(status, owner=token.name, max_per_owner=ctx.limits.caps(token.workers).workers)
     return ReportStatusResponse(worker=name)
 
 
@@ -318,7 +373,12 @@ def stats(ctx: Context, token: Token, body: None, params: dict[str, str]) -> Sta
 
 
 def adapter_download(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AdapterDownload:
-    version = parse_version(params["version"])
+    return ctx.downloads.get(parse_version(params["version"]))
+
+
+def make_download(ctx: Context, version: int) -> AdapterDownload:
+    """A version's manifest and its files' URLs (`proxy.downloads.DownloadCache` keeps it)."""
+    ctx.metrics.manifest_reads.inc()
     try:
         manifest = ctx.store.read_manifest(version)
     except StoreMissing:

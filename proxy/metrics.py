@@ -40,6 +40,11 @@ class ProxyMetrics:
         self.backpressure = Counter(
             "spotgrpo_proxy_backpressure", "Submissions refused with 503 (rollout backlog)", registry=r
         )
+        self.manifest_reads = Counter(
+            "spotgrpo_proxy_adapter_manifest_reads",
+            "Adapter manifests read from the store and presigned (once per version, not per worker)",
+            registry=r,
+        )
         self.depth = Gauge("spotgrpo_queue_entries", "Entries per stream and state", ["stream", "state"], registry=r)
         self.leases = Gauge("spotgrpo_queue_leases", "Outstanding prompt leases", registry=r)
         self.dead_letters = Gauge("spotgrpo_queue_dead_letters", "Entries in the dead-letter stream", registry=r)

@@ -37,7 +37,7 @@ from protocol import (
 from protocol.trusted import RedisQueue, open_store
 from protocol.trusted.store import Store, StoreSource
 from protocol.usercode.rewards import RewardError, RewardFn, Scorer, load_reward
-from protocol.wire.files import adapter_key
+from protocol.wire.files import StoreError, adapter_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,6 +212,24 @@ def test_watcher_refuses_a_corrupt_adapter_and_keeps_generating(tmp_path: Path, 
         watcher.sync()
     assert watcher.current == 5 and engine.loaded_versions() == [4, 5]  # v1 evicted
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["v4", "v5"]
+
+    # a download the store or the network failed is no verdict on the adapter: tried again
+    class Flaky(StoreSource):
+        failures = 1
+
+        def fetch(self, manifest, name):
+            if self.failures:
+                self.failures -= 1
+                raise StoreError(f"adapter v{manifest.version}/{name}: read timed out")
+            return super().fetch(manifest, name)
+
+    watcher.source = Flaky(store)
+    publish(store, queue, learner_policy(tiny_model, 6), 6)
+    watcher.sync()
+    assert watcher.current == 5 and 6 not in watcher.refused and watcher.retry_soon
+    assert not (tmp_path / "cache" / "v6").exists()
+    watcher.sync()
+    assert watcher.current == 6
 
 
 # ---------------------------------------------------------------------- rewards

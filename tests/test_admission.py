@@ -40,7 +40,16 @@ def test_the_window_moves_with_the_staleness_of_what_arrives() -> None:
         a.update([1], 1, waited_frac=0.0)
     assert a.limit == 4  # never below one step's groups
     a.update([2], 0, waited_frac=0.5)
-    assert a.limit == 6  # waiting with room under the bound: a lease more (no longer doubling)
+    assert a.limit == 6  # waiting with room under the bound: a quarter more, at least a lease (no doubling)
+    a.update([2], 0, waited_frac=0.5)
+    assert a.limit == 8
+    wide = Admission(ceiling=8192, floor=64, lease=4, max_staleness=4)
+    wide.update([4], 0, waited_frac=0.0)  # slow start over
+    steps = 0
+    while wide.limit < 4000:  # a fleet of 1,000 workers, 4 prompts a lease
+        wide.update([1], 0, waited_frac=0.8)
+        steps += 1
+    assert steps <= 20  # a lease a step would take 984
     for _ in range(40):
         a.update([1, 2], 0, waited_frac=0.5)
     assert a.limit == 32

@@ -221,6 +221,9 @@ def test_proxy_names_a_missing_or_broken_tls_file(tmp_path: Path, tls_pair, toke
     rc, err, _ = _run([*base, "--tls-cert", str(garbage), "--tls-key", str(tls_pair[1])])
     assert rc == 2
     _one_line(err, "proxy serve:", "garbage.pem")
+    rc, err, _ = _run([*base, "--insecure-http", "--max-messages", "100"])
+    assert rc == 2
+    _one_line(err, "proxy serve:", "--max-messages must be at least 256")
     # Redis down: it waits, as the learner and the actors do (test_hostile has the wait), then says so
     rc, err, _ = _run(
         [

@@ -354,6 +354,10 @@ def test_compose_comes_up_from_a_fresh_clone_by_its_setup_as_docker_compose_read
     assert done.returncode == 0, done.stderr
     services = json.loads(done.stdout)["services"]
     assert services["proxy"]["environment"]["SPOTGRPO_TOKENS"].count(env["ACTOR_TOKEN"]) == 1
+    from proxy.auth import Tokens
+
+    tokens = Tokens.from_toml(services["proxy"]["environment"]["SPOTGRPO_TOKENS"]).tokens
+    assert [t.workers for t in tokens if t.role == "actor"] == [64]  # the fleet token is sized (ACTOR_WORKERS)
     assert services["actors"]["environment"]["SPOTGRPO_TOKEN"] == env["ACTOR_TOKEN"]
     certs = {v["source"] for s in ("proxy", "actors") for v in services[s]["volumes"] if v["target"] == "/certs"}
     assert certs == {str(clone / "certs")}  # where setup.sh wrote them, and deploy/'s recipes read them

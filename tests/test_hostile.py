@@ -51,20 +51,24 @@ pytestmark = pytest.mark.redis
 REPO = Path(__file__).resolve().parents[1]
 MALLORY = "mallory-secret-for-tests-0123456789-abcdef"
 """A second actor token: a worker of another fleet, or a stolen token."""
+SMALL_FLEET = "small-fleet-secret-for-tests-0123456789"
+"""An actor token sized for a fleet of 12 workers (`workers = 12`)."""
 
 
 @pytest.fixture
 def proxy(redis_server, run_name: str, tls_pair, tmp_path: Path):
-    """A proxy whose tokens file has two actor tokens; `proxy.extra` flags go to serve."""
+    """A proxy whose tokens file has three actor tokens (one sized for 12 workers);
+    `proxy.extra` flags go to serve."""
     tokens = tmp_path / "tokens.toml"
     tokens.write_text(
         "".join(
-            f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n'
-            for name, role, secret in [
-                ("fleet-a", "actor", TOKENS["actor"]),
-                ("mallory", "actor", MALLORY),
-                ("trainer", "learner", TOKENS["learner"]),
-                ("ops", "admin", TOKENS["admin"]),
+            f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n{sized}'
+            for name, role, secret, sized in [
+                ("fleet-a", "actor", TOKENS["actor"], ""),
+                ("mallory", "actor", MALLORY, ""),
+                ("fleet-small", "actor", SMALL_FLEET, "workers = 12\n"),
+                ("trainer", "learner", TOKENS["learner"], ""),
+                ("ops", "admin", TOKENS["admin"], ""),
             ]
         )
     )
@@ -286,6 +290,57 @@ def _claim():
     from protocol.client.http import ClaimRequest
 
     return ClaimRequest
+
+
+def test_a_fleet_token_holds_what_its_workers_need_and_no_more(proxy) -> None:
+    """`workers = 12` in the tokens file: that token's event streams, live workers (twice
+    the fleet, for churn) and requests/s are sized for 12 workers (5 requests/s each),
+    whatever the per-token flags allow the others; the other tokens keep the flags' caps."""
+    p = proxy("--max-streams-per-token", "256", "--max-workers-per-token", "256", "--rate-per-s", "10000")
+
+    async def streams(secret: str, n: int) -> list[int]:
+        limits = httpx.Limits(max_connections=n + 5, max_keepalive_connections=0)
+        async with httpx.AsyncClient(
+            base_url=p.url, verify=p.ssl(), timeout=30, limits=limits, headers={"Authorization": f"Bearer {secret}"}
+        ) as client:
+            codes: list[int] = []
+            all_open = asyncio.Event()
+
+            async def stream() -> None:
+                async with client.stream("GET", "/v1/adapters/events") as r:
+                    codes.append(r.status_code)
+                    if len(codes) == n:
+                        all_open.set()
+                    if r.status_code == 200:
+                        await asyncio.sleep(30)
+
+            tasks = [asyncio.create_task(stream()) for _ in range(n)]
+            await asyncio.wait_for(all_open.wait(), 60)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return codes
+
+    small = asyncio.run(streams(SMALL_FLEET, 15))
+    assert small.count(200) == 12 and small.count(429) == 3, small
+    assert asyncio.run(streams(TOKENS["actor"], 15)).count(200) == 15
+
+    fleet = _queue(p, SMALL_FLEET)
+    reported = 0
+    for i in range(30):  # twice the fleet: its departed workers' statuses stay live for 2 minutes
+        try:
+            fleet.report_status(WorkerStatus(worker=f"gpu-{i}", reported_at=time.time()))
+            reported += 1
+        except TooManyWorkers:
+            pass
+    assert reported == 24
+
+    def refused(secret: str) -> int:
+        with _raw(p, secret) as client:
+            return sum(client.get("/v1/whoami").status_code == 429 for _ in range(400))
+
+    assert refused(SMALL_FLEET) > 100  # 60 requests/s (burst 120) against 400 at once
+    assert refused(TOKENS["actor"]) == 0
 
 
 def test_a_connection_that_never_finishes_its_headers_is_closed(proxy) -> None:

@@ -22,7 +22,6 @@ from protocol import (
     AdapterManifest,
     FinishedBatch,
     LeaseLost,
-    ProtocolError,
     QueueConfig,
     QueueUnavailable,
     encode,
@@ -30,8 +29,10 @@ from protocol import (
 )
 from protocol.client.api import ENDPOINTS
 from protocol.client.http import (
+    CHUNK_ITEMS,
     CONTENT_TYPE,
     AckRequest,
+    AddPromptsRequest,
     ClaimRequest,
     ReadRolloutsRequest,
     SubmitRequest,
@@ -72,12 +73,17 @@ def test_tokens_file_validation() -> None:
         ('[[tokens]]\nname = "a"\nrole = "root"\nsecret = "%s"\n' % ("x" * 32), "role must be"),
         ("[[tokens]]\n" + good + "[[tokens]]\n" + good, "unique"),
         ("tokens = 3", "expected"),
-        ("[[tokens]]\n" + good + 'extra = "no"\n', "only name, role and secret"),
+        ("[[tokens]]\n" + good + 'extra = "no"\n', "only name, role, secret and workers"),
         ("[", "tokens"),
+        ("[[tokens]]\n" + good + "workers = 0\n", "workers is for an actor token"),
+        ("[[tokens]]\n" + good + 'workers = "many"\n', "workers is for an actor token"),
+        ("[[tokens]]\n" + good + "workers = true\n", "workers is for an actor token"),
+        ("[[tokens]]\n" + good.replace("actor", "learner") + "workers = 8\n", "workers is for an actor token"),
     ]:
         with pytest.raises(TokenError, match=msg):
             Tokens.from_toml(text)
     assert "x" * 32 not in repr(Tokens.from_toml("[[tokens]]\n" + good).tokens)
+    assert Tokens.from_toml("[[tokens]]\n" + good + "workers = 1000\n").tokens[0].workers == 1000
 
 
 def test_every_route_is_guarded_by_its_roles(make_proxy) -> None:
@@ -213,21 +219,25 @@ def test_finished_batches_through_the_proxy(make_proxy, redis_server, run_name) 
 
 
 def test_oversized_bodies_and_too_many_messages(make_proxy) -> None:
-    proxy = make_proxy(extra=("--max-body-bytes", "4096", "--max-messages", "3"))
+    proxy = make_proxy(extra=("--max-body-bytes", "1000000", "--max-messages", str(CHUNK_ITEMS)))
     learner = proxy.queue("learner")
     with _client(proxy, "learner") as client:
-        r = client.post("/v1/prompts", content=b"\x00" * 5000, headers={"Content-Type": CONTENT_TYPE})
+        r = client.post("/v1/prompts", content=b"\x00" * 1_000_001, headers={"Content-Type": CONTENT_TYPE})
         assert r.status_code == 413
 
         def chunks():
             for _ in range(10):
-                yield b"\x00" * 1000
+                yield b"\x00" * 100_001
 
         r = client.post("/v1/prompts", content=chunks(), headers={"Content-Type": CONTENT_TYPE})  # no length header
         assert r.status_code == 413
-    with pytest.raises(ProtocolError, match="limit of 3"):
-        learner.add_prompts([batch(i, prompts=1) for i in range(4)])
+        many = encode_body(AddPromptsRequest(batches=[batch(i, prompts=1) for i in range(CHUNK_ITEMS + 1)]))
+        r = client.post("/v1/prompts", content=many, headers={"Content-Type": CONTENT_TYPE})
+        assert r.status_code == 413 and f"limit of {CHUNK_ITEMS}" in r.text
     assert learner.stats().prompts.length == 0
+    # the client sends a fleet's worth of batches in calls the proxy takes
+    assert learner.add_prompts([batch(i, prompts=1) for i in range(2 * CHUNK_ITEMS + 3)]) == 2 * CHUNK_ITEMS + 3
+    assert learner.stats().prompts.length == 2 * CHUNK_ITEMS + 3
     learner.close()
 
 
@@ -435,6 +445,72 @@ def test_adapter_downloads_from_s3_are_presigned(make_proxy, s3_bucket, moto_ser
     assert not download.proxied and all("Signature" in u for u in download.urls.values())
     assert actor.fetch_adapter_file(actor.adapter_download(2), "adapter_model.safetensors") == b"weights-2"
     actor.close()
+
+
+@pytest.mark.s3
+def test_a_versions_download_is_made_once_however_many_workers_ask(make_proxy, s3_bucket, moto_server) -> None:
+    """A publish at fleet scale: 48 workers ask for the new version at once; the proxy reads
+    its manifest and presigns once, and every worker's URLs work. A version asked for
+    before it exists is not remembered as missing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    proxy = make_proxy(store=f"s3://{s3_bucket}/run", env=moto_server.env())
+    store = open_store(f"s3://{s3_bucket}/run")
+    queues = [proxy.queue("actor") for _ in range(8)]
+    with pytest.raises(StoreMissing):
+        queues[0].adapter_download(3)
+    _manifest(store, 3)
+    with ThreadPoolExecutor(48) as pool:
+        downloads = list(pool.map(lambda i: queues[i % 8].adapter_download(3), range(48)))
+    assert all(d.manifest == downloads[0].manifest and d.urls == downloads[0].urls for d in downloads)
+    assert queues[1].fetch_adapter_file(downloads[-1], "adapter_model.safetensors") == b"weights-3"
+    with _client(proxy, "admin") as client:
+        text = client.get("/metrics").text
+    assert "spotgrpo_proxy_adapter_manifest_reads_total 2.0" in text  # the missing one, then the made one
+    for q in queues:
+        q.close()
+
+
+def test_a_watcher_on_the_event_stream_polls_rarely_and_misses_nothing(make_proxy, tmp_path) -> None:
+    """Through a proxy the watcher reads the latest version at start and once the stream
+    is open, then only every `quiet_poll_s`: at 1,000 workers a poll every 5 s each was
+    200 requests a second at the door. Announcements still arrive, and one made while
+    the proxy was down arrives when it is back."""
+    from scripted import ScriptedEngine
+
+    from actors.watcher import AdapterWatcher, ProxySource
+
+    proxy = make_proxy(store=(tmp_path / "s").as_uri())
+    store = open_store((tmp_path / "s").as_uri())
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    polls = []
+    latest = actor.latest_adapter
+    actor.latest_adapter = lambda: polls.append(time.monotonic()) or latest()  # type: ignore[method-assign]
+    watcher = AdapterWatcher(
+        actor, ProxySource(actor), ScriptedEngine(None, lambda text, i: ""), tmp_path / "cache", poll_s=0.2
+    ).start()
+
+    def until(version: int) -> None:
+        deadline = time.monotonic() + 20
+        while watcher.current < version:
+            assert time.monotonic() < deadline, f"v{version} never loaded"
+            time.sleep(0.05)
+
+    time.sleep(2.0)
+    assert 1 <= len(polls) <= 2  # at start, and once the stream opened (not ten times)
+    learner.announce(_manifest(store, 1))
+    until(1)
+    quiet_since = len(polls)
+    time.sleep(2.0)
+    assert len(polls) == quiet_since
+    proxy.kill()
+    direct = RedisQueue.from_url(proxy.cmd[proxy.cmd.index("--redis") + 1], QueueConfig(run=proxy.run))
+    direct.announce(_manifest(store, 2))
+    proxy.start()
+    until(2)
+    watcher.close()
+    for q in (direct, learner, actor):
+        q.close()
 
 
 class Forwarder:

@@ -19,3 +19,6 @@ class AdapterSource(abc.ABC):
     @abc.abstractmethod
     def manifest(self, version: int) -> AdapterManifest:
         """The manifest of a published version (an older one, for an evaluation)."""
+
+    def forget(self) -> None:  # noqa: B027 - most sources keep nothing between fetches
+        """Drop what a failed download kept (URLs that may have expired): the next fetch asks again."""

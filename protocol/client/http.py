@@ -43,6 +43,9 @@ ACCEPTED_CONTENT_TYPES = frozenset({CONTENT_TYPE, "application/msgpack", "applic
 
 MAX_ITEMS = 4096
 """Upper bound on the entries of any list in a body; the proxy applies a lower limit."""
+CHUNK_ITEMS = 256
+"""The most entries the client puts in one call's list (a learner's prompts or acks for a
+fleet go in several calls); a proxy's --max-messages may not be lower."""
 
 EntryId = Annotated[str, msgspec.Meta(pattern=r"^[0-9]{1,20}-[0-9]{1,20}$")]
 """A Redis stream entry id (lease ids, delivery ids and event ids are all of this form)."""

@@ -44,6 +44,7 @@ import urllib3.exceptions
 from protocol.client import api
 from protocol.client.api import Endpoint, Resp
 from protocol.client.http import (
+    CHUNK_ITEMS,
     CONTENT_TYPE,
     AckRequest,
     AdapterDownload,
@@ -243,9 +244,11 @@ class HttpQueue(Queue):
 
     # -------------------------------------------------------------------- prompts
     def add_prompts(self, batches: Sequence[PromptBatch]) -> int:
-        if not batches:
-            return 0
-        return self._call(api.ADD_PROMPTS, AddPromptsRequest(batches=list(batches))).added
+        # a fleet's worth at once is several calls (each batch is stored once by its id)
+        return sum(
+            self._call(api.ADD_PROMPTS, AddPromptsRequest(batches=list(batches[i : i + CHUNK_ITEMS]))).added
+            for i in range(0, len(batches), CHUNK_ITEMS)
+        )
 
     def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
         return self._call(api.CLAIM, ClaimRequest(worker=worker, count=count, block_s=block_s)).leases
@@ -289,9 +292,9 @@ class HttpQueue(Queue):
     def ack_rollouts(self, delivery_ids: Sequence[str], finished: Sequence[FinishedBatch] = ()) -> int:
         ids, batches = list(delivery_ids), list(finished)
         acked = 0
-        for i in range(0, max(len(ids), len(batches)), 256):
-            chunk = ids[i : i + 256]
-            body = AckRequest(delivery_ids=chunk, finished=batches[i : i + 256])
+        for i in range(0, max(len(ids), len(batches)), CHUNK_ITEMS):
+            chunk = ids[i : i + CHUNK_ITEMS]
+            body = AckRequest(delivery_ids=chunk, finished=batches[i : i + CHUNK_ITEMS])
             acked += self._call(api.ACK, body).acked
             for received in self._received.values():
                 received.difference_update(chunk)
@@ -457,6 +460,7 @@ class SseSubscription(AdapterSubscription):
     def __init__(self, client: httpx.Client, path: str) -> None:
         self.client, self.path = client, path
         self.last_event_id: str | None = None
+        self._open = False
         self._items: stdqueue.Queue[AdapterManifest] = stdqueue.Queue(maxsize=1000)
         self._stop = threading.Event()
         self._response: httpx.Response | None = None
@@ -468,6 +472,12 @@ class SseSubscription(AdapterSubscription):
             return self._items.get(timeout=timeout_s)
         except stdqueue.Empty:
             return None
+
+    @property
+    def gapless(self) -> bool:
+        """While the stream is open: a reconnection resumes from the last event id (and
+        what was announced before the first connection is the watcher's first sync)."""
+        return self._open
 
     def close(self) -> None:
         self._stop.set()
@@ -493,12 +503,15 @@ class SseSubscription(AdapterSubscription):
                     if r.status_code != 200:
                         raise QueueError(f"events: HTTP {r.status_code}")
                     backoff.reset()
+                    self._open = True
                     for event_id, data in _sse_events(r.iter_lines()):
                         manifest = decode(base64.b64decode(data))
                         if isinstance(manifest, AdapterManifest):
                             self._items.put(manifest)
                         self.last_event_id = event_id
+                self._open = False
             except (httpx.HTTPError, QueueError, ProtocolError, ValueError) as err:
+                self._open = False
                 if self._stop.is_set():
                     return
                 if _tls_failure(err) is not None:

@@ -226,6 +226,12 @@ class AdapterSubscription(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None: ...
 
+    @property
+    def gapless(self) -> bool:
+        """Whether it now delivers every announcement, a reconnection included (a stream
+        resumed from its last event id): a watcher then polls rarely. Pub/sub: never."""
+        return False
+
     def __enter__(self) -> Self:
         return self
 
@@ -346,6 +352,12 @@ class Queue(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
+
+    @property
+    def gapless(self) -> bool:
+        """Whether it now delivers every announcement, a reconnection included (a stream
+        resumed from its last event id): a watcher then polls rarely. Pub/sub: never."""
+        return False
 
     def __enter__(self) -> Self:
         return self

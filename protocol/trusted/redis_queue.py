@@ -10,6 +10,7 @@ other way round.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -256,8 +257,39 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                     block=None if rows else block_ms,
                 )
             )
-            for _stream, entries in resp or ():
-                rows += [(text_of(i), 1, fields_of(f).get("m")) for i, f in entries]
+            rows += _new_rows(resp)
+        return self._leases(rows)
+
+    async def wait_for_prompts_async(self, aclient: Any, worker: str, count: int, block_s: float) -> list[Lease]:
+        """The wait of a blocking `claim` from an event loop, after a `claim` that found
+        nothing: new prompt batches only, as `claim` waits for them, on `aclient` (a
+        `redis.asyncio` client, `connect_async`), so that a thousand workers waiting cost
+        the proxy a thousand coroutines and connections, not a thousand threads."""
+        check_worker(worker)
+        block_ms = self._block_ms(block_s)
+        if block_ms is None:
+            return []
+
+        async def read() -> Any:
+            async with asyncio.timeout(block_s + 10.0):  # the client has no socket timeout of its own
+                return await aclient.xreadgroup(
+                    ACTORS_GROUP, worker, {self.keys.prompts: ">"}, count=count, block=block_ms
+                )
+
+        with self._errors():
+            try:
+                try:
+                    resp = await read()
+                except redis.exceptions.ResponseError as err:
+                    self._regroup(err)
+                    resp = await read()
+            except TimeoutError as err:
+                raise QueueUnavailable(f"redis did not answer within {block_s + 10.0:g}s") from err
+        return self._leases(_new_rows(resp))
+
+    def _leases(self, rows: list[tuple[str, int, Any]]) -> list[Lease]:
+        """Leases of claimed prompt entries (lease id, deliveries, payload); an unreadable
+        entry is dead-lettered instead."""
         leases = []
         for lease_id, deliveries, payload in rows:
             try:
@@ -534,3 +566,8 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
 
     def close(self) -> None:
         self._r.close()
+
+
+def _new_rows(resp: Any) -> list[tuple[str, int, Any]]:
+    """(entry id, 1 delivery, payload) of what an XREADGROUP of new prompt entries read."""
+    return [(text_of(i), 1, fields_of(f).get("m")) for _stream, entries in resp or () for i, f in entries]
