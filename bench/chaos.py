@@ -466,9 +466,17 @@ class Soak:
 # ------------------------------------------------------------------------ ledger
 
 
-def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]] | None = None) -> dict[str, Any]:
-    """The exact ledger of the run (see the module docstring); `problems` lists every breach.
-    `rows` replaces consumed.jsonl (the self-test plants breaches in a copy)."""
+def ledger(
+    work: Path,
+    redis_url: str,
+    store_url: str,
+    rows: list[dict[str, Any]] | None = None,
+    run: str = RUN,
+    ppb: int = PPB,
+) -> dict[str, Any]:
+    """The exact ledger of run `run` (`ppb` prompts a batch; see the module docstring);
+    `problems` lists every breach. `rows` replaces consumed.jsonl (the self-test plants
+    breaches in a copy)."""
     from protocol import QueueConfig, group_id_for
     from protocol.trusted import RedisQueue, open_store
     from protocol.wire.files import CHECKPOINT_POINTER, checkpoint_key
@@ -477,18 +485,18 @@ def ledger(work: Path, redis_url: str, store_url: str, rows: list[dict[str, Any]
     pointer = json.loads(store.get(CHECKPOINT_POINTER))
     state = json.loads(store.get(checkpoint_key(pointer["step"], "state.json")))
     problems: list[str] = []
-    queue = RedisQueue.from_url(redis_url, QueueConfig(run=RUN))
+    queue = RedisQueue.from_url(redis_url, QueueConfig(run=run))
     r = queue._r
     keys = queue.keys
 
-    # issued: batch i holds data positions PPB*i .. PPB*i + PPB - 1
+    # issued: batch i holds data positions ppb*i .. ppb*i + ppb - 1
     ledger = state["ledger"]
-    if ledger["cursor"] != ledger["batches_issued"] * PPB:
-        problems.append(f"cursor {ledger['cursor']} is not {ledger['batches_issued']} batches of {PPB}")
+    if ledger["cursor"] != ledger["batches_issued"] * ppb:
+        problems.append(f"cursor {ledger['cursor']} is not {ledger['batches_issued']} batches of {ppb}")
     issued = {
-        group_id_for(f"{RUN}-b{i}", f"p{PPB * i + j}"): f"{RUN}-b{i}"
+        group_id_for(f"{run}-b{i}", f"p{ppb * i + j}"): f"{run}-b{i}"
         for i in range(ledger["batches_issued"])
-        for j in range(PPB)
+        for j in range(ppb)
     }
 
     if rows is None:

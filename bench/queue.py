@@ -122,10 +122,11 @@ def start_redis(prefix: Sequence[str] = ()) -> tuple[subprocess.Popen[bytes], in
     return proc, port
 
 
-def proxy_credentials(work: Path) -> tuple[Path, Path, Path, dict[str, str]]:
+def proxy_credentials(work: Path, actor_workers: int | None = None) -> tuple[Path, Path, Path, dict[str, str]]:
     """What `proxy serve` needs on loopback, written under `work`: a self-signed certificate
-    and key (`proxy selfsigned`), and a tokens file with a fresh secret for each role.
-    Returns (cert, key, tokens file, secrets by role)."""
+    and key (`proxy selfsigned`), and a tokens file with a fresh secret for each role (the
+    actor token sized for `actor_workers` workers, if given). Returns (cert, key, tokens
+    file, secrets by role)."""
     tls = work / "tls"
     subprocess.run(
         [sys.executable, "-m", "proxy.cli", "selfsigned", "--cert", str(tls / "cert.pem"), "--key",
@@ -134,7 +135,12 @@ def proxy_credentials(work: Path) -> tuple[Path, Path, Path, dict[str, str]]:
     )  # fmt: skip
     secrets = {role: f"{role}-bench-{os.urandom(12).hex()}" for role in ("actor", "learner", "admin")}
     tokens = work / "tokens.toml"
-    tokens.write_text("".join(f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n' for r, s in secrets.items()))
+    sized = {"actor": f"workers = {actor_workers}\n" if actor_workers else ""}
+    tokens.write_text(
+        "".join(
+            f'[[tokens]]\nname = "{r}"\nrole = "{r}"\nsecret = "{s}"\n{sized.get(r, "")}' for r, s in secrets.items()
+        )
+    )
     return tls / "cert.pem", tls / "key.pem", tokens, secrets
 
 

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from learner.fleet import FleetWatch, problems
 from protocol import WorkerStatus
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _w(name: str, version: int, refused: int = 0, error: str | None = None) -> WorkerStatus:
@@ -183,3 +190,33 @@ def test_the_learner_escapes_what_it_logs_of_a_worker(caplog: pytest.LogCaptureF
     with caplog.at_level(logging.WARNING, logger="learner.fleet"):
         (line,) = watch.update([bad], latest_version=0, max_staleness=4)
     assert "\x1b" not in line and "\x9b" not in line and "\u202e" not in line and "\\x1b]0;x\\x07" in line
+
+
+@pytest.mark.slow
+@pytest.mark.long
+@pytest.mark.redis
+@pytest.mark.s3
+@pytest.mark.timeout(900)
+def test_a_reclaim_wave_of_forty_percent_of_200_workers_loses_no_prompt(tmp_path: Path) -> None:
+    """bench/fleet.py as a user runs it: a real proxy over TLS, Redis, moto's S3, the scoring
+    tier and the learner; 200 workers (10 hosts) of the real worker code with a model of a
+    GPU. Mid-run 30 % get SIGTERM and 10 % SIGKILL, replacements join; then the ledger:
+    every issued prompt trained once, dropped with its reason, or still in the queue."""
+    out = tmp_path / "figures.json"
+    run = subprocess.run(
+        [sys.executable, "bench/fleet.py", "--workers", "200", "--per-host", "20", "--scenarios", "reclaim",
+         "--token-workers", "200", "--warm-s", "15", "--window-s", "15", "--grace-s", "10",
+         "--replace-after-s", "20", "--recover-timeout-s", "60", "--json", str(out), "--keep", str(tmp_path / "work")],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=840,
+    )  # fmt: skip
+    assert out.exists(), run.stdout[-3000:] + run.stderr[-3000:]
+    figures = json.loads(out.read_text())
+    book, wave = figures["ledger"], figures["reclaim"]
+    assert book["problems"] == [] and book["exact"], book
+    assert run.returncode == 0, run.stdout[-3000:]
+    accounted = book["trained"] + sum(book["dropped"].values()) + book["dead_lettered"]
+    assert accounted + book["in_queue"] + book["waiting_batches"] == book["issued_prompts"] > 0
+    assert book["dead_lettered"] == 0 and book["trained"] > 0
+    assert (wave["sigterm"], wave["sigkill"]) == (60, 20)
+    assert any(rate > 0 for at, rate in wave["buckets"] if at >= 20)  # trained on after the replacements joined
+    assert 0 <= wave["thrown_away"] < 1 and wave["tokens_stored"] > 0
