@@ -35,17 +35,22 @@ import functools
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from learner.config import LearnerConfig
-from learner.policy import Policy, pack_sequences, read_adapter_weights, scatter_completion_values
-from protocol import ProtocolError, Queue, QueueError, RolloutGroup, SamplingParams
+from learner.dist import reshard
+from learner.policy import Policy, Sequences, pack_sequences, read_adapter_weights, scatter_completion_values
+from protocol import AuditTally, ProtocolError, Queue, QueueError, RolloutGroup, SamplingParams
 from protocol.trusted.store import Store
 from protocol.wire.files import ADAPTER_WEIGHTS, adapter_key
 from protocol.wire.text import printable
+
+if TYPE_CHECKING:
+    from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -109,23 +114,20 @@ def findings(
     )
 
 
-def open_auditor(
-    cfg: LearnerConfig, policy: Policy, sampling: SamplingParams, store: Store, *, distributed: bool
-) -> Auditor | None:
-    """The run's auditor, or None (with the reason logged) where audits are off."""
+def open_auditor(cfg: LearnerConfig, trainer: Trainer, store: Store) -> Auditor | None:
+    """The run's auditor, or None (with the reason logged) where audits are off. Its
+    forward passes go through `trainer` (every rank runs them under torchrun)."""
     if not cfg.audit_rate and not cfg.audit_probation_groups:
-        return None
-    if distributed:
-        log.warning("audits are not run under torchrun yet: groups are trained on their workers' word")
         return None
     try:
         return Auditor(
-            policy,
-            sampling,
+            trainer.policy,
+            trainer.sampling,
             rate=cfg.audit_rate,
             probation_groups=cfg.audit_probation_groups,
             keep_versions=cfg.max_staleness + 1,
             load_version=functools.partial(published_state, store),
+            moments=trainer.audit_moments,
         )
     except ValueError as err:
         log.warning("audits are off: %s", err)
@@ -160,6 +162,23 @@ def sync_quarantine(queue: Queue, quarantined: dict[str, str]) -> None:
         log.debug("the door's quarantine list is not in step yet: %s", printable(str(err)))
 
 
+def record_audits(queue: Queue, auditor: Auditor | None) -> None:
+    """Add the audits made since the last call to the run's tallies (`Queue.record_audits`:
+    `GET /v1/workers` and the proxy's /metrics show them). Best effort: what could not be
+    written is sent with the next call."""
+    if auditor is None or not auditor.unrecorded:
+        return
+    tallies, auditor.unrecorded = auditor.unrecorded, {}
+    try:
+        queue.record_audits(tallies)
+    except NotImplementedError:
+        return
+    except (QueueError, ProtocolError) as err:
+        log.debug("the run's audit tallies are not written yet: %s", printable(str(err)))
+        for worker, tally in tallies.items():
+            auditor.unrecorded[worker] = tally + auditor.unrecorded.get(worker, AuditTally())
+
+
 class Auditor:
     """Picks groups, audits them on `policy`, and remembers the verdicts."""
 
@@ -174,9 +193,12 @@ class Auditor:
         limits: AuditLimits | None = None,
         load_version: Callable[[int], dict[str, Tensor] | None] | None = None,
         draw: Callable[[], float] = _SYSTEM_RANDOM.random,
+        moments: Callable[[Sequences, int, dict[str, Tensor] | None], tuple[Tensor, Tensor, Tensor]] | None = None,
     ) -> None:
         """`load_version`: an adapter's state by version when it is not kept (one published
-        before a restart); None where it cannot be had."""
+        before a restart); None where it cannot be had. `moments`: the forward pass
+        (`moments_as` on `policy` by default; under torchrun `Trainer.audit_moments`, which
+        every rank runs)."""
         if sampling.temperature <= 0 or sampling.repetition_penalty != 1.0:
             raise ValueError(
                 "they need a temperature above 0 and no repetition penalty (--temperature, --repetition-penalty: "
@@ -188,11 +210,14 @@ class Auditor:
         self.limits = limits or AuditLimits()
         self.load_version = load_version
         self.draw = draw
+        self.moments = moments or (lambda seqs, mode, state: moments_as(policy, seqs, sampling, mode, state))
         self.versions: collections.OrderedDict[int, dict[str, Tensor]] = collections.OrderedDict()
         self.live_version: int | None = 0
         """The version the policy's weights are now (None: trained past the last publish)."""
         self.passed: collections.Counter[str] = collections.Counter()
         """Audits passed, per worker: its reputation."""
+        self.unrecorded: dict[str, AuditTally] = {}
+        """Audits per worker not yet added to the run's tallies (`record_audits`)."""
 
     def remember(self, version: int, state: dict[str, Tensor]) -> None:
         """A published version's adapter (a CPU copy, as published); the oldest beyond
@@ -228,11 +253,15 @@ class Auditor:
         model = scatter_completion_values([c.model_mask for c in group.completions], prompt_lens, width)
         device = self.policy.device
         seqs = type(seqs)(*(t.to(device) for t in (seqs.input_ids_BL, seqs.attention_mask_BL, seqs.mask_BT)))
-        with self._as_version(group.adapter_version, state):
-            logp, mean, var = (t.float().cpu() for t in self.policy.sampling_moments(seqs, self.sampling))
+        version = group.adapter_version
+        mode = LIVE if version == self.live_version else BASE if version == 0 else SWAPPED
+        logp, mean, var = (t.float().cpu() for t in self.moments(seqs, mode, state if mode == SWAPPED else None))
         result = findings(claimed, logp, mean, var, model * seqs.mask_BT.cpu(), self.limits.tail_nats)
-        if result.failed(self.limits) is None:
+        passed = result.failed(self.limits) is None
+        if passed:
             self.passed[group.actor_id] += 1
+        tally = AuditTally(passed=1) if passed else AuditTally(failed=1)
+        self.unrecorded[group.actor_id] = self.unrecorded.get(group.actor_id, AuditTally()) + tally
         return result
 
     def _state_of(self, version: int) -> dict[str, Tensor] | None:
@@ -248,28 +277,35 @@ class Auditor:
                 self.versions.popitem(last=False)
         return state
 
-    @contextlib.contextmanager
-    def _as_version(self, version: int, state: dict[str, Tensor] | None) -> Iterator[None]:
-        """The policy as adapter `version` for the duration, in eval mode (no dropout), then
-        back as it was, bit for bit; version 0 is the base model (the adapter switched off)."""
-        policy = self.policy
-        saved = None
-        policy.model.eval()
-        try:
-            if version == self.live_version:
-                yield
-            elif version == 0:
-                with policy.reference():
-                    yield
-            else:
-                assert state is not None
+
+LIVE, BASE, SWAPPED = range(3)
+"""How an audit's forward pass sees the policy: as it is (the group's version is the live
+one), as the base model (version 0), or with the group's version's adapter swapped in."""
+
+
+def moments_as(
+    policy: Policy, seqs: Sequences, sampling: SamplingParams, mode: int, state: dict[str, Tensor] | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`Policy.sampling_moments` of `seqs` with the policy as `mode` says, in eval mode (no
+    dropout), then the policy back as it was, bit for bit. Under torchrun every rank calls
+    it alike (rank 0 with the state, the others with {}: the swap and the pass are
+    collectives, `Trainer.audit_moments`)."""
+    saved = None
+    policy.model.eval()
+    try:
+        with contextlib.ExitStack() as stack:
+            if mode == BASE:
+                stack.enter_context(policy.reference())
+            elif mode == SWAPPED:
                 saved = policy.adapter_state()
-                policy.load_adapter_state(state)
-                yield
-        finally:
-            if saved is not None:
-                policy.load_adapter_state(saved)
-            policy.model.train()
+                policy.load_adapter_state(state or {})
+            moments = policy.sampling_moments(seqs, sampling)
+            reshard(policy.model)
+            return moments
+    finally:
+        if saved is not None:
+            policy.load_adapter_state(saved)
+        policy.model.train()
 
 
 def quarantine_reason(check: str, found: Findings, version: int) -> str:

@@ -19,6 +19,9 @@ collectives:
 - ADAPTER: the full adapter gathered from the shards (to publish it).
 - SAVE: the adapter and the full optimizer state gathered (a checkpoint).
 - RESTORE: rank 0's checkpoint broadcast into every rank's shards (`--resume`).
+- AUDIT: an audited group's sequences, and the same no-grad forward pass on every rank,
+  with the audited version's adapter broadcast in and the live one put back
+  (`learner.audit`).
 - STOP.
 
 Nothing is pickled by us on the way (commands and batches are tensors, the scheduler's
@@ -45,7 +48,7 @@ from torch import Tensor
 
 log = logging.getLogger(__name__)
 
-STOP, STEP, ADAPTER, SAVE, RESTORE = range(5)
+STOP, STEP, ADAPTER, SAVE, RESTORE, AUDIT = range(6)
 _HEADER = 4
 COLLECTIVE_TIMEOUT_S = 600.0
 """How long a collective waits for a silent peer before the rank gives up (a dead peer's
@@ -220,6 +223,17 @@ def shard_model(model: torch.nn.Module, dist_: Dist) -> None:
     for layer in layers:
         fully_shard(layer, mesh=dist_.mesh)
     fully_shard(model, mesh=dist_.mesh)
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters an FSDP2 forward pass with no backward leaves behind
+    (the root's are kept after forward): a state-dict load after it would meet plain
+    tensors where it expects shards. Nothing outside torchrun."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def fill_from_rank0(model: torch.nn.Module, full: dict[str, Tensor], dist_: Dist) -> None:

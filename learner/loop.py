@@ -21,7 +21,7 @@ import msgspec
 import torch
 
 from learner.admission import Admission
-from learner.audit import open_auditor, quarantine_reason, sync_quarantine
+from learner.audit import open_auditor, quarantine_reason, record_audits, sync_quarantine
 from learner.batch import StepBatch, build_step_batch
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
 from learner.config import LearnerConfig
@@ -120,7 +120,7 @@ class Learner(Evaluations):
             max_staleness=cfg.max_staleness,
             episodes=bool(cfg.tools or cfg.environment),
         )
-        self.auditor = open_auditor(cfg, self.policy, self.sampling, store, distributed=self.dist.enabled)
+        self.auditor = open_auditor(cfg, self.trainer, store)
         self.on_step: Callable[[dict[str, Any]], None] | None = None
         """Called with each step's metrics row (the embedded default's live display)."""
         self._checkpointed_step = -1
@@ -185,6 +185,7 @@ class Learner(Evaluations):
             # pending in the queue and be counted twice
             if self.state.step >= cfg.steps:
                 self.evaluate_last()
+            record_audits(self.queue, self.auditor)
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
             if self.state.step >= cfg.steps and not cfg.keep_queue:
@@ -320,15 +321,7 @@ class Learner(Evaluations):
     @property
     def sampling(self) -> SamplingParams:
         """How the run's training groups are sampled (every batch's `sampling`)."""
-        cfg = self.cfg
-        return SamplingParams(
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            top_k=cfg.top_k,
-            min_p=cfg.min_p,
-            repetition_penalty=cfg.repetition_penalty,
-            max_tokens=cfg.max_tokens,
-        )
+        return self.trainer.sampling
 
     def _reissue_outstanding(self) -> None:
         """Batches the checkpoint says are not fully consumed go to the queue again: a
@@ -428,6 +421,7 @@ class Learner(Evaluations):
             return
         self._fleet_checked_at = time.monotonic()
         sync_quarantine(self.queue, self.state.quarantined)
+        record_audits(self.queue, self.auditor)
         try:  # the fleet view is advice: training goes on without it
             workers, stats = self.queue.workers(), self.queue.stats()
         except (QueueError, ProtocolError) as err:
@@ -495,6 +489,7 @@ class Learner(Evaluations):
         self.state.count("quarantined_workers")
         log.error("worker %s quarantined: %s; its groups are no longer trained on", printable(worker), why)
         sync_quarantine(self.queue, self.state.quarantined)
+        record_audits(self.queue, self.auditor)
         step = self._step_groups
         theirs = [g for g in step.kept if g.actor_id == worker]
         step.kept = [g for g in step.kept if g.actor_id != worker]

@@ -17,12 +17,14 @@ import logging
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from learner.batch import StepBatch, zeros_batch
 from learner.config import LearnerConfig
-from learner.dist import ADAPTER, RESTORE, SAVE, STEP, STOP, Dist
-from learner.policy import Policy
+from learner.dist import ADAPTER, AUDIT, RESTORE, SAVE, STEP, STOP, Dist
+from learner.policy import Policy, Sequences
 from learner.train import train_on
+from protocol import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,19 @@ class Trainer:
             num_training_steps=cfg.steps * cfg.updates_per_batch,
         )
 
+    @property
+    def sampling(self) -> SamplingParams:
+        """How the run's training groups are sampled (every batch's `sampling`)."""
+        cfg = self.cfg
+        return SamplingParams(
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=cfg.top_k,
+            min_p=cfg.min_p,
+            repetition_penalty=cfg.repetition_penalty,
+            max_tokens=cfg.max_tokens,
+        )
+
     def _tell(self, cmd: int, *args: int) -> None:
         if self.dist.enabled and self.dist.main:
             self.dist.command(cmd, *args)
@@ -65,6 +80,21 @@ class Trainer:
     def step(self, batch: StepBatch) -> dict[str, float]:
         owner = send_step(self.dist, batch) if self.dist.enabled else None
         return train_on(self.policy, self.optimizer, self.scheduler, batch, self.cfg, self.dist, owner)
+
+    def audit_moments(
+        self, seqs: Sequences, mode: int, state: dict[str, Tensor] | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """An audit's forward pass (`learner.audit.moments_as`) on rank 0's `seqs`, which
+        every rank runs: the sequences travel to the others, the swapped-in state with
+        `load_adapter_state`'s broadcast."""
+        from learner.audit import moments_as
+
+        if self.dist.enabled:
+            self._tell(AUDIT, mode, *seqs.input_ids_BL.shape)
+            seqs = Sequences(
+                *(self.dist.broadcast(t) for t in (seqs.input_ids_BL, seqs.attention_mask_BL, seqs.mask_BT))
+            )
+        return moments_as(self.policy, seqs, self.sampling, mode, state)
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The whole adapter, on the CPU."""
@@ -126,6 +156,8 @@ class Trainer:
             if cmd == STEP:
                 batch, owner = receive_step(self.dist, args[0], args[1])
                 train_on(self.policy, self.optimizer, self.scheduler, batch, self.cfg, self.dist, owner)
+            elif cmd == AUDIT:
+                self._follow_audit(*args[:3])
             elif cmd == ADAPTER:
                 self.policy.adapter_state()
             elif cmd == SAVE:
@@ -134,3 +166,15 @@ class Trainer:
                 self.restore({}, {})
             else:
                 raise RuntimeError(f"unknown command {cmd} from rank 0")
+
+    def _follow_audit(self, mode: int, b: int, width: int) -> None:
+        """Another rank's part in `audit_moments`: rank 0's sequences, the same pass."""
+        from learner.audit import moments_as
+
+        device = self.policy.device
+        seqs = Sequences(
+            self.dist.broadcast(torch.zeros(b, width, dtype=torch.long, device="cpu")).to(device),
+            self.dist.broadcast(torch.zeros(b, width, dtype=torch.long, device="cpu")).to(device),
+            self.dist.broadcast(torch.zeros(b, width - 1, dtype=torch.float32, device="cpu")).to(device),
+        )
+        moments_as(self.policy, seqs, self.sampling, mode, {})

@@ -29,6 +29,7 @@ from protocol.client.http import (
     AddPromptsResponse,
     AnnounceRequest,
     AnnounceResponse,
+    AuditsResponse,
     ClaimRequest,
     ClaimResponse,
     DeadLettersResponse,
@@ -44,6 +45,7 @@ from protocol.client.http import (
     QuarantineRequest,
     QuarantineResponse,
     ReadRolloutsRequest,
+    RecordAuditsRequest,
     ReleaseRequest,
     ReleaseResponse,
     ReportStatusRequest,
@@ -290,7 +292,11 @@ def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str])
     max_age_s = _int_param(params, "max_age_s", 120, 1, 86_400)
     limit = _int_param(params, "limit", 500, 1, 1000)
     workers = ctx.queue.workers(max_age_s)
-    return WorkersResponse(workers=behind_first(workers)[:limit], total=len(workers))
+    listed = behind_first(workers)[:limit]
+    quarantined = dict(list({w: why for w, why in ctx.queue.quarantined().items() if why}.items())[:1000])
+    shown = {w.worker for w in listed} | quarantined.keys()
+    audits = {w: tally for w, tally in ctx.queue.audits().items() if w in shown}
+    return WorkersResponse(workers=listed, total=len(workers), quarantined=quarantined, audits=audits)
 
 
 def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WhoAmIResponse:
@@ -305,6 +311,15 @@ def quarantine(ctx: Context, token: Token, body: QuarantineRequest, params: dict
 
 def quarantined(ctx: Context, token: Token, body: None, params: dict[str, str]) -> QuarantineResponse:
     return QuarantineResponse(workers=ctx.queue.quarantined())
+
+
+def record_audits(ctx: Context, token: Token, body: RecordAuditsRequest, params: dict[str, str]) -> AuditsResponse:
+    ctx.queue.record_audits(body.workers)
+    return AuditsResponse(workers=body.workers)
+
+
+def audits(ctx: Context, token: Token, body: None, params: dict[str, str]) -> AuditsResponse:
+    return AuditsResponse(workers=ctx.queue.audits())
 
 
 def lift_quarantine(ctx: Context, token: Token, body: LiftRequest, params: dict[str, str]) -> LiftResponse:
@@ -429,6 +444,8 @@ HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.QUARANTINED: quarantined,
     api.LIFT_QUARANTINE: lift_quarantine,
     api.FORGET_LIFTED: forget_lifted,
+    api.RECORD_AUDITS: record_audits,
+    api.AUDITS: audits,
     api.ANNOUNCE: announce,
     api.DEAD_LETTERS: dead_letters,
     api.STATS: stats,

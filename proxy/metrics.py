@@ -18,7 +18,7 @@ from prometheus_client import (
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from protocol import Queue, QueueUnavailable, WorkerStatus
+from protocol import AuditTally, Queue, QueueUnavailable, WorkerStatus
 
 
 class ProxyMetrics:
@@ -60,6 +60,18 @@ class ProxyMetrics:
         self.worker_refused = Gauge(
             "spotgrpo_worker_adapters_refused", "Adapter versions a worker could not load", ["worker"], registry=r
         )
+        self.worker_audits = Gauge(
+            "spotgrpo_worker_audits",
+            "The learner's audits of a live worker's groups, by outcome (passed, failed)",
+            ["worker", "outcome"],
+            registry=r,
+        )
+        self.token_audits = Gauge(
+            "spotgrpo_token_audits",
+            "The learner's audits of the groups of a token's workers, live or gone, by outcome (passed, failed)",
+            ["token", "outcome"],
+            registry=r,
+        )
         self.quarantined = Gauge(
             "spotgrpo_workers_quarantined",
             "Workers the learner quarantined (a failed audit or adapter digest); GET /v1/quarantine names them",
@@ -89,14 +101,25 @@ class ProxyMetrics:
 
     def _workers(self, queue: Queue) -> None:
         """The live workers only, read at scrape time: a worker gone is no series left."""
-        workers = queue.workers()
+        workers, audits = queue.workers(), queue.audits()
         self.workers_live.set(len(workers))
-        for gauge in (self.worker_version, self.worker_tokens, self.worker_refused):
+        for gauge in (self.worker_version, self.worker_tokens, self.worker_refused, self.worker_audits):
             gauge.clear()
         for w in behind_first(workers)[: self.max_worker_series]:
             self.worker_version.labels(w.worker).set(w.adapter_version)
             self.worker_tokens.labels(w.worker).set(w.tokens_per_s)
             self.worker_refused.labels(w.worker).set(w.adapters_refused)
+            if w.worker in audits:
+                self.worker_audits.labels(w.worker, "passed").set(audits[w.worker].passed)
+                self.worker_audits.labels(w.worker, "failed").set(audits[w.worker].failed)
+        by_token: dict[str, AuditTally] = {}
+        for worker, tally in audits.items():  # a token is a line of the tokens file: a bounded set
+            token = worker.split("/", 1)[0] if "/" in worker else ""
+            by_token[token] = by_token.get(token, AuditTally()) + tally
+        self.token_audits.clear()
+        for token, tally in by_token.items():
+            self.token_audits.labels(token, "passed").set(tally.passed)
+            self.token_audits.labels(token, "failed").set(tally.failed)
 
 
 def behind_first(workers: list[WorkerStatus]) -> list[WorkerStatus]:

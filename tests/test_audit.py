@@ -254,6 +254,10 @@ def test_dishonest_workers_are_quarantined_and_the_honest_one_never(
     assert "digest" in quarantined.get(through_proxy("wrong-files"), "")
     assert state.totals.get("rejected_adapter_digest", 0) >= 1 and state.totals.get("rejected_audit", 0) >= 1
     assert state.totals["audited_groups"] >= 4
+    tallies = proxy.queue("admin").audits()  # the run's tallies: what the fleet view shows
+    assert sum(t.passed + t.failed for t in tallies.values()) == state.totals["audited_groups"]
+    assert tallies[through_proxy("honest")].passed >= 4 and tallies[through_proxy("honest")].failed == 0
+    assert tallies[through_proxy("never-loads")].failed == 1  # its later groups are rejected unaudited
     # the door refuses them, and says why
     from protocol import WorkerQuarantined
 
@@ -279,21 +283,27 @@ def test_dishonest_workers_are_quarantined_and_the_honest_one_never(
 
 @pytest.mark.redis
 def test_a_quarantined_worker_claims_nothing_until_the_admin_lifts_it(redis_server, run_name: str) -> None:
-    from factories import batch
+    from factories import batch, groups
 
     from protocol import QueueConfig, WorkerQuarantined
     from protocol.trusted import RedisQueue
 
     q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
-    q.add_prompts([batch(0), batch(1)])
+    q.add_prompts([batch(0), batch(1), batch(2)])
+    (held,) = q.claim("fleet/bad", 1)  # claimed before the verdict
     q.quarantine("fleet/bad", "failed the sampling shape audit")
+    with pytest.raises(WorkerQuarantined, match="fleet/bad is quarantined by the learner: failed the sampling shape"):
+        q.submit("fleet/bad", held.lease_id, groups(held.batch, actor="fleet/bad"))
+    assert q.stats().rollouts.length == 0  # nothing of it was stored: the lease expires and goes to another
+    assert q.stats().leases_by_worker == {"fleet/bad": 1}
     with pytest.raises(WorkerQuarantined, match="fleet/bad is quarantined by the learner: failed the sampling shape"):
         q.claim("fleet/bad", 1)
     assert len(q.claim("fleet/good", 1)) == 1  # the others claim as before
     assert q.quarantined() == {"fleet/bad": "failed the sampling shape audit"}
     assert q.lift_quarantine("fleet/bad") and not q.lift_quarantine("fleet/bad") and not q.lift_quarantine("x/y")
     assert q.quarantined() == {"fleet/bad": ""}  # lifted, until the learner has seen it
-    assert len(q.claim("fleet/bad", 1)) == 1
+    (again,) = q.claim("fleet/bad", 1)
+    assert q.submit("fleet/bad", again.lease_id, groups(again.batch, actor="fleet/bad")).stored == 2
     q.forget_lifted(["fleet/bad", "fleet/other"])
     assert q.quarantined() == {}
     assert q.keys.quarantined in q.keys.all()  # it expires with the run
@@ -310,21 +320,25 @@ def test_through_the_door_the_learner_quarantines_the_worker_is_told_and_the_adm
     import subprocess
     import sys
 
-    from factories import batch
+    from factories import batch, groups
     from servers import TOKENS, through_proxy
 
     from protocol import QueueForbidden, WorkerQuarantined
 
     proxy = make_proxy()
     learner, actor, admin = proxy.queue("learner"), proxy.queue("actor"), proxy.queue("admin")
-    learner.add_prompts([batch(0), batch(1)])
+    learner.add_prompts([batch(0), batch(1), batch(2)])
     with pytest.raises(QueueForbidden):  # an actor cannot quarantine another, nor read the list
         actor.quarantine(through_proxy("w2"), "framed")
     with pytest.raises(QueueForbidden):
         actor.quarantined()
+    (held,) = actor.claim("w1", 1)
     learner.quarantine(through_proxy("w1"), "failed the log-probabilities audit of a group")
     with pytest.raises(WorkerQuarantined, match="failed the log-probabilities audit"):
         actor.claim("w1", 1)
+    with pytest.raises(WorkerQuarantined, match="claims and submits nothing more"):
+        actor.submit("w1", held.lease_id, groups(held.batch, actor=through_proxy("w1")))
+    assert learner.stats().rollouts.length == 0
     assert len(actor.claim("w2", 1)) == 1
     env = {**os.environ, "SPOTGRPO_TOKEN": TOKENS["admin"], "SPOTGRPO_CA_CERT": proxy.ca}
 
@@ -349,5 +363,78 @@ def test_through_the_door_the_learner_quarantines_the_worker_is_told_and_the_adm
     assert admin.quarantined() == {through_proxy("w1"): ""}
     learner.forget_lifted([through_proxy("w1")])
     assert admin.quarantined() == {}
+    for q in (learner, actor, admin):
+        q.close()
+
+
+@pytest.mark.redis
+def test_the_runs_audit_tallies_add_up_on_redis_and_expire_with_the_run(redis_server, run_name: str) -> None:
+    from protocol import AuditTally, ProtocolError, QueueConfig
+    from protocol.trusted import RedisQueue
+
+    q = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    assert q.audits() == {}
+    q.record_audits({"fleet/a": AuditTally(passed=3)})
+    q.record_audits({"fleet/a": AuditTally(passed=1, failed=1), "fleet/b": AuditTally(passed=2)})  # a restart adds
+    assert q.audits() == {"fleet/a": AuditTally(4, 1), "fleet/b": AuditTally(2, 0)}
+    with pytest.raises(ValueError, match="worker"):
+        q.record_audits({"fleet/c": AuditTally(1), "a\nb": AuditTally(1)})
+    with pytest.raises(ProtocolError, match="AuditTally"):
+        q.record_audits({"fleet/c": (1, 0)})  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match="whole numbers from 0"):
+        AuditTally(passed=-1)
+    assert q.audits() == {"fleet/a": AuditTally(4, 1), "fleet/b": AuditTally(2, 0)}  # nothing of those was written
+    assert q.keys.audits in q.keys.all()
+    q.close()
+
+
+@pytest.mark.redis
+def test_through_the_door_the_fleet_view_shows_each_workers_audits_and_quarantine(make_proxy, run_name: str) -> None:
+    import httpx
+    import msgspec
+    from factories import batch
+    from servers import TOKENS, through_proxy
+
+    from protocol import AuditTally, QueueForbidden, WorkerStatus
+
+    proxy = make_proxy()
+    learner, actor, admin = proxy.queue("learner"), proxy.queue("actor"), proxy.queue("admin")
+    learner.add_prompts([batch(0)])
+    for name in ("w1", "w2", "w3"):
+        actor.report_status(WorkerStatus(worker=name, engine="transformers", reported_at=1.0))
+    w1, w2, gone = through_proxy("w1"), through_proxy("w2"), through_proxy("gone")
+    learner.record_audits({w1: AuditTally(passed=4), w2: AuditTally(passed=4), gone: AuditTally(passed=1)})
+    learner.record_audits({w2: AuditTally(passed=1, failed=1), gone: AuditTally(failed=1)})
+    learner.quarantine(w2, "failed the sampling shape audit of a group")
+    learner.quarantine(gone, "failed the log-probabilities audit of a group")
+    with pytest.raises(QueueForbidden):  # an actor cannot write its own record, nor read the others'
+        actor.record_audits({w1: AuditTally(passed=100)})
+    with pytest.raises(QueueForbidden):
+        actor.audits()
+    with httpx.Client(base_url=proxy.url, verify=proxy.ssl(), timeout=15) as raw:  # garbage changes nothing
+        bad = msgspec.msgpack.encode({"type": "record_audits", "workers": {w1: {"passed": -5, "failed": 0}}})
+        r = raw.post(
+            "/v1/audits",
+            content=bad,
+            headers={"Authorization": f"Bearer {TOKENS['learner']}", "Content-Type": "application/vnd.msgpack"},
+        )
+        assert r.status_code == 400
+    assert admin.audits() == {w1: AuditTally(4, 0), w2: AuditTally(5, 1), gone: AuditTally(1, 1)}
+    fleet = admin.fleet()
+    assert fleet.total == 3 and {w.worker for w in fleet.workers} == {w1, w2, through_proxy("w3")}
+    assert fleet.quarantined == {
+        w2: "failed the sampling shape audit of a group",
+        gone: "failed the log-probabilities audit of a group",  # quarantined, no longer reporting
+    }
+    assert fleet.audits == {w1: AuditTally(4, 0), w2: AuditTally(5, 1), gone: AuditTally(1, 1)}  # w3: none yet
+    with httpx.Client(base_url=proxy.url, verify=proxy.ssl(), timeout=15) as raw:
+        text = raw.get("/metrics", headers={"Authorization": f"Bearer {TOKENS['admin']}"}).text
+    assert f'spotgrpo_worker_audits{{outcome="failed",worker="{w2}"}} 1.0' in text
+    assert f'spotgrpo_worker_audits{{outcome="passed",worker="{w1}"}} 4.0' in text
+    assert gone not in text.split("spotgrpo_token_audits")[0].split("spotgrpo_worker_audits")[-1]  # live ones only
+    token = w1.split("/", 1)[0]
+    assert f'spotgrpo_token_audits{{outcome="passed",token="{token}"}} 10.0' in text
+    assert f'spotgrpo_token_audits{{outcome="failed",token="{token}"}} 2.0' in text
+    assert "spotgrpo_workers_quarantined 2.0" in text
     for q in (learner, actor, admin):
         q.close()

@@ -174,6 +174,37 @@ def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Pa
             assert value == pytest.approx(figures_two[case][name], rel=1e-4, abs=1e-6), (case, name)
 
 
+def test_an_audit_on_two_ranks_equals_one_process_and_puts_the_adapter_back(tiny_model: Path, tmp_path: Path) -> None:
+    """Rank 0 drives audits (`Trainer.audit_moments`, the AUDIT command) while rank 1
+    follows: each pass (the live adapter, the base model, another version swapped in)
+    equals one process's, and the live adapter is back bit for bit after each."""
+    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
+    for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
+        run = subprocess.run(
+            [*cmd, str(REPO / "tests" / "dist_audit.py"), str(tiny_model), str(out)],
+            cwd=REPO,
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+    a, b = load_file(str(one)), load_file(str(two))
+    assert set(a) == set(b)
+    mask = a["mask"].bool()
+    for mode in ("live", "base", "swapped"):
+        for part in ("logp", "mean", "var"):
+            assert torch.allclose(a[f"{mode}/{part}"][mask], b[f"{mode}/{part}"][mask], rtol=1e-4, atol=1e-5), (
+                mode,
+                part,
+            )
+        for name in (k.removeprefix("start/adapter/") for k in a if k.startswith("start/adapter/")):
+            for t in (a, b):
+                assert torch.equal(t[f"{mode}/adapter/{name}"], t[f"start/adapter/{name}"]), (mode, name)
+    for other in ("base", "swapped"):  # each pass did see another model
+        assert (a[f"{other}/logp"][mask] - a["live/logp"][mask]).abs().max() > 1e-3, other
+
+
 def _learner(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, steps: int, *extra: str) -> list[str]:
     return [
         # --run-name (TRL's name): under torchrun, whose --run-path makes --run ambiguous

@@ -19,6 +19,7 @@ from protocol.client.http import (
     AddPromptsResponse,
     AnnounceRequest,
     AnnounceResponse,
+    AuditsResponse,
     ClaimRequest,
     ClaimResponse,
     DeadLettersResponse,
@@ -33,6 +34,7 @@ from protocol.client.http import (
     QuarantineRequest,
     QuarantineResponse,
     ReadRolloutsRequest,
+    RecordAuditsRequest,
     ReleaseRequest,
     ReleaseResponse,
     ReportStatusRequest,
@@ -122,7 +124,8 @@ WORKERS: Endpoint[None, WorkersResponse] = _e(
     {LEARNER, ADMIN},
     (
         "Workers that reported within ?max_age_s= (default 120), with their status: up to ?limit= (default 500, at "
-        "most 1000), furthest behind first, and how many in all."
+        "most 1000), furthest behind first, and how many in all; with the learner's verdicts: every quarantined "
+        "worker and why, and the audits of the listed ones."
     ),
     None,
     WorkersResponse,
@@ -218,6 +221,22 @@ FORGET_LIFTED = _e(
     ForgetLiftedRequest,
     QuarantineResponse,
 )
+RECORD_AUDITS = _e(
+    "POST",
+    "/v1/audits",
+    {LEARNER},
+    "Add the learner's audits since it last recorded, per worker, to the run's tallies. Answers the tallies sent.",
+    RecordAuditsRequest,
+    AuditsResponse,
+)
+AUDITS: Endpoint[None, AuditsResponse] = _e(
+    "GET",
+    "/v1/audits",
+    {LEARNER, ADMIN},
+    "Every audited worker's tally in this run: audits passed and failed (`GET /v1/workers` shows the listed ones).",
+    None,
+    AuditsResponse,
+)
 EXPIRE_RUN = _e(
     "POST",
     "/v1/run/expire",
@@ -247,6 +266,7 @@ OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
     ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, ANNOUNCE,
-    DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, METRICS, HEALTHZ, OPENAPI,
+    DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, RECORD_AUDITS,
+    AUDITS, METRICS, HEALTHZ, OPENAPI,
 )  # fmt: skip
 """In the order routes are matched (a literal path before a parametrised one)."""

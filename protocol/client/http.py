@@ -16,6 +16,7 @@ import msgspec
 
 from protocol.client.queue import (
     AdapterEvent,
+    AuditTally,
     DeadLetter,
     Delivery,
     FinishedBatch,
@@ -137,6 +138,11 @@ class WorkersResponse(_Body, frozen=True, tag="workers"):
     (lowest adapter version, then most refusals), then by name."""
     total: int = 0
     """How many workers reported within `max_age_s`, listed or not."""
+    quarantined: Annotated[dict[Ident, str], msgspec.Meta(max_length=1000)] = {}
+    """The learner's verdict on the fleet: every quarantined worker (listed or gone) and why."""
+    audits: Annotated[dict[Ident, AuditTally], msgspec.Meta(max_length=2000)] = {}
+    """The learner's audits of the listed and quarantined workers' groups (`learner.audit`);
+    a worker not yet audited has none."""
 
 
 class WhoAmIResponse(_Body, frozen=True, tag="whoami"):
@@ -170,6 +176,17 @@ class QuarantineRequest(_Body, frozen=True, tag="quarantine"):
 class QuarantineResponse(_Body, frozen=True, tag="quarantined"):
     workers: Annotated[dict[Ident, str], msgspec.Meta(max_length=100_000)]
     """Worker -> why; "" for one the admin lifted that the learner has not yet seen."""
+
+
+class RecordAuditsRequest(_Body, frozen=True, tag="record_audits"):
+    """Audits the learner made since it last recorded, per worker (added to the run's)."""
+
+    workers: Annotated[dict[Ident, AuditTally], msgspec.Meta(max_length=MAX_ITEMS)]
+
+
+class AuditsResponse(_Body, frozen=True, tag="audits"):
+    workers: Annotated[dict[Ident, AuditTally], msgspec.Meta(max_length=100_000)]
+    """Worker -> its tally (POST: the tallies written, as sent)."""
 
 
 class ForgetLiftedRequest(_Body, frozen=True, tag="forget_lifted"):
@@ -252,13 +269,13 @@ class ErrorResponse(_Body, frozen=True, tag="error"):
 REQUESTS = (
     ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
     ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest, QuarantineRequest, LiftRequest,
-    ForgetLiftedRequest,
+    ForgetLiftedRequest, RecordAuditsRequest,
 )  # fmt: skip
 RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
-    WhoAmIResponse, QuarantineResponse, LiftResponse,
+    WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -58,16 +58,19 @@ from protocol.client.http import (
     LiftRequest,
     QuarantineRequest,
     ReadRolloutsRequest,
+    RecordAuditsRequest,
     ReleaseRequest,
     ReportStatusRequest,
     SubmitRequest,
     WhoAmIResponse,
+    WorkersResponse,
     decode_body,
     encode_body,
 )
 from protocol.client.queue import (
     AdapterEvent,
     AdapterSubscription,
+    AuditTally,
     DeadLetter,
     Delivery,
     FinishedBatch,
@@ -357,7 +360,11 @@ class HttpQueue(Queue):
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         """The proxy lists at most 500, those furthest behind first."""
-        return self._call(api.WORKERS, params={"max_age_s": max(1, round(max_age_s))}).workers
+        return self.fleet(max_age_s).workers
+
+    def fleet(self, max_age_s: float = 120.0, limit: int = 500) -> WorkersResponse:
+        """`GET /v1/workers` whole: the statuses, and the learner's verdicts (quarantine, audits)."""
+        return self._call(api.WORKERS, params={"max_age_s": max(1, round(max_age_s)), "limit": limit})
 
     # ------------------------------------------------------------- quarantine
     def quarantine(self, worker: str, reason: str) -> None:
@@ -372,6 +379,14 @@ class HttpQueue(Queue):
     def forget_lifted(self, workers: Sequence[str]) -> None:
         if workers:
             self._call(api.FORGET_LIFTED, ForgetLiftedRequest(workers=list(workers)))
+
+    def record_audits(self, tallies: Mapping[str, AuditTally]) -> None:
+        items = list(tallies.items())
+        for i in range(0, len(items), CHUNK_ITEMS):
+            self._call(api.RECORD_AUDITS, RecordAuditsRequest(workers=dict(items[i : i + CHUNK_ITEMS])))
+
+    def audits(self) -> dict[str, AuditTally]:
+        return dict(self._call(api.AUDITS).workers)
 
     def whoami(self) -> WhoAmIResponse:
         """The token's name and role, and the run the proxy serves."""

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import abc
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Self
 
@@ -181,6 +181,22 @@ class DeadLetter:
     """For an unscored group the tier could not score or store: its group id."""
     batch_id: str | None = None
     """For an unscored group: the batch it answers."""
+
+
+@dataclass(frozen=True)
+class AuditTally:
+    """The learner's audits of one worker's groups (`learner.audit`): how many passed and
+    how many failed (one failure quarantines the worker)."""
+
+    passed: int = 0
+    failed: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.passed, int) and isinstance(self.failed, int)) or min(self.passed, self.failed) < 0:
+            raise ValueError(f"an audit tally counts with whole numbers from 0, got {self.passed}, {self.failed}")
+
+    def __add__(self, other: AuditTally) -> AuditTally:
+        return AuditTally(self.passed + other.passed, self.failed + other.failed)
 
 
 @dataclass(frozen=True)
@@ -340,6 +356,14 @@ class Queue(abc.ABC):
     def forget_lifted(self, workers: Sequence[str]) -> None:
         """The learner has seen these lifts (it trains their groups again)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no quarantine")
+
+    def record_audits(self, tallies: Mapping[str, AuditTally]) -> None:
+        """The learner adds these audits (per worker, since it last recorded) to the run's."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no audits")
+
+    def audits(self) -> dict[str, AuditTally]:
+        """Every audited worker's tally in this run (learner restarts included)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no audits")
 
     # -- everyone
     @abc.abstractmethod

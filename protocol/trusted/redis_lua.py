@@ -195,7 +195,7 @@ return held
 SUBMIT = (
     _HELPERS
     + r"""
--- KEYS: prompts, rollouts, groups_seen, unscored, gate, alias
+-- KEYS: prompts, rollouts, groups_seen, unscored, gate, alias, quarantined
 -- One submission is one MULTI/EXEC (`RedisQueue.submit`) in which this script opens a
 -- gate for each group in turn, and a plain `XADD <alias> NOMKSTREAM` after each stores the
 -- group's message, so the bytes never enter Lua: Redis's Lua hashes every byte of every
@@ -205,6 +205,8 @@ SUBMIT = (
 -- to `alias`, and renamed back before anything else runs. Under MULTI/EXEC no other client
 -- sees the stream away; a closed gate leaves no `alias`, and the XADD does nothing.
 --   open  ARGV: 'open', group, worker, lease_id, batch_id, (group_id, completions, longest, digest)*
+--         Refuses a worker the learner quarantined (`QUARANTINED <reason>`: its groups would
+--         be rejected, and its lease goes to another worker when it expires).
 --         Checks every group against the lease before the first write (an error names the
 --         first failed check, and nothing is written: every gate stays closed), records the
 --         submission in `gate`, and opens the gate for the first group if it is new.
@@ -257,6 +259,10 @@ end
 shut(redis.call('HGET', KEYS[5], 't'))  -- nothing is left from an earlier transaction, but a gate never outlives one
 redis.call('DEL', KEYS[5])
 local group, worker, lease, batch = ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local why = redis.call('HGET', KEYS[7], worker)
+if why and why ~= '' then
+  return redis.error_reply('QUARANTINED ' .. why)
+end
 local function all_stored()
   for i = 6, #ARGV, 4 do
     if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 0 then return false end
@@ -415,6 +421,22 @@ QUARANTINE = (
     + r"""
 -- KEYS: quarantined (hash), prompts   ARGV: worker, reason
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+follow_ttl(KEYS[2], KEYS[1])
+return 1
+"""
+)
+
+RECORD_AUDITS = (
+    _HELPERS
+    + r"""
+-- KEYS: audits (hash), prompts   ARGV: (worker, passed, failed)*
+-- Adds each worker's audits to its "<passed> <failed>" tally.
+for i = 1, #ARGV, 3 do
+  local old = redis.call('HGET', KEYS[1], ARGV[i]) or '0 0'
+  local p, f = string.match(old, '^(%d+) (%d+)$')
+  redis.call('HSET', KEYS[1], ARGV[i], (tonumber(p or 0) + tonumber(ARGV[i + 1])) .. ' ' ..
+                                       (tonumber(f or 0) + tonumber(ARGV[i + 2])))
+end
 follow_ttl(KEYS[2], KEYS[1])
 return 1
 """

@@ -1,4 +1,5 @@
-"""The quarantine calls of `RedisQueue`: which workers may no longer claim, and why.
+"""The quarantine calls of `RedisQueue`: which workers may no longer claim, and why; and
+the tallies of the learner's audits that lead to it.
 
 The learner is the authority (its checkpointed `LearnerState.quarantined`); this hash is
 what the door enforces, written by the learner and lifted by the admin. A lift leaves ""
@@ -8,11 +9,12 @@ is never mistaken for an entry Redis lost (which the learner writes again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from protocol.client.queue import AuditTally
 from protocol.trusted.redis_fields import check_worker, text_of
-from protocol.wire.errors import WorkerQuarantined
+from protocol.wire.errors import ProtocolError, WorkerQuarantined
 from protocol.wire.keys import Keys
 from protocol.wire.text import printable
 
@@ -48,10 +50,30 @@ class RedisQuarantine:
         if workers:
             self._script("FORGET_LIFTED", [self.keys.quarantined], list(workers))
 
+    def record_audits(self, tallies: Mapping[str, AuditTally]) -> None:
+        args: list[Any] = []
+        for worker, tally in tallies.items():
+            check_worker(worker)
+            if not isinstance(tally, AuditTally):
+                raise ProtocolError(f"audits: {worker} has {type(tally).__name__}, not an AuditTally")
+            args += [worker, tally.passed, tally.failed]
+        if args:
+            self._script("RECORD_AUDITS", [self.keys.audits, self.keys.prompts], args)
+
+    def audits(self) -> dict[str, AuditTally]:
+        raw = self._call(lambda: self._r.hgetall(self.keys.audits))
+        out = {}
+        for k, v in raw.items():
+            passed, _, failed = text_of(v).partition(" ")
+            if passed.isdigit() and failed.isdigit():  # anything else was not written here
+                out[text_of(k)] = AuditTally(int(passed), int(failed))
+        return out
+
 
 def quarantined_error(worker: str, reason: str) -> WorkerQuarantined:
-    """What a quarantined worker's claim raises (`CLAIM_EXPIRED` finds the reason)."""
+    """What a quarantined worker's claim or submission raises (`CLAIM_EXPIRED` and
+    `SUBMIT` find the reason)."""
     return WorkerQuarantined(
-        f"worker {worker} is quarantined by the learner: {reason}. It claims nothing more in this run: fix it, "
-        f"then ask the run's admin to lift the quarantine (proxy quarantine --lift {worker})"
+        f"worker {worker} is quarantined by the learner: {reason}. It claims and submits nothing more in this run: "
+        f"fix it, then ask the run's admin to lift the quarantine (proxy quarantine --lift {worker})"
     )

@@ -73,12 +73,14 @@ class Submission:
 
     commands: list[tuple[Any, ...]]
     script: Script
+    worker: str
 
-    @staticmethod
-    def result(replies: list[Any]) -> SubmitResult:
+    def result(self, replies: list[Any]) -> SubmitResult:
         """The submission's outcome from EXEC's replies; a refusal among them raised."""
         for reply in replies:
             if isinstance(reply, Exception):
+                if str(reply).startswith("QUARANTINED "):
+                    raise quarantined_error(self.worker, str(reply).split(" ", 1)[1])
                 raise reply  # the open's refusal (nothing written), or what Redis refused
         if replies[-1] is None:
             raise QueueError("redis: the submission's gate was not open at its close")
@@ -119,6 +121,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 "QUARANTINE",
                 "LIFT_QUARANTINE",
                 "FORGET_LIFTED",
+                "RECORD_AUDITS",
             )
         }
         # Rollout reads whose reply may have been lost leave entries pending that this
@@ -377,7 +380,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         # each message (never passed to Lua: see SUBMIT in protocol.trusted.redis_lua).
         script = self._scripts["SUBMIT"]
         k = self.keys
-        keys = [k.prompts, k.rollouts, k.groups_seen, k.unscored, k.submit_gate, k.submit_alias]
+        keys = [k.prompts, k.rollouts, k.groups_seen, k.unscored, k.submit_gate, k.submit_alias, k.quarantined]
         gate = ("EVALSHA", script.sha, len(keys), *keys)
         commands: list[tuple[Any, ...]] = [(*gate, "open", ACTORS_GROUP, worker, lease_id, batch_id, *checks)]
         for i, (g, payload) in enumerate(zip(groups, payloads, strict=True)):
@@ -385,7 +388,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 commands.append((*gate, "next", g.group_id))
             commands.append(("XADD", k.submit_alias, "NOMKSTREAM", "*", "g", g.group_id, "b", batch_id, "m", payload))
         commands.append((*gate, "close"))
-        return Submission(commands, script)
+        return Submission(commands, script, worker)
 
     def release(self, worker: str, lease_id: str) -> bool:
         check_worker(worker)

@@ -88,6 +88,12 @@ class Keys:
         return self._key("quarantined")
 
     @property
+    def audits(self) -> str:
+        """Hash: worker name -> "<passed> <failed>", the learner's audits of its groups
+        (`learner.audit`), for the fleet view (`GET /v1/workers`, /metrics)."""
+        return self._key("audits")
+
+    @property
     def adapter_latest(self) -> str:
         """Hash: version, m (manifest), event (its id in adapter-events)."""
         return self._key("adapter-latest")
@@ -123,6 +129,7 @@ class Keys:
             self.workers,
             self.worker_owners,
             self.quarantined,
+            self.audits,
             self.adapter_latest,
             self.adapter_events,
         ]
