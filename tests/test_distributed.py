@@ -143,14 +143,12 @@ def test_bfloat16_keeps_lora_and_optimizer_state_in_float32(tiny_model: Path) ->
 
 
 @pytest.mark.slow
-def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Path) -> None:
-    """The same adapter, the same step batch (several uneven micro-batches per rank): the
-    LoRA gradient and the updated adapter of 2 FSDP2 ranks equal one process's, for each
-    loss aggregation and for two updates per batch."""
+def _one_and_two_ranks(script: str, tiny_model: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """`tests/<script> MODEL OUT` in one process, then under torchrun on 2 ranks: the two OUTs."""
     one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
     for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
         run = subprocess.run(
-            [*cmd, str(REPO / "tests" / "dist_step.py"), str(tiny_model), str(out)],
+            [*cmd, str(REPO / "tests" / script), str(tiny_model), str(out)],
             cwd=REPO,
             env=_env(),
             capture_output=True,
@@ -158,6 +156,14 @@ def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Pa
             timeout=600,
         )
         assert run.returncode == 0, run.stderr[-3000:]
+    return one, two
+
+
+def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Path) -> None:
+    """The same adapter, the same step batch (several uneven micro-batches per rank): the
+    LoRA gradient and the updated adapter of 2 FSDP2 ranks equal one process's, for each
+    loss aggregation and for two updates per batch."""
+    one, two = _one_and_two_ranks("dist_step.py", tiny_model, tmp_path)
     a, b = load_file(str(one)), load_file(str(two))
     assert set(a) == set(b)
     for case in ("token_mean", "seq_mean", "constant", "ppo2"):
@@ -178,17 +184,7 @@ def test_an_audit_on_two_ranks_equals_one_process_and_puts_the_adapter_back(tiny
     """Rank 0 drives audits (`Trainer.audit_moments`, the AUDIT command) while rank 1
     follows: each pass (the live adapter, the base model, another version swapped in)
     equals one process's, and the live adapter is back bit for bit after each."""
-    one, two = tmp_path / "one.safetensors", tmp_path / "two.safetensors"
-    for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
-        run = subprocess.run(
-            [*cmd, str(REPO / "tests" / "dist_audit.py"), str(tiny_model), str(out)],
-            cwd=REPO,
-            env=_env(),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert run.returncode == 0, run.stderr[-3000:]
+    one, two = _one_and_two_ranks("dist_audit.py", tiny_model, tmp_path)
     a, b = load_file(str(one)), load_file(str(two))
     assert set(a) == set(b)
     mask = a["mask"].bool()
