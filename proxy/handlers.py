@@ -6,6 +6,7 @@ errors, streams) is `proxy.app`'s."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -293,7 +294,7 @@ def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str])
     limit = _int_param(params, "limit", 500, 1, 1000)
     workers = ctx.queue.workers(max_age_s)
     listed = behind_first(workers)[:limit]
-    quarantined = dict(list({w: why for w, why in ctx.queue.quarantined().items() if why}.items())[:1000])
+    quarantined = dict(itertools.islice(((w, why) for w, why in ctx.queue.quarantined().items() if why), 1000))
     shown = {w.worker for w in listed} | quarantined.keys()
     audits = {w: tally for w, tally in ctx.queue.audits().items() if w in shown}
     return WorkersResponse(workers=listed, total=len(workers), quarantined=quarantined, audits=audits)
