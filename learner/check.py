@@ -7,7 +7,6 @@ functions (importable here, where the scorers or the embedded actors run them)."
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -32,13 +31,36 @@ def check(cfg: LearnerConfig) -> int:
 
     state: dict[str, Any] = {}
 
-    def queue() -> str:
-        if not cfg.queue:
+    def embedded() -> str:
+        """No --queue: what `learner run` would start here, prepared as it prepares it (the
+        run directory, the built-in model and data where none is given, the certificate
+        and tokens), so the checks after this one see the run's own settings."""
+        nonlocal cfg
+        from learner.cli import check_run_dir
+        from learner.embedded import import_user_code, prepare, redis_server_binary
+
+        try:
+            check_run_dir(cfg.resolved_run_dir)
+            redis = redis_server_binary(cfg.embedded_redis)
+            cfg, _ = prepare(cfg)
+        except FileNotFoundError as err:
+            raise CheckFailed(str(err), "give the model's folder, or a hub id this machine can download") from None
+        except (ValueError, OSError) as err:
+            raise CheckFailed(str(err), "see `learner run --help` for the embedded run's flags") from None
+        try:
+            import_user_code(cfg)
+        except ValueError as err:  # RewardError, ToolError
             raise CheckFailed(
-                "no --queue",
-                "give --queue redis://host:port/db or https://proxy:port "
-                "(without one, `learner run` runs the embedded system)",
-            )
+                str(err), "run from the folder that holds your module (it is on the module path), or install it"
+            ) from None
+        return (
+            f"no --queue: `learner run` starts the whole system here in {cfg.resolved_run_dir}: "
+            f"{'redis-server ' + redis if redis else 'an in-process Redis (fakeredis)'}, the proxy over TLS on "
+            f"loopback, {cfg.actors} {cfg.actor_engine} actor(s)"
+            + (", a `learner score` worker" if cfg.scoring_mode == "trusted" else "")
+        )
+
+    def queue() -> str:
         try:
             q = open_queue(cfg.queue, QueueConfig(run=cfg.run), cfg.token, retry_s=5.0, stop=threading.Event())
             state["queue"] = q
@@ -81,6 +103,9 @@ def check(cfg: LearnerConfig) -> int:
             raise CheckFailed("no --model", "give --model <hub id or path>")
         try:
             check_model_path(cfg.model)
+        except FileNotFoundError as err:  # it names the flag and the path itself
+            raise CheckFailed(str(err), "give the model's folder, or a hub id this machine can download") from None
+        try:
             state["fingerprint"] = fingerprint_of_model(cfg.model)
         except (OSError, ValueError) as err:
             raise CheckFailed(
@@ -172,18 +197,17 @@ def check(cfg: LearnerConfig) -> int:
         )
 
     checks = Checks()
-    started = time.monotonic()
     try:
         return checks.run_all(
             [
-                ("queue", queue),
+                ("queue", queue) if cfg.queue else ("embedded", embedded),
                 ("store", store),
                 ("model", model),
                 ("tools", tools),
                 ("dataset", dataset),
                 ("rewards", rewards),
             ],
-            f"`learner run` with these flags is ready ({time.monotonic() - started:.0f}s)",
+            "`learner run` with these flags is ready",
         )
     finally:
         if "queue" in state:

@@ -20,7 +20,7 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from learner.config import _LOSS_TYPES, SECTIONS, TRL_NAMES, ConfigError, LearnerConfig, load_config
+from learner.config import _LOSS_TYPES, SECTIONS, TRL_BATCH_KEYS, TRL_NAMES, ConfigError, LearnerConfig, load_config
 from protocol.util.logs import add_logging_flags, setup_logging
 
 if TYPE_CHECKING:
@@ -86,6 +86,14 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
             default=argparse.SUPPRESS,
             help=f"= --{ours.replace('_', '-')}",
             **kwargs,
+        )
+    for name in TRL_BATCH_KEYS:
+        trl.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=int,
+            default=argparse.SUPPRESS,
+            help="translated into --groups-per-step (the arithmetic is printed)",
         )
 
 
@@ -178,21 +186,23 @@ def resolve_config(config_file: Path | None, overrides: dict[str, object]) -> tu
     embedded system runs; the built-in task's own defaults apply only when the user gave
     neither a model nor a data set: a user's own work gets the normal defaults (a tiny
     task's learning rate and 2-token completions would silently ruin it), with a notice."""
-    cfg = load_config(config_file, overrides)
+    notes: list[str] = []
+    cfg = load_config(config_file, overrides, notes=notes)
+    taken = "\n".join(f"learner run: {note}" for note in notes) or None  # TRL's keys taken with a note
     if cfg.example:
         if cfg.queue:
             raise ConfigError("--example runs embedded, on this machine: leave out --queue")
         from learner.embedded import EXAMPLES
 
-        return load_config(config_file, overrides, defaults=EXAMPLES[cfg.example]), None
+        return load_config(config_file, overrides, defaults=EXAMPLES[cfg.example]), taken
     if cfg.queue:
-        return cfg, None
+        return cfg, taken
     if not cfg.model and not cfg.dataset:
         from learner.embedded import EMBEDDED_DEFAULTS
 
-        return load_config(config_file, overrides, defaults=EMBEDDED_DEFAULTS), None
+        return load_config(config_file, overrides, defaults=EMBEDDED_DEFAULTS), taken
     what = " and ".join(f"--{n} {getattr(cfg, n)}" for n in ("model", "dataset") if getattr(cfg, n))
-    return cfg, OWN_WORK_NOTICE.format(what=what)
+    return cfg, "\n".join(filter(None, [OWN_WORK_NOTICE.format(what=what), taken]))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -403,11 +413,13 @@ def check(args: argparse.Namespace) -> int:
     from learner.check import check as preflight
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("command", "config", "verbose", "log_level")}
-    try:
-        cfg = load_config(args.config, overrides)
+    try:  # as `learner run` reads them: without --queue, the embedded run's (and an example's) defaults
+        cfg, notice = resolve_config(args.config, overrides)
     except ConfigError as err:
         print(f"learner check: {err}", file=sys.stderr)
         return 2
+    if notice:
+        print(notice.replace("learner run: ", "learner check: "), file=sys.stderr)
     if cfg.token is None and os.environ.get("SPOTGRPO_TOKEN"):
         cfg.token = os.environ["SPOTGRPO_TOKEN"]
     return preflight(cfg)

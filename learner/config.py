@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -486,8 +487,6 @@ def _each(keys: str, answer: str) -> dict[str, str]:
 
 
 TRL_ONLY: dict[str, str] = {
-    "use_vllm": "generation is always on the actors (vLLM or transformers engines); see `actors run --engine`",
-    "vllm_mode": "generation is always on the actors; start them with `actors run --engine vllm`",
     "vllm_gpu_memory_utilization": "set it on the actors: `actors run --gpu-memory-utilization`",
     "vllm_tensor_parallel_size": "set it on the actors: `actors run --tensor-parallel-size`",
     "vllm_max_model_length": "set it on the actors: `actors run --max-model-len`",
@@ -506,15 +505,8 @@ TRL_ONLY: dict[str, str] = {
         "the off-policy correction is --correction (tis, mis, none) with --tis-cap, --mis-level, --mis-low, "
         "--mis-high: every group is off-policy by its measured staleness here",
     ),
-    "per_device_train_batch_size": (
-        "the step size is counted in groups: set groups_per_step (x num_generations sequences)"
-    ),
-    "gradient_accumulation_steps": (
-        "micro-batching is by max_tokens_per_microbatch (and micro_batch_size); groups_per_step sets the step"
-    ),
     "generation_batch_size": "the actors batch across leases on their own; prompts_per_batch sets a lease",
     "steps_per_generation": "generation is asynchronous here; updates_per_batch sets optimizer steps per batch",
-    "num_iterations": "use updates_per_batch (optimizer steps per collected batch, decoupled PPO)",
     "max_prompt_length": "prompts are cut to the context less max_tokens (keeping their end)",
     "num_train_epochs": "the run is counted in steps (max_steps / steps); the data set repeats as needed",
     "delta": "two-sided clipping is not built; use epsilon / epsilon_high",
@@ -613,7 +605,8 @@ TRL_ONLY: dict[str, str] = {
     ),
 }
 """GRPOConfig keys with no counterpart here, and what to do instead (every key of TRL
-1.16's GRPOConfig is answered: ours by the same name, `TRL_NAMES`, `TRL_VALUES`, or this;
+1.16's GRPOConfig is answered: ours by the same name, `TRL_NAMES`, `TRL_VALUES`, `TRL_NO_OPS`,
+`TRL_BATCH_KEYS`, or this;
 `tests/test_trl_vocabulary.py` checks)."""
 
 TRL_VALUES: dict[str, Callable[[Any], dict[str, Any]]] = {
@@ -646,6 +639,64 @@ TRL_VALUES: dict[str, Callable[[Any], dict[str, Any]]] = {
 """GRPOConfig keys whose value maps onto our settings (bf16 = true is dtype = bfloat16);
 an empty mapping means the value is what spotgrpo does anyway."""
 
+TRL_NO_OPS: dict[str, tuple[Callable[[Any], bool], str, str]] = {
+    "use_vllm": (
+        lambda v: isinstance(v, bool),
+        "generation always runs on the actors, vLLM or transformers: choose with `actors run --engine vllm`",
+        "true or false",
+    ),
+    "vllm_mode": (
+        lambda v: v == "server",
+        "generation runs on the actors, as in TRL's server mode (`actors run --engine vllm`)",
+        '"server" (the actors are separate processes; colocating them with the learner is not built)',
+    ),
+    "num_iterations": (
+        lambda v: v == 1,
+        "each collected batch is trained once (as TRL's default)",
+        "1 (for several optimizer steps per collected batch use updates_per_batch: decoupled PPO over "
+        "minibatches; the same batch taken several times over is not built)",
+    ),
+}
+"""GRPOConfig keys that migrated configs carry at values that change nothing here:
+(accepted value, what the note says, what the key takes here). Other values are refused."""
+
+TRL_BATCH_KEYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
+TRL_BATCH_DEFAULT = 8
+"""GRPOConfig's per_device_train_batch_size default: what a config giving only
+gradient_accumulation_steps trains per device."""
+
+
+def trl_batch(user: dict[str, Any], generations: Any, notes: list[str]) -> dict[str, Any]:
+    """The user's settings with TRL's batch-size keys as groups_per_step: a TRL optimizer
+    step takes per_device_train_batch_size x gradient_accumulation_steps x processes
+    completions, `generations` (num_generations) to a prompt's group. Said in a note with
+    the arithmetic; raises ConfigError where it does not divide or clashes."""
+    given = {k: user[k] for k in TRL_BATCH_KEYS if k in user}
+    if not given:
+        return user
+    rest = {k: v for k, v in user.items() if k not in TRL_BATCH_KEYS}
+    if "groups_per_step" in user:
+        raise ConfigError(f"{' and '.join(given)} and groups_per_step are the same setting: give one of them")
+    if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in given.values()):
+        raise ConfigError(f"{', '.join(f'{k} = {v!r}' for k, v in given.items())}: takes a positive whole number")
+    per_device = given.get("per_device_train_batch_size", TRL_BATCH_DEFAULT)
+    accumulation = given.get("gradient_accumulation_steps", 1)
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    completions = per_device * accumulation * processes
+    if not isinstance(generations, int) or generations < 1 or completions % generations:
+        raise ConfigError(
+            f"per_device_train_batch_size x gradient_accumulation_steps x processes = {per_device} x {accumulation} "
+            f"x {processes} = {completions} completions a step is not a whole number of groups of num_generations "
+            f"{generations} (TRL requires it too); change one, or give groups_per_step instead"
+        )
+    groups = completions // generations
+    notes.append(
+        f"groups_per_step = {groups}: per_device_train_batch_size {per_device} x gradient_accumulation_steps "
+        f"{accumulation} x {processes} process(es) = {completions} completions a step, / num_generations "
+        f"{generations} (micro-batches are by max_tokens_per_microbatch: accumulation needs no setting)"
+    )
+    return {**rest, "groups_per_step": groups}
+
 
 def _refuse(key: str, answer: str) -> dict[str, Any]:
     raise _Refused(f"{key} = {answer}")
@@ -655,13 +706,25 @@ class _Refused(ValueError):
     pass
 
 
-def translate_trl(values: dict[str, Any]) -> dict[str, Any]:
+def translate_trl(values: dict[str, Any], notes: list[str] | None = None) -> dict[str, Any]:
     """Settings given by their GRPOConfig names, under ours. Raises ConfigError naming
     every GRPOConfig key with no counterpart (with what to do instead) and every name
-    given both ways, all at once."""
-    out: dict[str, Any] = {}
+    given both ways, all at once. A key taken at a value that changes nothing, or
+    translated by arithmetic, adds a line to `notes`."""
+    notes = notes if notes is not None else []
     refused: list[str] = []
+    out: dict[str, Any] = {}
     for key, value in values.items():
+        if key in TRL_BATCH_KEYS:  # translated once every source is read (`trl_batch`)
+            out[key] = value
+            continue
+        if key in TRL_NO_OPS:
+            accepted, note, takes = TRL_NO_OPS[key]
+            if accepted(value):
+                notes.append(f"{key} = {value!r} taken: {note}")
+            else:
+                refused.append(f"{key} = {value!r}: takes {takes}")
+            continue
         if key in TRL_ONLY:
             refused.append(f"{key}: {TRL_ONLY[key]}")
             continue
@@ -700,7 +763,7 @@ def translate_trl(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def _unknown(keys: list[str]) -> str:
-    known = [*LearnerConfig.model_fields, *TRL_NAMES, *TRL_VALUES]
+    known = [*LearnerConfig.model_fields, *TRL_NAMES, *TRL_VALUES, *TRL_NO_OPS, *TRL_BATCH_KEYS]
     parts = []
     for key in keys:
         near = difflib.get_close_matches(key, known, n=1)
@@ -709,10 +772,14 @@ def _unknown(keys: list[str]) -> str:
 
 
 def load_config(
-    toml_path: Path | None, overrides: dict[str, object], defaults: dict[str, object] | None = None
+    toml_path: Path | None,
+    overrides: dict[str, object],
+    defaults: dict[str, object] | None = None,
+    notes: list[str] | None = None,
 ) -> LearnerConfig:
     """`defaults`, then the TOML file's values, then `overrides` (flags the user gave);
-    GRPOConfig names are read as ours in each."""
+    GRPOConfig names are read as ours in each (what that took without a change, or
+    translated, is added to `notes`)."""
     values: dict[str, Any] = {}
     if toml_path is not None:
         try:
@@ -720,7 +787,11 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ConfigError(f"--config {toml_path}: {err}") from err
         values = values.get("learner", values)  # a [learner] table or top-level keys
-    values = {**(defaults or {}), **translate_trl(values), **translate_trl(dict(overrides))}
+    notes = notes if notes is not None else []
+    user = {**translate_trl(values, notes), **translate_trl(dict(overrides), notes)}
+    defaults = defaults or {}
+    default_generations = defaults.get("num_generations", LearnerConfig.model_fields["num_generations"].default)
+    values = {**defaults, **trl_batch(user, user.get("num_generations", default_generations), notes)}
     unknown = [k for k in values if k not in LearnerConfig.model_fields]
     if unknown:
         raise ConfigError(f"invalid configuration: {_unknown(unknown)}")

@@ -103,7 +103,10 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
     file store) and make the run's certificate and tokens; all of it stays in the run
     directory, so `--resume` finds it again. Returns the config and the tokens file."""
     from learner.tiny import save_tiny
+    from protocol import check_model_path
 
+    if cfg.model:
+        check_model_path(cfg.model)  # "no such directory", not the hub client's words on repository ids
     run_dir = cfg.resolved_run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
     updates: dict[str, Any] = {}

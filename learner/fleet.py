@@ -36,11 +36,12 @@ def problems(
         if dropped <= 0:
             continue
         w = status.get(worker)
-        where = (
-            f"; it reports adapter v{w.adapter_version} against v{latest_version}"
-            if w is not None
-            else "; it has not reported its status"
-        )
+        if w is None:
+            where = "; it has not reported its status"
+        elif w.adapter_version >= latest_version:  # its groups were old when read; it has loaded the latest since
+            where = f"; it has caught up since (it reports v{w.adapter_version}, the latest)"
+        else:
+            where = f"; it reports adapter v{w.adapter_version} against v{latest_version}"
         why = f"; its last error: {printable(w.last_error, 300)}" if w is not None and w.last_error else ""
         out[printable(worker, 256)] = (
             "stale",
@@ -73,7 +74,8 @@ def stalls(
         out["unscored"] = (
             f"{stats.unscored.waiting} group(s) have waited {oldest:.0f}s for the trusted scoring tier and no "  # type: ignore[union-attr]
             f"scoring worker has read them: start `learner score --queue <this run's Redis> --run {run} "
-            "--reward <the learner's --reward>`, or run the learner with --scoring actors"
+            "--model <the learner's --model> --reward <the learner's --reward>` (or `learner score --config "
+            "<the learner's config file>`), or run the learner with --scoring actors"
         )
     return out
 

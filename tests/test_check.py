@@ -225,6 +225,46 @@ def test_learner_check_names_the_first_thing_missing(
     assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "reachable" in proc.stdout
 
 
+def test_learner_check_of_the_embedded_run(tmp_path: Path) -> None:
+    """Without --queue, `learner check` checks what `learner run` would start here: the
+    built-in run's parts, and a user's reward module imported from the working folder."""
+
+    def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "learner", "check", *flags],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # as a user runs it
+            cwd=tmp_path,
+        )
+
+    proc = learner_check()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")] == [
+        "embedded",
+        "store",
+        "model",
+        "tools",
+        "dataset",
+        "rewards",
+    ]
+    assert "`learner run` starts the whole system here in runs/demo" in proc.stdout
+    assert (tmp_path / "runs" / "demo" / "model" / "config.json").exists()  # prepared as `learner run` would
+    proc = learner_check("--reward", "my_rewardz:correct", "--run", "typo")  # the issue's typo
+    assert proc.returncode == 1, proc.stdout
+    assert "FAIL  embedded   --reward 'my_rewardz:correct': cannot import my_rewardz" in proc.stdout
+    (tmp_path / "my_rewards.py").write_text(
+        "def correct(completions, **kwargs):\n    return [float(c.strip()[:1].isdigit()) for c in completions]\n"
+    )
+    proc = learner_check("--reward", "my_rewards:correct", "--run", "mine")  # from the working folder
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "my_rewards:correct import and score the data set's first row" in proc.stdout
+    proc = learner_check("--model", "./models/missing")
+    assert proc.returncode == 1 and "FAIL  embedded   --model ./models/missing: no such directory" in proc.stdout
+    assert proc.stdout.count("./models/missing") == 1  # said once, not doubled
+
+
 def test_learner_check_of_a_run_with_tools(
     redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path, tmp_path: Path
 ) -> None:

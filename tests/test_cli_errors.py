@@ -179,6 +179,10 @@ def test_missing_local_models_and_bad_run_dirs_are_named(tiny_model: Path, tmp_p
     rc, err, _ = _run(_learner(tmp_path, "redis://127.0.0.1:1/0", "./models/missing"))
     assert rc == 2
     _one_line(err, "learner run:", "./models/missing", "no such directory")
+    # the embedded run (no --queue) says the same, not the hub client's words on repository ids
+    rc, err, took = _run(["-m", "learner", "run", "--model", "./models/missing", "--run-dir", str(tmp_path / "e")])
+    assert rc == 2 and took < 20 and "Repo id" not in err and "Traceback" not in err
+    assert "learner run: --model ./models/missing: no such directory" in err.splitlines()
     a_file = tmp_path / "occupied"
     a_file.write_text("")
     rc, err, took = _run(_learner(tmp_path, "redis://127.0.0.1:1/0", tiny_model, "--run-dir", str(a_file / "run")))

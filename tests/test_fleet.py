@@ -31,12 +31,15 @@ def test_workers_whose_groups_were_dropped_and_refusing_workers_are_named_with_t
             _w("lag", 4, refused=2, error="adapter v6 refused: rank 128 above --max-lora-rank 64"),
             _w("refuses", 9, refused=1, error="adapter v8 refused: sha256 mismatch"),
             _w("edge", 6),
+            _w("caught-up", 10),
         ],
-        {"lag": 3, "gone": 2},
+        {"lag": 3, "gone": 2, "caught-up": 8},
         latest_version=10,
         max_staleness=4,
     )
-    assert set(found) == {"lag", "refuses", "gone"}
+    assert set(found) == {"lag", "refuses", "gone", "caught-up"}
+    kind, why = found["caught-up"]  # its groups were stale when read; it loaded the latest since
+    assert kind == "stale" and "it has caught up since (it reports v10, the latest)" in why and "against" not in why
     kind, why = found["lag"]
     assert kind == "stale" and "had 3 group(s) dropped as stale" in why and "v4 against v10" in why
     assert "--max-lora-rank 64" in why
@@ -95,6 +98,7 @@ def test_streams_nobody_reads_are_named_from_the_real_queue(redis_server, run_na
     time.sleep(1.0)
     found = stalls(q.stats(), run_name, 1, stall_s=0.5)
     assert set(found) == {"unscored"} and "no scoring worker has read them" in found["unscored"]
+    assert "--model <the learner's --model> --reward" in found["unscored"]
     watch = FleetWatch()
     assert len(watch.update_streams(q.stats(), run_name)) == 0  # 1 s is no stall at the default 45 s
     sq = ScoringQueue.from_url(redis_server.url, q.config)

@@ -148,8 +148,8 @@ def test_unknown_and_trl_only_keys_are_refused_with_a_way_forward(tmp_path: Path
         load_config(None, {"max_complection_length": 3})
     with pytest.raises(ConfigError, match=r"lerning_rate: unknown setting \(did you mean learning_rate\?\)"):
         load_config(None, {"lerning_rate": 3})
-    with pytest.raises(ConfigError, match=r"no counterpart here.*\n  use_vllm: generation is always on the actors"):
-        load_config(None, {"use_vllm": True})
+    with pytest.raises(ConfigError, match=r"no counterpart here.*\n  vllm_server_port: generation runs on the actors"):
+        load_config(None, {"vllm_server_port": 8000})
     assert all(reason for reason in TRL_ONLY.values())
     with pytest.raises(ConfigError, match="max_completion_length and max_tokens are the same setting"):
         load_config(None, {"max_completion_length": 3, "max_tokens": 4})
@@ -166,10 +166,11 @@ def test_every_grpoconfig_key_is_answered() -> None:
 
     from trl import GRPOConfig
 
-    from learner.config import TRL_VALUES, LearnerConfig
+    from learner.config import TRL_BATCH_KEYS, TRL_NO_OPS, TRL_VALUES, LearnerConfig
 
     keys = [f.name for f in dataclasses.fields(GRPOConfig) if not f.name.startswith("_")]
     answered = set(LearnerConfig.model_fields) | set(TRL_NAMES) | set(TRL_VALUES) | set(TRL_ONLY)
+    answered |= set(TRL_NO_OPS) | set(TRL_BATCH_KEYS)
     assert [k for k in keys if k not in answered] == []
 
 
@@ -198,7 +199,8 @@ def test_a_migrating_config_gets_every_answer_at_once(tmp_path: Path) -> None:
                 "loss_type": "cispo",
                 "eval_strategy": "epoch",
                 "dataloader_num_workers": 4,
-                "gradient_accumulation_steps": 4,
+                "num_iterations": 2,
+                "vllm_mode": "colocate",
                 "learning_rate": 1e-6,
             }
         )
@@ -214,12 +216,64 @@ def test_a_migrating_config_gets_every_answer_at_once(tmp_path: Path) -> None:
         "loss_type = 'cispo': not built here; loss_type is one of grpo, dapo, bnpo, dr_grpo",
         "eval_strategy = 'epoch': evaluation is counted in adapter versions",
         "dataloader_num_workers: prompts are issued",
-        "gradient_accumulation_steps: micro-batching",
+        "num_iterations = 2: takes 1 (for several optimizer steps per collected batch use updates_per_batch",
+        "vllm_mode = 'colocate': takes \"server\"",
     ):
         assert answer in message, message
     assert "token_mean" not in message.split("loss_agg")[0]  # our internal names come second, as an alternative
     with pytest.raises(ConfigError, match="bf16 and dtype are the same setting"):
         load_config(None, {"bf16": True, "dtype": "float32"})
+
+
+def test_trl_no_op_values_are_taken_with_a_note(tmp_path: Path) -> None:
+    """What migrated configs carry at values that change nothing here is taken, each with
+    one line; the same keys at values that would change something are refused."""
+    (tmp_path / "trl.toml").write_text(
+        _toml({"use_vllm": True, "vllm_mode": "server", "num_iterations": 1, "gradient_accumulation_steps": 1})
+    )
+    notes: list[str] = []
+    cfg = load_config(tmp_path / "trl.toml", {}, notes=notes)
+    assert cfg == load_config(None, {"groups_per_step": 1})  # 8 x 1 x 1 completions: one group of 8
+    assert [n.split(" ")[0] for n in notes] == ["use_vllm", "vllm_mode", "num_iterations", "groups_per_step"]
+    assert "use_vllm = True taken: generation always runs on the actors" in notes[0]
+    assert load_config(None, {"use_vllm": False}).groups_per_step == 16  # either value: the actors' --engine decides
+    with pytest.raises(ConfigError, match="use_vllm = 'yes': takes true or false"):
+        load_config(None, {"use_vllm": "yes"})
+
+
+def test_trl_batch_size_becomes_groups_per_step_with_the_arithmetic(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    notes: list[str] = []
+    cfg = load_config(
+        None, {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "num_generations": 4}, notes=notes
+    )
+    assert cfg.groups_per_step == 8
+    assert notes == [
+        "groups_per_step = 8: per_device_train_batch_size 16 x gradient_accumulation_steps 2 x 1 process(es) = 32 "
+        "completions a step, / num_generations 4 (micro-batches are by max_tokens_per_microbatch: accumulation "
+        "needs no setting)"
+    ]
+    assert load_config(None, {"gradient_accumulation_steps": 4}).groups_per_step == 4  # TRL's default 8 a device
+    # the flag overrides the file's num_generations before the arithmetic, as the last word on it
+    assert load_config(None, {"per_device_train_batch_size": 8, "num_generations": 2}).groups_per_step == 4
+    monkeypatch.setenv("WORLD_SIZE", "2")  # torchrun's processes, as TRL's
+    assert load_config(None, {"per_device_train_batch_size": 8}).groups_per_step == 2
+    monkeypatch.delenv("WORLD_SIZE")
+    with pytest.raises(ConfigError, match=r"8 x 1 x 1 = 8 completions a step is not a whole number of groups of"):
+        load_config(None, {"per_device_train_batch_size": 8, "num_generations": 3})
+    with pytest.raises(ConfigError, match="per_device_train_batch_size and groups_per_step are the same setting"):
+        load_config(None, {"per_device_train_batch_size": 8, "groups_per_step": 2})
+    with pytest.raises(ConfigError, match=r"gradient_accumulation_steps = 0: takes a positive whole number"):
+        load_config(None, {"gradient_accumulation_steps": 0})
+
+
+def test_the_console_says_what_trl_keys_were_taken_as() -> None:
+    from learner.cli import resolve_config
+
+    cfg, notice = resolve_config(None, {"per_device_train_batch_size": 16, "num_iterations": 1})
+    assert cfg.groups_per_step == 2 and cfg.run == "demo"  # the embedded default's other settings stand
+    assert notice is not None and "learner run: groups_per_step = 2: per_device_train_batch_size 16" in notice
+    assert "learner run: num_iterations = 1 taken" in notice
 
 
 def test_gspo_ratio_is_the_geometric_mean_of_the_sequence(tmp_path: Path) -> None:

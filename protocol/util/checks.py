@@ -33,10 +33,12 @@ class Checks:
 
     def run_all(self, checks: list[tuple[str, Callable[[], str]]], ready: str) -> int:
         """Every check in order; 0 with `ready` said when all pass, 1 at the first failure."""
+        started = time.monotonic()
         try:
             for name, fn in checks:
                 self.run(name, fn)
         except CheckFailed:
             return 1
-        print(f"all {len(self.passed)} checks passed: {ready}", file=self.out, flush=True)
+        took = time.monotonic() - started
+        print(f"all {len(self.passed)} checks passed: {ready} ({took:.0f}s)", file=self.out, flush=True)
         return 0
