@@ -317,7 +317,10 @@ def run(args: argparse.Namespace) -> int:
             log.warning("no adapter announcements yet (%s); the watcher keeps trying", err)
         watcher.start()
         log.info("worker %s: %s engine on %s, run %s", worker_id, args.engine, args.model, args.run)
-        return worker.work()
+        code = worker.work()
+        if worker.run_over is not None:
+            print(f"actors run: {worker.run_over}", file=sys.stderr)
+        return code
     except WorkerRefused as err:
         print(f"actors run: {err}", file=sys.stderr)
         return 2

@@ -21,6 +21,9 @@ the worker itself (a bad token, a role without the right, a certificate that doe
 verify) ends the loop with `WorkerRefused`, and an engine that dies ends it with
 `WorkerEngineDead`, after handing back every lease held.
 
+A run its learner finished refuses claims (`RunOver`): the worker stops at once, handing
+back what it holds, and exits 0.
+
 Shutdown (SIGTERM, a spot notice): stop claiming; leases in hand may finish within
 `grace_s`, after which generation is aborted and every unfinished lease is handed back,
 so other workers take them at once; what is finished is submitted within the rest of
@@ -52,6 +55,7 @@ from protocol import (
     QueueTLSError,
     QueueUnavailable,
     RolloutGroup,
+    RunOver,
     WorkerStatus,
     group_id_for,
     pack_i32,
@@ -233,6 +237,8 @@ class Worker:
         """While the queue is unreachable, no queue call before this time."""
         self._idle_claim_at = 0.0
         """After an empty non-blocking claim, the next one waits until this time."""
+        self.run_over: str | None = None
+        """The learner's last word once it finished the run (`RunOver`): the worker stops, exit 0."""
 
     # ----------------------------------------------------------------- status
     def status(self) -> WorkerStatus:
@@ -328,7 +334,14 @@ class Worker:
         if max_batches is not None:
             count = min(count, max_batches - self.batches_claimed)
         started = time.monotonic()
-        leases = self.queue.claim(self.worker_id, count, block_s=self.claim_block_s if idle else 0.0)
+        try:
+            leases = self.queue.claim(self.worker_id, count, block_s=self.claim_block_s if idle else 0.0)
+        except RunOver as err:  # the learner finished: what is in flight is of no use to it
+            self.run_over = str(err)
+            log.info("%s; stopping", err)
+            self.stop()
+            self.abort.set()
+            return
         self.metrics.lease_wait.observe(time.monotonic() - started)
         if not leases:
             self._idle_claim_at = time.monotonic() + 0.5

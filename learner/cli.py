@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import types
 import typing
@@ -275,6 +276,7 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
     """The learner itself: queue, store, model, and the loop."""
     from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
+    from learner.summary import final_stats, finish_run
     from learner.trackers import check_trackers
     from protocol import QueueConfig, QueueRefused, QueueUnavailable, check_model_path
     from protocol.client.http_queue import confirm_identity
@@ -283,6 +285,7 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
 
     stop = threading.Event()
     stop_on_signals(stop)
+    started = time.monotonic()
     try:  # everything that can be checked before the model loads
         check_run_dir(cfg.resolved_run_dir)
         check_model_path(cfg.model)
@@ -304,6 +307,8 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
         sources = open_sources_for(cfg)  # the data set, and that its prompts fit the context, before the model loads
         learner = Learner(cfg, queue, store, stop_requested=stop, dist=dist, sources=sources)  # type: ignore[arg-type]
         state = learner.run()
+        stats = final_stats(queue)
+        eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0
     except (QueueUnavailable, StoreError) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 1
@@ -317,7 +322,9 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
         raise
     finally:
         queue.close()
-    log.info("done: step %d, adapter v%d, totals %s", state.step, state.policy_version, state.totals)
+    from rich.console import Console
+
+    finish_run(cfg, state, stats, time.monotonic() - started, Console(stderr=True, soft_wrap=True), eval_in_queue)
     return 0
 
 

@@ -243,44 +243,6 @@ def redis_server_binary(choice: str) -> str | None:
     return binary
 
 
-def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue: int = 0) -> dict[str, Any]:
-    """Where every issued prompt went: trained, dropped (by reason), dead-lettered, or
-    still in the queue when the run stopped. The queue also holds the evaluations still
-    out (`eval_in_queue` prompts), which are not training prompts."""
-    totals = dict(state.totals)
-    # a duplicate is a second copy of a consumed prompt's group, not a prompt of its own
-    dropped = {k: v for k, v in totals.items() if k.startswith(("dropped_", "rejected_")) and k != "rejected_duplicate"}
-    dead = totals.get("dead_lettered_prompts", 0)
-    out: dict[str, Any] = {
-        "issued": state.ledger.issued,  # a dishonest worker's prompts twice (`learner.ledger.REISSUED`)
-        "trained": totals.get("trained_groups", 0),
-        "dropped": dropped,
-        "dead_lettered": dead,
-        "duplicates_skipped": totals.get("rejected_duplicate", 0),
-        # what workers said they generated, checked (`learner.audit`; `reissued` is in `issued`)
-        "audited": totals.get("audited_groups", 0),
-        "quarantined_workers": sorted(state.quarantined),
-        "reissued": state.ledger.reissued,
-        # every group the learner read, by verdict, those of a collection a stop cut short too
-        # (they stay pending in the queue, so `dropped` leaves them out)
-        "read": {k.removeprefix("read/"): v for k, v in sorted(totals.items()) if k.startswith("read/")},
-    }
-    if cfg.scoring_mode == "trusted":
-        out["scored"] = totals.get("scored_groups", 0)
-        out["rejected_by_scoring"] = totals.get("rejected_scoring", 0)
-    if stats is not None:
-        in_scoring = stats.unscored.length if stats.unscored is not None else 0
-        if cfg.scoring_mode == "trusted":
-            out["in_scoring"] = in_scoring
-        out["in_queue"] = (
-            (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring - eval_in_queue
-        )
-        out["eval_in_queue"] = eval_in_queue
-        out["leases_at_end"] = dict(stats.leases_by_worker)
-        out["balanced"] = out["issued"] == out["trained"] + sum(dropped.values()) + dead + out["in_queue"]
-    return out
-
-
 def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     """Prepare, start the proxy and actors, train with a live display, then stop
     everything, plot and summarise. `on_learner(learner)` installs the signal handlers."""
@@ -288,7 +250,8 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
 
     from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
-    from learner.progress import LiveProgress, plot, summarise
+    from learner.progress import LiveProgress
+    from learner.summary import final_stats, finish_run
     from protocol import QueueConfig
     from protocol.client.http_queue import HttpQueue
     from protocol.trusted import open_store
@@ -344,10 +307,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
             state = learner.run()
         system.stop_workers()  # what they hold goes back to the queue, which then holds still
         eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0
-        try:
-            stats = queue.stats()
-        except Exception as err:  # the summary can do without it
-            log.warning("no final queue statistics: %s", err)
+        stats = final_stats(queue)
     except (LearnerError, RuntimeError, OSError, ValueError) as err:
         if not failure:
             print(f"learner run: {err}", file=sys.stderr)
@@ -359,29 +319,5 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     if failure:
         print(f"learner run: {failure[0]}", file=sys.stderr)
         return 1
-    curve = plot(cfg.resolved_run_dir)
-    summary = summarise(
-        cfg.resolved_run_dir,
-        time.monotonic() - started,
-        {
-            "accounting": accounting(state, cfg, stats, eval_in_queue) if state is not None else {},
-            "curve": str(curve) if curve else None,
-            "metrics": str(cfg.resolved_run_dir / "metrics.jsonl"),
-        },
-    )
-    evals = summary["evaluations"]
-    held_out = ""
-    if evals:
-        first, last = min(evals, key=int), max(evals, key=int)
-        p1 = {v: evals[v].get("pass@1") for v in (first, last)}
-        shown = {v: "-" if p is None else f"{p:.3f}" for v, p in p1.items()}
-        held_out = f"; held-out pass@1 {shown[first]} (v{first}) -> {shown[last]} (v{last})" + (
-            " (cut short)" if evals[last].get("cut_short") else ""
-        )
-    console.print(
-        f"\n[bold]done[/bold]: {summary['steps']} steps in {summary['wall_s']}s; reward {summary['reward_first_5']} "
-        f"(first 5 steps) -> {summary['reward_last_5']} (last 5){held_out}; max staleness {summary['staleness_max']}; "
-        f"adapter v{summary['adapter_version']}.\n  plot {summary['curve']}\n  metrics {summary['metrics']}\n"
-        f"  summary {cfg.resolved_run_dir / 'summary.json'}"
-    )
+    finish_run(cfg, state, stats, time.monotonic() - started, console, eval_in_queue)
     return 0

@@ -203,7 +203,7 @@ class LocalSystem:
                     self.logs / log_name
                 )
         for i, proc in enumerate(self.workers):
-            if proc.poll() is None:
+            if proc.poll() is None or proc.returncode == 0:  # 0: told the run is over (`RunOver`)
                 continue
             if self._restarts[i] >= self.RESTARTS:
                 continue
@@ -218,7 +218,7 @@ class LocalSystem:
                 _tail(self.logs / f"actor-{i}.log", 3),
             )
             self.workers[i] = self._start_actor(i, f"local-{i}-r{self._restarts[i]}")
-        if self.workers and all(p.poll() is not None for p in self.workers):
+        if self.workers and all(p.poll() not in (None, 0) for p in self.workers):
             return (
                 f"every actor exited, each started again {self.RESTARTS} times; the last lines of "
                 f"{self.logs / 'actor-0.log'}:\n" + _tail(self.logs / "actor-0.log")

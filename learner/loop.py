@@ -103,6 +103,7 @@ class Learner(Evaluations):
             keep_adapters=cfg.adapters_kept,
             fingerprint=fingerprint_of_model(cfg.model),
             protected=self.pinned_versions,
+            log_every=cfg.log_every,
         )
         self.state = LearnerState()
         self.stop_requested = stop_requested or threading.Event()
@@ -188,8 +189,10 @@ class Learner(Evaluations):
             record_audits(self.queue, self.auditor)
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
-            if self.state.step >= cfg.steps and not cfg.keep_queue:
-                self.expire_queue()
+            if self.state.step >= cfg.steps:
+                self.end_run()
+                if not cfg.keep_queue:
+                    self.expire_queue()
         finally:
             self.trainer.stop()  # the other ranks (torchrun) exit with this one
             self.publisher.close()
@@ -231,6 +234,10 @@ class Learner(Evaluations):
             )
         elif self.cfg.resume:
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
+        try:  # a run finished before and continued now (more --steps): workers may claim again
+            self._retry(lambda: self.queue.set_run_over(""))
+        except NotImplementedError:
+            pass
         # a version number names one adapter forever: continue above any ever announced
         self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0)
         self._replay_pending()
@@ -574,6 +581,18 @@ class Learner(Evaluations):
         self.state.unacked = {}
         self.ledger.reported()
         log.info("checkpoint at step %d", self.state.step)
+
+    def end_run(self) -> None:
+        """The run is complete: workers are told (their claims are refused with this line), so
+        they stop rather than wait on a queue nobody fills (best effort)."""
+        why = (
+            f"run {self.cfg.run!r} is over: its learner finished at step {self.state.step} "
+            f"(adapter v{self.state.policy_version})"
+        )
+        try:
+            self.queue.set_run_over(why)
+        except (QueueError, NotImplementedError) as err:
+            log.warning("could not tell the workers that the run is over: %s", err)
 
     def expire_queue(self) -> None:
         """The run is complete: its Redis keys go after `queue_ttl_s` (best effort)."""

@@ -105,7 +105,12 @@ def clean(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def console_line(row: dict[str, Any], total_steps: int) -> str:
-    """One line per step; a figure that is missing (None: it was not finite) shows as -."""
+    """One line per step, under TRL's names where TRL has one (`reward`, `reward_std`,
+    `frac_reward_zero_std`, `loss`, `grad_norm`, `importance_sampling_ratio` for
+    `sampling/importance_sampling_ratio/mean`); then what asynchrony adds: the groups'
+    staleness (mean/max versions behind), the groups trained and dropped by reason, and the
+    step's wait, compute and publish times. A figure that is missing (None: it was not
+    finite) shows as -."""
 
     def f(key: str, spec: str) -> str:
         value = row.get(key)
@@ -115,12 +120,14 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
     skipped = f"  SKIPPED {row['skipped_updates']} update(s)" if row.get("skipped_updates") else ""
     return (
         f"step {row['step']:>5}/{total_steps}  v{row['adapter_version']:<4} "
-        f"reward {f('reward', '.3f')}±{f('reward_std', '.3f')}  "
-        f"stale {f('staleness_mean', '.2f')}/{f('staleness_max', '')}  "
-        f"is_w {f('sampling/importance_sampling_ratio/mean', '.3f')}  loss {f('loss', '+.4f')}  "
-        f"gnorm {f('grad_norm', '.3f')}  "
-        f"groups {row['groups']} drop {row['dropped_stale']}s/{row['dropped_flat']}f/{row['rejected']}r  "
-        f"wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s pub {publish}ms{skipped}"
+        f"reward {f('reward', '.3f')}  reward_std {f('reward_std', '.3f')}  "
+        f"frac_reward_zero_std {f('frac_reward_zero_std', '.2f')}  loss {f('loss', '+.4f')}  "
+        f"grad_norm {f('grad_norm', '.3f')}  "
+        f"importance_sampling_ratio {f('sampling/importance_sampling_ratio/mean', '.3f')}  "
+        f"staleness {f('staleness_mean', '.2f')}/{f('staleness_max', '')}  "
+        f"groups {row['groups']} (dropped: {row['dropped_stale']} stale, {row['dropped_flat']} flat, "
+        f"{row['rejected']} rejected)  wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s "
+        f"publish {publish}ms{skipped}"
     )
 
 

@@ -54,10 +54,12 @@ class Publisher:
         protected: Callable[[], set[int]] | None = None,
         attempts: int = 5,
         backoff_s: float = 0.5,
+        log_every: int = 1,
     ) -> None:
         """`keep_adapters`: versions kept in the store, newest first (0: all); older ones
         are deleted unless `protected()` names them (pinned evaluations, the versions of
-        kept checkpoints)."""
+        kept checkpoints). Publishes and prunes are logged at info every `log_every` steps
+        (logging_steps), at debug between."""
         self.store = store
         self.queue = queue
         self.base_model = base_model
@@ -67,6 +69,7 @@ class Publisher:
         self.protected = protected or set
         self.attempts = attempts
         self.backoff_s = backoff_s
+        self.log_every = max(1, log_every)
         self.failures = 0
         self.published: list[int] = []
         self.digests: dict[int, str | None] = {}
@@ -156,8 +159,9 @@ class Publisher:
         self._retry(f"upload {key}", lambda: self.store.put(key, to_json(manifest)))
         self.digests[job.version] = adapter_digest(manifest.files)  # before any group can name it
         self._retry(f"announce v{job.version}", lambda: self.queue.announce(manifest))
-        log.info("adapter v%d published (step %d)", job.version, job.step)
-        self._prune(job.version)
+        level = logging.INFO if job.step % self.log_every == 0 else logging.DEBUG
+        log.log(level, "adapter v%d published (step %d)", job.version, job.step)
+        self._prune(job.version, level)
 
     def digest_of(self, version: int) -> str | None:
         """The digest of adapter `version` as published: remembered, or read from its
@@ -173,7 +177,7 @@ class Publisher:
         self.digests[version] = digest
         return digest
 
-    def _prune(self, newest: int) -> None:
+    def _prune(self, newest: int, level: int = logging.INFO) -> None:
         """Delete every version older than the newest `keep_adapters` that nothing protects
         (a version skipped once is looked at again at the next publish)."""
         if not self.keep_adapters:
@@ -185,7 +189,7 @@ class Publisher:
             doomed = [k for v in old for k in files[v]]
             if doomed:
                 self.store.delete(doomed)
-                log.info("pruned adapter versions %s", ", ".join(f"v{v}" for v in sorted(old)))
+                log.log(level, "pruned adapter versions %s", ", ".join(f"v{v}" for v in sorted(old)))
         except StoreError as err:  # a leftover old version costs only space
             log.warning("could not prune old adapter versions: %s", err)
 

@@ -24,6 +24,8 @@ Role = Literal["actor", "learner", "admin"]
 ROLES: tuple[Role, ...] = ("actor", "learner", "admin")
 MIN_SECRET = 32
 MAX_WORKERS = 100_000
+PLACEHOLDER = "REPLACE-"
+"""How `proxy/tokens.example.toml`'s secrets begin: refused, so a copied example never serves."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -73,6 +75,11 @@ class Tokens:
                 raise TokenError(f"{where} ({name}): role must be one of {', '.join(ROLES)}")
             if not isinstance(secret, str) or len(secret) < MIN_SECRET:
                 raise TokenError(f"{where} ({name}): secret must be at least {MIN_SECRET} characters")
+            if secret.startswith(PLACEHOLDER):
+                raise TokenError(
+                    f"{where} ({name}): secret is the example's placeholder; make one with "
+                    '`python -c "import secrets; print(secrets.token_urlsafe(32))"`'
+                )
             workers = entry.get("workers")
             if workers is not None and (
                 role != "actor"

@@ -52,6 +52,8 @@ from protocol.client.http import (
     ReportStatusRequest,
     ReportStatusResponse,
     RolloutsResponse,
+    RunOverRequest,
+    RunOverResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
@@ -339,6 +341,13 @@ def expire_run(ctx: Context, token: Token, body: ExpireRunRequest, params: dict[
     return ExpireRunResponse(keys=ctx.queue.expire_run(body.ttl_s))
 
 
+def run_over(ctx: Context, token: Token, body: RunOverRequest, params: dict[str, str]) -> RunOverResponse:
+    ctx.queue.set_run_over(body.why)
+    if body.why:
+        log.info("run %s is over: %s", ctx.queue.config.run, body.why)
+    return RunOverResponse(over=bool(body.why))
+
+
 def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
     ctx.check_count("batches", len(body.batches))
     return AddPromptsResponse(added=ctx.queue.add_prompts(body.batches))
@@ -441,6 +450,7 @@ HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.READ_ROLLOUTS: read_rollouts,
     api.ACK: ack,
     api.EXPIRE_RUN: expire_run,
+    api.RUN_OVER: run_over,
     api.QUARANTINE: quarantine,
     api.QUARANTINED: quarantined,
     api.LIFT_QUARANTINE: lift_quarantine,

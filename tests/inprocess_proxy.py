@@ -129,6 +129,9 @@ class ProxiedQueue(Queue):
     def expire_run(self, ttl_s: float) -> int:
         return self.learner.expire_run(ttl_s)
 
+    def set_run_over(self, why: str) -> None:
+        self.learner.set_run_over(why)
+
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         return self.learner.workers(max_age_s)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import subprocess
 import sys
@@ -139,3 +140,18 @@ def test_selfsigned_says_when_its_certificate_expires(tmp_path: Path) -> None:
 
     cert = x509.load_pem_x509_certificate((tmp_path / "c.pem").read_bytes())
     assert 2.9 < (cert.not_valid_after_utc - cert.not_valid_before_utc).total_seconds() / 86400 < 3.1
+
+
+def test_a_run_that_took_no_step_ends_with_a_line_that_says_so(tmp_path: Path) -> None:
+    """Not `done: 0 steps ... reward None ... plot None`, which reads like a crash."""
+    from rich.console import Console
+
+    from learner.config import LearnerConfig
+    from learner.summary import finish_run
+
+    console = Console(record=True, width=200)
+    summary = finish_run(LearnerConfig(run_dir=tmp_path), None, None, 3.2, console)
+    said = console.export_text()
+    assert "done: no step was taken in 3.2s" in said and "None" not in said, said
+    assert summary["steps"] == 0 and summary["curve"] is None
+    assert json.loads((tmp_path / "summary.json").read_text())["wall_s"] == 3.2

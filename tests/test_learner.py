@@ -341,7 +341,8 @@ def test_the_console_line_copes_with_missing_figures() -> None:
         "skipped_updates": 1,
     }
     line = console_line(row, 10)
-    assert "reward -±-" in line and "loss -" in line and "SKIPPED 1" in line
+    assert "reward -  reward_std -  frac_reward_zero_std -  loss -  grad_norm -" in line, line
+    assert "staleness 0.50/1  groups 4 (dropped: 0 stale, 1 flat, 0 rejected)" in line and "SKIPPED 1" in line
 
 
 # --------------------------------------------------------------- whole runs

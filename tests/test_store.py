@@ -179,9 +179,14 @@ def test_publisher_reraises_a_bug_on_the_training_thread(tmp_path: Path) -> None
         publisher.close()
 
 
-def test_old_adapter_versions_are_pruned_except_the_pinned_ones(tmp_path: Path) -> None:
+def test_old_adapter_versions_are_pruned_except_the_pinned_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """The newest `keep_adapters` stay, and any version something pins (an evaluation in
-    progress, a kept checkpoint's), however old; the rest go, a skipped one at a later publish."""
+    progress, a kept checkpoint's), however old; the rest go, a skipped one at a later publish.
+    Publishes and prunes are said at info every `log_every` steps (logging_steps) only."""
+    import logging
+
     from learner.publish import Publisher, PublishJob
 
     class Announced:
@@ -191,10 +196,15 @@ def test_old_adapter_versions_are_pruned_except_the_pinned_ones(tmp_path: Path) 
     store = FileStore(tmp_path)
     pinned = {2}
     state = {"w": torch.zeros(2)}
-    publisher = Publisher(store, Announced(), base_model="m", rank=1, keep_adapters=3, protected=lambda: set(pinned))
-    for version in range(1, 8):
-        publisher.submit(PublishJob(version, version, state, b"{}"))
-        publisher.flush()
+    publisher = Publisher(
+        store, Announced(), base_model="m", rank=1, keep_adapters=3, protected=lambda: set(pinned), log_every=5
+    )
+    with caplog.at_level(logging.INFO, logger="learner.publish"):
+        for version in range(1, 8):
+            publisher.submit(PublishJob(version, version, state, b"{}"))
+            publisher.flush()
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+    assert said == ["adapter v5 published (step 5)"], said  # v1 went at step 4, unsaid
     versions = sorted({int(k.split("/")[1][1:]) for k in store.list("adapters/")})
     assert versions == [2, 5, 6, 7]
     pinned.clear()  # the evaluation of v2 is done

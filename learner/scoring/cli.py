@@ -117,8 +117,8 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
     add_logging_flags(score)
 
 
-SCORE_HELP = """Start one scoring worker of the trusted tier: an RQ worker (a forked work horse
-per group) and a dispatcher that turns submitted groups into RQ jobs. It scores groups of
+SCORE_HELP = """Start one scoring worker of the trusted tier: an RQ worker (a work horse forked
+per job of up to --groups-per-job groups) and a dispatcher that turns submitted groups into RQ jobs. It scores groups of
 batches the learner issued with --scoring trusted, with the data set's private columns,
 which never leave the trusted side. Start as many as you like; SIGTERM stops one warmly
 (the group in hand finishes), and a killed one's job is retried by another."""

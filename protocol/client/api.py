@@ -40,6 +40,8 @@ from protocol.client.http import (
     ReportStatusRequest,
     ReportStatusResponse,
     RolloutsResponse,
+    RunOverRequest,
+    RunOverResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
@@ -245,6 +247,15 @@ EXPIRE_RUN = _e(
     ExpireRunRequest,
     ExpireRunResponse,
 )
+RUN_OVER = _e(
+    "POST",
+    "/v1/run/over",
+    {LEARNER},
+    "The learner finished the run: claims are refused from now on with its words (410 `run_over`), so workers "
+    'stop; "" takes it back (a learner starting or resuming the run).',
+    RunOverRequest,
+    RunOverResponse,
+)
 ANNOUNCE = _e(
     "POST", "/v1/adapters/announce", {LEARNER}, "Make a manifest the latest adapter.", AnnounceRequest, AnnounceResponse
 )
@@ -265,7 +276,7 @@ OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document
 
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
-    ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, ANNOUNCE,
+    ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, RUN_OVER, ANNOUNCE,
     DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, RECORD_AUDITS,
     AUDITS, METRICS, HEALTHZ, OPENAPI,
 )  # fmt: skip

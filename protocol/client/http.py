@@ -210,6 +210,15 @@ class ExpireRunResponse(_Body, frozen=True, tag="expiring"):
     keys: NonNegInt
 
 
+class RunOverRequest(_Body, frozen=True, tag="run_over"):
+    why: Annotated[str, msgspec.Meta(max_length=500)]
+    """The learner's last word, which refused claims carry ("": the run goes on again)."""
+
+
+class RunOverResponse(_Body, frozen=True, tag="run_over_set"):
+    over: bool
+
+
 class ReadRolloutsRequest(_Body, frozen=True, tag="read_rollouts"):
     consumer: Ident
     count: Count = 1
@@ -269,13 +278,13 @@ class ErrorResponse(_Body, frozen=True, tag="error"):
 REQUESTS = (
     ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
     ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest, QuarantineRequest, LiftRequest,
-    ForgetLiftedRequest, RecordAuditsRequest,
+    ForgetLiftedRequest, RecordAuditsRequest, RunOverRequest,
 )  # fmt: skip
 RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
-    WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse,
+    WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse, RunOverResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -61,6 +61,7 @@ from protocol.client.http import (
     RecordAuditsRequest,
     ReleaseRequest,
     ReportStatusRequest,
+    RunOverRequest,
     SubmitRequest,
     WhoAmIResponse,
     WorkersResponse,
@@ -353,6 +354,9 @@ class HttpQueue(Queue):
 
     def expire_run(self, ttl_s: float) -> int:
         return self._call(api.EXPIRE_RUN, ExpireRunRequest(ttl_s=ttl_s)).keys
+
+    def set_run_over(self, why: str) -> None:
+        self._call(api.RUN_OVER, RunOverRequest(why=why))
 
     # ------------------------------------------------------------------- fleet
     def report_status(self, status: WorkerStatus) -> None:

@@ -329,6 +329,12 @@ class Queue(abc.ABC):
         """The run is over: its keys go after `ttl_s` seconds (late workers and a `--resume`
         within that time still find them). Returns how many keys there were."""
 
+    def set_run_over(self, why: str) -> None:
+        """The learner finished the run: claims are refused from now on with `RunOver` and
+        `why` (its last word: the step and adapter it ended at), so workers stop. "" takes
+        it back (a learner starting or resuming the run)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot end a run")
+
     # -- fleet status
     @abc.abstractmethod
     def report_status(self, status: WorkerStatus) -> None:

@@ -99,14 +99,20 @@ return added
 CLAIM_EXPIRED = (
     _HELPERS
     + r"""
--- KEYS: prompts, dead, groups_seen, private, quarantined   ARGV: group, worker, lease_ms, max_deliveries, count, now
+-- KEYS: prompts, dead, groups_seen, private, quarantined, over
+-- ARGV: group, worker, lease_ms, max_deliveries, count, now
 -- Takes over leases idle longer than lease_ms; dead-letters batches delivered
 -- max_deliveries times already. Returns {{id, deliveries, payload}...}, or the reason
--- (a string) when the learner quarantined the worker: it claims nothing.
+-- (a string) when the learner quarantined the worker: it claims nothing. A run the
+-- learner finished refuses every other claim with `RUN_OVER <its words>`.
 local group, worker, lease_ms = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local why = redis.call('HGET', KEYS[5], worker)
 if why and why ~= '' then
   return why
+end
+local over = redis.call('GET', KEYS[6])
+if over then
+  return redis.error_reply('RUN_OVER ' .. over)
 end
 local max_deliveries, count, now = tonumber(ARGV[4]), tonumber(ARGV[5]), ARGV[6]
 local out = {}

@@ -1,5 +1,6 @@
-"""The quarantine calls of `RedisQueue`: which workers may no longer claim, and why; and
-the tallies of the learner's audits that lead to it.
+"""The quarantine calls of `RedisQueue`: which workers may no longer claim, and why; the
+tallies of the learner's audits that lead to it; and the run's end, after which no
+worker claims.
 
 The learner is the authority (its checkpointed `LearnerState.quarantined`); this hash is
 what the door enforces, written by the learner and lifted by the admin. A lift leaves ""
@@ -35,6 +36,14 @@ class RedisQuarantine:
     def quarantine(self, worker: str, reason: str) -> None:
         check_worker(worker)
         self._script("QUARANTINE", [self.keys.quarantined, self.keys.prompts], [worker, printable(reason, 500) or "-"])
+
+    def set_run_over(self, why: str) -> None:
+        if not isinstance(why, str):
+            raise ProtocolError(f"set_run_over: expected a str, got {type(why).__name__}")
+        if why:
+            self._call(lambda: self._r.set(self.keys.over, printable(why, 500)))
+        else:
+            self._call(lambda: self._r.delete(self.keys.over))
 
     def quarantined(self) -> dict[str, str]:
         raw = self._call(lambda: self._r.hgetall(self.keys.quarantined))

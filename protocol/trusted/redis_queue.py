@@ -237,6 +237,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 self.keys.groups_seen,
                 self.keys.private,
                 self.keys.quarantined,
+                self.keys.over,
             ],
             [
                 ACTORS_GROUP,

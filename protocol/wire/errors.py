@@ -82,6 +82,15 @@ class WorkerQuarantined(QueueForbidden):
     code = "quarantined"
 
 
+class RunOver(QueueRefused):
+    """A claim in a run whose learner has finished it (`Queue.set_run_over`): nothing
+    more will be issued or trained. The message is the learner's (the step and adapter it
+    ended at); a worker stops with exit status 0. A quarantined worker is told that
+    instead (`WorkerQuarantined`)."""
+
+    code = "run_over"
+
+
 class QueueNotFound(QueueError, LookupError):
     """The proxy has no such thing (404): an adapter version that does not exist."""
 
@@ -97,6 +106,7 @@ REFUSALS: dict[str, type[QueueRefused]] = {
         VersionConflict,
         TooManyWorkers,
         WorkerQuarantined,
+        RunOver,
     )
 }
 """Refusals by their wire code, so the HTTPS client raises what the proxy's queue raised."""
@@ -109,6 +119,7 @@ REFUSAL_STATUS: dict[type[QueueRefused], int] = {
     LeaseMismatch: 409,
     VersionConflict: 409,
     TooManyWorkers: 409,
+    RunOver: 410,
 }
 """The HTTP status each refusal travels as (its `code` goes in the body); 409 for any other."""
 

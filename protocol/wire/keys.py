@@ -88,6 +88,12 @@ class Keys:
         return self._key("quarantined")
 
     @property
+    def over(self) -> str:
+        """String: the learner's last word when it finished the run (claims are refused
+        with it, `RunOver`); absent while the run goes on."""
+        return self._key("over")
+
+    @property
     def audits(self) -> str:
         """Hash: worker name -> "<passed> <failed>", the learner's audits of its groups
         (`learner.audit`), for the fleet view (`GET /v1/workers`, /metrics)."""
@@ -129,6 +135,7 @@ class Keys:
             self.workers,
             self.worker_owners,
             self.quarantined,
+            self.over,
             self.audits,
             self.adapter_latest,
             self.adapter_events,
