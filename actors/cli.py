@@ -22,6 +22,7 @@ import threading
 import uuid
 from pathlib import Path
 
+from protocol.util.config_file import apply_config_file, config_flag, subcommand
 from protocol.util.logs import add_logging_flags
 
 log = logging.getLogger("actors")
@@ -58,6 +59,7 @@ with what to do about it."""
 
 
 def add_worker_flags(run: argparse.ArgumentParser) -> None:
+    config_flag(run, "actors")
     a = run.add_argument
     a("--queue", required=True, help="the proxy: https://proxy:port (with --token); adapters download through it")
     a("--token", default=os.environ.get("SPOTGRPO_TOKEN"), help="the proxy's actor token (or SPOTGRPO_TOKEN)")
@@ -390,7 +392,12 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["score"]:  # whatever its flags: the command is not here
         print(f"actors score: {MOVED_SCORE}", file=sys.stderr)
         return 2
+    fill = (  # the run's config file: what workers share with the learner, and [actors]
+        apply_config_file(subcommand(parser, argv[0]), argv[1:], "actors") if argv[:1] in (["run"], ["check"]) else None
+    )
     args = parser.parse_args(argv)
+    if fill is not None:
+        fill(args)
     if args.command is None:
         parser.print_help()
         return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from learner.config import _LOSS_TYPES, SECTIONS, TRL_BATCH_KEYS, TRL_NAMES, ConfigError, LearnerConfig, load_config
+from protocol.util.config_file import apply_config_file, subcommand
 from protocol.util.logs import add_logging_flags, setup_logging
 
 if TYPE_CHECKING:
@@ -358,7 +359,13 @@ def main(argv: list[str] | None = None) -> int:
 
     working_folder_on_path()  # user code (--reward, --tools, --environment) imports from here
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    fill = (  # the run's config file: what the scorer shares with the learner, and [score]
+        apply_config_file(subcommand(parser, "score"), argv[1:], "score") if argv[:1] == ["score"] else None
+    )
     args = parser.parse_args(argv)
+    if fill is not None:
+        fill(args)
     if args.command is None:
         parser.print_help()
         return 0

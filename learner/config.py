@@ -23,6 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from protocol.util.config_file import learner_part
+
 
 class ConfigError(ValueError):
     """The configuration is invalid; the message says which field and how to fix it."""
@@ -786,7 +788,7 @@ def load_config(
             values = tomllib.loads(toml_path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as err:
             raise ConfigError(f"--config {toml_path}: {err}") from err
-        values = values.get("learner", values)  # a [learner] table or top-level keys
+        values = learner_part(values)  # a [learner] table, or top-level keys less the other roles' tables
     notes = notes if notes is not None else []
     user = {**translate_trl(values, notes), **translate_trl(dict(overrides), notes)}
     defaults = defaults or {}

@@ -49,6 +49,7 @@ from protocol import (
     fingerprint_of_model,
 )
 from protocol.trusted.store import Store
+from protocol.usercode.rewards import canonical_spec
 from protocol.util.retry import Backoff, retry
 from protocol.wire.files import StoreError
 from protocol.wire.text import printable
@@ -236,6 +237,9 @@ class Learner(Evaluations):
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
         try:  # a run finished before and continued now (more --steps): workers may claim again
             self._retry(lambda: self.queue.set_run_over(""))
+            if self.cfg.scoring_mode == "trusted":  # what a scoring worker checks its own rewards against
+                specs = [canonical_spec(s) for s in self.cfg.reward_specs]
+                self._retry(lambda: self.queue.set_run_rewards(specs))
         except NotImplementedError:
             pass
         # a version number names one adapter forever: continue above any ever announced

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
+from protocol.util.config_file import apply_config_file, config_flag, subcommand
 from protocol.util.logs import add_logging_flags, level_of, setup_logging
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Serve the HTTPS API in front of Redis and the adapter store.",
         description="Serve the HTTPS API in front of Redis and the adapter store.",
     )
+    config_flag(serve, "proxy")
     a = serve.add_argument
     a(
         "--redis",
@@ -368,7 +370,13 @@ def selfsigned(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    fill = (  # the run's config file: its Redis, store and run, and [proxy]
+        apply_config_file(subcommand(parser, "serve"), argv[1:], "proxy") if argv[:1] == ["serve"] else None
+    )
     args = parser.parse_args(argv)
+    if fill is not None:
+        fill(args)
     if args.command is None:
         parser.print_help()
         return 0

@@ -54,6 +54,8 @@ from protocol.client.http import (
     RolloutsResponse,
     RunOverRequest,
     RunOverResponse,
+    RunRewardsRequest,
+    RunRewardsResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
@@ -348,6 +350,11 @@ def run_over(ctx: Context, token: Token, body: RunOverRequest, params: dict[str,
     return RunOverResponse(over=bool(body.why))
 
 
+def run_rewards(ctx: Context, token: Token, body: RunRewardsRequest, params: dict[str, str]) -> RunRewardsResponse:
+    ctx.queue.set_run_rewards(body.specs)
+    return RunRewardsResponse(specs=body.specs)
+
+
 def add_prompts(ctx: Context, token: Token, body: AddPromptsRequest, params: dict[str, str]) -> AddPromptsResponse:
     ctx.check_count("batches", len(body.batches))
     return AddPromptsResponse(added=ctx.queue.add_prompts(body.batches))
@@ -451,6 +458,7 @@ HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.ACK: ack,
     api.EXPIRE_RUN: expire_run,
     api.RUN_OVER: run_over,
+    api.RUN_REWARDS: run_rewards,
     api.QUARANTINE: quarantine,
     api.QUARANTINED: quarantined,
     api.LIFT_QUARANTINE: lift_quarantine,

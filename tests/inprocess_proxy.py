@@ -132,6 +132,9 @@ class ProxiedQueue(Queue):
     def set_run_over(self, why: str) -> None:
         self.learner.set_run_over(why)
 
+    def set_run_rewards(self, specs: Sequence[str]) -> None:
+        self.learner.set_run_rewards(specs)
+
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         return self.learner.workers(max_age_s)
 

@@ -543,6 +543,10 @@ def test_a_trl_reward_gets_the_trainer_state_on_the_tier_and_its_logged_metric_r
         tmp_path / "cache",
     )
     assert state.step == 4
+    # the learner said its rewards for the scorers to check theirs against (this one agreed)
+    said = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    assert said.run_rewards() == ["toy_rewards:scheduled=1.0"]
+    said.close()
     progress = [r["schedule/progress"] for r in rows]
     assert progress == sorted(progress) and progress[0] == 0.0 and progress[-1] < 1.0, progress
     assert all(0 <= r["reward"] <= 1 for r in rows)

@@ -8,9 +8,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import sys
+import threading
+from typing import Any
 
+from protocol.util.config_file import config_flag
 from protocol.util.logs import add_logging_flags
 
 log = logging.getLogger("learner.score")
@@ -114,6 +118,7 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
         "a name held by a live worker of the run is refused",
     )
     a("--burst", action="store_true", help="exit when the queue is empty (for tests and batch jobs)")
+    config_flag(score, "score")
     add_logging_flags(score)
 
 
@@ -174,6 +179,18 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         queue.close()
         return 1
+    check = RewardsCheck(queue, args.reward or [], args.run, prog)
+    try:
+        if check.disagrees():  # the learner has said its rewards: they must be these
+            print(check.line, file=sys.stderr)
+            queue.close()
+            return 2
+    except QueueUnavailable as err:
+        print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
+        queue.close()
+        return 1
+    if check.pending:  # said when the learner starts: checked then
+        check.start()
     log.info(
         "scoring worker %s for run %s: %s",
         name,
@@ -204,5 +221,58 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
     finally:
+        check.stop.set()
         queue.close()
+    if check.line:
+        print(check.line, file=sys.stderr)
+        return 2
     return 0
+
+
+class RewardsCheck:
+    """A scoring worker's rewards against those the run's learner said it scores with
+    (`Queue.set_run_rewards`, at its start): the same functions and weights, however
+    written, or the worker refuses. Until the learner has said, a thread asks again (with
+    backoff: nothing is issued, so nothing is scored, before it says) and stops the worker
+    warmly (SIGTERM) if they differ."""
+
+    def __init__(self, queue: Any, specs: list[str], run: str, prog: str) -> None:
+        from protocol.usercode.rewards import canonical_spec
+
+        self.queue, self.run, self.prog = queue, run, prog
+        self.mine = sorted(canonical_spec(s) for s in specs)
+        self.pending = True
+        self.line = ""
+        self.stop = threading.Event()
+
+    def disagrees(self) -> bool:
+        theirs = self.queue.run_rewards()
+        if theirs is None:
+            return False
+        self.pending = False
+        if sorted(theirs) == self.mine:
+            return False
+        self.line = (
+            f"{self.prog}: its rewards ({', '.join(self.mine) or 'none'}) differ from those run {self.run!r}'s "
+            f"learner scores with ({', '.join(sorted(theirs)) or 'none'}): start it with the learner's config "
+            "(`learner score --config grpo.toml`) or the same --reward flags"
+        )
+        return True
+
+    def start(self) -> None:
+        threading.Thread(target=self._wait, name="rewards-check", daemon=True).start()
+
+    def _wait(self) -> None:
+        from protocol import QueueError
+        from protocol.util.retry import Backoff
+
+        backoff = Backoff(first=0.5, cap=5.0)
+        while not self.stop.wait(backoff.failed()):
+            try:
+                if self.disagrees():  # said when the worker has stopped
+                    os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: the job in hand finishes
+                    return
+            except QueueError as err:
+                log.debug("could not read the run's rewards yet: %s", err)
+            if not self.pending:
+                return

@@ -42,6 +42,8 @@ from protocol.client.http import (
     RolloutsResponse,
     RunOverRequest,
     RunOverResponse,
+    RunRewardsRequest,
+    RunRewardsResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
@@ -256,6 +258,14 @@ RUN_OVER = _e(
     RunOverRequest,
     RunOverResponse,
 )
+RUN_REWARDS = _e(
+    "POST",
+    "/v1/run/rewards",
+    {LEARNER},
+    "The reward functions the run is scored with (a scoring worker with others refuses to start).",
+    RunRewardsRequest,
+    RunRewardsResponse,
+)
 ANNOUNCE = _e(
     "POST", "/v1/adapters/announce", {LEARNER}, "Make a manifest the latest adapter.", AnnounceRequest, AnnounceResponse
 )
@@ -276,7 +286,8 @@ OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document
 
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
-    ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, RUN_OVER, ANNOUNCE,
+    ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, RUN_OVER, RUN_REWARDS,
+    ANNOUNCE,
     DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, RECORD_AUDITS,
     AUDITS, METRICS, HEALTHZ, OPENAPI,
 )  # fmt: skip

@@ -219,6 +219,15 @@ class RunOverResponse(_Body, frozen=True, tag="run_over_set"):
     over: bool
 
 
+class RunRewardsRequest(_Body, frozen=True, tag="run_rewards"):
+    specs: Annotated[list[Annotated[str, msgspec.Meta(max_length=300)]], msgspec.Meta(max_length=64)]
+    """The reward functions the run is scored with, canonical `module:function=weight`."""
+
+
+class RunRewardsResponse(_Body, frozen=True, tag="run_rewards_set"):
+    specs: list[str]
+
+
 class ReadRolloutsRequest(_Body, frozen=True, tag="read_rollouts"):
     consumer: Ident
     count: Count = 1
@@ -278,13 +287,13 @@ class ErrorResponse(_Body, frozen=True, tag="error"):
 REQUESTS = (
     ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
     ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest, QuarantineRequest, LiftRequest,
-    ForgetLiftedRequest, RecordAuditsRequest, RunOverRequest,
+    ForgetLiftedRequest, RecordAuditsRequest, RunOverRequest, RunRewardsRequest,
 )  # fmt: skip
 RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
     AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
-    WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse, RunOverResponse,
+    WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse, RunOverResponse, RunRewardsResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -62,6 +62,7 @@ from protocol.client.http import (
     ReleaseRequest,
     ReportStatusRequest,
     RunOverRequest,
+    RunRewardsRequest,
     SubmitRequest,
     WhoAmIResponse,
     WorkersResponse,
@@ -357,6 +358,9 @@ class HttpQueue(Queue):
 
     def set_run_over(self, why: str) -> None:
         self._call(api.RUN_OVER, RunOverRequest(why=why))
+
+    def set_run_rewards(self, specs: Sequence[str]) -> None:
+        self._call(api.RUN_REWARDS, RunRewardsRequest(specs=list(specs)))
 
     # ------------------------------------------------------------------- fleet
     def report_status(self, status: WorkerStatus) -> None:

@@ -335,6 +335,15 @@ class Queue(abc.ABC):
         it back (a learner starting or resuming the run)."""
         raise NotImplementedError(f"{type(self).__name__} cannot end a run")
 
+    def set_run_rewards(self, specs: Sequence[str]) -> None:
+        """The learner says which reward functions (canonical `module:function=weight`)
+        its run is scored with; a scoring worker with others refuses to start."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no run rewards")
+
+    def run_rewards(self) -> list[str] | None:
+        """What `set_run_rewards` said (None: the learner has not said yet)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no run rewards")
+
     # -- fleet status
     @abc.abstractmethod
     def report_status(self, status: WorkerStatus) -> None:

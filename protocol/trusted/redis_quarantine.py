@@ -10,6 +10,7 @@ is never mistaken for an entry Redis lost (which the learner writes again).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -44,6 +45,15 @@ class RedisQuarantine:
             self._call(lambda: self._r.set(self.keys.over, printable(why, 500)))
         else:
             self._call(lambda: self._r.delete(self.keys.over))
+
+    def set_run_rewards(self, specs: Sequence[str]) -> None:
+        if not isinstance(specs, list | tuple) or not all(isinstance(s, str) for s in specs):
+            raise ProtocolError("set_run_rewards: expected a list of str")
+        self._call(lambda: self._r.set(self.keys.rewards, json.dumps([printable(s, 300) for s in specs])))
+
+    def run_rewards(self) -> list[str] | None:
+        raw = self._call(lambda: self._r.get(self.keys.rewards))
+        return None if raw is None else [str(s) for s in json.loads(raw)]
 
     def quarantined(self) -> dict[str, str]:
         raw = self._call(lambda: self._r.hgetall(self.keys.quarantined))

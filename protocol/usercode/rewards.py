@@ -113,6 +113,17 @@ loading now, and a spec that names the old module still loads (runs and scripts 
 started before the move)."""
 
 
+def canonical_spec(spec: str) -> str:
+    """`spec` as `module:function=weight`, however it was written (TRL's dotted form, no
+    weight, a built-in's earlier module), so that two roles' rewards compare; unchanged if
+    it is not a spec."""
+    match = _SPEC.match(spec.strip())
+    if match is None:
+        return spec
+    weight = float(match["weight"]) if match["weight"] else 1.0
+    return f"{MOVED.get(match['module'], match['module'])}:{match['attr']}={weight!r}"
+
+
 def load_reward(spec: str) -> RewardFn:
     match = _SPEC.match(spec.strip())
     if match is None:

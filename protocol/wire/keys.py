@@ -94,6 +94,12 @@ class Keys:
         return self._key("over")
 
     @property
+    def rewards(self) -> str:
+        """String: the reward functions the learner scores its run with (JSON, canonical
+        `module:function=weight` specs), against which a scoring worker checks its own."""
+        return self._key("rewards")
+
+    @property
     def audits(self) -> str:
         """Hash: worker name -> "<passed> <failed>", the learner's audits of its groups
         (`learner.audit`), for the fleet view (`GET /v1/workers`, /metrics)."""
@@ -136,6 +142,7 @@ class Keys:
             self.worker_owners,
             self.quarantined,
             self.over,
+            self.rewards,
             self.audits,
             self.adapter_latest,
             self.adapter_events,
