@@ -118,10 +118,12 @@ def check(cfg: LearnerConfig) -> int:
             return "none given: one completion per sample"
         from transformers import AutoTokenizer
 
-        from learner.data import DataError, episode_tools
+        from learner.data import DataError, ModelCannotOfferTools, episode_tools
 
         try:
             made = episode_tools(cfg, AutoTokenizer.from_pretrained(cfg.model))
+        except ModelCannotOfferTools as err:
+            raise CheckFailed(str(err), err.fix) from None
         except DataError as err:
             raise CheckFailed(
                 str(err),

@@ -32,6 +32,15 @@ class DataError(ValueError):
     fix = "check --dataset-config, --dataset-split and --prompt-column"
 
 
+class ModelCannotOfferTools(DataError):
+    """The model's chat template cannot render tool calls, and no fallback fits it."""
+
+    fix = (
+        "give --model a model whose chat template offers tools (Qwen2.5, Llama 3.1, SmolLM3, ...), "
+        "or set a tool-calling chat template on its tokenizer"
+    )
+
+
 class HubUnreachable(DataError):
     """A hub data set was asked for and the hub cannot be reached."""
 
@@ -154,7 +163,9 @@ def episode_tools(cfg: Any, tokenizer: Any) -> Tools | None:
             environment.__name__ if environment else None,
             cfg.max_tool_calling_iterations,
         )
-    except (ToolError, ToolTemplateError) as err:
+    except ToolTemplateError as err:
+        raise ModelCannotOfferTools(str(err)) from None
+    except ToolError as err:
         raise DataError(str(err)) from None
     say_template(tools.template)
     return tools

@@ -17,7 +17,9 @@ store; the learner keeps the best evaluated version from pruning), or a number.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -149,15 +151,32 @@ def _merge(base: str, adapter_dir: Path, out: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(base)
     except OSError as err:
         raise ExportError(f"the base model {base} does not load here ({err}); give --model") from None
-    merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+    with warnings.catch_warnings():  # PEFT asks transformers 5 a deprecated question: not the user's business
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        merged = PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
     merged.save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
+def hub_id(model: str) -> str | None:
+    """`model` if it is a hub id (`org/name`), else the hub id its folder's config names
+    (`_name_or_path`), else None: a local path is no base model to the Hub."""
+    shaped = re.fullmatch(r"[\w.-]+/[\w.-]+", model)
+    folder = Path(model).expanduser()
+    if shaped and not folder.exists():
+        return model
+    try:
+        named = json.loads((folder / "config.json").read_text()).get("_name_or_path", "")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return named if isinstance(named, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", named) else None
+
+
 def model_card(e: Exported, merged: bool) -> str:
+    base = hub_id(e.base_model)
     lines = [
         "---",
-        f"base_model: {e.base_model}",
+        *([f"base_model: {base}"] if base else []),
         "library_name: " + ("transformers" if merged else "peft"),
         "tags:",
         "- grpo",

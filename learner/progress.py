@@ -41,10 +41,24 @@ class LiveProgress:
         self.live.update(self._render())
 
     def _render(self) -> Table:
-        table = Table(expand=False, padding=(0, 1))
-        # short headers: the table must fit an 80-column terminal
-        for name in ("step", "reward", "last5", "stale", "max", "grp/s", "ver", "actors", "q:prm", "q:rol"):
-            table.add_column(name, justify="right", no_wrap=True)
+        # short headers, no vertical rules and widths fixed from the start: the table fits an
+        # 80-column terminal and keeps its width as figures grow (a table that wraps or widens
+        # is drawn again below itself, its header twice)
+        table = Table(expand=False, padding=(0, 1), box=None, pad_edge=False)
+        widths = {
+            "step": 2 * len(str(self.total)) + 1,
+            "reward": 6,
+            "last5": 6,
+            "stale": 5,
+            "max": 3,
+            "grp/s": 6,
+            "ver": len(str(self.total)) + 2,
+            "actors": 6,
+            "q:prm": 5,
+            "q:rol": 5,
+        }
+        for name, width in widths.items():
+            table.add_column(name, justify="right", no_wrap=True, min_width=width)
         if not self.rows:
             table.add_row("0", "-", "-", "-", "-", "-", "v0", str(self.actors_alive()), "-", "-")
             return table
@@ -63,7 +77,7 @@ class LiveProgress:
             f"{sum(recent) / len(recent):.3f}",
             f"{row['staleness_mean']:.2f}",
             str(row["staleness_max"]),
-            f"{groups / elapsed:.1f}",
+            f"{groups / elapsed:.1f}" if groups / elapsed < 1000 else f"{groups / elapsed:.0f}",
             f"v{row['adapter_version']}",
             str(self.actors_alive()),
             *queued,

@@ -323,6 +323,8 @@ def test_learner_check_of_a_run_with_tools(
     assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "undocumented" in proc.stdout, proc.stdout
     proc = learner_check("--model", str(tiny_model), *chat, "--tools", "toy_tools:add")  # its template is no ChatML
     assert proc.returncode == 1 and "FAIL  tools" in proc.stdout and "cannot render tool calls" in proc.stdout
+    assert "fix: give --model a model whose chat template offers tools" in proc.stdout  # not the tools' own fix
+    assert "docstring" not in proc.stdout
     plain = [
         "--dataset",
         str(write_dataset(tmp_path / "plain.jsonl")),

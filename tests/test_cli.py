@@ -155,3 +155,42 @@ def test_a_run_that_took_no_step_ends_with_a_line_that_says_so(tmp_path: Path) -
     assert "done: no step was taken in 3.2s" in said and "None" not in said, said
     assert summary["steps"] == 0 and summary["curve"] is None
     assert json.loads((tmp_path / "summary.json").read_text())["wall_s"] == 3.2
+
+
+@pytest.mark.parametrize("total", [150, 20000])
+def test_the_live_table_keeps_its_width_and_fits_80_columns(total: int) -> None:
+    """A table that widens or wraps as the step count grows is drawn again below itself,
+    its header twice: its width is fixed from the start, within 80 columns."""
+    import io
+
+    from rich.console import Console
+
+    from learner.progress import LiveProgress
+
+    class Stats:
+        class prompts:
+            waiting, pending = 120, 30
+
+        class rollouts:
+            waiting = 48
+
+    progress = LiveProgress(total, lambda: 2, lambda: Stats, Console(file=io.StringIO(), width=80))
+    widths = set()
+    for step in (1, 9, 10, 99, 100, total):
+        progress.rows.append(
+            {
+                "step": step,
+                "reward": -0.125,
+                "staleness_mean": 10.25,
+                "staleness_max": 12,
+                "groups": 16,
+                "dropped_stale": 0,
+                "dropped_flat": 3,
+                "rejected": 0,
+                "adapter_version": step + 3,
+            }
+        )
+        out = Console(file=io.StringIO(), width=200)
+        out.print(progress._render())
+        widths.add(max(len(line) for line in out.file.getvalue().splitlines()))  # type: ignore[attr-defined]
+    assert len(widths) == 1 and widths.pop() <= 80

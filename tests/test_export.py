@@ -91,7 +91,9 @@ def test_an_exported_adapter_loads_in_peft_and_generates_what_the_actor_did(
     out = tmp_path / "v2"
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str(tiny_model)
-    assert "pass@1 | 0.6" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "pass@1 | 0.6" in card
+    assert "base_model:" not in card.split("---")[1]  # a local path is no hub metadata (the text still names it)
 
     engine = TransformersEngine(str(tiny_model))
     engine.load_adapter(2, published / "store" / "adapters" / "v2")
@@ -108,6 +110,7 @@ def test_an_exported_adapter_loads_in_peft_and_generates_what_the_actor_did(
     merged_dir = tmp_path / "merged"
     proc = _export("--run-dir", str(published), "--version", "2", "--out", str(merged_dir), "--merge")
     assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr  # transformers' and PEFT's are not the user's business
     assert (merged_dir / "config.json").exists() and (merged_dir / "tokenizer.json").exists()
     assert not (merged_dir / "adapter_config.json").exists()
     merged = AutoModelForCausalLM.from_pretrained(merged_dir).eval()
@@ -251,3 +254,16 @@ def test_push_to_hub_uploads_the_exported_folder(published: Path, tmp_path: Path
     )
     assert proc.returncode == 2 and "the push to me/model failed" in proc.stderr and "Traceback" not in proc.stderr
     assert (tmp_path / "again" / "adapter_model.safetensors").exists()
+
+
+def test_the_model_cards_base_model_is_a_hub_id_or_left_out(tmp_path: Path) -> None:
+    from learner.export import hub_id
+
+    assert hub_id("Qwen/Qwen2.5-0.5B-Instruct") == "Qwen/Qwen2.5-0.5B-Instruct"
+    folder = tmp_path / "smol"
+    folder.mkdir()
+    assert hub_id(str(folder)) is None  # no config to say where it came from
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "HuggingFaceTB/SmolLM2-135M-Instruct"}))
+    assert hub_id(str(folder)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    (folder / "config.json").write_text(json.dumps({"_name_or_path": "/models/elsewhere/smol"}))
+    assert hub_id(str(folder)) is None
