@@ -21,7 +21,8 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from learner.config import _LOSS_TYPES, SECTIONS, TRL_BATCH_KEYS, TRL_NAMES, ConfigError, LearnerConfig, load_config
+from learner.config import SECTIONS, ConfigError, LearnerConfig, load_config
+from learner.grpoconfig import _LOSS_TYPES, TRL_BATCH_KEYS, TRL_NAMES
 from protocol.util.config_file import apply_config_file, subcommand
 from protocol.util.logs import add_logging_flags, setup_logging
 

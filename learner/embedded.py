@@ -136,7 +136,15 @@ def prepare(cfg: LearnerConfig) -> tuple[LearnerConfig, Path]:
                 "eval_max_prompts": 16,
             }
     elif not cfg.reward:
-        raise ValueError("--dataset without --reward: the scorers need a reward function for your data")
+        from protocol.usercode.chat import load_environment, owns_reward
+
+        if not (cfg.environment and owns_reward(load_environment(cfg.environment))):
+            raise ValueError(
+                "--dataset without --reward: the scorers need a reward function for your data (or an "
+                "--environment whose class scores its episodes itself, TRL's get_reward)"
+            )
+        if cfg.scoring is None:  # the environment's own reward, replayed on the trusted tier
+            updates["scoring"] = "trusted"
     if not cfg.store:
         updates["store"] = (run_dir / "store").resolve().as_uri()
     tls = run_dir / "tls"

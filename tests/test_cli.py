@@ -194,3 +194,19 @@ def test_the_live_table_keeps_its_width_and_fits_80_columns(total: int) -> None:
         out.print(progress._render())
         widths.add(max(len(line) for line in out.file.getvalue().splitlines()))  # type: ignore[attr-defined]
     assert len(widths) == 1 and widths.pop() <= 80
+
+
+def test_an_environment_that_owns_its_reward_stands_without_reward(tmp_path: Path, monkeypatch) -> None:
+    """As the architecture page says: an environment's `get_reward` scores on the trusted
+    tier beside the --reward functions, or alone."""
+    from learner.cli import resolve_config
+    from learner.embedded import prepare
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))  # toy_tools, as the working folder would be
+    data = tmp_path / "chat.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "guess"}], "secret": 3}) + "\n")
+    alone = {"run_dir": str(tmp_path / "a"), "dataset": str(data), "environment": "toy_tools:ScoredGuess"}
+    cfg, _ = prepare(resolve_config(None, alone)[0])
+    assert cfg.scoring_mode == "trusted" and cfg.reward == []  # the tier replays it; no --reward needed
+    with pytest.raises(ValueError, match=r"--dataset without --reward.*get_reward"):
+        prepare(resolve_config(None, {**alone, "environment": "toy_tools:GuessNumber"})[0])  # it scores nothing

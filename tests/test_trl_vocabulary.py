@@ -12,8 +12,9 @@ import torch
 from factories import write_dataset
 
 from learner.cli import build_parser
-from learner.config import TRL_NAMES, TRL_ONLY, ConfigError, load_config
+from learner.config import ConfigError, load_config
 from learner.data import load_rows
+from learner.grpoconfig import TRL_NAMES, TRL_ONLY
 from learner.loss import policy_loss
 
 REPO = Path(__file__).resolve().parents[1]
@@ -166,7 +167,8 @@ def test_every_grpoconfig_key_is_answered() -> None:
 
     from trl import GRPOConfig
 
-    from learner.config import TRL_BATCH_KEYS, TRL_NO_OPS, TRL_VALUES, LearnerConfig
+    from learner.config import LearnerConfig
+    from learner.grpoconfig import TRL_BATCH_KEYS, TRL_NO_OPS, TRL_VALUES
 
     keys = [f.name for f in dataclasses.fields(GRPOConfig) if not f.name.startswith("_")]
     answered = set(LearnerConfig.model_fields) | set(TRL_NAMES) | set(TRL_VALUES) | set(TRL_ONLY)
