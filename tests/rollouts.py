@@ -22,6 +22,7 @@ from protocol import (
     Queue,
     QueueUnavailable,
     RolloutGroup,
+    RunOver,
     encode,
     group_id_for,
     unpack_i32,
@@ -97,6 +98,8 @@ class SyntheticActor:
                     self.submitted.extend(groups)
                 except QueueUnavailable:
                     self.stop.wait(0.2)
+                except RunOver:  # the learner finished: a worker stops, as `actors run` does
+                    return
         except BaseException as err:
             self.error = err
 

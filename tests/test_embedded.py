@@ -337,14 +337,19 @@ def _wait_for_steps(proc: subprocess.Popen, run_dir: Path, n: int, timeout_s: fl
         time.sleep(0.1)
 
 
-def _child(proc: subprocess.Popen, *words: str):
+def _child(proc: subprocess.Popen, *words: str, wait_s: float = 0.0):
+    """The child whose command line holds `words`, waiting up to `wait_s` for it to appear."""
     import psutil
 
-    for child in psutil.Process(proc.pid).children(recursive=True):
-        line = " ".join(_cmdline(child))
-        if all(w in line for w in words):
-            return child
-    raise AssertionError(f"no child running {words}")
+    deadline = time.monotonic() + wait_s
+    while True:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            line = " ".join(_cmdline(child))
+            if all(w in line for w in words):
+                return child
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no child running {words}")
+        time.sleep(0.1)
 
 
 def test_a_reward_that_cannot_be_imported_is_said_before_anything_starts(tmp_path: Path, tiny_model: Path) -> None:
@@ -411,7 +416,8 @@ def test_a_scorer_that_dies_ends_the_run_with_its_last_lines(tmp_path: Path) -> 
         _wait_for_steps(proc, run_dir, 2)
         _child(proc, "actors.cli", "local-1").kill()
         _wait_for_steps(proc, run_dir, 4)
-        _child(proc, "actors.cli", "local-1-r1")  # started again, under a new worker id
+        # started again, under a new worker id (the watch looks every 0.5 s: two steps can be quicker)
+        _child(proc, "actors.cli", "local-1-r1", wait_s=30)
         _child(proc, "learner.cli score").kill()
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=120)
