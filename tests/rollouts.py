@@ -98,8 +98,8 @@ class SyntheticActor:
                     self.submitted.extend(groups)
                 except QueueUnavailable:
                     self.stop.wait(0.2)
-                except RunOver:  # the learner finished: a worker stops, as `actors run` does
-                    return
+                except RunOver:  # the learner finished; `actors run` stops, this one stays for a --resume
+                    self.stop.wait(0.2)  # with more steps (the learner takes the mark back when it starts)
         except BaseException as err:
             self.error = err
 

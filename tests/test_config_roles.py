@@ -105,23 +105,20 @@ def test_actors_score_when_the_learner_says_so(tmp_path: Path) -> None:
 
 def test_a_bad_role_table_is_refused_with_the_flag_it_meant(tmp_path: Path) -> None:
     config = tmp_path / "grpo.toml"
-    config.write_text('model = "m"\n[actors]\nqueue = "https://p:1"\nengnie = "vllm"\n')
-    proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "run", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+
+    def actors_run(text: str) -> subprocess.CompletedProcess[str]:
+        config.write_text(text)
+        return subprocess.run(
+            [sys.executable, "-m", "actors.cli", "run", "--config", str(config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
+
+    proc = actors_run('model = "m"\n[actors]\nqueue = "https://p:1"\nengnie = "vllm"\n')
     assert proc.returncode == 2 and "[actors] has no such flag: engnie (did you mean engine?)" in proc.stderr
-    config.write_text('model = "m"\n')  # no queue for a worker: still required, said as argparse says it
-    proc = subprocess.run(
-        [sys.executable, "-m", "actors.cli", "run", "--config", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    proc = actors_run('model = "m"\n')  # no queue for a worker: still required, said as argparse says it
     assert proc.returncode == 2 and "the following arguments are required: --queue" in proc.stderr
 
 

@@ -167,24 +167,17 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     except QueueUnavailable as err:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
+    check = RewardsCheck(queue, args.reward or [], args.run, prog)
     try:
         name = free_name(
             queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None
         )
-    except NameTaken as err:
+        if check.disagrees():  # the learner has said its rewards: they must be these
+            raise RewardsDiffer(check.line.removeprefix(f"{prog}: "))
+    except (NameTaken, RewardsDiffer) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         queue.close()
         return 2
-    except QueueUnavailable as err:
-        print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
-        queue.close()
-        return 1
-    check = RewardsCheck(queue, args.reward or [], args.run, prog)
-    try:
-        if check.disagrees():  # the learner has said its rewards: they must be these
-            print(check.line, file=sys.stderr)
-            queue.close()
-            return 2
     except QueueUnavailable as err:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         queue.close()
@@ -227,6 +220,10 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         print(check.line, file=sys.stderr)
         return 2
     return 0
+
+
+class RewardsDiffer(ValueError):
+    """A scoring worker's rewards are not those the run's learner scores with."""
 
 
 class RewardsCheck:
