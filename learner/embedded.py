@@ -258,7 +258,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
 
     from learner.data import open_sources_for
     from learner.loop import Learner, LearnerError
-    from learner.progress import LiveProgress
+    from learner.progress import LiveProgress, plot
     from learner.summary import final_stats, finish_run
     from protocol import QueueConfig
     from protocol.client.http_queue import HttpQueue
@@ -283,6 +283,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     system = LocalSystem(cfg, tokens, cfg.actors, redis_binary)
     queue = None
     stats = None
+    curve = None
     state = None
     eval_in_queue = 0
     failure: list[str] = []
@@ -313,7 +314,9 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
                 state = learner.run()
         else:
             state = learner.run()
-        system.stop_workers()  # what they hold goes back to the queue, which then holds still
+        system.signal_workers()  # what they hold goes back to the queue, which then holds still
+        curve = plot(cfg.resolved_run_dir)  # drawn while they stop
+        system.wait_workers()
         eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0
         stats = final_stats(queue)
     except (LearnerError, RuntimeError, OSError, ValueError) as err:
@@ -327,5 +330,5 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
     if failure:
         print(f"learner run: {failure[0]}", file=sys.stderr)
         return 1
-    finish_run(cfg, state, stats, time.monotonic() - started, console, eval_in_queue)
+    finish_run(cfg, state, stats, time.monotonic() - started, console, eval_in_queue, curve)
     return 0

@@ -261,15 +261,20 @@ class LocalSystem:
 
     def stop_workers(self) -> None:
         """Actors and scorers, so the queue holds still for the final count."""
+        self.signal_workers()
+        self.wait_workers()
+
+    def signal_workers(self) -> None:
+        """SIGTERM to every actor (they hand their leases back and exit 0) and scorer (RQ's
+        warm shutdown: the job in hand finishes), all at once: they stop side by side."""
         self.stopping = True
-        for proc in self.workers:  # SIGTERM: they hand their leases back and exit 0
+        for proc in [*self.workers, *self.scorers]:
             if proc.poll() is None:
                 proc.terminate()
+
+    def wait_workers(self) -> None:
         for proc in self.workers:
             _wait_or_kill(proc, 30)
-        for proc in self.scorers:  # SIGTERM: RQ's warm shutdown, the group in hand finishes
-            if proc.poll() is None:
-                proc.terminate()
         for proc in self.scorers:
             _wait_or_kill(proc, 15)
 

@@ -4,6 +4,7 @@ where every issued prompt went, `summary.json`, `curve.png` and one `done:` line
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -53,11 +54,18 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
 
 
 def finish_run(
-    cfg: LearnerConfig, state: Any | None, stats: Any | None, wall_s: float, console: Console, eval_in_queue: int = 0
+    cfg: LearnerConfig,
+    state: Any | None,
+    stats: Any | None,
+    wall_s: float,
+    console: Console,
+    eval_in_queue: int = 0,
+    curve: Path | None = None,
 ) -> dict[str, Any]:
-    """Plot, summarise and say how the run ended; returns the summary (`summary.json`)."""
+    """Plot (unless `curve` was drawn already), summarise and say how the run ended;
+    returns the summary (`summary.json`)."""
     run_dir = cfg.resolved_run_dir
-    curve = plot(run_dir)
+    curve = curve or plot(run_dir)
     summary = summarise(
         run_dir,
         wall_s,
