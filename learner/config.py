@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from learner.grpoconfig import TRL_BATCH_KEYS, TRL_NAMES, TRL_NO_OPS, TRL_VALUES, translate_trl, trl_batch
 from learner.grpoconfig import ConfigError as ConfigError  # callers import it from here
-from protocol.util.config_file import learner_part
+from protocol.util.config_file import learner_part, reward_specs
 
 SECTIONS = {
     "run": "where things are",
@@ -433,10 +433,9 @@ class LearnerConfig(BaseModel):
 
     @property
     def reward_specs(self) -> list[str]:
-        """The reward functions as the actors take them: module:function=weight."""
-        if self.reward_weights is None:
-            return list(self.reward)
-        return [f"{spec.split('=')[0]}={w!r}" for spec, w in zip(self.reward, self.reward_weights, strict=True)]
+        """The reward functions as the actors take them: module:function=weight (the other
+        roles read the same from a config file: `protocol.util.config_file.reward_specs`)."""
+        return reward_specs({"reward": self.reward, "reward_weights": self.reward_weights}) or []
 
     @property
     def resolved_run_dir(self) -> Path:

@@ -264,7 +264,7 @@ class RewardsCheck:
         from protocol.util.retry import Backoff
 
         backoff = Backoff(first=0.5, cap=5.0)
-        while not self.stop.wait(backoff.failed()):
+        while not backoff.wait(self.stop):
             try:
                 if self.disagrees():  # said when the worker has stopped
                     os.kill(os.getpid(), signal.SIGTERM)  # RQ's warm shutdown: the job in hand finishes
