@@ -52,6 +52,7 @@ class LearnerState:
     """worker -> why: the workers whose groups are no longer trained on (`learner.audit`)."""
 
     def count(self, key: str, n: int = 1) -> None:
+        key = str(key)  # a `learner.judge.Reason` is counted under its plain name
         self.totals[key] = self.totals.get(key, 0) + n
 
     @classmethod

@@ -310,7 +310,7 @@ def run_learner(cfg: LearnerConfig, dist: object = None) -> int:
         learner = Learner(cfg, queue, store, stop_requested=stop, dist=dist, sources=sources)  # type: ignore[arg-type]
         state = learner.run()
         stats = final_stats(queue)
-        eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0
+        eval_in_queue = learner.evals.outstanding()
     except (QueueUnavailable, StoreError) as err:
         print(f"learner run: {err}", file=sys.stderr)
         return 1

@@ -183,6 +183,12 @@ class Dist:
         dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
         return [float(x) for x in t.cpu().tolist()]
 
+    def same_passes(self, plan: list[list[int]]) -> list[list[int] | None]:
+        """`plan` (this rank's micro-batches) padded with None, an empty pass, to as many as
+        the rank with the most has: under FSDP every rank runs the same collectives."""
+        most = int(self.all_reduce([float(len(plan))], op="max")[0])
+        return [*plan, *[None] * (most - len(plan))]
+
     def broadcast_json(self, obj: Any = None) -> Any:
         """A JSON-able value from rank 0 (its bytes as a uint8 tensor, length first)."""
         data = json.dumps(obj).encode() if self.main else b""

@@ -307,7 +307,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         system.watch(child_failed)
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         if console.is_terminal:  # a live table; without a terminal (nohup, CI, docker logs) a line per step
-            for chatty in ("learner.loop", "learner.publish"):
+            for chatty in ("learner.loop", "learner.collector", "learner.publish"):
                 logging.getLogger(chatty).setLevel(logging.WARNING)
             with LiveProgress(cfg.steps, system.alive, queue.stats, console) as progress:
                 learner.on_step = progress.update
@@ -317,7 +317,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
         system.signal_workers()  # what they hold goes back to the queue, which then holds still
         curve = plot(cfg.resolved_run_dir)  # drawn while they stop
         system.wait_workers()
-        eval_in_queue = learner.evaluator.outstanding() if learner.evaluator is not None else 0
+        eval_in_queue = learner.evals.outstanding()
         stats = final_stats(queue)
     except (LearnerError, RuntimeError, OSError, ValueError) as err:
         if not failure:

@@ -25,17 +25,17 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
 from learner.data import PromptSource
 from protocol import PromptBatch, Queue, QueueUnavailable, RolloutGroup, SamplingParams
 from protocol.util.retry import Backoff
 
 if TYPE_CHECKING:
-    from learner.checkpoint import LearnerState
-    from learner.ledger import PromptLedger
     from learner.metrics import MetricsLog
     from learner.publish import Publisher
 
@@ -203,54 +203,90 @@ class Evaluator:
         }
 
 
-class Evaluations:
+class EvalSink:
     """The learner's side of evaluation (a part of `learner.loop.Learner`): issue what is
     due, take the groups, write the figures, and finish the run with the evaluations
-    still owed."""
+    still owed. Without held-out prompts it holds no `Evaluator` and does nothing."""
 
-    cfg: LearnerConfig
-    queue: Queue
-    evaluator: Evaluator | None
-    publisher: Publisher
-    metrics: MetricsLog | None
-    state: LearnerState
-    stop_requested: threading.Event
-    consumer: str
+    def __init__(
+        self, cfg: LearnerConfig, queue: Queue, held_out: PromptSource | None, publisher: Publisher, consumer: str
+    ) -> None:
+        self.cfg, self.queue, self.publisher, self.consumer = cfg, queue, publisher, consumer
+        self.evaluator = Evaluator(cfg, held_out) if held_out is not None else None
+        self.state = LearnerState()
+        """The run's state, shared with the other parts (`Learner.state` sets it on resume)."""
+        self.out: MetricsLog | None = None
+        """Where the `eval/*` figures are written (set when the run starts)."""
 
-    @property
-    def ledger(self) -> PromptLedger:
-        raise NotImplementedError
+    def is_eval(self, batch_id: str) -> bool:
+        return self.evaluator is not None and self.evaluator.is_eval(batch_id)
 
-    def publish(self) -> float:
-        raise NotImplementedError
+    def start_fresh(self) -> None:
+        """A run from step 0: the base model (version 0) is evaluated before any training."""
+        if self.evaluator is not None:
+            self.evaluator.due.append(0)
 
-    def poll_dead_letters(self) -> None:
-        raise NotImplementedError
+    def published(self, version: int) -> None:
+        """`version` is handed to the publisher: evaluate it if it is due (`eval_every`)."""
+        if self.evaluator is not None and version % self.cfg.eval_every == 0:
+            self.evaluator.due.append(version)
 
-    def issue_evals(self) -> None:
+    def pinned(self) -> set[int]:
+        """Versions the store must keep for evaluations (`Evaluator.pinned`)."""
+        return self.evaluator.pinned() if self.evaluator is not None else set()
+
+    def outstanding(self) -> int:
+        """Eval prompts issued whose groups have not come back (still in the queue)."""
+        return self.evaluator.outstanding() if self.evaluator is not None else 0
+
+    def issue(self) -> None:
         if self.evaluator is not None:
             self.evaluator.issue_due(self.queue, self.publisher.published, self.publisher.last_published)
 
-    def _eval_done(self, figures: dict[str, float] | None) -> None:
+    def take(self, group: RolloutGroup) -> None:
+        """One eval group: never trained on, never counted as a training prompt."""
+        assert self.evaluator is not None
+        figures = self.evaluator.record(group)
+        self._done(figures)
+        if figures is not None:
+            log.info(
+                "eval of v%d: reward %.3f, pass@1 %.3f",
+                figures["eval/version"],
+                figures["eval/reward"],
+                figures["eval/pass@1"],
+            )
+
+    def lost(self, batch_id: str, prompts: int, why: str) -> None:
+        """An eval batch was dead-lettered: its evaluation completes without those prompts."""
+        assert self.evaluator is not None
+        self.state.count("eval_dead_lettered_prompts", prompts)
+        log.warning("eval batch %s dead-lettered (%s)", batch_id, why)
+        self._done(self.evaluator.lost(batch_id, prompts))
+
+    def _done(self, figures: dict[str, float] | None) -> None:
         """An evaluation is complete: its figures are written, and its batches are finished
         (the queue may forget them)."""
         if figures is None:
             return
-        assert self.evaluator is not None and self.metrics is not None
-        self.metrics.evaluation(figures, self.state.step)
+        assert self.evaluator is not None and self.out is not None
+        self.out.evaluation(figures, self.state.step)
         for batch_id, start, n in self.evaluator.ranges(int(figures["eval/version"])):
-            self.ledger.finish(batch_id, start, n)
+            self.state.ledger.finish(batch_id, start, n)
 
-    def evaluate_last(self) -> None:
+    def final(
+        self, publish: Callable[[], object], poll_dead_letters: Callable[[], None], stop: threading.Event
+    ) -> None:
         """The run is over: every evaluation that fell due, and the final adapter's, run
         before it ends, for at most `eval_final_timeout_s`; what is cut short is logged and
         written with the groups it has (`eval/cut_short`). Training groups that arrive
-        meanwhile stay pending in the queue, unconsumed: a resumed run trains on them."""
+        meanwhile stay pending in the queue, unconsumed: a resumed run trains on them.
+        `publish`: the learner's, for the last trained adapter if the last step did not
+        publish it."""
         ev = self.evaluator
         if ev is None:
             return
         if self.state.step % self.cfg.sync_every:
-            self.publish()  # the last trained adapter: the last step did not publish it
+            publish()
         ev.want(self.state.policy_version)
         deadline = time.monotonic() + self.cfg.eval_final_timeout_s
         if ev.due or ev.runs:
@@ -260,23 +296,23 @@ class Evaluations:
                 self.cfg.eval_final_timeout_s,
             )
         backoff = Backoff(first=0.5, cap=5.0)
-        while (ev.due or ev.runs) and time.monotonic() < deadline and not self.stop_requested.is_set():
+        while (ev.due or ev.runs) and time.monotonic() < deadline and not stop.is_set():
             try:
-                self.poll_dead_letters()
-                self.issue_evals()
+                poll_dead_letters()
+                self.issue()
                 deliveries = self.queue.read_rollouts(self.consumer, 64, block_s=1.0)
                 backoff.reset()
             except QueueUnavailable as err:
                 log.warning("queue unavailable during the final evaluations: %s", err)
-                backoff.wait(self.stop_requested)
+                backoff.wait(stop)
                 continue
             for d in deliveries:
                 if ev.is_eval(d.group.batch_id):
                     self.state.unacked[d.group.group_id] = d.delivery_id
-                    self._evaluated(d.group)
+                    self.take(d.group)
         for figures in ev.cut_short():
-            assert self.metrics is not None
-            self.metrics.evaluation(figures, self.state.step)
+            assert self.out is not None
+            self.out.evaluation(figures, self.state.step)
             self.state.count("evaluations_cut_short")
             log.warning(
                 "the evaluation of v%d was cut short at the end of the run (%d prompts in): "
@@ -285,14 +321,6 @@ class Evaluations:
                 figures["eval/prompts"],
             )
 
-    def _evaluated(self, group: RolloutGroup) -> None:
-        assert self.evaluator is not None
-        figures = self.evaluator.record(group)
-        self._eval_done(figures)
-        if figures is not None:
-            log.info(
-                "eval of v%d: reward %.3f, pass@1 %.3f",
-                figures["eval/version"],
-                figures["eval/reward"],
-                figures["eval/pass@1"],
-            )
+    def metrics(self) -> dict[str, float]:
+        """The step row's figure of evaluation: eval prompts in the queue."""
+        return {"eval_inflight": self.outstanding()} if self.evaluator is not None else {}

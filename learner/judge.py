@@ -1,10 +1,10 @@
 """The filter between the queue and the step: which groups are trained on, and why not.
 
 `judge` is a pure function of a group and what the learner knows (`Bounds`, its version,
-the prompt tokens it issued): a counter name (`rejected_*` for groups that break a rule,
-`dropped_stale` and `dropped_flat` for good groups that carry no usable signal) or None
-to train on it. Rejections are checked first, in the order below, so a group breaking
-several rules is counted once under the first. `StepGroups` collects one step's verdicts.
+the prompt tokens it issued): a `Reason` (`rejected_*` for groups that break a rule,
+`dropped_stale` and `dropped_flat` for good groups that carry no usable signal; its value
+is its counter's name) or None to train on it. Rejections are checked first, in the order
+below, so a group breaking several rules is counted once under the first. `StepGroups` collects one step's verdicts.
 """
 
 from __future__ import annotations
@@ -15,8 +15,49 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from protocol import RolloutGroup
+
+
+class Reason(StrEnum):
+    """Why a group read from the queue is not trained on; the value names its counter."""
+
+    UNSCORED = "rejected_unscored"
+    MASK = "rejected_mask"
+    SCORING = "rejected_scoring"
+    REWARD_ERROR = "rejected_reward_error"
+    BAD_REWARD = "rejected_bad_reward"
+    EMPTY_PROMPT = "rejected_empty_prompt"
+    BAD_VOCAB = "rejected_bad_vocab"
+    TOO_LONG = "rejected_too_long"
+    BAD_SHAPE = "rejected_bad_shape"
+    FUTURE_VERSION = "rejected_future_version"
+    ADAPTER_DIGEST = "rejected_adapter_digest"
+    QUARANTINED = "rejected_quarantined"
+    """From a worker quarantined (`learner.audit`), before or after it was read."""
+    AUDIT = "rejected_audit"
+    """Failed its audit: its worker is quarantined."""
+    DUPLICATE = "rejected_duplicate"
+    """A consumed prompt's group again (a queue that lost its dedup record); never counted as consumed."""
+    STALE = "dropped_stale"
+    FLAT = "dropped_flat"
+
+    @property
+    def rejected(self) -> bool:
+        """The group broke a rule (its worker's doing)."""
+        return self.value.startswith("rejected_")
+
+    @property
+    def dropped(self) -> bool:
+        """A good group with no usable signal (its rewards still measure the policy)."""
+        return self.value.startswith("dropped_")
+
+    @property
+    def reissued(self) -> bool:
+        """A dishonest worker's group: the rejection says nothing of the prompt, only of the
+        worker, so the prompt goes out again (`PromptLedger.to_reissue`)."""
+        return self in (Reason.AUDIT, Reason.ADAPTER_DIGEST, Reason.QUARANTINED)
 
 
 @dataclass(frozen=True)
@@ -42,8 +83,8 @@ def judge(
     policy_version: int,
     issued: dict[str, bytes | None] | None,
     digest: str | None = None,
-) -> str | None:
-    """Why `group` is not trained on (a counter name), or None to train on it. `issued`:
+) -> Reason | None:
+    """Why `group` is not trained on, or None to train on it. `issued`:
     prompt id -> the prompt tokens issued, for the group's batch if this learner has it
     outstanding (None: a batch issued before a restart, which the queue checked).
     `digest`: the published digest of the group's adapter version (None: the base model,
@@ -52,38 +93,38 @@ def judge(
     lengths = [c.tokens.size for c in group.completions]
     rewards = group.rewards
     if bounds.scoring_mode == "trusted" and group.scored_by is None:
-        return "rejected_unscored"  # only the scoring tier writes trusted groups to the rollouts stream
+        return Reason.UNSCORED  # only the scoring tier writes trusted groups to the rollouts stream
     if not bounds.episodes and any(c.mask is not None for c in group.completions):
-        return "rejected_mask"  # the learner trains mask-1 tokens, rewards score all: no tools, every token counts
+        return Reason.MASK  # the learner trains mask-1 tokens, rewards score all: no tools, every token counts
     if group.error is not None and group.scored_by is not None:
-        return "rejected_scoring"  # the tier gave up on it (a reward that hung or kept raising)
+        return Reason.SCORING  # the tier gave up on it (a reward that hung or kept raising)
     if group.error is not None or any(r is None for r in rewards):
-        return "rejected_reward_error"
+        return Reason.REWARD_ERROR
     if any(not (math.isfinite(r) and abs(r) <= bounds.max_abs_reward) for r in rewards if r is not None):
-        return "rejected_bad_reward"  # 1e39 is finite in float64 and inf in float32
+        return Reason.BAD_REWARD  # 1e39 is finite in float64 and inf in float32
     if prompt.size == 0:
-        return "rejected_empty_prompt"
+        return Reason.EMPTY_PROMPT
     if any(
         ids.size and (ids.min() < 0 or ids.max() >= bounds.vocab_size)
         for ids in (prompt, *(c.tokens for c in group.completions))
     ):
-        return "rejected_bad_vocab"
+        return Reason.BAD_VOCAB
     if prompt.size + max(lengths) > bounds.context:
-        return "rejected_too_long"
+        return Reason.TOO_LONG
     if len(lengths) != bounds.num_generations or max(lengths) > bounds.max_tokens:
-        return "rejected_bad_shape"
+        return Reason.BAD_SHAPE
     if issued is not None and (
         group.prompt_id not in issued or issued[group.prompt_id] not in (None, group.prompt_token_ids)
     ):
-        return "rejected_bad_shape"  # not the prompt, or not the tokens, this learner issued
+        return Reason.BAD_SHAPE  # not the prompt, or not the tokens, this learner issued
     if group.adapter_version > policy_version:
-        return "rejected_future_version"
+        return Reason.FUTURE_VERSION
     if group.adapter_version and digest is not None and group.adapter_digest != digest:
-        return "rejected_adapter_digest"  # generated with other files than the version it names, or none
+        return Reason.ADAPTER_DIGEST  # generated with other files than the version it names, or none
     if policy_version - group.adapter_version > bounds.max_staleness:
-        return "dropped_stale"
+        return Reason.STALE
     if len(set(rewards)) == 1:
-        return "dropped_flat"
+        return Reason.FLAT
     return None
 
 
@@ -93,9 +134,9 @@ class StepGroups:
     not trained (with the reason), in the order they came."""
 
     kept: list[RolloutGroup] = field(default_factory=list)
-    dropped: list[tuple[RolloutGroup, str]] = field(default_factory=list)
+    dropped: list[tuple[RolloutGroup, Reason]] = field(default_factory=list)
 
-    def add(self, group: RolloutGroup, reason: str | None) -> None:
+    def add(self, group: RolloutGroup, reason: Reason | None) -> None:
         if reason is None:
             self.kept.append(group)
         else:
@@ -103,11 +144,9 @@ class StepGroups:
 
     def dropped_rewards(self) -> list[float]:
         """Rewards of the good groups not trained on (stale, flat): still a measure of the policy."""
-        return [
-            float(r) for g, reason in self.dropped if reason.startswith("dropped_") for r in g.rewards if r is not None
-        ]
+        return [float(r) for g, reason in self.dropped if reason.dropped for r in g.rewards if r is not None]
 
-    def count(self, reason: str) -> int:
+    def count(self, reason: Reason) -> int:
         return sum(1 for _, r in self.dropped if r == reason)
 
     def reasons(self) -> list[tuple[str, str]]:

@@ -8,7 +8,7 @@ whose every prompt is consumed is finished (`purge_completed`): it waits in `fin
 until the queue has been told (`finished_batches`, with a checkpoint's acknowledgement),
 which then forgets its deduplication records. A step that never runs gives its prompts
 back (`undo`), so the next run consumes them. A prompt whose group was rejected for its
-worker's dishonesty (`REISSUED`: a failed audit or digest, a quarantined worker) waits in
+worker's dishonesty (`learner.judge.Reason.reissued`: a failed audit or digest, a quarantined worker) waits in
 `to_reissue` and goes out again in a batch of its own (`issue_again`): the data row is
 issued twice, its first group dropped and counted, its second trained.
 
@@ -22,9 +22,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol import DeadLetter, FinishedBatch, group_id_for
-
-REISSUED = ("rejected_audit", "rejected_adapter_digest", "rejected_quarantined")
-"""Rejections that say nothing of the prompt, only of the worker: the prompt goes out again."""
 
 
 def prompt_id(position: int) -> str:
@@ -87,7 +84,7 @@ class PromptLedger:
     reissued: int = 0
     """Prompts issued a second time (`issue_again`): `cursor + reissued` were issued in all."""
     to_reissue: list[int] = field(default_factory=list)
-    """Positions of prompts to issue again (`REISSUED`), in the order their groups were dropped."""
+    """Positions of prompts to issue again (`learner.judge.Reason.reissued`), in the order their groups were dropped."""
 
     @property
     def issued(self) -> int:

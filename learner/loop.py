@@ -1,7 +1,10 @@
 """The learner loop: feed prompts, collect scored rollout groups, step, publish,
-checkpoint. `Learner.run` is the whole algorithm on one screen. The rest of this module
-is what it calls: issuing and re-issuing prompts (`feed`, dead letters), reading and
-judging groups (`collect`, `judge`, the wait's explanation), resume, publishing,
+checkpoint. `Learner.run` is the whole algorithm on one screen. The learner is made of
+parts that own their state: the `Feeder` issues prompts (`learner.feeder`), the
+`Collector` reads and judges groups (`learner.collector`), the `EvalSink` evaluates
+published versions (`learner.evaluate`), the `Trainer` takes the GRPO step
+(`learner.trainer`, `learner.train`) and the `Publisher` uploads adapters
+(`learner.publish`). This module keeps what ties them: start and resume, publishing,
 checkpoints with their acknowledgements, and the per-step report.
 
 Exactly-once training: a rollout group is acknowledged in the queue only after the
@@ -17,42 +20,35 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import torch
 
 from learner.admission import Admission
-from learner.audit import open_auditor, quarantine_reason, record_audits, sync_quarantine
+from learner.audit import open_auditor, record_audits
 from learner.batch import StepBatch, build_step_batch
 from learner.checkpoint import LearnerState, load_checkpoint, restore_rng, save_checkpoint
+from learner.collector import Collector
 from learner.config import LearnerConfig
 from learner.data import Sources, open_sources
 from learner.dist import Dist, peak_memory_mb, resolve_device
-from learner.evaluate import Evaluations, Evaluator
-from learner.fleet import FleetWatch
-from learner.judge import Bounds, RepeatedWarnings, StepGroups, judge
-from learner.ledger import REISSUED, PromptLedger, position_of
+from learner.evaluate import EvalSink
+from learner.feeder import Feeder
+from learner.judge import Bounds, Reason
+from learner.ledger import PromptLedger
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
 from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
 from learner.trainer import Trainer
-from learner.watchdog import ProgressWatch
 from protocol import (
-    Delivery,
-    Progress,
-    PromptBatch,
-    ProtocolError,
     Queue,
     QueueError,
     QueueUnavailable,
     RolloutGroup,
-    SamplingParams,
     fingerprint_of_model,
 )
 from protocol.trusted.store import Store
 from protocol.usercode.rewards import canonical_spec
-from protocol.util.retry import Backoff, retry
+from protocol.util.retry import retry
 from protocol.wire.files import StoreError
-from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +61,7 @@ class LearnerError(RuntimeError):
     """The learner cannot start or continue as configured."""
 
 
-class Learner(Evaluations):
-    consumer = CONSUMER
-
+class Learner:
     def __init__(
         self,
         cfg: LearnerConfig,
@@ -79,21 +73,12 @@ class Learner(Evaluations):
     ) -> None:
         """`sources`: the training and held-out prompts, if the caller checked them before
         loading the model (`learner.data.open_sources_for`); else they are opened here."""
-        self.cfg = cfg
-        self.queue = queue
-        self.store = store
+        self.cfg, self.queue, self.store = cfg, queue, store
         torch.manual_seed(cfg.seed)
         self.dist = dist or Dist(device=resolve_device(cfg.device))
         self.trainer = Trainer(cfg, self.dist)
-        self.policy, self.optimizer, self.scheduler = (
-            self.trainer.policy,
-            self.trainer.optimizer,
-            self.trainer.scheduler,
-        )
+        self.policy = self.trainer.policy
         self.source, held_out = sources or open_sources(cfg, self.policy.tokenizer, self.policy.context)
-        self.evaluator = Evaluator(cfg, held_out) if held_out is not None else None
-        self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
-        """batch id -> prompt id -> token ids issued, for the batches outstanding."""
         self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
         """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
         self.publisher = Publisher(
@@ -106,37 +91,8 @@ class Learner(Evaluations):
             protected=self.pinned_versions,
             log_every=cfg.log_every,
         )
-        self.state = LearnerState()
         self.stop_requested = stop_requested or threading.Event()
         """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
-        self._replay: list[Delivery] = []
-        self._step_groups = StepGroups()
-        """The groups judged since the last step: kept for the next, or consumed and dropped."""
-        self.bounds = Bounds(
-            scoring_mode=cfg.scoring_mode,
-            max_abs_reward=cfg.max_abs_reward,
-            vocab_size=self.policy.vocab_size,
-            context=self.policy.context,
-            num_generations=cfg.num_generations,
-            max_tokens=cfg.max_tokens,
-            max_staleness=cfg.max_staleness,
-            episodes=bool(cfg.tools or cfg.environment),
-        )
-        self.auditor = open_auditor(cfg, self.trainer, store)
-        self.on_step: Callable[[dict[str, Any]], None] | None = None
-        """Called with each step's metrics row (the embedded default's live display)."""
-        self._checkpointed_step = -1
-        self.complete = False
-        """Started on a run whose checkpoint is already at `steps`."""
-        self.metrics: MetricsLog | None = None
-        self.fleet = FleetWatch()
-        self._fleet_checked_at = 0.0
-        self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
-        self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
-        self._logged_names = RewardNames([])
-        self._rejections = RepeatedWarnings(log)
-        self.watch = ProgressWatch(cfg.stall_warning_s)
-        """Says why, when no step has happened for a while (`learner.watchdog`)."""
         # the floor holds one whole lease too: only whole batches are issued, so a window
         # narrower than prompts_per_batch would never issue one (the config keeps both <= max_inflight)
         self.admission = Admission(
@@ -146,6 +102,38 @@ class Learner(Evaluations):
             max_staleness=cfg.max_staleness,
             adaptive=cfg.adaptive_inflight and cfg.lag_versions is None,
         )
+        self.evals = EvalSink(cfg, queue, held_out, self.publisher, CONSUMER)
+        self.feeder = Feeder(cfg, queue, self.source, self.admission, self.publisher, self.evals, self.trainer.sampling)
+        self.auditor = open_auditor(cfg, self.trainer, store)
+        bounds = Bounds(
+            scoring_mode=cfg.scoring_mode,
+            max_abs_reward=cfg.max_abs_reward,
+            vocab_size=self.policy.vocab_size,
+            context=self.policy.context,
+            num_generations=cfg.num_generations,
+            max_tokens=cfg.max_tokens,
+            max_staleness=cfg.max_staleness,
+            episodes=bool(cfg.tools or cfg.environment),
+        )
+        self.collector = Collector(cfg, queue, CONSUMER, bounds, self.feeder, self.evals, self.publisher, self.auditor)
+        self.state = LearnerState()
+        self.on_step: Callable[[dict[str, Any]], None] | None = None
+        """Called with each step's metrics row (the embedded default's live display)."""
+        self._checkpointed_step = -1
+        self.complete = False
+        """Started on a run whose checkpoint is already at `steps`."""
+        self.metrics: MetricsLog | None = None
+        self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
+        self._logged_names = RewardNames([])
+
+    @property
+    def state(self) -> LearnerState:
+        """The run's state, checkpointed; the parts share it (a resume replaces it)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: LearnerState) -> None:
+        self._state = self.feeder.state = self.collector.state = self.evals.state = state
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> LearnerState:
@@ -157,13 +145,12 @@ class Learner(Evaluations):
             trackers = open_trackers(
                 cfg.trackers, cfg.resolved_run_dir, cfg.run, cfg.model_dump(mode="json", exclude={"token"}), resume_step
             )
-            self.metrics = MetricsLog(cfg.resolved_run_dir, trackers=trackers, resume_step=resume_step)
+            self.metrics = self.evals.out = MetricsLog(cfg.resolved_run_dir, trackers=trackers, resume_step=resume_step)
             while self.state.step < cfg.steps and not self.stop_requested.is_set():
                 waited = time.monotonic()
-                groups = self.collect(cfg.groups_per_step)  # feeds prompts while it waits
+                groups = self.collector.collect(cfg.groups_per_step, self.stop_requested)  # feeds prompts meanwhile
                 if groups is None:
                     break  # asked to stop; the partial collection stays pending in the queue
-                self.watch.stepped()
                 wait_s, started = time.monotonic() - waited, time.monotonic()
                 batch = build_step_batch(groups, cfg, self.policy.pad_id)
                 stats = self.trainer.step(batch)
@@ -175,7 +162,7 @@ class Learner(Evaluations):
                 step_s = time.monotonic() - started
                 self.admission.update(
                     [trained_with - g.adapter_version for g in groups],
-                    self._step_groups.count("dropped_stale"),
+                    self.collector.step.count(Reason.STALE),
                     wait_s / max(wait_s + step_s, 1e-9),
                 )
                 publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
@@ -186,7 +173,7 @@ class Learner(Evaluations):
             # step that never ran) are consumed too: without a checkpoint they would stay
             # pending in the queue and be counted twice
             if self.state.step >= cfg.steps:
-                self.evaluate_last()
+                self.evals.final(self.publish, self.feeder.poll_dead_letters, self.stop_requested)
             record_audits(self.queue, self.auditor)
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
@@ -244,271 +231,18 @@ class Learner(Evaluations):
             pass
         # a version number names one adapter forever: continue above any ever announced
         self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0)
-        self._replay_pending()
+        self.collector.replay_pending(self._retry)
         if ckpt is not None:
-            self._purge_completed()
-            self._reissue_outstanding()
+            self.feeder.purge_completed()
+            self.feeder.reissue_outstanding(self._retry)
             self.publish()  # actors switch to the restored policy under a new number
-        elif self.evaluator is not None:
-            self.evaluator.due.append(0)  # the base model, before any training
+        else:
+            self.evals.start_fresh()
         return resumed_at
 
-    def _replay_pending(self) -> None:
-        """Groups read before a restart and not acknowledged: those the checkpoint holds
-        are acknowledged now; the rest are consumed again, first."""
-        pending: list[Delivery] = []
-        after = "0"
-        while batch := self._retry(lambda after=after: self.queue.pending_rollouts(CONSUMER, 256, after)):
-            pending.extend(batch)
-            after = batch[-1].delivery_id
-        done = [d.delivery_id for d in pending if d.group.group_id in self.state.unacked]
-        self._replay = [d for d in pending if d.group.group_id not in self.state.unacked]
-        if done or self.ledger.finished:
-            self._retry(lambda: self.queue.ack_rollouts(done, self.ledger.finished_batches()))
-            acked = set(done)
-            self.state.unacked = {g: i for g, i in self.state.unacked.items() if i not in acked}
-            self.ledger.reported()
-        if pending:
-            log.info(
-                "pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay)
-            )
-
-    # ----------------------------------------------------------------- feeding
     @property
     def ledger(self) -> PromptLedger:
-        return self.state.ledger
-
-    def feed(self) -> None:
-        """Issue prompt batches until the admission window (`max_inflight` at most) is outstanding."""
-        cfg, ledger = self.cfg, self.ledger
-        limit, size = self.admission.limit, cfg.prompts_per_batch
-        if cfg.lag_versions is not None:
-            # a forced lag: only what this step still needs (in a smaller last batch if need
-            # be), so that no batch issued now is trained on after the next publish
-            limit = cfg.groups_per_step - len(self._step_groups.kept)
-            size = min(size, ledger.room(limit))
-            if size > 0:
-                self.publisher.flush()  # the versions the batches are pinned to must be out first
-        if (
-            ledger.to_reissue
-            and cfg.lag_versions is None
-            and (n := min(len(ledger.to_reissue), size, ledger.room(limit))) > 0
-        ):
-            # the prompts of a dishonest worker's dropped groups, first (`learner.ledger.REISSUED`)
-            again = self._batch(f"{cfg.run}-r{ledger.batches_issued}", ledger.to_reissue[:n])
-            self.queue.add_prompts([again])
-            ledger.issue_again(again.batch_id, n)
-        batches: list[PromptBatch] = []
-        room = ledger.room(limit)
-        while size > 0 and size <= room - size * len(batches):
-            start = ledger.cursor + size * len(batches)
-            batches.append(
-                self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}", list(range(start, start + size)))
-            )
-        if batches:
-            self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
-            for b in batches:
-                ledger.issue(b.batch_id, len(b.prompts))
-
-    def _batch(self, batch_id: str, positions: list[int]) -> PromptBatch:
-        cfg = self.cfg
-        progress = Progress(global_step=self.state.step, max_steps=cfg.steps, epoch=self.source.epochs(positions[0]))
-        prompts = [msgspec.structs.replace(self.source.prompt(p), progress=progress) for p in positions]
-        # kept while the batch is outstanding: what its groups must answer (`judge`)
-        self._issued_tokens[batch_id] = {p.id: p.token_ids for p in prompts}
-        return PromptBatch(
-            batch_id=batch_id,
-            prompts=prompts,
-            num_generations=cfg.num_generations,
-            sampling=self.sampling,
-            learner_version=self.state.policy_version,
-            issued_at=time.time(),
-            # a forced lag (benchmarks): generated by the adapter exactly lag_versions behind
-            pinned_version=None if cfg.lag_versions is None else max(0, self.state.policy_version - cfg.lag_versions),
-            scoring=cfg.scoring_mode,  # type: ignore[arg-type]
-            **self.source.episodes(),
-        )
-
-    @property
-    def sampling(self) -> SamplingParams:
-        """How the run's training groups are sampled (every batch's `sampling`)."""
-        return self.trainer.sampling
-
-    def _reissue_outstanding(self) -> None:
-        """Batches the checkpoint says are not fully consumed go to the queue again: a
-        no-op where the queue kept them (ids are deduplicated), and their recovery where
-        it did not (a Redis without persistence, the embedded default's in-process one)."""
-        batches = [self._batch(batch_id, entry.all_positions()) for batch_id, entry in self.ledger.outstanding.items()]
-        if batches and (added := self._retry(lambda: self.queue.add_prompts(batches))):
-            log.warning("the queue had lost %d of %d outstanding batches; issued them again", added, len(batches))
-
-    def poll_dead_letters(self) -> None:
-        """A dead-lettered batch's prompts will never come back: free their slots."""
-        for dl in self.queue.dead_letters(after=self.ledger.dead_letter_after, count=100):
-            self.ledger.dead_letter_after = dl.entry_id
-            if dl.batch is not None and self.evaluator is not None and self.evaluator.is_eval(dl.batch.batch_id):
-                self.state.count("eval_dead_lettered_prompts", len(dl.batch.prompts))
-                log.warning("eval batch %s dead-lettered (%s)", dl.batch.batch_id, dl.reason)
-                self._eval_done(self.evaluator.lost(dl.batch.batch_id, len(dl.batch.prompts)))
-                continue
-            if dl.batch is not None:
-                self._issued_tokens.pop(dl.batch.batch_id, None)
-            lost = self.ledger.dead_letter(dl)
-            self.state.count(f"dead_letter_entries_{dl.source}")
-            self.state.count("dead_lettered_prompts", lost)
-            log.warning(
-                "dead letter from %s (%s): %d prompt(s) will not be trained on", dl.source, printable(dl.reason), lost
-            )
-
-    # --------------------------------------------------------------- collecting
-    def collect(self, n: int) -> list[RolloutGroup] | None:
-        """Block until `n` groups pass the filters; None if a stop was requested."""
-        self._purge_completed()
-        step, backoff = self._step_groups, Backoff(0.5, 10.0)
-        while len(step.kept) < n:
-            if self.stop_requested.is_set():
-                self._abandon_collection()
-                return None
-            try:
-                self.poll_dead_letters()
-                self.check_fleet()
-                self.feed()
-                self.issue_evals()
-                wanted = n - len(step.kept)
-                if self._replay:
-                    deliveries, self._replay = self._replay[:wanted], self._replay[wanted:]
-                else:
-                    deliveries = self.queue.read_rollouts(CONSUMER, wanted, block_s=1.0)
-                backoff.reset()
-            except QueueUnavailable as err:
-                log.warning("queue unavailable, retrying in %.1fs: %s", backoff.next, err)
-                backoff.wait(self.stop_requested)
-                continue
-            if self.watch.due():
-                self.explain_wait(n)
-            for d in deliveries:
-                self.state.unacked[d.group.group_id] = d.delivery_id
-                if self.evaluator is not None and self.evaluator.is_eval(d.group.batch_id):
-                    self._evaluated(d.group)  # never trained on, never counted as a training prompt
-                    continue
-                if self.ledger.is_consumed(d.group.batch_id, d.group.prompt_id):
-                    # only a queue that lost its dedup record (a fresh in-process Redis
-                    # after --resume) can hand out a consumed prompt's group again
-                    step.add(d.group, "rejected_duplicate")
-                    self.state.count("rejected_duplicate")
-                    continue
-                self.ledger.consume(d.group.batch_id, d.group.prompt_id)
-                if d.group.scored_by is not None:
-                    self.state.count("scored_groups")
-                reason = self.judge(d.group)
-                if reason is None:
-                    reason = self.audit(d.group)
-                elif reason == "rejected_adapter_digest":
-                    self.quarantine(
-                        d.group.actor_id,
-                        f"its group named adapter v{d.group.adapter_version} and carried the digest of other files",
-                    )
-                step.add(d.group, reason)
-                self.state.count(f"read/{reason or 'kept'}")  # every group read, never taken back (summary)
-                if reason is not None:
-                    self.state.count(reason)
-                    if reason == "dropped_stale":
-                        self._stale_drops[d.group.actor_id] += 1
-        return list(step.kept)
-
-    def explain_wait(self, wanted: int) -> None:
-        """No step for a while: one line says why (`learner.watchdog`)."""
-        try:
-            stats = None if self._step_groups.dropped else self.queue.stats()
-        except (QueueError, ProtocolError):
-            stats = None
-        names = [spec.split(":", 1)[-1].split("=", 1)[0] for spec in self.cfg.reward]
-        log.warning("%s", self.watch.explain(self._step_groups, wanted, names, stats))
-
-    def check_fleet(self, every_s: float = 15.0) -> None:
-        """Every `every_s`: name the workers that lag or refuse adapters, and the streams
-        nobody reads (no worker claims, no scorer scores; `learner.fleet`)."""
-        if time.monotonic() - self._fleet_checked_at < every_s:
-            return
-        self._fleet_checked_at = time.monotonic()
-        sync_quarantine(self.queue, self.state.quarantined)
-        record_audits(self.queue, self.auditor)
-        try:  # the fleet view is advice: training goes on without it
-            workers, stats = self.queue.workers(), self.queue.stats()
-        except (QueueError, ProtocolError) as err:
-            log.debug("no worker statuses: %s", printable(str(err)))
-            return
-        self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness, self._stale_drops)
-        self._stale_drops.clear()
-        self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
-
-    def _purge_completed(self) -> None:
-        for batch_id in self.ledger.purge_completed():
-            self._issued_tokens.pop(batch_id, None)
-
-    def _abandon_collection(self) -> None:
-        """Groups collected for a step that will not run are not consumed, nor those
-        dropped while collecting it (`consumed.jsonl` names them with a step, and this
-        step has none): forget them all, so the checkpoint does not claim them and they
-        stay pending for the next run, which judges them again."""
-        for g in self._step_groups.kept:
-            del self.state.unacked[g.group_id]
-            self.ledger.undo(g.batch_id, g.prompt_id)
-        for g, reason in self._step_groups.dropped:
-            self.state.unacked.pop(g.group_id, None)
-            if reason != "rejected_duplicate":  # a duplicate was never counted as consumed
-                self.ledger.undo(g.batch_id, g.prompt_id)
-            self.state.count(reason, -1)
-        self._step_groups = StepGroups()
-
-    def judge(self, group: RolloutGroup) -> str | None:
-        """`learner.judge.judge` with what this learner knows; a rejection is logged."""
-        if group.actor_id in self.state.quarantined:
-            return "rejected_quarantined"
-        issued = self._issued_tokens.get(group.batch_id, {}) if group.batch_id in self.ledger.outstanding else None
-        version, newest = group.adapter_version, self.state.policy_version
-        checked = 0 < version <= newest and newest - version <= self.cfg.max_staleness
-        digest = self.publisher.digest_of(version) if checked else None
-        reason = judge(group, self.bounds, newest, issued, digest)
-        if reason is not None and reason.startswith("rejected_"):
-            self._rejections.warn(
-                reason,
-                f"rejected group {group.group_id} from {printable(group.actor_id)}: "
-                f"{reason.removeprefix('rejected_')}{f' ({printable(group.error)})' if group.error else ''}",
-            )
-        return reason
-
-    # ------------------------------------------------------------------ audits
-    def audit(self, group: RolloutGroup) -> str | None:
-        """Audit `group` if it is picked (`learner.audit`); a failure quarantines its worker.
-        Returns `rejected_audit` or None."""
-        if self.auditor is None or not self.auditor.picks(group):
-            return None
-        found = self.auditor.audit(group)
-        self.state.count("audited_groups" if found is not None else "audits_skipped")
-        check = found.failed(self.auditor.limits) if found is not None else None
-        if check is None:
-            return None
-        assert found is not None
-        self.quarantine(group.actor_id, quarantine_reason(check, found, group.adapter_version))
-        return "rejected_audit"
-
-    def quarantine(self, worker: str, why: str) -> None:
-        """No group of `worker` is trained from now on: those kept for this step are
-        dropped (`rejected_quarantined`), later ones rejected."""
-        self.state.quarantined[worker] = why
-        self.state.count("quarantined_workers")
-        log.error("worker %s quarantined: %s; its groups are no longer trained on", printable(worker), why)
-        sync_quarantine(self.queue, self.state.quarantined)
-        record_audits(self.queue, self.auditor)
-        step = self._step_groups
-        theirs = [g for g in step.kept if g.actor_id == worker]
-        step.kept = [g for g in step.kept if g.actor_id != worker]
-        for g in theirs:
-            step.add(g, "rejected_quarantined")
-            self.state.count("rejected_quarantined")
-            self.state.count("read/kept", -1)
-            self.state.count("read/rejected_quarantined")
+        return self._state.ledger
 
     # ------------------------------------------------------- publish/checkpoint
     def publish(self) -> float:
@@ -527,17 +261,13 @@ class Learner(Evaluations):
                 config_json=self.policy.adapter_config_json(),
             )
         )
-        if self.evaluator is not None and self.state.policy_version % self.cfg.eval_every == 0:
-            self.evaluator.due.append(self.state.policy_version)
+        self.evals.published(self.state.policy_version)
         return time.monotonic() - started
 
     def pinned_versions(self) -> set[int]:
         """Versions the store must keep beyond the newest few: evaluations due or running
         (actors load them by number) and the versions of kept checkpoints."""
-        pinned = set(self._checkpoint_versions)
-        if self.evaluator is not None:
-            pinned |= self.evaluator.pinned()
-        return pinned
+        return set(self._checkpoint_versions) | self.evals.pinned()
 
     def finite_adapter(self, adapter: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """A snapshot of the adapter (or `adapter`), or LearnerError if any value is NaN or
@@ -558,7 +288,7 @@ class Learner(Evaluations):
         only the final one must succeed."""
         # a completed batch must not be re-issued on resume: its groups would be new to a
         # queue that lost its records, and nothing would be left to recognise them by
-        self._purge_completed()
+        self.feeder.purge_completed()
         adapter, trainer_state = self.trainer.snapshot()
         try:
             save_checkpoint(
@@ -640,12 +370,8 @@ class Learner(Evaluations):
         step_s: float,
         publish_s: float,
     ) -> None:
-        step_groups, self._step_groups = self._step_groups, StepGroups()
-        # what a dishonest worker's groups asked goes out again (`learner.ledger.REISSUED`)
-        for g, reason in step_groups.dropped:
-            if reason in REISSUED:
-                self.ledger.to_reissue.append(position_of(g.prompt_id))
-                self.state.count("reissued_prompts")
+        step_groups = self.collector.end_step()
+        self.feeder.reissue(step_groups)
         self.state.count(
             "num_tokens",
             sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size for g in groups for c in g.completions),
@@ -664,18 +390,15 @@ class Learner(Evaluations):
                     logged=self._logged_names,
                 ),
                 **stats,
-                "num_tokens": self.state.totals[
-                    "num_tokens"
-                ],  # TRL's: prompt and completion tokens trained on, run-long
+                # TRL's: prompt and completion tokens trained on, run-long
+                "num_tokens": self.state.totals["num_tokens"],
                 "wait_s": wait_s,
                 "step_s": step_s,
                 "publish_s": publish_s,
-                "inflight": self.ledger.inflight,
-                "inflight_limit": self.admission.limit,
-                "epoch": self.source.epochs(self.ledger.cursor),
+                **self.feeder.metrics(),
+                **self.collector.metrics(),
+                **self.evals.metrics(),
                 "publish_failures": self.publisher.failures,
-                "workers_live": self.fleet.live,
-                "workers_lagging": self.fleet.lagging,
                 "memory_peak_mb": peak_memory_mb(self.dist.device),
                 "time": time.time(),
             }

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from learner.judge import StepGroups
+from learner.judge import Reason, StepGroups
 from learner.trackers import Sample, Tracker
 from protocol import RolloutGroup
 
@@ -230,15 +230,15 @@ def group_figures(
         "reward_trained_mean": sum(rewards_N) / len(rewards_N),
         # flat groups are dropped before the step (they carry no signal), so TRL's share
         # of zero-std groups is the flat share of what this step consumed
-        "frac_reward_zero_std": step.count("dropped_flat") / consumed,
+        "frac_reward_zero_std": step.count(Reason.FLAT) / consumed,
         "groups": len(groups),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
-        "dropped_stale": step.count("dropped_stale"),
-        "dropped_flat": step.count("dropped_flat"),
-        "rejected": sum(1 for _, r in step.dropped if r.startswith("rejected_")),
-        "dropped_stale_rate": step.count("dropped_stale") / consumed,
-        "dropped_flat_rate": step.count("dropped_flat") / consumed,
+        "dropped_stale": step.count(Reason.STALE),
+        "dropped_flat": step.count(Reason.FLAT),
+        "rejected": sum(1 for _, r in step.dropped if r.rejected),
+        "dropped_stale_rate": step.count(Reason.STALE) / consumed,
+        "dropped_flat_rate": step.count(Reason.FLAT) / consumed,
         "completions/mean_length": sum(lengths) / len(lengths),
         "completions/min_length": min(lengths),
         "completions/max_length": max(lengths),

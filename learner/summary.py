@@ -24,7 +24,7 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
     dropped = {k: v for k, v in totals.items() if k.startswith(("dropped_", "rejected_")) and k != "rejected_duplicate"}
     dead = totals.get("dead_lettered_prompts", 0)
     out: dict[str, Any] = {
-        "issued": state.ledger.issued,  # a dishonest worker's prompts twice (`learner.ledger.REISSUED`)
+        "issued": state.ledger.issued,  # a dishonest worker's prompts twice (`learner.judge.Reason.reissued`)
         "trained": totals.get("trained_groups", 0),
         "dropped": dropped,
         "dead_lettered": dead,

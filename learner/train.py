@@ -106,18 +106,9 @@ def token_budget(cfg: LearnerConfig, vocab_size: int, bytes_per_token: int = 0, 
 
 
 def _plan(batch: StepBatch, rows: list[int], cfg: LearnerConfig, dist: Dist, policy: Policy) -> list[list[int] | None]:
-    """This rank's micro-batches of `rows`, padded with None (an empty pass) to as many
-    as the rank with the most has: under FSDP every rank runs the same passes."""
-    plan: list[list[int] | None] = list(
-        plan_micro_batches(
-            batch.lengths(),
-            rows,
-            token_budget(cfg, policy.vocab_size, policy.activation_bytes_per_token, policy.activation_budget),
-            cfg.micro_batch_size,
-        )
-    )
-    most = int(dist.all_reduce([float(len(plan))], op="max")[0])
-    return plan + [None] * (most - len(plan))
+    """This rank's micro-batches of `rows`, as many as every other rank's (`Dist.same_passes`)."""
+    budget = token_budget(cfg, policy.vocab_size, policy.activation_bytes_per_token, policy.activation_budget)
+    return dist.same_passes(plan_micro_batches(batch.lengths(), rows, budget, cfg.micro_batch_size))
 
 
 def accumulate(

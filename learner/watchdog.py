@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from learner.judge import StepGroups
+from learner.judge import Reason, StepGroups
 
 
 class ProgressWatch:
@@ -56,7 +56,7 @@ def why_dropped(step: StepGroups, reward_names: Sequence[str]) -> str:
         for reason, n in reasons.most_common()
     ]
     line = f"the {len(step.dropped)} group(s) read were dropped: {', '.join(parts)}"
-    flat = [g for g, reason in step.dropped if reason == "dropped_flat"]
+    flat = [g for g, reason in step.dropped if reason is Reason.FLAT]
     if flat:
         values = collections.Counter(round(float(g.rewards[0] or 0.0), 4) for g in flat)
         shown = ", ".join(f"{v:g} in {n}" for v, n in values.most_common(4))
@@ -65,9 +65,9 @@ def why_dropped(step: StepGroups, reward_names: Sequence[str]) -> str:
             f". A flat group (every completion the same reward; here {shown} group(s), from {names}) teaches "
             "GRPO nothing: make the task easier or the reward finer (partial credit), or raise num_generations"
         )
-    if reasons.get("dropped_stale"):
+    if reasons.get(Reason.STALE):
         line += ". Stale groups come from workers behind the learner: lower max_inflight or raise max_staleness"
-    rejected = [reason for reason in reasons if reason.startswith("rejected_")]
+    rejected = [reason for reason in reasons if reason.rejected]
     if rejected:
         line += f". Rejections are logged one by one above ({', '.join(sorted(rejected))})"
     return line

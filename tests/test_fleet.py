@@ -149,8 +149,8 @@ def test_a_fleet_view_that_fails_never_stops_the_learner(tmp_path, tiny_model) -
     learner = Learner(cfg, queue, open_store(cfg.store))
     for error in (ProtocolError("message: 20971520 bytes exceed the limit of 16777216"), QueueUnavailable("down")):
         queue.error = error
-        learner.check_fleet(every_s=0)
-    assert learner.fleet.live == 0
+        learner.collector.check_fleet(every_s=0)
+    assert learner.collector.fleet.live == 0
 
 
 def test_reward_names_are_the_configured_ones_or_a_bounded_few() -> None:

@@ -743,7 +743,7 @@ def test_a_run_whose_groups_are_all_flat_says_so_within_its_warning_time(
     actor = SyntheticActor(make(), store, tiny_model, lambda _p, _t, _text: 0.0).start()
     learner = Learner(cfg, make(), store)
     runner = threading.Thread(target=learner.run)
-    with caplog.at_level(logging.WARNING, logger="learner.loop"):
+    with caplog.at_level(logging.WARNING, logger="learner.collector"):
         runner.start()
         deadline = time.monotonic() + 60
         while sum("no step for" in r.getMessage() for r in caplog.records) < 2 and time.monotonic() < deadline:

@@ -11,7 +11,7 @@ import pytest
 from factories import batch, group
 
 from learner.checkpoint import LearnerState
-from learner.judge import Bounds, StepGroups, judge
+from learner.judge import Bounds, Reason, StepGroups, judge
 from learner.ledger import Outstanding, PromptLedger, Span
 from protocol import Completion, DeadLetter, FinishedBatch, ProtocolError, group_id_for, pack_i32
 
@@ -253,15 +253,27 @@ def test_a_mask_is_judged_by_the_rest_of_the_rules_in_a_run_with_tools() -> None
 def test_step_groups_keep_the_verdicts_in_order() -> None:
     step = StepGroups()
     stale, flat = _with(GOOD, adapter_version=0), _rewards(GOOD, 1.0, 1.0, 1.0, 1.0)
-    for g, reason in ((GOOD, None), (stale, "dropped_stale"), (flat, "dropped_flat"), (GOOD, "rejected_bad_vocab")):
+    for g, reason in ((GOOD, None), (stale, Reason.STALE), (flat, Reason.FLAT), (GOOD, Reason.BAD_VOCAB)):
         step.add(g, reason)
-    assert step.kept == [GOOD] and step.count("dropped_stale") == 1
+    assert step.kept == [GOOD] and step.count(Reason.STALE) == 1
     assert step.reasons() == [
         (stale.group_id, "dropped_stale"),
         (flat.group_id, "dropped_flat"),
         (GOOD.group_id, "rejected_bad_vocab"),
     ]
     assert step.dropped_rewards() == [0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # the stale and flat ones only
+
+
+def test_every_reason_is_a_rejection_or_a_drop_and_names_its_counter() -> None:
+    assert {r for r in Reason if r.dropped} == {Reason.STALE, Reason.FLAT}
+    assert all(r.rejected != r.dropped for r in Reason)
+    assert {r for r in Reason if r.reissued} == {Reason.AUDIT, Reason.ADAPTER_DIGEST, Reason.QUARANTINED}
+    assert all(r.rejected for r in Reason if r.reissued)  # a good group's prompt is never asked again
+    state = LearnerState()
+    state.count(Reason.STALE)
+    state.count("dropped_stale")
+    assert state.totals == {"dropped_stale": 2} and type(next(iter(state.totals))) is str
+    assert json.loads(json.dumps(asdict(state)))["totals"] == {"dropped_stale": 2}
 
 
 def test_a_repeated_rejection_is_logged_once_a_minute_with_its_count(caplog: pytest.LogCaptureFixture) -> None:

@@ -1,0 +1,246 @@
+"""The learner's collector: scored groups in from the queue, judged, until a step is full.
+
+`Collector` owns everything that comes back: reading the rollouts stream (groups pending
+from before a restart first, `replay_pending`), routing each delivery (`take`: an eval
+group to the `EvalSink`, a consumed prompt's group again as a duplicate, the rest to the
+judge), judging (`learner.judge` with what the learner knows, then the audit), the
+quarantine of a worker caught, the fleet check with each worker's stale drops, and the
+explanation of a long wait. One step's verdicts are in `step` (`learner.judge.StepGroups`);
+`end_step` hands them to the report and starts the next.
+
+Exactly-once: every delivery taken is recorded in `LearnerState.unacked` and consumed in
+the ledger; a collection abandoned on a stop is undone (`abandon`), so its groups stay
+pending in the queue for the next run to judge again.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from learner.audit import Auditor, quarantine_reason, record_audits, sync_quarantine
+from learner.checkpoint import LearnerState
+from learner.config import LearnerConfig
+from learner.evaluate import EvalSink
+from learner.feeder import Feeder
+from learner.fleet import FleetWatch
+from learner.judge import Bounds, Reason, RepeatedWarnings, StepGroups, judge
+from learner.publish import Publisher
+from learner.watchdog import ProgressWatch
+from protocol import Delivery, ProtocolError, Queue, QueueError, QueueUnavailable, RolloutGroup
+from protocol.util.retry import Backoff
+from protocol.wire.text import printable
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    def __init__(
+        self,
+        cfg: LearnerConfig,
+        queue: Queue,
+        consumer: str,
+        bounds: Bounds,
+        feeder: Feeder,
+        evals: EvalSink,
+        publisher: Publisher,
+        auditor: Auditor | None,
+    ) -> None:
+        self.cfg, self.queue, self.consumer, self.bounds = cfg, queue, consumer, bounds
+        self.feeder, self.evals, self.publisher, self.auditor = feeder, evals, publisher, auditor
+        self.state = LearnerState()
+        """The run's state, shared with the other parts (`Learner.state` sets it on resume)."""
+        self.step = StepGroups()
+        """The groups judged since the last step: kept for the next, or consumed and dropped."""
+        self._replay: list[Delivery] = []
+        self.fleet = FleetWatch()
+        self._fleet_checked_at = 0.0
+        self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
+        self._rejections = RepeatedWarnings(log)
+        self.watch = ProgressWatch(cfg.stall_warning_s)
+        """Says why, when no step has happened for a while (`learner.watchdog`)."""
+
+    def replay_pending(self, retry: Callable[[Callable[[], Any]], Any]) -> None:
+        """Groups read before a restart and not acknowledged: those the checkpoint holds
+        are acknowledged now; the rest are consumed again, first."""
+        ledger, pending = self.state.ledger, list[Delivery]()
+        while batch := retry(
+            partial(self.queue.pending_rollouts, self.consumer, 256, pending[-1].delivery_id if pending else "0")
+        ):
+            pending.extend(batch)
+        done = [d.delivery_id for d in pending if d.group.group_id in self.state.unacked]
+        self._replay = [d for d in pending if d.group.group_id not in self.state.unacked]
+        if done or ledger.finished:
+            retry(lambda: self.queue.ack_rollouts(done, ledger.finished_batches()))
+            acked = set(done)
+            self.state.unacked = {g: i for g, i in self.state.unacked.items() if i not in acked}
+            ledger.reported()
+        if pending:
+            log.info(
+                "pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay)
+            )
+
+    def collect(self, n: int, stop: threading.Event) -> list[RolloutGroup] | None:
+        """Block until `n` groups pass the filters, feeding prompts while it waits; None if
+        `stop` was set (the collection is abandoned)."""
+        self.feeder.purge_completed()
+        backoff = Backoff(0.5, 10.0)
+        while len(self.step.kept) < n:
+            if stop.is_set():
+                self.abandon()
+                return None
+            try:
+                self.feeder.poll_dead_letters()
+                self.check_fleet()
+                self.feeder.feed(len(self.step.kept))
+                self.evals.issue()
+                wanted = n - len(self.step.kept)
+                if self._replay:
+                    deliveries, self._replay = self._replay[:wanted], self._replay[wanted:]
+                else:
+                    deliveries = self.queue.read_rollouts(self.consumer, wanted, block_s=1.0)
+                backoff.reset()
+            except QueueUnavailable as err:
+                log.warning("queue unavailable, retrying in %.1fs: %s", backoff.next, err)
+                backoff.wait(stop)
+                continue
+            if self.watch.due():
+                self.explain_wait(n)
+            for d in deliveries:
+                self.take(d)
+        self.watch.stepped()
+        return list(self.step.kept)
+
+    def take(self, d: Delivery) -> None:
+        """Route one delivery: an eval group to the sink; a training group consumed once,
+        judged, audited if picked, and counted by its verdict."""
+        group, state, ledger = d.group, self.state, self.state.ledger
+        state.unacked[group.group_id] = d.delivery_id
+        if self.evals.is_eval(group.batch_id):
+            self.evals.take(group)  # never trained on, never counted as a training prompt
+            return
+        if ledger.is_consumed(group.batch_id, group.prompt_id):
+            # only a queue that lost its dedup record (a fresh in-process Redis after
+            # --resume) can hand out a consumed prompt's group again
+            self.step.add(group, Reason.DUPLICATE)
+            state.count(Reason.DUPLICATE)
+            return
+        ledger.consume(group.batch_id, group.prompt_id)
+        if group.scored_by is not None:
+            state.count("scored_groups")
+        reason = self.judge(group)
+        if reason is None:
+            reason = self.audit(group)
+        elif reason is Reason.ADAPTER_DIGEST:
+            self.quarantine(
+                group.actor_id,
+                f"its group named adapter v{group.adapter_version} and carried the digest of other files",
+            )
+        self.step.add(group, reason)
+        state.count(f"read/{reason or 'kept'}")  # every group read, never taken back (summary)
+        if reason is not None:
+            state.count(reason)
+            if reason is Reason.STALE:
+                self._stale_drops[group.actor_id] += 1
+
+    def judge(self, group: RolloutGroup) -> Reason | None:
+        """`learner.judge.judge` with what this learner knows; a rejection is logged."""
+        if group.actor_id in self.state.quarantined:
+            return Reason.QUARANTINED
+        version, newest = group.adapter_version, self.state.policy_version
+        checked = 0 < version <= newest and newest - version <= self.cfg.max_staleness
+        digest = self.publisher.digest_of(version) if checked else None
+        reason = judge(group, self.bounds, newest, self.feeder.issued_tokens(group), digest)
+        if reason is not None and reason.rejected:
+            self._rejections.warn(
+                reason,
+                f"rejected group {group.group_id} from {printable(group.actor_id)}: "
+                f"{reason.removeprefix('rejected_')}{f' ({printable(group.error)})' if group.error else ''}",
+            )
+        return reason
+
+    def audit(self, group: RolloutGroup) -> Reason | None:
+        """Audit `group` if it is picked (`learner.audit`); a failure quarantines its worker."""
+        if self.auditor is None or not self.auditor.picks(group):
+            return None
+        found = self.auditor.audit(group)
+        self.state.count("audited_groups" if found is not None else "audits_skipped")
+        check = found.failed(self.auditor.limits) if found is not None else None
+        if check is None:
+            return None
+        assert found is not None
+        self.quarantine(group.actor_id, quarantine_reason(check, found, group.adapter_version))
+        return Reason.AUDIT
+
+    def quarantine(self, worker: str, why: str) -> None:
+        """No group of `worker` is trained from now on: those kept for this step are
+        dropped (`rejected_quarantined`), later ones rejected."""
+        self.state.quarantined[worker] = why
+        self.state.count("quarantined_workers")
+        log.error("worker %s quarantined: %s; its groups are no longer trained on", printable(worker), why)
+        sync_quarantine(self.queue, self.state.quarantined)
+        record_audits(self.queue, self.auditor)
+        step = self.step
+        theirs = [g for g in step.kept if g.actor_id == worker]
+        step.kept = [g for g in step.kept if g.actor_id != worker]
+        for g in theirs:
+            step.add(g, Reason.QUARANTINED)
+            self.state.count(Reason.QUARANTINED)
+            self.state.count("read/kept", -1)
+            self.state.count(f"read/{Reason.QUARANTINED}")
+
+    def abandon(self) -> None:
+        """Groups collected for a step that will not run are not consumed, nor those
+        dropped while collecting it (`consumed.jsonl` names them with a step, and this
+        step has none): forget them all, so the checkpoint does not claim them and they
+        stay pending for the next run, which judges them again."""
+        state = self.state
+        for g in self.step.kept:
+            del state.unacked[g.group_id]
+            state.ledger.undo(g.batch_id, g.prompt_id)
+        for g, reason in self.step.dropped:
+            state.unacked.pop(g.group_id, None)
+            if reason is not Reason.DUPLICATE:  # a duplicate was never counted as consumed
+                state.ledger.undo(g.batch_id, g.prompt_id)
+            state.count(reason, -1)
+        self.step = StepGroups()
+
+    def end_step(self) -> StepGroups:
+        """The step ran: its verdicts, for the report; the next step starts empty."""
+        step, self.step = self.step, StepGroups()
+        return step
+
+    def explain_wait(self, wanted: int) -> None:
+        """No step for a while: one line says why (`learner.watchdog`)."""
+        try:
+            stats = None if self.step.dropped else self.queue.stats()
+        except (QueueError, ProtocolError):
+            stats = None
+        names = [spec.split(":", 1)[-1].split("=", 1)[0] for spec in self.cfg.reward]
+        log.warning("%s", self.watch.explain(self.step, wanted, names, stats))
+
+    def check_fleet(self, every_s: float = 15.0) -> None:
+        """Every `every_s`: name the workers that lag or refuse adapters, and the streams
+        nobody reads (no worker claims, no scorer scores; `learner.fleet`)."""
+        if time.monotonic() - self._fleet_checked_at < every_s:
+            return
+        self._fleet_checked_at = time.monotonic()
+        sync_quarantine(self.queue, self.state.quarantined)
+        record_audits(self.queue, self.auditor)
+        try:  # the fleet view is advice: training goes on without it
+            workers, stats = self.queue.workers(), self.queue.stats()
+        except (QueueError, ProtocolError) as err:
+            log.debug("no worker statuses: %s", printable(str(err)))
+            return
+        self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness, self._stale_drops)
+        self._stale_drops.clear()
+        self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
+
+    def metrics(self) -> dict[str, float]:
+        """The step row's figures of the fleet, as the last check saw it."""
+        return {"workers_live": self.fleet.live, "workers_lagging": self.fleet.lagging}

@@ -1,0 +1,187 @@
+"""The learner's parts as the learner wires them, driven one call at a time: the `Feeder`
+issues within the window, the `Collector` routes and judges each delivery and undoes an
+abandoned collection, the `EvalSink` keeps eval groups out of training. A table per part,
+on an in-memory Redis (the paths through a real one are `test_learner.py`'s runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fakeredis
+import msgspec
+import pytest
+from factories import NO_AUDITS, write_dataset
+
+from learner.config import LearnerConfig
+from learner.judge import Reason
+from learner.loop import Learner
+from protocol import Completion, Delivery, PromptBatch, QueueConfig, RolloutGroup, group_id_for, pack_i32
+from protocol.trusted import RedisQueue, open_store
+
+
+@pytest.fixture
+def learner(tmp_path: Path, tiny_model: Path) -> Iterator[Learner]:
+    data = write_dataset(tmp_path / "data.jsonl")
+    cfg = LearnerConfig(
+        run="parts",
+        queue="redis://unused",
+        store=(tmp_path / "store").as_uri(),
+        model=str(tiny_model),
+        dataset=str(data),
+        eval_dataset=str(data),
+        eval_every=2,
+        eval_max_prompts=2,
+        eval_generations=4,
+        run_dir=tmp_path / "run",
+        groups_per_step=4,
+        num_generations=4,
+        prompts_per_batch=2,
+        max_inflight=8,
+        adaptive_inflight=False,
+        max_tokens=4,
+        max_staleness=2,
+        lora_rank=8,
+        tensorboard=False,
+        **NO_AUDITS,  # the groups here are scripted, their log-probabilities made up
+    )
+    queue = RedisQueue(fakeredis.FakeRedis(version=(7, 0)), QueueConfig(run=cfg.run))
+    learner = Learner(cfg, queue, open_store(cfg.store))
+    yield learner
+    learner.publisher.close()
+
+
+def issued(learner: Learner) -> list[PromptBatch]:
+    """The batches the feeder put in the queue, claimed back as a worker would see them."""
+    return [lease.batch for lease in learner.queue.claim("w", 100)]
+
+
+def answer(
+    b: PromptBatch, i: int, *, actor: str = "w", version: int = 0, rewards: tuple[float, ...] = (0, 1, 0, 1)
+) -> RolloutGroup:
+    """A group that answers prompt `i` of `b` with the tokens it was issued."""
+    prompt = b.prompts[i]
+    return RolloutGroup(
+        group_id=group_id_for(b.batch_id, prompt.id),
+        batch_id=b.batch_id,
+        prompt_id=prompt.id,
+        adapter_version=version,
+        actor_id=actor,
+        prompt_token_ids=prompt.token_ids or pack_i32([1, 2, 3]),
+        completions=[Completion.of([5, 6], [-0.25, -0.25], finish_reason="stop", reward=r) for r in rewards],
+    )
+
+
+def test_the_feeder_fills_the_window_with_whole_batches_and_no_more(learner: Learner) -> None:
+    feeder, ledger = learner.feeder, learner.state.ledger
+    feeder.feed(kept=0)
+    assert (ledger.inflight, ledger.batches_issued) == (8, 4)  # max_inflight, in batches of 2
+    feeder.feed(kept=0)
+    assert ledger.batches_issued == 4  # full: nothing more
+    batches = issued(learner)
+    assert [b.batch_id for b in batches] == ["parts-b0", "parts-b1", "parts-b2", "parts-b3"]
+    assert feeder.metrics() == {"inflight": 8, "inflight_limit": 8, "epoch": 8 / len(learner.source)}
+    g = answer(batches[0], 0)
+    assert feeder.issued_tokens(g) == {p.id: p.token_ids for p in batches[0].prompts}
+    learner.collector.take(Delivery("1-0", g))
+    learner.collector.take(Delivery("1-1", answer(batches[0], 1)))
+    feeder.purge_completed()  # a finished batch: its tokens go, its slots free
+    assert feeder.issued_tokens(g) is None and ledger.inflight == 6
+    feeder.feed(kept=0)
+    assert ledger.batches_issued == 5
+
+
+Case = tuple[str, Callable[[list[PromptBatch]], RolloutGroup], Reason | None]
+CASES: list[Case] = [
+    ("an honest group", lambda bs: answer(bs[0], 0), None),
+    ("every reward equal", lambda bs: answer(bs[0], 0, rewards=(1, 1, 1, 1)), Reason.FLAT),
+    (
+        "not the tokens issued",
+        lambda bs: msgspec.structs.replace(answer(bs[0], 0), prompt_token_ids=pack_i32([9])),
+        Reason.BAD_SHAPE,
+    ),
+    ("from a quarantined worker", lambda bs: answer(bs[0], 0, actor="mallory"), Reason.QUARANTINED),
+    ("from the future", lambda bs: answer(bs[0], 0, version=7), Reason.FUTURE_VERSION),
+]
+
+
+@pytest.mark.parametrize(("make", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_the_collector_consumes_each_group_once_and_counts_its_verdict(
+    learner: Learner, make: Callable[[list[PromptBatch]], RolloutGroup], reason: Reason | None
+) -> None:
+    collector, state = learner.collector, learner.state
+    state.quarantined["mallory"] = "caught"
+    learner.feeder.feed(kept=0)
+    g = make(issued(learner))
+    collector.take(Delivery("1-0", g))
+    assert state.unacked == {g.group_id: "1-0"} and state.ledger.is_consumed(g.batch_id, g.prompt_id)
+    assert collector.step.kept == ([g] if reason is None else [])
+    assert collector.step.dropped == ([] if reason is None else [(g, reason)])
+    assert state.totals.get(f"read/{reason or 'kept'}") == 1 and state.totals.get(reason or "kept", 1) == 1
+    collector.take(Delivery("1-1", g))  # the same prompt's group again: a duplicate, not consumed twice
+    assert collector.step.dropped[-1] == (g, Reason.DUPLICATE) and state.totals[Reason.DUPLICATE] == 1
+    assert state.ledger.inflight == 7
+
+
+def test_a_stale_group_is_dropped_and_named_against_its_worker(learner: Learner) -> None:
+    learner.feeder.feed(kept=0)
+    batches = issued(learner)
+    learner.state.policy_version = 3  # max_staleness 2: a group of the base model is 3 behind
+    learner.collector.take(Delivery("1-0", answer(batches[0], 0, actor="slow")))
+    assert learner.collector.step.count(Reason.STALE) == 1 and learner.collector._stale_drops == {"slow": 1}
+
+
+def test_a_quarantine_drops_the_worker_s_kept_groups_and_a_stop_undoes_the_collection(learner: Learner) -> None:
+    collector, state = learner.collector, learner.state
+    learner.feeder.feed(kept=0)
+    batches = issued(learner)
+    collector.take(Delivery("1-0", answer(batches[0], 0, actor="a")))
+    collector.take(Delivery("1-1", answer(batches[0], 1, actor="b")))
+    collector.take(Delivery("1-2", answer(batches[1], 0, actor="a", rewards=(1, 1, 1, 1))))
+    collector.quarantine("a", "failed an audit")
+    assert [g.actor_id for g in collector.step.kept] == ["b"]
+    assert [r for _, r in collector.step.dropped] == [Reason.FLAT, Reason.QUARANTINED]
+    assert state.totals["read/kept"] == 1 and state.totals["read/rejected_quarantined"] == 1
+    collector.abandon()  # a stop before the step: nothing of this collection is consumed
+    assert state.unacked == {} and state.ledger.inflight == 8 and collector.step.dropped == []
+    assert state.totals[Reason.FLAT] == 0 and state.totals[Reason.QUARANTINED] == 0
+    assert state.totals["read/kept"] == 1  # what was read stays told (the summary's "read")
+    reissued = collector.end_step()
+    learner.feeder.reissue(reissued)
+    assert state.ledger.to_reissue == []  # abandoned: nothing was dropped for the worker's sake
+
+
+def test_the_feeder_issues_a_dishonest_worker_s_prompts_again_first(learner: Learner) -> None:
+    collector, state = learner.collector, learner.state
+    learner.feeder.feed(kept=0)
+    batches = issued(learner)
+    collector.take(Delivery("1-0", answer(batches[0], 1, actor="a")))
+    collector.quarantine("a", "failed an audit")
+    learner.feeder.reissue(collector.end_step())
+    assert state.ledger.to_reissue == [1] and state.totals["reissued_prompts"] == 1
+    learner.feeder.feed(kept=0)  # one slot free: the prompt goes out alone, before any new batch
+    (again,) = issued(learner)
+    assert again.batch_id == "parts-r4" and [p.id for p in again.prompts] == ["p1"]
+    assert state.ledger.to_reissue == [] and state.ledger.inflight == 8
+
+
+def test_the_eval_sink_keeps_eval_groups_out_of_training_and_writes_the_version_s_figures(learner: Learner) -> None:
+    from learner.metrics import MetricsLog
+    from learner.progress import read_evals
+
+    evals, state = learner.evals, learner.state
+    evals.out = MetricsLog(learner.cfg.resolved_run_dir, trackers=[], resume_step=None)
+    evals.start_fresh()
+    evals.issue()
+    (b,) = issued(learner)
+    assert evals.is_eval(b.batch_id) and b.pinned_version == 0 and evals.outstanding() == 2
+    assert evals.metrics() == {"eval_inflight": 2} and 0 in evals.pinned()
+    learner.collector.take(Delivery("1-0", answer(b, 0, rewards=(1, 1, 1, 1))))
+    assert learner.collector.step.kept == [] and learner.collector.step.dropped == []
+    assert state.ledger.inflight == 0 and "1-0" in state.unacked.values()
+    learner.collector.take(Delivery("1-1", answer(b, 1, rewards=(0, 0, 0, 0))))
+    evals.out.close()
+    (row,) = read_evals(learner.cfg.resolved_run_dir)
+    assert (row["eval/version"], row["eval/prompts"], row["eval/pass@1"]) == (0, 2, 0.5)
+    assert evals.outstanding() == 0 and evals.metrics() == {"eval_inflight": 0} and 0 not in evals.pinned()
+    assert list(state.ledger.finished) == [b.batch_id]  # the queue may forget it with the next checkpoint
