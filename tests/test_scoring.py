@@ -456,6 +456,24 @@ def test_a_scheduler_that_ignores_sigterm_does_not_hold_the_warm_shutdown_foreve
     assert not process.is_alive() and time.monotonic() - started < 10
 
 
+def test_the_warm_shutdown_does_not_wait_on_rqs_command_channel(redis_server: RedisServer) -> None:
+    """RQ's teardown unsubscribes, then stops its pubsub thread, which redis-py 8.2 joins. A
+    thread that read the unsubscription first waits out its poll (RQ's: 60 s) for a
+    subscription that never comes; the embedded run's Ctrl-C killed the scorer after 15 s."""
+    from learner.scoring.tier import ScoringWorker
+
+    worker = ScoringWorker(["q"], connection=redis.Redis.from_url(redis_server.url))
+    worker.subscribe()
+    worker.pubsub.unsubscribe()  # what the teardown does first; the thread reads the reply
+    deadline = time.monotonic() + 10
+    while worker.pubsub.subscribed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the thread is now in its wait for a subscription
+    started = time.monotonic()
+    worker.unsubscribe()
+    assert not worker.pubsub_thread.is_alive() and time.monotonic() - started < 5
+
+
 def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.LogCaptureFixture) -> None:
     """The embedded run's Redis ends with the run, sometimes while its scorer stops: RQ's
     worker and scheduler say so in one line each (they printed tracebacks)."""

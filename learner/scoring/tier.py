@@ -349,6 +349,20 @@ class ScoringWorker(Worker):
         self.stop_requested = True
         Worker.request_stop(self, signum, frame)
 
+    PUBSUB_POLL_S = 1.0
+
+    def subscribe(self) -> None:
+        """RQ's, with its command channel's thread polling every `PUBSUB_POLL_S`, not 60 s.
+        From redis-py 8.2 `PubSubWorkerThread.stop` joins that thread, and RQ's teardown
+        unsubscribes first: a thread that has read the unsubscription waits out its poll
+        for a subscription that never comes, so a warm shutdown took up to 60 s (the
+        embedded run's Ctrl-C killed the scorer after 15)."""
+        self.pubsub = self.connection.pubsub()
+        self.pubsub.subscribe(**{self.pubsub_channel_name: self.handle_payload})
+        self.pubsub_thread = self.pubsub.run_in_thread(  # type: ignore[assignment]  # RQ declares it None
+            sleep_time=self.PUBSUB_POLL_S, daemon=True, exception_handler=self._pubsub_exception_handler
+        )
+
     SCHEDULER_STOP_S = 5.0
 
     def stop_scheduler(self) -> None:
