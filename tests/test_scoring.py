@@ -443,7 +443,7 @@ def test_a_scheduler_that_ignores_sigterm_does_not_hold_the_warm_shutdown_foreve
 
     import fakeredis
 
-    from learner.scoring.tier import ScoringWorker
+    from learner.scoring.rq_worker import ScoringWorker
 
     worker = ScoringWorker(["q"], connection=fakeredis.FakeRedis())
     worker.SCHEDULER_STOP_S = 1.0
@@ -460,7 +460,7 @@ def test_the_warm_shutdown_does_not_wait_on_rqs_command_channel(redis_server: Re
     """RQ's teardown unsubscribes, then stops its pubsub thread, which redis-py 8.2 joins. A
     thread that read the unsubscription first waits out its poll (RQ's: 60 s) for a
     subscription that never comes; the embedded run's Ctrl-C killed the scorer after 15 s."""
-    from learner.scoring.tier import ScoringWorker
+    from learner.scoring.rq_worker import ScoringWorker
 
     worker = ScoringWorker(["q"], connection=redis.Redis.from_url(redis_server.url))
     worker.subscribe()
@@ -479,7 +479,7 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
     worker and scheduler say so in one line each (they printed tracebacks)."""
     import logging
 
-    from learner.scoring.tier import RedisGoneInOneLine, _scheduler_run
+    from learner.scoring.rq_worker import RedisGoneInOneLine, _scheduler_run
 
     class Scheduler:
         log = logging.getLogger("rq.scheduler")
@@ -505,7 +505,7 @@ def test_redis_going_away_under_rq_is_one_line_not_a_traceback(caplog: pytest.Lo
 def test_importing_the_tier_changes_nothing_of_rqs_until_it_serves() -> None:
     code = (
         "import logging, rq.scheduler as s; own = s.run\n"
-        "import learner.scoring.tier as t\n"
+        "import learner.scoring.tier, learner.scoring.rq_worker as t\n"
         "assert s.run is own and not logging.getLogger('rq.worker').filters, 'changed at import'\n"
         "t.adjust_rq(); t.adjust_rq()\n"
         "assert s.run is t._scheduler_run and len(logging.getLogger('rq.worker').filters) == 1\n"
