@@ -292,7 +292,7 @@ class Soak:
         client.close()
 
     def start_proxy(self) -> None:
-        from protocol.client.http_queue import wait_for_proxy
+        from protocol.client.transport import wait_for_proxy
 
         self.proxy.start()
         wait_for_proxy(self.proxy_url, str(self.cert), self.proxy.popen, timeout_s=60)

@@ -36,7 +36,8 @@ from bench.proxy import free_port
 from bench.queue import start_redis, stop
 from protocol import Completion, RolloutGroup, group_id_for, pack_i32
 from protocol.client.http import CONTENT_TYPE, SubmitRequest, encode_body
-from protocol.client.http_queue import HttpQueue, wait_for_proxy
+from protocol.client.http_queue import HttpQueue
+from protocol.client.transport import wait_for_proxy
 from proxy.tls import write_self_signed
 
 TOKENS = {"honest": ("actor", "h" * 40), "mallory": ("actor", "m" * 40), "trainer": ("learner", "l" * 40)}

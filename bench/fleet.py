@@ -125,7 +125,7 @@ class Rig:
         from bench.queue import proxy_credentials
         from learner.tasks import write_next_digit_dataset
         from learner.tiny import CHARS, save_tiny
-        from protocol.client.http_queue import wait_for_proxy
+        from protocol.client.transport import wait_for_proxy
 
         a = self.args
         redis_proc, port = start_redis()

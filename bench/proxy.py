@@ -46,7 +46,8 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
-from protocol.client.http_queue import HttpQueue, wait_for_proxy
+from protocol.client.http_queue import HttpQueue
+from protocol.client.transport import wait_for_proxy
 from protocol.trusted import RedisQueue
 from proxy.tls import write_self_signed
 

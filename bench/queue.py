@@ -151,7 +151,7 @@ def start_proxy(
     tokens written under `work`), answering when this returns: (process, URL, the
     environment a worker needs: SPOTGRPO_TOKEN and SPOTGRPO_CA_CERT). Workers reach a run
     only through a proxy."""
-    from protocol.client.http_queue import wait_for_proxy
+    from protocol.client.transport import wait_for_proxy
 
     repo = Path(__file__).resolve().parents[1]
     cert, key, tokens, secrets = proxy_credentials(work)

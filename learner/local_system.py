@@ -249,7 +249,7 @@ class LocalSystem:
 
     def _wait_healthy(self) -> None:
         from protocol import QueueUnavailable
-        from protocol.client.http_queue import wait_for_proxy
+        from protocol.client.transport import wait_for_proxy
 
         try:
             wait_for_proxy(self.url, str(self.cert), self.proxy)

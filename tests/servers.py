@@ -326,7 +326,7 @@ class ProxyProcess:
 
     def start(self) -> ProxyProcess:
         from protocol import QueueUnavailable
-        from protocol.client.http_queue import wait_for_proxy
+        from protocol.client.transport import wait_for_proxy
 
         with self.log.open("ab") as log:  # a file, not a pipe nobody reads (it would fill and block)
             self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT)

@@ -668,7 +668,7 @@ def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, to
         time.sleep(3)
         assert p.proc.poll() is None, p.log.read_text()[-2000:]
         server.start()
-        from protocol.client.http_queue import wait_for_proxy
+        from protocol.client.transport import wait_for_proxy
 
         wait_for_proxy(p.url, p.ca, p.proc, timeout_s=30)
         assert "redis unreachable, retrying" in p.log.read_text()

@@ -387,7 +387,7 @@ def test_the_client_goes_through_the_environments_http_proxy(make_proxy, monkeyp
     """Actors behind a firewall reach the proxy through HTTPS_PROXY, less NO_PROXY, as
     httpx's own client would: here an HTTP proxy that is not there, so a call can only
     succeed where NO_PROXY names the host."""
-    from protocol.client.http_queue import environment_proxy
+    from protocol.client.transport import environment_proxy
 
     proxy = make_proxy()
     with socket.socket() as s:
@@ -414,12 +414,12 @@ def test_an_http_proxy_named_with_credentials_is_sent_them() -> None:
     import base64
     import ssl
 
-    from protocol.client.http_queue import _api_pool
+    from protocol.client.transport import pool_manager
 
     context = ssl.create_default_context()
-    pool = _api_pool(context, "http://fleet:p%40ss@127.0.0.1:3128", read_s=5.0)
+    pool = pool_manager(context, "http://fleet:p%40ss@127.0.0.1:3128", read_s=5.0)
     assert pool.proxy_headers == {"proxy-authorization": "Basic " + base64.b64encode(b"fleet:p@ss").decode()}
-    assert _api_pool(context, "http://127.0.0.1:3128", read_s=5.0).proxy_headers == {}
+    assert pool_manager(context, "http://127.0.0.1:3128", read_s=5.0).proxy_headers == {}
 
 
 # ----------------------------------------------------------------- adapters

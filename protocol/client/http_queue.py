@@ -1,7 +1,8 @@
 """The queue over HTTPS, through `proxy serve`: the same `Queue` as Redis direct.
 
-The API's calls go through urllib3 (keep-alive, timeouts, the environment's HTTP proxy),
-the event stream and proxied adapter files through httpx. Connection errors, 429 and 503
+Every request goes through urllib3 (keep-alive, timeouts, the environment's HTTP proxy;
+`protocol.client.transport`): the API's calls, the event stream
+(`protocol.client.events`) and adapter files. Connection errors, 429 and 503
 are retried with capped exponential backoff (honouring Retry-After) for up to `retry_s`;
 after that the call raises `QueueUnavailable`, like the Redis transport, and the
 caller's own backoff takes over. Every route is idempotent or safe to repeat (groups and batches are stored
@@ -23,26 +24,21 @@ with Last-Event-ID after a dropped connection; adapter files come from presigned
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import logging
 import os
-import queue as stdqueue
 import ssl
-import subprocess
 import threading
-import time
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import httpx
 import urllib3
 import urllib3.exceptions
 
 from protocol.client import api
 from protocol.client.api import Endpoint, Resp
+from protocol.client.events import READ_TIMEOUT_S, SseSubscription
 from protocol.client.http import (
     CHUNK_ITEMS,
     CONTENT_TYPE,
@@ -51,7 +47,6 @@ from protocol.client.http import (
     AddPromptsRequest,
     AnnounceRequest,
     ClaimRequest,
-    ErrorResponse,
     ExpireRunRequest,
     ForgetLiftedRequest,
     HeartbeatRequest,
@@ -82,10 +77,17 @@ from protocol.client.queue import (
     QueueStats,
     SubmitResult,
 )
-from protocol.util.retry import Backoff, retry
-from protocol.wire.codec import decode
+from protocol.client.transport import (
+    Transient,
+    environment_proxy,
+    error_text,
+    pool_manager,
+    retry_after,
+    tls_context,
+    tls_failure,
+)
+from protocol.util.retry import retry
 from protocol.wire.errors import (
-    ProtocolError,
     QueueError,
     QueueForbidden,
     QueueNotFound,
@@ -100,38 +102,7 @@ from protocol.wire.text import printable
 log = logging.getLogger(__name__)
 
 
-def wait_for_proxy(
-    url: str, ca_file: str | None, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 60.0
-) -> None:
-    """Block until `proxy serve` at `url` answers /healthz with 200. Raises QueueUnavailable
-    when it does not within `timeout_s`, or at once when its process `proc` has exited."""
-    verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=ca_file) if ca_file else True
-    deadline = time.monotonic() + timeout_s
-    backoff = Backoff(first=0.05, cap=1.0)
-    while True:
-        try:
-            if httpx.get(f"{url.rstrip('/')}/healthz", verify=verify, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if proc is not None and proc.poll() is not None:
-            raise QueueUnavailable(f"the proxy for {url} exited with status {proc.returncode}")
-        if time.monotonic() > deadline:
-            raise QueueUnavailable(f"the proxy at {url} did not answer within {timeout_s:g}s")
-        backoff.wait()
-
-
-__all__ = ["HttpQueue", "QueueForbidden", "QueueNotFound", "SseSubscription", "wait_for_proxy"]
-
-
-def _tls_failure(err: BaseException) -> ssl.SSLCertVerificationError | None:
-    """The certificate-verification error somewhere behind an httpx or urllib3 error, if any."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return seen
-        seen = seen.__cause__ or seen.__context__
-    return None
+__all__ = ["HttpQueue", "QueueForbidden", "QueueNotFound"]
 
 
 class HttpQueue(Queue):
@@ -155,26 +126,18 @@ class HttpQueue(Queue):
         self.retry_s = retry_s
         if verify is None:  # a private CA or a self-signed proxy certificate
             verify = os.environ.get("SPOTGRPO_CA_CERT") or True
-        if isinstance(verify, str):
-            verify = _ca_context(verify)
-        self._verify = verify if isinstance(verify, ssl.SSLContext) else httpx.create_ssl_context(verify=verify)
+        self._verify = tls_context(verify)
         headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
         proxy = environment_proxy(self.url)
-        self._pools = _api_pool(self._verify, proxy, read_s=timeout_s + self.config.max_block_s)
+        self._pools = pool_manager(self._verify, proxy, read_s=timeout_s + self.config.max_block_s)
         self.pool = self._pools.connection_from_url(self.url)
         """Every byte of every API call (`_call`) goes through it (the manager's own `urlopen`
         would parse each call's URL again)."""
         self._absolute = proxy is not None and self.url.startswith("http://")
         """Plain HTTP through a proxy: it is sent the absolute URL (HTTPS goes through a tunnel)."""
-        self.client = httpx.Client(
-            base_url=self.url,
-            headers=headers,
-            verify=self._verify,
-            proxy=proxy,
-            timeout=httpx.Timeout(timeout_s + self.config.max_block_s, connect=10.0),
-            trust_env=False,
-        )
-        """For the event stream and proxied adapter files."""
+        self._file_pools: dict[str | None, urllib3.PoolManager] = {}
+        """For presigned adapter URLs (the store's host, not the proxy's), by the HTTP proxy
+        the environment names for each."""
         self._headers = headers
         self._body_headers = {**headers, "Content-Type": CONTENT_TYPE}
         self.retried = False
@@ -212,18 +175,18 @@ class HttpQueue(Queue):
                     method, target, body=content, headers=headers, redirect=False, assert_same_host=False
                 )
             except urllib3.exceptions.HTTPError as err:
-                if (bad := _tls_failure(err)) is not None:
+                if (bad := tls_failure(err)) is not None:
                     raise QueueTLSError(
                         f"{self.url}: the certificate does not verify ({bad.verify_message}); "
                         "give the proxy's CA with SPOTGRPO_CA_CERT"
                     ) from None
-                raise _Transient(f"{type(err).__name__}: {err}") from None
+                raise Transient(f"{type(err).__name__}: {err}") from None
             if r.status == 200:
                 assert response is not None, f"{path} answers no MessagePack body"
                 return decode_body(r.data, response)
-            code, message = _error_text(r.data)
+            code, message = error_text(r.data)
             if r.status in (429, 502, 503, 504):
-                raise _Transient(f"{r.status} {message}", _retry_after(r.headers.get("retry-after")))
+                raise Transient(f"{r.status} {message}", retry_after(r.headers.get("retry-after")))
             raise from_response(r.status, code, message, path)
 
         def before_wait(err: BaseException, delay: float) -> None:
@@ -233,7 +196,7 @@ class HttpQueue(Queue):
         try:
             answer: Resp = retry(
                 attempt,
-                on=(_Transient,),
+                on=(Transient,),
                 deadline_s=self.retry_s,
                 first=0.25,
                 cap=5.0,
@@ -242,7 +205,7 @@ class HttpQueue(Queue):
                 before_wait=before_wait,
             )
             return answer
-        except _Transient as err:
+        except Transient as err:
             raise QueueUnavailable(
                 f"{self.url}{path}: {err}" + (" (stopping)" if self._stopping.is_set() else "")
             ) from None
@@ -320,7 +283,20 @@ class HttpQueue(Queue):
         return self._call(api.ADAPTER_HISTORY, params=params).events
 
     def subscribe_adapters(self) -> AdapterSubscription:
-        sub = SseSubscription(self.client, api.ADAPTER_EVENTS.path)
+        target = (self.url if self._absolute else "") + api.ADAPTER_EVENTS.path
+
+        def open_stream(headers: dict[str, str]) -> urllib3.BaseHTTPResponse:
+            return self.pool.urlopen(
+                "GET",
+                target,
+                headers={**self._headers, **headers},
+                preload_content=False,
+                redirect=False,
+                assert_same_host=False,
+                timeout=urllib3.Timeout(connect=10.0, read=READ_TIMEOUT_S),
+            )
+
+        sub = SseSubscription(open_stream)
         self._subscriptions.append(sub)
         return sub
 
@@ -342,16 +318,25 @@ class HttpQueue(Queue):
             raise StoreMissing(f"adapter v{version} has no file {name}")
         try:
             if download.proxied and url.startswith("/"):
-                r = self.client.get(url)
+                target = (self.url if self._absolute else "") + url
+                r = self.pool.urlopen("GET", target, headers=self._headers, redirect=False, assert_same_host=False)
             else:
-                r = httpx.get(url, timeout=60.0, verify=self._verify)
-        except httpx.TransportError as err:
+                r = self._files_for(url).request("GET", url, redirect=False, timeout=60.0)
+        except urllib3.exceptions.HTTPError as err:
             raise StoreError(f"adapter v{version}/{name}: {err}") from err
-        if r.status_code == 404:
+        if r.status == 404:
             raise StoreMissing(f"adapter v{version}/{name}: 404")
-        if r.status_code != 200:
-            raise StoreError(f"adapter v{version}/{name}: HTTP {r.status_code}")
-        return r.content
+        if r.status != 200:
+            raise StoreError(f"adapter v{version}/{name}: HTTP {r.status}")
+        return r.data
+
+    def _files_for(self, url: str) -> urllib3.PoolManager:
+        """The pools for a presigned URL: no token goes there, and the environment's HTTP
+        proxy for its host (NO_PROXY may name the store and not the proxy)."""
+        proxy = environment_proxy(url)
+        if proxy not in self._file_pools:
+            self._file_pools[proxy] = pool_manager(self._verify, proxy, read_s=60.0)
+        return self._file_pools[proxy]
 
     def expire_run(self, ttl_s: float) -> int:
         return self._call(api.EXPIRE_RUN, ExpireRunRequest(ttl_s=ttl_s)).keys
@@ -408,160 +393,8 @@ class HttpQueue(Queue):
         for sub in self._subscriptions:
             sub.close()
         self._pools.clear()
-        self.client.close()
-
-
-def environment_proxy(url: str) -> str | None:
-    """The HTTP proxy the environment names for `url` (HTTPS_PROXY, ALL_PROXY, less
-    NO_PROXY), as httpx's client would follow it; None for none."""
-    parts = urllib.parse.urlsplit(url)
-    proxies = urllib.request.getproxies()
-    proxy = proxies.get(parts.scheme) or proxies.get("all")
-    if proxy and not urllib.request.proxy_bypass(parts.hostname or ""):
-        return proxy
-    return None
-
-
-def _api_pool(context: ssl.SSLContext, proxy: str | None, read_s: float) -> urllib3.PoolManager:
-    """Connections for the API's calls: kept alive (16 a host), never retried by urllib3
-    (`_call` retries), through `proxy` where the environment names one (a CONNECT tunnel;
-    credentials in its URL sent as Proxy-Authorization)."""
-    options: dict[str, Any] = {
-        "maxsize": 16,
-        "retries": False,
-        "ssl_context": context,
-        "timeout": urllib3.Timeout(connect=10.0, read=read_s),
-    }
-    if proxy is None:
-        return urllib3.PoolManager(**options)
-    auth = urllib.parse.urlsplit(proxy)
-    if auth.username is not None:
-        credentials = f"{urllib.parse.unquote(auth.username)}:{urllib.parse.unquote(auth.password or '')}"
-        options["proxy_headers"] = urllib3.make_headers(proxy_basic_auth=credentials)
-    return urllib3.ProxyManager(proxy, **options)
-
-
-def _error_text(data: bytes) -> tuple[str, str]:
-    """(code, one-line message) of an error answer's body."""
-    with contextlib.suppress(ProtocolError):
-        body = decode_body(data, ErrorResponse)
-        return body.code, body.error
-    return "", data[:200].decode("utf-8", "replace")
-
-
-def _ca_context(path: str) -> ssl.SSLContext:
-    """A TLS context trusting the CA in `path`; a file that is missing or holds no
-    certificate is a `QueueTLSError` naming it, not a traceback."""
-    try:
-        return ssl.create_default_context(cafile=path)
-    except FileNotFoundError:
-        raise QueueTLSError(f"CA file {path}: no such file (SPOTGRPO_CA_CERT or the CA flag)") from None
-    except ssl.SSLError as err:
-        raise QueueTLSError(f"CA file {path}: not a PEM certificate ({err.reason or err})") from None
-
-
-class _Transient(Exception):
-    """A call to try again: an outage, or the proxy's 429/502/503/504 (`wait`: its Retry-After)."""
-
-    def __init__(self, problem: str, wait: float | None = None) -> None:
-        super().__init__(problem)
-        self.wait = wait
-
-
-def _retry_after(value: str | None) -> float | None:
-    """The proxy's Retry-After header in seconds (0.05 to 30), or None if it gave none."""
-    try:
-        return None if value is None else min(30.0, max(0.05, float(value)))
-    except ValueError:
-        return None
-
-
-class SseSubscription(AdapterSubscription):
-    """Adapter announcements from the proxy's event stream, read by a background thread
-    that reconnects with Last-Event-ID, so a dropped connection loses nothing."""
-
-    def __init__(self, client: httpx.Client, path: str) -> None:
-        self.client, self.path = client, path
-        self.last_event_id: str | None = None
-        self._open = False
-        self._items: stdqueue.Queue[AdapterManifest] = stdqueue.Queue(maxsize=1000)
-        self._stop = threading.Event()
-        self._response: httpx.Response | None = None
-        self._thread = threading.Thread(target=self._run, name="adapter-events", daemon=True)
-        self._thread.start()
-
-    def get(self, timeout_s: float) -> AdapterManifest | None:
-        try:
-            return self._items.get(timeout=timeout_s)
-        except stdqueue.Empty:
-            return None
-
-    @property
-    def gapless(self) -> bool:
-        """While the stream is open: a reconnection resumes from the last event id (and
-        what was announced before the first connection is the watcher's first sync)."""
-        return self._open
-
-    def close(self) -> None:
-        """Stop reading. A read blocked on a quiet stream is not woken by closing the
-        response from here, so this does not wait for it: the thread is a daemon, and it
-        ends at its next wake (an event, a keep-alive, or the read timeout) on `_stop`.
-        Waiting cost a stopping worker 2 s of its SIGTERM grace."""
-        self._stop.set()
-        if self._response is not None:
-            with contextlib.suppress(Exception):
-                self._response.close()
-        self._thread.join(timeout=0.1)
-
-    def _run(self) -> None:
-        backoff = Backoff(0.25, 5.0)
-        while not self._stop.is_set():
-            headers = {"Accept": "text/event-stream"}
-            if self.last_event_id is not None:
-                headers["Last-Event-ID"] = self.last_event_id
-            try:
-                with self.client.stream(
-                    "GET", self.path, headers=headers, timeout=httpx.Timeout(60.0, connect=10.0)
-                ) as r:
-                    self._response = r
-                    if r.status_code in (401, 403):
-                        log.error("adapter events: the proxy refused the token (HTTP %d); not retrying", r.status_code)
-                        return
-                    if r.status_code != 200:
-                        raise QueueError(f"events: HTTP {r.status_code}")
-                    backoff.reset()
-                    self._open = True
-                    for event_id, data in _sse_events(r.iter_lines()):
-                        manifest = decode(base64.b64decode(data))
-                        if isinstance(manifest, AdapterManifest):
-                            self._items.put(manifest)
-                        self.last_event_id = event_id
-                self._open = False
-            except (httpx.HTTPError, QueueError, ProtocolError, ValueError) as err:
-                self._open = False
-                if self._stop.is_set():
-                    return
-                if _tls_failure(err) is not None:
-                    log.error("adapter events: the proxy's certificate does not verify; not retrying")
-                    return
-                log.debug("adapter events: %s; reconnecting in %.2fs", err, backoff.next)
-            backoff.wait(self._stop)
-
-
-def _sse_events(lines: Iterator[str]) -> Iterator[tuple[str, str]]:
-    """(id, data) of each event in a text/event-stream (comments and blank keep-alives skipped)."""
-    event_id, data = "", list[str]()
-    for line in lines:
-        if not line:
-            if data:
-                yield event_id, "".join(data)
-            event_id, data = "", []
-        elif line.startswith(":"):
-            continue
-        elif line.startswith("id:"):
-            event_id = line[3:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].strip())
+        for pools in self._file_pools.values():
+            pools.clear()
 
 
 def confirm_identity(queue: object, role: str, run: str | None, what: str) -> str:
