@@ -38,6 +38,7 @@ import inspect
 import logging
 import re
 from collections.abc import AsyncIterator, Callable, Iterator
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -64,6 +65,7 @@ from protocol.client.http import (
     ReadRolloutsRequest,
     SubmitHead,
     decode_body,
+    decode_submit,
     encode_body,
     schema_components,
 )
@@ -246,11 +248,15 @@ async def _read_body(ctx: Context, token: Token | None, spec: Endpoint[Any, Any]
         ctx.metrics.rate_limited.labels(token=token.name if token else "").inc()
         raise ApiError(503 if err.everyone else 429, str(err), {"Retry-After": "2"}) from None
     data = b"".join(chunks)
+    assert spec.request is not None
+    decoder: Any = partial(decode_body, cls=spec.request, limits=ctx.body_limits)
+    if spec is api.SUBMIT:
+        decoder = partial(decode_submit, limits=ctx.body_limits)  # its groups marked as checked
     if len(data) > OFF_LOOP_BYTES:
         if spec is api.SUBMIT and token is not None:
             await _lease_first(ctx, token, data)
-        return await in_thread(decode_body, data, spec.request, ctx.body_limits)
-    return decode_body(data, spec.request, ctx.body_limits)  # type: ignore[arg-type]
+        return await in_thread(decoder, data)
+    return decoder(data)
 
 
 async def _lease_first(ctx: Context, token: Token, data: bytes) -> None:

@@ -31,6 +31,7 @@ from protocol.client.http import (
     AnnounceRequest,
     AnnounceResponse,
     AuditsResponse,
+    CheckedSubmit,
     ClaimRequest,
     ClaimResponse,
     DeadLettersResponse,
@@ -57,7 +58,6 @@ from protocol.client.http import (
     RunRewardsRequest,
     RunRewardsResponse,
     StatsResponse,
-    SubmitRequest,
     SubmitResponse,
     WhoAmIResponse,
     WorkersResponse,
@@ -254,7 +254,7 @@ def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[s
     return HeartbeatResponse(lease_ids=ctx.queue.heartbeat(worker_name(token, body.worker), body.lease_ids))
 
 
-async def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[str, str]) -> SubmitResponse:
+async def submit(ctx: Context, token: Token, body: CheckedSubmit, params: dict[str, str]) -> SubmitResponse:
     """On the event loop: the door's busiest call, whose hand-off to a worker thread and back
     cost the proxy more CPU than the rest of the request (measured, bench/proxy.py). Its
     transaction goes on `ctx.aredis`; without one (fakeredis, a cluster) in a worker thread."""
@@ -263,20 +263,14 @@ async def submit(ctx: Context, token: Token, body: SubmitRequest, params: dict[s
     if await ctx.backlog() > ctx.limits.backlog_limit:
         ctx.metrics.backpressure.inc()
         raise ApiError(503, "the learner is behind: keep the groups and retry later", {"Retry-After": "5"})
-    for g in body.groups:  # the proxy's own copies, just decoded: named after the token, not validated again
-        if g.actor_id != worker:
-            msgspec.structs.force_setattr(g, "actor_id", worker)
+    groups = body.groups.named(worker)  # just decoded, named after the token: not validated again
     # a big submission is encoded for Redis in a worker thread: 14.5 MB on the loop held every other request
     # 50-90 ms, for a lease the queue may refuse anyway
-    big = sum(len(c.token_ids) + len(c.logprobs) for g in body.groups for c in g.completions) > OFF_LOOP_BYTES
+    big = sum(len(c.token_ids) + len(c.logprobs) for g in groups for c in g.completions) > OFF_LOOP_BYTES
     if ctx.aredis is None or big:
-        result = await in_thread(
-            partial(ctx.queue.submit, worker, body.lease_id, body.groups, decoded_with=ctx.body_limits)
-        )
+        result = await in_thread(partial(ctx.queue.submit, worker, body.lease_id, groups))
     else:
-        result = await ctx.queue.submit_async(
-            ctx.aredis, worker, body.lease_id, body.groups, decoded_with=ctx.body_limits
-        )
+        result = await ctx.queue.submit_async(ctx.aredis, worker, body.lease_id, groups)
     return SubmitResponse(result=result)
 
 

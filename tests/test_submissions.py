@@ -397,44 +397,45 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     assert seen["tier_stored"] > 0 and seen["tier_dead_lettered"] > 0, str(seen)
 
 
-def test_only_groups_decoded_with_the_queues_bounds_skip_validation(make_queue) -> None:
-    """The proxy hands `submit` the groups it decoded (`decoded_with`): those are not
-    validated twice. Anything else is: a group built in code with a bound msgspec checks
-    only on decoding, one decoded with other bounds, or one named after another worker."""
+def test_only_groups_decoded_with_the_queues_bounds_skip_validation(make_queue, monkeypatch) -> None:
+    """The proxy hands `submit` the groups it decoded (`CheckedGroups`, made only by
+    `decode_submit`): those are not validated twice. Anything else is: a group built in
+    code (a bound msgspec checks only on decoding), one decoded with other bounds, or one
+    named after another worker than the one submitting."""
     from protocol import Limits, ProtocolError
-    from protocol.wire.codec import DEFAULT_LIMITS
+    from protocol.client.http import SubmitRequest, decode_submit, encode_body
+    from protocol.trusted import redis_queue
+    from protocol.wire.codec import DEFAULT_LIMITS, CheckedGroups
 
     q = make_queue()
-    q.add_prompts([batch(0)])
-    (lease,) = q.claim("w", 1)
-    out_of_bounds = [msgspec.structs.replace(g, adapter_version=-1, actor_id="w") for g in groups(lease.batch)]
-    _refused(q, ProtocolError, "adapter_version", "w", lease.lease_id, out_of_bounds)
-    _refused(
-        q,
-        ProtocolError,
-        "adapter_version",
-        "w",
-        lease.lease_id,
-        out_of_bounds,
-        decoded_with=Limits(max_tokens=DEFAULT_LIMITS.max_tokens - 1),
-    )
-    renamed = [msgspec.structs.replace(g, actor_id="someone-else") for g in out_of_bounds]
-    _refused(
-        q,
-        ProtocolError,
-        "adapter_version",
-        "w",
-        lease.lease_id,
-        renamed,
-        decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20),
-    )
-    # what the proxy's decode passed goes in as it is (its size aside, the same bounds)
-    assert (
-        q.submit(
-            "w",
-            lease.lease_id,
-            out_of_bounds,
-            decoded_with=msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20),
-        ).stored
-        == 2
-    )
+    q.add_prompts([batch(0), batch(1), batch(2), batch(3)])
+    leases = q.claim("w", 4)
+    out_of_bounds = [msgspec.structs.replace(g, adapter_version=-1, actor_id="w") for g in groups(leases[0].batch)]
+    _refused(q, ProtocolError, "adapter_version", "w", leases[0].lease_id, out_of_bounds)
+    with pytest.raises(TypeError, match="decode_submit"):  # nobody else vouches for groups
+        CheckedGroups(out_of_bounds, DEFAULT_LIMITS, object())
+
+    validated: list[bool] = []
+
+    def encode(msg, limits, *, validate: bool = True) -> bytes:
+        validated.append(validate)
+        return real_encode(msg, limits, validate=validate)
+
+    real_encode = redis_queue.encode
+    monkeypatch.setattr(redis_queue, "encode", encode)
+
+    def decoded(lease, limits: Limits) -> CheckedGroups:
+        body = encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=groups(lease.batch, actor="x")))
+        return decode_submit(body, limits).groups
+
+    proxy_limits = msgspec.structs.replace(DEFAULT_LIMITS, max_message_bytes=1 << 20)  # its size aside, the same
+    cases = [
+        (decoded(leases[0], proxy_limits).named("w"), False),
+        (decoded(leases[1], Limits(max_tokens=DEFAULT_LIMITS.max_tokens - 1)).named("w"), True),
+        (decoded(leases[2], proxy_limits).named("someone-else"), True),
+        (groups(leases[3].batch, actor="w"), True),
+    ]
+    for lease, (gs, checked_again) in zip(leases, cases, strict=True):
+        validated.clear()
+        assert q.submit("w", lease.lease_id, gs).stored == 2
+        assert validated == [checked_again] * 2

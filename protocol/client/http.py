@@ -9,6 +9,7 @@ with the offending field first; the proxy turns it into a 400.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from typing import Annotated, Any, TypeVar
 
@@ -24,7 +25,7 @@ from protocol.client.queue import (
     QueueStats,
     SubmitResult,
 )
-from protocol.wire.codec import DEFAULT_LIMITS, Limits, _check_limits, _field_path
+from protocol.wire.codec import _CHECKED, DEFAULT_LIMITS, CheckedGroups, Limits, _check_limits, _field_path
 from protocol.wire.errors import ProtocolError
 from protocol.wire.messages import (
     SCHEMA_VERSION,
@@ -327,6 +328,21 @@ def decode_body(data: bytes, cls: type[T], limits: Limits = DEFAULT_LIMITS) -> T
         _check_limits(msg, limits, len(data))
     checked: T = body  # msgspec's decoder for `cls` returns a `cls`
     return checked
+
+
+@dataclass(frozen=True)
+class CheckedSubmit:
+    """A submission as the proxy decoded it: its groups are `CheckedGroups`."""
+
+    worker: str
+    lease_id: str
+    groups: CheckedGroups
+
+
+def decode_submit(data: bytes, limits: Limits = DEFAULT_LIMITS) -> CheckedSubmit:
+    """`decode_body` of a `SubmitRequest`, its groups marked as validated against `limits`."""
+    body = decode_body(data, SubmitRequest, limits)
+    return CheckedSubmit(body.worker, body.lease_id, CheckedGroups(body.groups, limits, _CHECKED))
 
 
 def _nested(body: Any) -> list[Any]:

@@ -49,7 +49,7 @@ from protocol.trusted.redis_fields import (
 )
 from protocol.trusted.redis_quarantine import RedisQuarantine, quarantined_error
 from protocol.trusted.redis_stats import RedisStats
-from protocol.wire.codec import Limits, encode, same_bounds
+from protocol.wire.codec import CheckedGroups, encode
 from protocol.wire.errors import (
     REFUSALS,
     ProtocolError,
@@ -317,13 +317,10 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         held = self._script("HEARTBEAT", [self.keys.prompts], [ACTORS_GROUP, worker, *lease_ids])
         return [text_of(i) for i in held]
 
-    def submit(
-        self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *, decoded_with: Limits | None = None
-    ) -> SubmitResult:
-        """`decoded_with`: the groups came out of `decode` with these limits (the proxy's
-        request bodies) and changed since only in `actor_id`, set to `worker` (checked
-        here): where they are this queue's limits, they are not validated again."""
-        sub = self.prepare_submit(worker, lease_id, groups, decoded_with=decoded_with)
+    def submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> SubmitResult:
+        """`groups` that are `CheckedGroups` (the proxy's request bodies) within this queue's
+        field bounds, and named after `worker` (checked here), are not validated again."""
+        sub = self.prepare_submit(worker, lease_id, groups)
         return self._call(lambda: sub.result(transaction(self._r, sub.commands, sub.script)))
 
     async def submit_async(
@@ -332,15 +329,13 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         worker: str,
         lease_id: str,
         groups: Sequence[RolloutGroup],
-        *,
-        decoded_with: Limits | None = None,
     ) -> SubmitResult:
         """`submit` from an event loop: its transaction sent on `aclient`, a `redis.asyncio`
         client of this queue's server (`protocol.trusted.redis_client.connect_async`; the proxy's, so
         that a submission costs it no hand-off to a thread and back). Consumer groups lost
         with the server's data are recreated (a blocking call, once) and the submission sent
         again, as `submit` does."""
-        sub = self.prepare_submit(worker, lease_id, groups, decoded_with=decoded_with)
+        sub = self.prepare_submit(worker, lease_id, groups)
         timeout_s = self.config.max_block_s + 10.0  # the blocking client's socket timeout (from_url)
         with self._errors():
             try:
@@ -349,15 +344,13 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 self._regroup(err)
                 return sub.result(await aio_transaction(aclient, sub.commands, sub.script, timeout_s=timeout_s))
 
-    def prepare_submit(
-        self, worker: str, lease_id: str, groups: Sequence[RolloutGroup], *, decoded_with: Limits | None = None
-    ) -> Submission:
+    def prepare_submit(self, worker: str, lease_id: str, groups: Sequence[RolloutGroup]) -> Submission:
         """A submit's transaction, its arguments checked and its groups encoded, not yet sent."""
         check_worker(worker)
         check_ids("lease_id", [lease_id])
         if not groups:
             raise ProtocolError("groups: a submit carries at least one rollout group")
-        trusted = decoded_with is not None and same_bounds(decoded_with, self.config.limits)
+        trusted = isinstance(groups, CheckedGroups) and groups.trusted_by(self.config.limits)
         checks: list[Any] = []
         payloads: list[bytes] = []
         for g in groups:

@@ -69,6 +69,43 @@ def same_bounds(a: Limits, b: Limits) -> bool:
     return msgspec.structs.replace(a, max_message_bytes=0) == msgspec.structs.replace(b, max_message_bytes=0)
 
 
+_CHECKED = object()
+"""What only the decoder of a submission holds (`protocol.client.http.decode_submit`)."""
+
+
+class CheckedGroups(Sequence[RolloutGroup]):
+    """Rollout groups as the decoder validated them against `limits`, and since then at most
+    named after one worker (`named`, what a proxy does): a queue whose limits bound the same
+    fields stores them without validating them again. Only the decoder of a submission
+    makes one (`protocol.client.http.decode_submit`); any other sequence of groups is
+    validated when it is encoded."""
+
+    __slots__ = ("_groups", "limits")
+
+    def __init__(self, groups: Sequence[RolloutGroup], limits: Limits, made_by: object) -> None:
+        if made_by is not _CHECKED:
+            raise TypeError("CheckedGroups come from decoding a submission (protocol.client.http.decode_submit)")
+        self._groups, self.limits = tuple(groups), limits
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __getitem__(self, i: int) -> RolloutGroup:  # type: ignore[override]  # no slices
+        return self._groups[i]
+
+    def __iter__(self) -> Iterator[RolloutGroup]:
+        return iter(self._groups)
+
+    def named(self, worker: str) -> CheckedGroups:
+        """The same groups, each with `actor_id` `worker` (a proxy names a worker after its token)."""
+        groups = [g if g.actor_id == worker else msgspec.structs.replace(g, actor_id=worker) for g in self._groups]
+        return CheckedGroups(groups, self.limits, _CHECKED)
+
+    def trusted_by(self, limits: Limits) -> bool:
+        """Validated within the same field bounds as `limits` (`same_bounds`)."""
+        return same_bounds(self.limits, limits)
+
+
 def _check_limits(msg: Message, limits: Limits, size: int) -> None:
     """`msg`'s fields within `limits`; `size`: the bytes it was decoded from (a field
     can be no longer than they are)."""
