@@ -11,12 +11,12 @@ from pathlib import Path
 import fakeredis
 import msgspec
 import pytest
-from factories import NO_AUDITS, write_dataset
+from factories import NO_AUDITS, completion, group, write_dataset
 
 from learner.config import LearnerConfig
 from learner.judge import Reason
 from learner.loop import Learner
-from protocol import Completion, Delivery, PromptBatch, QueueConfig, RolloutGroup, group_id_for, pack_i32
+from protocol import Delivery, PromptBatch, QueueConfig, RolloutGroup, pack_i32
 from protocol.trusted import RedisQueue, open_store
 
 
@@ -59,16 +59,11 @@ def issued(learner: Learner) -> list[PromptBatch]:
 def answer(
     b: PromptBatch, i: int, *, actor: str = "w", version: int = 0, rewards: tuple[float, ...] = (0, 1, 0, 1)
 ) -> RolloutGroup:
-    """A group that answers prompt `i` of `b` with the tokens it was issued."""
-    prompt = b.prompts[i]
-    return RolloutGroup(
-        group_id=group_id_for(b.batch_id, prompt.id),
-        batch_id=b.batch_id,
-        prompt_id=prompt.id,
-        adapter_version=version,
-        actor_id=actor,
-        prompt_token_ids=prompt.token_ids or pack_i32([1, 2, 3]),
-        completions=[Completion.of([5, 6], [-0.25, -0.25], finish_reason="stop", reward=r) for r in rewards],
+    """A group that answers prompt `i` of `b` with the tokens it was issued (`factories.group`)."""
+    return msgspec.structs.replace(
+        group(b, i, actor=actor, version=version),
+        prompt_token_ids=b.prompts[i].token_ids,
+        completions=[completion(2, reward=r) for r in rewards],
     )
 
 
