@@ -249,9 +249,11 @@ async def _read_body(ctx: Context, token: Token | None, spec: Endpoint[Any, Any]
         raise ApiError(503 if err.everyone else 429, str(err), {"Retry-After": "2"}) from None
     data = b"".join(chunks)
     assert spec.request is not None
-    decoder: Any = partial(decode_body, cls=spec.request, limits=ctx.body_limits)
-    if spec is api.SUBMIT:
-        decoder = partial(decode_submit, limits=ctx.body_limits)  # its groups marked as checked
+    decoder: Any = (
+        partial(decode_submit, limits=ctx.body_limits)  # its groups marked as checked
+        if spec is api.SUBMIT
+        else partial(decode_body, cls=spec.request, limits=ctx.body_limits)
+    )
     if len(data) > OFF_LOOP_BYTES:
         if spec is api.SUBMIT and token is not None:
             await _lease_first(ctx, token, data)

@@ -19,7 +19,7 @@ from rq import Worker
 from rq import scheduler as rq_scheduler
 from rq.job import Job
 
-log = logging.getLogger("learner.scoring.tier")
+log = logging.getLogger(__name__)
 
 
 class RedisGoneInOneLine(logging.Filter):

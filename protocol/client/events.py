@@ -20,7 +20,7 @@ from protocol.wire.codec import decode
 from protocol.wire.errors import ProtocolError, QueueError
 from protocol.wire.messages import AdapterManifest
 
-log = logging.getLogger("protocol.client.http_queue")
+log = logging.getLogger(__name__)
 
 READ_TIMEOUT_S = 60.0
 """A stream quiet for this long is opened again (the proxy sends keep-alives more often)."""
@@ -70,8 +70,7 @@ class SseSubscription(AdapterSubscription):
             if self.last_event_id is not None:
                 headers["Last-Event-ID"] = self.last_event_id
             try:
-                self._read(self.open_stream(headers), backoff)
-                if self._response is None:
+                if not self._read(self.open_stream(headers), backoff):
                     return  # refused for good
             except (urllib3.exceptions.HTTPError, OSError, QueueError, ProtocolError, ValueError) as err:
                 self._open = False
@@ -83,15 +82,16 @@ class SseSubscription(AdapterSubscription):
                 log.debug("adapter events: %s; reconnecting in %.2fs", err, backoff.next)
             backoff.wait(self._stop)
 
-    def _read(self, r: urllib3.BaseHTTPResponse, backoff: Backoff) -> None:
+    def _read(self, r: urllib3.BaseHTTPResponse, backoff: Backoff) -> bool:
+        """Read one connection's events until it ends; False: the token is refused, or a
+        stop was asked for (no reconnection)."""
         self._response = r
         try:
             if self._stop.is_set():
-                return
+                return False
             if r.status in (401, 403):
                 log.error("adapter events: the proxy refused the token (HTTP %d); not retrying", r.status)
-                self._response = None
-                return
+                return False
             if r.status != 200:
                 raise QueueError(f"events: HTTP {r.status}")
             backoff.reset()
@@ -102,6 +102,7 @@ class SseSubscription(AdapterSubscription):
                     self._items.put(manifest)
                 self.last_event_id = event_id
             self._open = False
+            return True
         finally:  # never reused half read: closed, and its slot given back to the pool
             with contextlib.suppress(Exception):
                 r.close()
