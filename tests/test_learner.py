@@ -669,7 +669,7 @@ def test_a_group_the_tier_dead_letters_is_counted_once_and_its_batch_finishes(tm
 
     from transformers import AutoTokenizer
 
-    from learner.scoring import tier as scoring
+    from learner.scoring import jobs as scoring
     from protocol.trusted.scoring import ScoringQueue
     from protocol.usercode.rewards import Scorer, load_reward
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
@@ -157,6 +158,27 @@ def test_a_forked_child_never_writes_on_its_parents_kept_connection(
     _pid, status = os.waitpid(pid, 0)
     assert result.stored == 2 and result.finished
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_each_queue_keeps_its_own_connection_and_gives_it_back_when_dropped(
+    make_server, request: pytest.FixtureRequest
+) -> None:
+    """The kept connection is the queue object's, not the process's: twenty queues made and
+    dropped in turn on one client (the runs of one proxy, say) share a pool of two."""
+    server = make_server()
+    server.start()
+    pool = redis.BlockingConnectionPool(port=server.port, max_connections=2, timeout=1)
+    client = redis.Redis(connection_pool=pool)
+    request.addfinalizer(client.close)
+    for i in range(20):
+        q = RedisQueue(client, QueueConfig(run=f"dropped-{i}"))
+        q.add_prompts([batch(0)])
+        (lease,) = q.claim("w", 1)
+        assert q.submit("w", lease.lease_id, groups(lease.batch)).stored == 2  # on its kept connection
+        assert len(q.read_rollouts("learner", 10)) == 2
+        del q
+        gc.collect()
+    assert pool.get_connection() is not None  # none left checked out
 
 
 # The proxy sends submissions from its event loop (`RedisQueue.submit_async`, on a

@@ -348,7 +348,7 @@ def test_a_scored_copy_the_tier_cannot_store_is_dead_lettered_and_holds_up_nobod
     """A scored copy past the wire's limits (here: a tokenizer whose text outgrows what the
     actor sent) leaves the unscored stream for the dead letters with its reason and its
     group, at once and never again; the job's other group is stored."""
-    from learner.scoring import tier as scoring
+    from learner.scoring import jobs as scoring
     from protocol.usercode.rewards import Scorer, load_reward
 
     gids = submit_unscored(queue, [factories.trusted(factories.batch(0, prompts=2))])
@@ -577,11 +577,12 @@ def test_a_busy_tier_gets_fuller_jobs(queue: RedisQueue, run_name: str) -> None:
     from rq import Queue as RQQueue
     from rq.serializers import JSONSerializer
 
-    from learner.scoring import tier as scoring
+    from learner.scoring.dispatcher import Dispatcher
+    from learner.scoring.tier import rq_queue_name
 
     sq = ScoringQueue.from_url(queue_url(queue), QueueConfig(run=run_name))
-    rq = RQQueue(scoring.rq_queue_name(run_name), connection=sq.client, serializer=JSONSerializer)
-    dispatcher = scoring.Dispatcher(
+    rq = RQQueue(rq_queue_name(run_name), connection=sq.client, serializer=JSONSerializer)
+    dispatcher = Dispatcher(
         sq, rq, "d", str, job_timeout_s=10, retries=0, retry_backoff_s=0, groups_per_job=5, sweep_s=60
     )
     dispatcher.start()
@@ -621,7 +622,7 @@ def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going
     from rq import Queue as RQQueue
     from rq.serializers import JSONSerializer
 
-    from learner.scoring.tier import Dispatcher
+    from learner.scoring.dispatcher import Dispatcher
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -629,7 +630,7 @@ def test_a_dispatcher_whose_rq_redis_goes_away_says_so_in_a_line_and_keeps_going
     sq = ScoringQueue.from_url(queue_url(queue), queue.config)
     rq = RQQueue("gone", connection=redis.Redis(port=port, socket_connect_timeout=1), serializer=JSONSerializer)
     dispatcher = Dispatcher(sq, rq, "d", lambda ids: "", job_timeout_s=1.0, retries=0, retry_backoff_s=0.1, sweep_s=0.1)
-    with caplog.at_level(logging.INFO, logger="learner.scoring.tier"):
+    with caplog.at_level(logging.INFO, logger="learner.scoring.dispatcher"):
         dispatcher.start()
         deadline = time.monotonic() + 10
         while "redis unavailable" not in caplog.text and time.monotonic() < deadline:

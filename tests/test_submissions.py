@@ -179,7 +179,7 @@ def test_the_ledger_holds_whatever_two_workers_do(redis_server) -> None:
     )
     from toy_rewards import digit_first
 
-    from learner.scoring import tier as scoring
+    from learner.scoring import jobs as scoring
     from protocol import Limits, ProtocolError, QueueConfig, QueueRefused, group_id_for
     from protocol.trusted import RedisQueue
     from protocol.trusted.scoring import ScoringQueue

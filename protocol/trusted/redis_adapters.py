@@ -4,36 +4,21 @@ stream for late joiners, and pub/sub for those listening. `RedisQueue`'s part of
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from protocol.client.queue import AdapterEvent, AdapterSubscription, QueueConfig
+from protocol.client.queue import AdapterEvent, AdapterSubscription
+from protocol.trusted.redis_base import RedisBase
 from protocol.trusted.redis_fields import check_ids, decode_manifest, fields_of, text_of
 from protocol.wire.codec import encode
 from protocol.wire.errors import ProtocolError
-from protocol.wire.keys import Keys
 from protocol.wire.messages import AdapterManifest
 
 T = TypeVar("T")
 
 
-class RedisAdapters:
-    """The announcement calls of `RedisQueue` (which provides the plumbing below)."""
-
-    _r: Any
-    keys: Keys
-    config: QueueConfig
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        raise NotImplementedError
-
-    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any: ...
-    def _block_ms(self, block_s: float) -> int | None: ...
-    @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
-        yield
+class RedisAdapters(RedisBase):
+    """The announcement calls of `RedisQueue`."""
 
     def announce(self, manifest: AdapterManifest) -> str:
         if not isinstance(manifest, AdapterManifest):

@@ -1,7 +1,9 @@
 """Three ways of calling Redis that redis-py's own calls make slower than they need be: a Lua
 script by its digest, a MULTI/EXEC sent as one write (also from an event loop), and a
-consumer group's read of one stream. All take any client `protocol.trusted.redis_client.connect`
-returns (a cluster's and fakeredis included)."""
+consumer group's read of one stream. `RedisCalls` makes them on any client
+`protocol.trusted.redis_client.connect` returns (a cluster's and fakeredis included), and holds
+the one connection it keeps checked out of that client's pool; `aio_transaction` is the
+transaction on an asyncio client. This module is the only user of redis-py's internals."""
 
 from __future__ import annotations
 
@@ -17,30 +19,6 @@ import redis.exceptions
 from redis.commands.core import Script
 
 from protocol.wire.errors import QueueError
-
-
-def run_script(client: Any, script: Script, keys: list[str], args: list[Any]) -> Any:
-    """`script` by its digest; a server that lost it (restarted, or its script cache
-    flushed) is given it again. `execute_command` directly: redis-py's `Script` call
-    reaches it through three more layers, a tenth of a cheap call's client time; a cluster
-    client routes EVALSHA by its keys all the same."""
-    try:
-        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-    except redis.exceptions.NoScriptError:
-        client.script_load(script.script)
-        return client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
-
-
-def transaction(client: Any, commands: list[tuple[Any, ...]], script: Script | None = None) -> list[Any]:
-    """`commands` in one MULTI/EXEC: EXEC's replies, an error among them as an exception
-    instance, not raised. Where the first command runs `script` and the server does not
-    have it, nothing of the transaction ran that used it: the script is loaded and the
-    transaction sent again (so every script call in it must be that one script)."""
-    replies = _exec(client, commands)
-    if script is not None and isinstance(replies[0], redis.exceptions.NoScriptError):
-        client.script_load(script.script)
-        replies = _exec(client, commands)
-    return replies
 
 
 async def aio_transaction(
@@ -103,77 +81,8 @@ def _multi_exec(commands: list[tuple[Any, ...]]) -> bytes:
     return b"".join([hiredis.pack_command(c) for c in [("MULTI",), *commands, ("EXEC",)]])
 
 
-def _exec(client: Any, commands: list[tuple[Any, ...]]) -> list[Any]:
-    """On a plain `redis.Redis` the commands go as one write on one pooled connection
-    (redis-py's pipeline cost a 33 KB submission ~80 us more of its caller's time,
-    measured); any other client (a cluster's, fakeredis) through its pipeline. A dropped
-    connection is tried once more on a new one, as redis-py's own calls are: a transaction
-    runs whole or not at all."""
-    if type(client) is not redis.Redis:
-        with client.pipeline(transaction=True) as pipe:
-            for command in commands:
-                pipe.execute_command(*command)
-            return list(pipe.execute(raise_on_error=False))
-    pool = client.connection_pool
-    for attempt in (1, 2):
-        conn, pin = _take(pool)
-        try:
-            conn.send_packed_command([_multi_exec(commands)])
-            refused: redis.exceptions.ResponseError | None = None
-            for _ in range(len(commands) + 1):  # MULTI's +OK, then +QUEUED or a command's refusal
-                try:
-                    conn.read_response()
-                except redis.exceptions.ResponseError as err:
-                    refused = refused or err
-            try:
-                return list(conn.read_response())
-            except redis.exceptions.ExecAbortError:
-                raise refused or QueueError("redis: transaction aborted") from None
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-            conn.disconnect()
-            if attempt == 2:
-                raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            _give(pool, conn, pin)
-    raise AssertionError("unreachable")
-
-
 Entry = tuple[bytes, dict[bytes, bytes] | None]
 """A stream entry as read: its id and its fields (None: deleted since it was delivered)."""
-
-
-def read_group(
-    client: Any, group: str, consumer: str, stream: str, after: str, count: int, block_ms: int | None = None
-) -> list[Entry]:
-    """`XREADGROUP` of one stream from `after` (">": entries never delivered; an id: this
-    consumer's pending entries past it). On a plain `redis.Redis` the command goes on a
-    pooled connection and its reply is taken as hiredis gives it (RESP2 or RESP3): redis-py's
-    layers and its parsing of each entry cost a read of 16 groups ~15% of its time
-    (measured). A connection error is raised, not retried: the lost reply may have
-    delivered entries the caller must find again among its pending ones."""
-    if type(client) is not redis.Redis:
-        resp = client.xreadgroup(group, consumer, {stream: after}, count=count, block=block_ms)
-        return [e for _stream, entries in resp or () for e in entries]
-    args: tuple[Any, ...] = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count)
-    if block_ms is not None:
-        args += ("BLOCK", block_ms)
-    pool = client.connection_pool
-    conn, pin = _take(pool)
-    try:
-        conn.send_packed_command([hiredis.pack_command((*args, "STREAMS", stream, after))])
-        resp = conn.read_response()
-    except BaseException:
-        conn.disconnect()
-        raise
-    finally:
-        _give(pool, conn, pin)
-    if not resp:
-        return []
-    lists = resp.values() if isinstance(resp, dict) else [entries for _stream, entries in resp]
-    return [(i, None if f is None else _pairs(f)) for entries in lists for i, f in entries]
 
 
 def _pairs(flat: list[bytes]) -> dict[bytes, bytes]:
@@ -199,35 +108,139 @@ class _Pinned:
         self.pid = 0
 
 
-_PINNED: weakref.WeakKeyDictionary[Any, _Pinned] = weakref.WeakKeyDictionary()
-_PINNED_LOCK = threading.Lock()
+class RedisCalls:
+    """The three calls on `client`. On a plain `redis.Redis` they go on one connection kept
+    checked out of its pool (`_Pinned`), held here, by the object that makes the calls (the
+    queue): it lives and goes with it."""
 
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self._direct = type(client) is redis.Redis  # a cluster's client and fakeredis: redis-py's calls
+        self._pin = _Pinned()
+        if self._direct:  # a queue dropped unclosed gives its connection back to the pool
+            weakref.finalize(self, _unpin, client.connection_pool, self._pin)
 
-def _take(pool: Any) -> tuple[Any, _Pinned | None]:
-    """A connection for one call, and the pin it came from (None: from the pool); `_give` both back."""
-    pin = _PINNED.get(pool)
-    if pin is None:
-        with _PINNED_LOCK:
-            pin = _PINNED.setdefault(pool, _Pinned())
-    if not pin.lock.acquire(blocking=False):
-        return pool.get_connection(), None
-    try:
-        if pin.conn is None or pin.pid != os.getpid():
-            pin.conn, pin.pid = pool.get_connection(), os.getpid()
-        else:
+    def close(self) -> None:
+        """Give the pinned connection back to the pool (a later call takes one again)."""
+        if self._direct:
+            with self._pin.lock:
+                _unpin(self.client.connection_pool, self._pin)
+
+    def script(self, script: Script, keys: list[str], args: list[Any]) -> Any:
+        """`script` by its digest; a server that lost it (restarted, or its script cache
+        flushed) is given it again. `execute_command` directly: redis-py's `Script` call
+        reaches it through three more layers, a tenth of a cheap call's client time; a
+        cluster client routes EVALSHA by its keys all the same."""
+        try:
+            return self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(script.script)
+            return self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+
+    def transaction(self, commands: list[tuple[Any, ...]], script: Script | None = None) -> list[Any]:
+        """`commands` in one MULTI/EXEC: EXEC's replies, an error among them as an exception
+        instance, not raised. Where the first command runs `script` and the server does not
+        have it, nothing of the transaction ran that used it: the script is loaded and the
+        transaction sent again (so every script call in it must be that one script)."""
+        replies = self._exec(commands)
+        if script is not None and isinstance(replies[0], redis.exceptions.NoScriptError):
+            self.client.script_load(script.script)
+            replies = self._exec(commands)
+        return replies
+
+    def read_group(
+        self, group: str, consumer: str, stream: str, after: str, count: int, block_ms: int | None = None
+    ) -> list[Entry]:
+        """`XREADGROUP` of one stream from `after` (">": entries never delivered; an id: this
+        consumer's pending entries past it). On a plain `redis.Redis` the command goes on the
+        pinned connection and its reply is taken as hiredis gives it (RESP2 or RESP3):
+        redis-py's layers and its parsing of each entry cost a read of 16 groups ~15% of its
+        time (measured). A connection error is raised, not retried: the lost reply may have
+        delivered entries the caller must find again among its pending ones."""
+        if not self._direct:
+            resp = self.client.xreadgroup(group, consumer, {stream: after}, count=count, block=block_ms)
+            return [e for _stream, entries in resp or () for e in entries]
+        args: tuple[Any, ...] = ("XREADGROUP", "GROUP", group, consumer, "COUNT", count)
+        if block_ms is not None:
+            args += ("BLOCK", block_ms)
+        conn, pinned = self._take()
+        try:
+            conn.send_packed_command([hiredis.pack_command((*args, "STREAMS", stream, after))])
+            resp = conn.read_response()
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._give(conn, pinned)
+        if not resp:
+            return []
+        lists = resp.values() if isinstance(resp, dict) else [entries for _stream, entries in resp]
+        return [(i, None if f is None else _pairs(f)) for entries in lists for i, f in entries]
+
+    def _exec(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """On a plain `redis.Redis` the commands go as one write on one connection (redis-py's
+        pipeline cost a 33 KB submission ~80 us more of its caller's time, measured); any
+        other client (a cluster's, fakeredis) through its pipeline. A dropped connection is
+        tried once more on a new one, as redis-py's own calls are: a transaction runs whole
+        or not at all."""
+        if not self._direct:
+            with self.client.pipeline(transaction=True) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                return list(pipe.execute(raise_on_error=False))
+        for attempt in (1, 2):
+            conn, pinned = self._take()
             try:
-                if pin.conn.can_read():
-                    raise redis.exceptions.ConnectionError("connection has data")
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
-                pin.conn.disconnect()  # the next send connects it again
-    except BaseException:
-        pin.lock.release()
-        raise
-    return pin.conn, pin
+                conn.send_packed_command([_multi_exec(commands)])
+                refused: redis.exceptions.ResponseError | None = None
+                for _ in range(len(commands) + 1):  # MULTI's +OK, then +QUEUED or a command's refusal
+                    try:
+                        conn.read_response()
+                    except redis.exceptions.ResponseError as err:
+                        refused = refused or err
+                try:
+                    return list(conn.read_response())
+                except redis.exceptions.ExecAbortError:
+                    raise refused or QueueError("redis: transaction aborted") from None
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                conn.disconnect()
+                if attempt == 2:
+                    raise
+            except BaseException:
+                conn.disconnect()
+                raise
+            finally:
+                self._give(conn, pinned)
+        raise AssertionError("unreachable")
+
+    def _take(self) -> tuple[Any, bool]:
+        """A connection for one call, and whether it is the pinned one (else the pool's,
+        because another thread holds the pin); `_give` both back."""
+        pin, pool = self._pin, self.client.connection_pool
+        if not pin.lock.acquire(blocking=False):
+            return pool.get_connection(), False
+        try:
+            if pin.conn is None or pin.pid != os.getpid():
+                pin.conn, pin.pid = pool.get_connection(), os.getpid()
+            else:
+                try:
+                    if pin.conn.can_read():
+                        raise redis.exceptions.ConnectionError("connection has data")
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError):
+                    pin.conn.disconnect()  # the next send connects it again
+        except BaseException:
+            pin.lock.release()
+            raise
+        return pin.conn, True
+
+    def _give(self, conn: Any, pinned: bool) -> None:
+        if pinned:
+            self._pin.lock.release()
+        else:
+            self.client.connection_pool.release(conn)
 
 
-def _give(pool: Any, conn: Any, pin: _Pinned | None) -> None:
-    if pin is not None:
-        pin.lock.release()
-    else:
-        pool.release(conn)
+def _unpin(pool: Any, pin: _Pinned) -> None:
+    if pin.conn is not None and pin.pid == os.getpid():
+        pool.release(pin.conn)
+    pin.conn = None

@@ -11,28 +11,20 @@ is never mistaken for an entry Redis lost (which the learner writes again).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from protocol.client.queue import AuditTally
+from protocol.trusted.redis_base import RedisBase
 from protocol.trusted.redis_fields import check_worker, text_of
 from protocol.wire.errors import ProtocolError, WorkerQuarantined
-from protocol.wire.keys import Keys
 from protocol.wire.text import printable
 
 T = TypeVar("T")
 
 
-class RedisQuarantine:
-    """Mixed into `RedisQueue`, which provides the plumbing below."""
-
-    _r: Any
-    keys: Keys
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        raise NotImplementedError
-
-    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any: ...
+class RedisQuarantine(RedisBase):
+    """The quarantine calls of `RedisQueue`."""
 
     def quarantine(self, worker: str, reason: str) -> None:
         check_worker(worker)

@@ -11,19 +11,17 @@ other way round.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Self, TypeVar
+from typing import Any, TypeVar
 
 import redis
 import redis.exceptions
 from redis.commands.core import Script
 
 from protocol.client.queue import (
-    DeadLetter,
     Delivery,
     FinishedBatch,
     Lease,
@@ -32,10 +30,8 @@ from protocol.client.queue import (
     SubmitResult,
     check_finished,
 )
-from protocol.trusted import redis_lua
 from protocol.trusted.redis_adapters import RedisAdapters
-from protocol.trusted.redis_calls import Entry, aio_transaction, read_group, run_script, transaction
-from protocol.trusted.redis_client import cluster_client, connect
+from protocol.trusted.redis_calls import Entry, aio_transaction
 from protocol.trusted.redis_fields import (
     check_ids,
     check_worker,
@@ -48,16 +44,15 @@ from protocol.trusted.redis_fields import (
     text_of,
 )
 from protocol.trusted.redis_quarantine import RedisQuarantine, quarantined_error
+from protocol.trusted.redis_records import RedisRecords
 from protocol.trusted.redis_stats import RedisStats
 from protocol.wire.codec import CheckedGroups, encode
 from protocol.wire.errors import (
-    REFUSALS,
     ProtocolError,
     QueueError,
     QueueUnavailable,
-    TooManyWorkers,
 )
-from protocol.wire.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
+from protocol.wire.keys import ACTORS_GROUP, LEARNER_GROUP
 from protocol.wire.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -94,112 +89,18 @@ class Submission:
         )
 
 
-class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
+class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, RedisRecords, Queue):
     """`Queue` on a redis-py client (a `fakeredis.FakeRedis` works too).
 
     The client must not decode responses (`decode_responses=False`): payloads are bytes.
     """
 
     def __init__(self, client: redis.Redis, config: QueueConfig | None = None) -> None:
-        self.config = config or QueueConfig()
-        self.keys = Keys(self.config.run)
-        self._r: Any = client  # redis-py's annotations mix in its asyncio types: read as Any
-        self._scripts = {
-            name: client.register_script(getattr(redis_lua, name))
-            for name in (
-                "ADD_PROMPTS",
-                "CLAIM_EXPIRED",
-                "DEAD_LETTER",
-                "DEAD_LETTER_UNSCORED",
-                "HEARTBEAT",
-                "SUBMIT",
-                "STORE_SCORED",
-                "RELEASE",
-                "ANNOUNCE",
-                "COUNT_AFTER",
-                "REPORT_STATUS",
-                "QUARANTINE",
-                "LIFT_QUARANTINE",
-                "FORGET_LIFTED",
-                "RECORD_AUDITS",
-            )
-        }
+        super().__init__(client, config)
         # Rollout reads whose reply may have been lost leave entries pending that this
         # process never saw; after such an error the next read re-scans the pending list.
         self._handed_out: dict[str, set[str]] = {}
         self._resync: set[str] = set()
-        with self._errors():
-            self._ensure_groups()
-
-    @classmethod
-    def from_url(cls, url: str, config: QueueConfig | None = None, max_connections: int = 100) -> Self:
-        """Connect to `redis://host:port/db` (or `rediss://` for TLS; any node of a Redis
-        Cluster works as well, `protocol.trusted.redis_client`). A server that calls the queue
-        from many threads at once needs `max_connections` above its thread count, plus the
-        one the queue keeps checked out (`protocol.trusted.redis_calls`): one blocking read holds a
-        connection for its whole wait."""
-        config = config or QueueConfig()
-        client = connect(url, socket_timeout=config.max_block_s + 10.0, max_connections=max_connections)
-        return cls(client, config)
-
-    @property
-    def on_cluster(self) -> bool:
-        """Connected to a Redis Cluster (redis-py's cluster client)."""
-        return cluster_client(self._r)
-
-    # ------------------------------------------------------------------ plumbing
-
-    @contextlib.contextmanager
-    def _errors(self) -> Iterator[None]:
-        """Translate redis-py's exceptions into the queue's."""
-        try:
-            yield
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as err:
-            raise QueueUnavailable(f"redis unreachable: {err}") from err
-        except redis.exceptions.ResponseError as err:
-            text = str(err)
-            for code, cls in REFUSALS.items():
-                marker = f"{code.upper()} "
-                if marker in text:
-                    raise cls(text.split(marker, 1)[1]) from None
-            raise QueueError(f"redis: {text}") from err
-
-    def _ensure_groups(self) -> None:
-        for stream, group in (
-            (self.keys.prompts, ACTORS_GROUP),
-            (self.keys.rollouts, LEARNER_GROUP),
-            (self.keys.unscored, SCORERS_GROUP),
-        ):
-            try:
-                self._r.xgroup_create(stream, group, id="0", mkstream=True)
-            except redis.exceptions.ResponseError as err:
-                if "BUSYGROUP" not in str(err):
-                    raise
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        """Run `fn`; if Redis lost our consumer groups (restarted without persistence),
-        recreate them and try once more."""
-        with self._errors():
-            try:
-                return fn()
-            except redis.exceptions.ResponseError as err:
-                self._regroup(err)
-                return fn()
-
-    def _regroup(self, err: redis.exceptions.ResponseError) -> None:
-        """After a refusal: recreate the consumer groups if Redis lost them, else raise it."""
-        if "NOGROUP" not in str(err):
-            raise err
-        log.warning("consumer groups missing (redis restarted empty?); recreating them")
-        self._ensure_groups()
-
-    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any:
-        return self._call(lambda: run_script(self._r, self._scripts[name], keys, args))
-
-    def _block_ms(self, block_s: float) -> int | None:
-        if block_s < 0 or block_s > self.config.max_block_s:
-            raise ValueError(f"block_s: must be in [0, {self.config.max_block_s}], got {block_s}")
-        return int(block_s * 1000) or None  # Redis reads BLOCK 0 as "forever"
 
     # ------------------------------------------------------------------ prompts
 
@@ -321,7 +222,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         """`groups` that are `CheckedGroups` (the proxy's request bodies) within this queue's
         field bounds, and named after `worker` (checked here), are not validated again."""
         sub = self.prepare_submit(worker, lease_id, groups)
-        return self._call(lambda: sub.result(transaction(self._r, sub.commands, sub.script)))
+        return self._call(lambda: sub.result(self._calls.transaction(sub.commands, sub.script)))
 
     async def submit_async(
         self,
@@ -413,7 +314,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         return out
 
     def _read_pending(self, consumer: str, count: int, after: str) -> list[Entry]:
-        return self._call(lambda: read_group(self._r, LEARNER_GROUP, consumer, self.keys.rollouts, after, count))
+        return self._call(lambda: self._calls.read_group(LEARNER_GROUP, consumer, self.keys.rollouts, after, count))
 
     def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
         check_worker(consumer)
@@ -429,7 +330,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 return self._deliveries(consumer, lost)
         try:
             entries = self._call(
-                lambda: read_group(self._r, LEARNER_GROUP, consumer, self.keys.rollouts, ">", count, block_ms)
+                lambda: self._calls.read_group(LEARNER_GROUP, consumer, self.keys.rollouts, ">", count, block_ms)
             )
         except QueueUnavailable:
             self._resync.add(consumer)
@@ -467,7 +368,7 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
                 commands.append(("SREM", key, *members[i : i + _ACK_CHUNK]))
 
         def run() -> int:
-            replies = transaction(self._r, commands)
+            replies = self._calls.transaction(commands)
             for reply in replies:
                 if isinstance(reply, Exception):
                     raise reply  # NOGROUP (Redis restarted empty): `_call` recreates the groups
@@ -477,92 +378,6 @@ class RedisQueue(RedisAdapters, RedisStats, RedisQuarantine, Queue):
         for handed in self._handed_out.values():
             handed.difference_update(ids)
         return acked
-
-    def dead_letters(self, after: str = "0", count: int = 100) -> list[DeadLetter]:
-        if after != "0":
-            check_ids("after", [after])
-        start = "-" if after == "0" else f"({after}"
-        entries = self._call(lambda: self._r.xrange(self.keys.dead_letters, min=start, count=count))
-        out = []
-        for raw_id, flat in entries:
-            f = fields_of(flat)
-            batch = None
-            missing = text_of(f["missing"]).split() if "missing" in f else None
-            if f.get("source") == b"prompts" and f.get("m"):
-                with contextlib.suppress(ProtocolError):  # unreadable ones are why some are here
-                    batch = decode_as(f["m"], PromptBatch, self.config.limits)
-            out.append(
-                DeadLetter(
-                    entry_id=text_of(raw_id),
-                    source=text_of(f.get("source")),
-                    lease_id=text_of(f.get("lease")),
-                    reason=text_of(f.get("reason")),
-                    deliveries=int(f.get("deliveries") or 0),
-                    last_worker=text_of(f.get("worker")),
-                    batch=batch,
-                    missing_groups=missing,
-                    group_id=text_of(f["g"]) if f.get("g") else None,
-                    batch_id=text_of(f["b"]) if f.get("b") else None,
-                )
-            )
-        return out
-
-    def expire_run(self, ttl_s: float) -> int:
-        if not ttl_s > 0:
-            raise ValueError(f"ttl_s: must be > 0, got {ttl_s}")
-
-        def expire() -> int:
-            owners = [text_of(k) for k in self._r.smembers(self.keys.worker_owners)]
-            with self._r.pipeline(transaction=False) as pipe:
-                for key in [*self.keys.all(), *owners]:
-                    pipe.expire(key, max(1, round(ttl_s)))
-                return sum(1 for done in pipe.execute() if done)
-
-        return self._call(expire)
-
-    # ------------------------------------------------------------------ fleet
-
-    def report_status(
-        self, status: WorkerStatus, owner: str = "", max_per_owner: int = 0, max_age_s: float = 120.0
-    ) -> None:
-        """`owner` (the proxy: the token's name) with `max_per_owner` > 0: a worker new to
-        its owner is refused (`TooManyWorkers`) while the owner has that many that reported
-        within `max_age_s`."""
-        if not isinstance(status, WorkerStatus):
-            raise ProtocolError(f"report_status: expected WorkerStatus, got {type(status).__name__}")
-        check_worker(status.worker)
-        payload = encode(status, self.config.limits)
-        accepted = self._script(
-            "REPORT_STATUS",
-            [self.keys.workers, self.keys.prompts, self.keys.workers_of(owner), self.keys.worker_owners],
-            [status.worker, payload, time.time(), max_age_s, max_per_owner if owner else 0],
-        )
-        if not int(accepted):
-            raise TooManyWorkers(
-                f"worker {status.worker}: token {owner!r} already has {max_per_owner} workers reporting "
-                f"(the proxy's --max-workers-per-token); this one's status is not recorded"
-            )
-
-    def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
-        now = time.time()
-        live: list[WorkerStatus] = []
-        gone: list[bytes] = []
-        for name, payload in sorted(self._call(lambda: self._r.hgetall(self.keys.workers)).items()):
-            try:
-                status = decode_as(payload, WorkerStatus, self.config.limits)
-            except ProtocolError:
-                gone.append(name)
-                continue
-            if now - status.reported_at > max_age_s:
-                gone.append(name)
-            else:
-                live.append(status)
-        if gone:  # forgotten: a worker that comes back reports again
-            self._call(lambda: self._r.hdel(self.keys.workers, *gone))
-        return live
-
-    def close(self) -> None:
-        self._r.close()
 
 
 def _new_rows(resp: Any) -> list[tuple[str, int, Any]]:

@@ -4,27 +4,19 @@ kept apart from the calls that move work."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from protocol.client.queue import QueueStats, StreamStats
+from protocol.trusted.redis_base import RedisBase
 from protocol.trusted.redis_fields import text_of
 from protocol.wire.errors import QueueError
-from protocol.wire.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP, Keys
+from protocol.wire.keys import ACTORS_GROUP, LEARNER_GROUP, SCORERS_GROUP
 
 T = TypeVar("T")
 
 
-class RedisStats:
-    """The counting calls of `RedisQueue` (which provides the plumbing below)."""
-
-    _r: Any
-    keys: Keys
-
-    def _call(self, fn: Callable[[], T]) -> T:
-        raise NotImplementedError
-
-    def _script(self, name: str, keys: list[str], args: list[Any]) -> Any: ...
+class RedisStats(RedisBase):
+    """The counting calls of `RedisQueue`."""
 
     def _stream_stats(self, stream: str, group: str) -> StreamStats:
         length = int(self._call(lambda: self._r.xlen(stream)))
