@@ -13,31 +13,34 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 from conftest import read_all
+from door import Door
 from factories import batch, group, groups, trusted
 from servers import TOKENS, ProxyProcess
+from waiting import wait_until
 
 from protocol import (
     SCHEMA_VERSION,
     Completion,
     LeaseLost,
     LeaseMismatch,
-    ProtocolError,
     QueueConfig,
     SamplingParams,
-    SubmissionRejected,
     WorkerStatus,
 )
 from protocol.client.http import (
     CONTENT_TYPE,
+    ClaimRequest,
     ErrorResponse,
+    HeartbeatRequest,
     SubmitRequest,
+    SubmitResponse,
     WorkersResponse,
     decode_body,
     encode_body,
@@ -55,23 +58,24 @@ SMALL_FLEET = "small-fleet-secret-for-tests-0123456789"
 """An actor token sized for a fleet of 12 workers (`workers = 12`)."""
 
 
+TOKENS_TOML = "".join(
+    f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n{sized}'
+    for name, role, secret, sized in [
+        ("fleet-a", "actor", TOKENS["actor"], ""),
+        ("mallory", "actor", MALLORY, ""),
+        ("fleet-small", "actor", SMALL_FLEET, "workers = 12\n"),
+        ("trainer", "learner", TOKENS["learner"], ""),
+        ("ops", "admin", TOKENS["admin"], ""),
+    ]
+)
+"""Three actor tokens (one sized for 12 workers), a learner's and an admin's."""
+
+
 @pytest.fixture
 def proxy(redis_server, run_name: str, tls_pair, tmp_path: Path):
-    """A proxy whose tokens file has three actor tokens (one sized for 12 workers);
-    `proxy.extra` flags go to serve."""
+    """A `proxy serve` process over TLS with `TOKENS_TOML`; `proxy.extra` flags go to serve."""
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text(
-        "".join(
-            f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{secret}"\n{sized}'
-            for name, role, secret, sized in [
-                ("fleet-a", "actor", TOKENS["actor"], ""),
-                ("mallory", "actor", MALLORY, ""),
-                ("fleet-small", "actor", SMALL_FLEET, "workers = 12\n"),
-                ("trainer", "learner", TOKENS["learner"], ""),
-                ("ops", "admin", TOKENS["admin"], ""),
-            ]
-        )
-    )
+    tokens.write_text(TOKENS_TOML)
     started: list[ProxyProcess] = []
 
     def make(*extra: str) -> ProxyProcess:
@@ -82,6 +86,14 @@ def proxy(redis_server, run_name: str, tls_pair, tmp_path: Path):
     yield make
     for p in started:
         p.kill()
+
+
+@pytest.fixture
+def door(redis_server, run_name: str, tmp_path: Path) -> Iterator[Door]:
+    """The proxy's app with `TOKENS_TOML` in this process, behind Starlette's TestClient:
+    for what the door answers to a request (`tests/door.py`)."""
+    with Door(redis_server.url, run_name, tmp_path / "store", TOKENS_TOML) as d:
+        yield d
 
 
 _OPEN: list[HttpQueue] = []
@@ -119,21 +131,19 @@ def _ledger(learner: HttpQueue) -> tuple:
     return (s.prompts.length, s.prompts.pending, s.rollouts.length, s.dead_letters)
 
 
-def test_a_reward_that_overflows_float32_is_refused_at_the_door(proxy) -> None:
-    p = proxy()
-    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"])
-    learner.add_prompts([batch(0)])
-    (lease,) = actor.claim("w", 1)
+def test_a_reward_that_overflows_float32_is_refused_at_the_door(door: Door) -> None:
+    door.queue.add_prompts([batch(0)])
+    (lease,) = door.claim(TOKENS["actor"], "w")
     body = msgspec.msgpack.decode(
         encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=groups(lease.batch)))
     )
     body["groups"][0]["completions"][0]["reward"] = 1e39  # finite in float64, inf in float32
-    before = _ledger(learner)
-    with _raw(p, TOKENS["actor"]) as client:
-        r = client.post("/v1/leases/submit", content=msgspec.msgpack.encode(body))
+    before = _ledger(door.queue)
+    r = door.request(TOKENS["actor"], "POST", "/v1/leases/submit", content=msgspec.msgpack.encode(body))
     assert r.status_code == 400 and "float32" in _error(r).error
-    assert _ledger(learner) == before
-    assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished  # the honest answer still goes in
+    assert _ledger(door.queue) == before
+    r = door.submit(TOKENS["actor"], "w", lease.lease_id, groups(lease.batch))
+    assert decode_body(r.content, SubmitResponse).result.finished  # the honest answer still goes in
 
 
 def test_a_lease_never_issued_or_held_by_another_takes_nothing(proxy) -> None:
@@ -174,54 +184,35 @@ def test_a_partial_submission_keeps_the_lease_until_every_prompt_has_its_group(p
     assert learner.stats().prompts.length == 0
 
 
-def test_groups_that_do_not_answer_their_batch_are_refused_whole(proxy) -> None:
-    p = proxy()
-    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, TOKENS["actor"])
-    learner.add_prompts([batch(0)])
-    (lease,) = actor.claim("w", 1)
-    before = _ledger(learner)
+def test_groups_that_do_not_answer_their_batch_are_refused_whole(door: Door) -> None:
+    door.queue.add_prompts([batch(0)])
+    (lease,) = door.claim(TOKENS["actor"], "w")
+    before = _ledger(door.queue)
     for bad, why in [
         ([group(lease.batch, 0), group(lease.batch, 1, completions=9)], "9 completions"),
         ([group(batch(0, prompts=5), 4)], "answers no prompt"),
+        ([group(lease.batch, 0, completions=2)], "2 completions"),
     ]:
-        with pytest.raises(SubmissionRejected, match=why):
-            actor.submit("w", lease.lease_id, bad)
-    assert _ledger(learner) == before
-    with _raw(p, TOKENS["actor"]) as client:
-        r = client.post(
-            "/v1/leases/submit",
-            content=encode_body(
-                SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[group(lease.batch, 0, completions=2)])
-            ),
-        )
-    assert r.status_code == 422 and _error(r).code == "submission_rejected"
+        r = door.submit(TOKENS["actor"], "w", lease.lease_id, bad)
+        assert r.status_code == 422 and _error(r).code == "submission_rejected", r.text
+        assert why in _error(r).error, _error(r).error
+    assert _ledger(door.queue) == before
 
 
-def test_stream_ids_past_64_bits_are_a_400_not_a_500(proxy) -> None:
-    p = proxy()
+def test_stream_ids_past_64_bits_are_a_400_not_a_500(door: Door) -> None:
     huge = "99999999999999999999-0"
-    with _raw(p, TOKENS["actor"]) as actor, _raw(p, TOKENS["learner"]) as learner:
-        answers = [
-            actor.get("/v1/adapters/history", params={"after": huge}),
-            actor.get("/v1/adapters/events", headers={"Last-Event-ID": huge}),
-            actor.get("/v1/adapters/events", params={"after": "1-99999999999999999999"}),
-            learner.get("/v1/dead-letters", params={"after": huge}),
-            actor.post(
-                "/v1/leases/heartbeat",
-                content=encode_body(
-                    msgspec.convert({"type": "heartbeat", "worker": "w", "lease_ids": [huge]}, type=_heartbeat())
-                ),
-            ),
-        ]
+    actor, learner = TOKENS["actor"], TOKENS["learner"]
+    heartbeat = encode_body(HeartbeatRequest(worker="w", lease_ids=[huge]))
+    answers = [
+        door.request(actor, "GET", "/v1/adapters/history", params={"after": huge}),
+        door.request(actor, "GET", "/v1/adapters/events", headers={"Last-Event-ID": huge}),
+        door.request(actor, "GET", "/v1/adapters/events", params={"after": "1-99999999999999999999"}),
+        door.request(learner, "GET", "/v1/dead-letters", params={"after": huge}),
+        door.request(actor, "POST", "/v1/leases/heartbeat", content=heartbeat),
+    ]
     for r in answers:
         assert r.status_code == 400, (r.request.url, r.status_code, r.text)
         assert "id" in _error(r).error
-
-
-def _heartbeat():
-    from protocol.client.http import HeartbeatRequest
-
-    return HeartbeatRequest
 
 
 def test_one_token_holding_many_connections_starves_nobody(proxy) -> None:
@@ -359,11 +350,10 @@ def test_a_connection_that_never_finishes_its_headers_is_closed(proxy) -> None:
         assert c.get("/healthz").status_code == 200
 
 
-def test_malformed_worker_names_are_a_400(proxy) -> None:
-    p = proxy()
-    actor = _queue(p, TOKENS["actor"])
-    with pytest.raises(ProtocolError, match="worker"):
-        actor.claim("x" * 250, 1)
+def test_malformed_worker_names_are_a_400(door: Door) -> None:
+    for worker in ("x" * 250, "a b", ""):
+        r = door.request(TOKENS["actor"], "POST", "/v1/leases/claim", content=encode_body(ClaimRequest(worker=worker)))
+        assert r.status_code == 400 and "worker" in _error(r).error, (worker, r.status_code, r.text)
 
 
 def test_two_proxies_share_one_rate_budget_per_token(proxy) -> None:
@@ -446,25 +436,22 @@ def test_the_tier_scores_the_token_ids_not_the_text_an_actor_sends(proxy, scorer
     assert got["p1"].rewards == [1.0] * 4 and {c.text for c in got["p1"].completions} == {"1"}
 
 
-def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(proxy) -> None:
+def test_a_group_that_leaves_the_tier_no_room_is_refused_at_the_door(door: Door) -> None:
     """Just under the 16 MiB body limit, but past the message limit less the room the tier
     needs for its scores: refused with the numbers, and nothing changes."""
-    p = proxy()
-    learner, actor = _queue(p, TOKENS["learner"]), _queue(p, MALLORY)
-    learner.add_prompts([trusted(batch(0, prompts=1))])
-    (lease,) = actor.claim("w", 1)
+    door.queue.add_prompts([trusted(batch(0, prompts=1))])
+    (lease,) = door.claim(MALLORY, "w")
     g = group(lease.batch, 0)
     big = msgspec.structs.replace(
         g, completions=[msgspec.structs.replace(c, text="x" * 4_185_000) for c in g.completions]
     )
-    body = encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[big]))
-    assert len(body) < 16 * 1024 * 1024
-    before = _ledger(learner)
-    with _raw(p, MALLORY) as client:
-        r = client.post("/v1/leases/submit", content=body)
+    assert len(encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=[big]))) < 16 * 1024 * 1024
+    before = _ledger(door.queue)
+    r = door.submit(MALLORY, "w", lease.lease_id, [big])
     assert r.status_code == 400 and "room the scoring tier needs" in _error(r).error, r.text[:300]
-    assert _ledger(learner) == before and learner.stats().unscored.length == 0
-    assert actor.submit("w", lease.lease_id, [g]).finished  # the honest group still goes in
+    assert _ledger(door.queue) == before and door.queue.stats().unscored.length == 0
+    r = door.submit(MALLORY, "w", lease.lease_id, [g])
+    assert decode_body(r.content, SubmitResponse).result.finished  # the honest group still goes in
 
 
 def test_a_hanging_reward_costs_only_its_own_group(proxy, scorers, tmp_path: Path) -> None:
@@ -554,28 +541,20 @@ UNSAFE_SAMPLES = [
 
 
 @pytest.mark.parametrize("bad", UNSAFE_SAMPLES, ids=[repr(s) for s in UNSAFE_SAMPLES])
-def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(proxy_once, bad: str) -> None:
+def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(door: Door, bad: str) -> None:
     """Worker names, the engine, the last error, reward-function names, timing keys and
     errors: a 400 naming the field, and nothing stored."""
-    p, learner = proxy_once
     good = {"type": "worker_status", "schema": SCHEMA_VERSION, "worker": "w", "reported_at": time.time()}
     statuses = [{**good, "worker": f"w{bad}"}, {**good, "engine": f"vllm{bad}"}, {**good, "last_error": f"boom{bad}"}]
-    with _raw(p, MALLORY) as client:
-        for s in statuses:
-            r = client.post(
-                "/v1/workers/status", content=msgspec.msgpack.encode({"type": "report_status", "status": s})
-            )
-            assert r.status_code == 400, (s, r.status_code, r.text)
-        r = client.post(
-            "/v1/leases/claim",
-            content=msgspec.msgpack.encode(
-                {"type": "claim", "schema": SCHEMA_VERSION, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}
-            ),
-        )
-        assert r.status_code == 400 and "worker" in _error(r).error, r.text
-    learner.add_prompts([batch(f"ctl-{ord(bad[0])}")])
-    actor = _queue(p, MALLORY)
-    lease = next(le for le in actor.claim("w", 4) if le.batch.batch_id == f"batch-ctl-{ord(bad[0])}")
+    for st in statuses:
+        body = msgspec.msgpack.encode({"type": "report_status", "status": st})
+        r = door.request(MALLORY, "POST", "/v1/workers/status", content=body)
+        assert r.status_code == 400, (st, r.status_code, r.text)
+    claim = {"type": "claim", "schema": SCHEMA_VERSION, "worker": f"gpu{bad}", "count": 1, "block_s": 0.0}
+    r = door.request(MALLORY, "POST", "/v1/leases/claim", content=msgspec.msgpack.encode(claim))
+    assert r.status_code == 400 and "worker" in _error(r).error, r.text
+    door.queue.add_prompts([batch(0)])
+    (lease,) = door.claim(MALLORY, "w")
     sent = msgspec.msgpack.decode(
         encode_body(SubmitRequest(worker="w", lease_id=lease.lease_id, groups=groups(lease.batch)))
     )
@@ -590,28 +569,12 @@ def test_no_string_an_actor_writes_can_carry_a_control_or_reordering_character(p
             c["error"] = f"oops{bad}"
         else:
             g["error"] = f"oops{bad}"
-        with _raw(p, MALLORY) as client:
-            r = client.post("/v1/leases/submit", content=msgspec.msgpack.encode(body))
+        r = door.request(MALLORY, "POST", "/v1/leases/submit", content=msgspec.msgpack.encode(body))
         assert r.status_code == 400, (where, r.status_code, r.text)
-    assert learner.workers() == [] or all(printable(w.worker) == w.worker for w in learner.workers())
-    assert actor.submit("w", lease.lease_id, groups(lease.batch)).finished  # clean text still goes in
-
-
-@pytest.fixture(scope="module")
-def proxy_once(redis_server, tls_pair, tmp_path_factory):
-    """One proxy for a parametrized test (its cases share the run; each uses its own batch)."""
-    folder = tmp_path_factory.mktemp("proxy-once")
-    tokens = folder / "tokens.toml"
-    tokens.write_text(
-        f'[[tokens]]\nname = "mallory"\nrole = "actor"\nsecret = "{MALLORY}"\n'
-        f'[[tokens]]\nname = "trainer"\nrole = "learner"\nsecret = "{TOKENS["learner"]}"\n'
-    )
-    run = f"ctl-{time.time_ns()}"
-    p = ProxyProcess(redis_server.url, (folder / "store").as_uri(), run, tls_pair, tokens).start()
-    learner = HttpQueue(p.url, TOKENS["learner"], QueueConfig(run=run), verify=p.ca, retry_s=2)  # outlives each case
-    yield p, learner
-    learner.close()
-    p.kill()
+    assert door.queue.workers() == []
+    assert door.queue.stats().rollouts.length == 0
+    r = door.submit(MALLORY, "w", lease.lease_id, groups(lease.batch))
+    assert decode_body(r.content, SubmitResponse).result.finished  # clean text still goes in
 
 
 def test_printable_escapes_what_the_wire_refuses() -> None:
@@ -665,13 +628,12 @@ def test_a_proxy_started_before_its_redis_waits_for_it(make_server, tls_pair, to
     with p.log.open("ab") as log:
         p.proc = subprocess.Popen(p.cmd, env=p.env, stdout=log, stderr=subprocess.STDOUT)
     try:
-        time.sleep(3)
+        wait_until(lambda: "redis unreachable, retrying" in p.log.read_text(), "the proxy to wait for Redis", 30)
         assert p.proc.poll() is None, p.log.read_text()[-2000:]
         server.start()
         from protocol.client.transport import wait_for_proxy
 
         wait_for_proxy(p.url, p.ca, p.proc, timeout_s=30)
-        assert "redis unreachable, retrying" in p.log.read_text()
     finally:
         p.kill()
         server.kill()

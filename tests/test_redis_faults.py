@@ -13,6 +13,7 @@ import pytest
 import redis
 import redis.exceptions
 from factories import batch, groups, manifest
+from waiting import blocked_in, wait_until
 
 from protocol import (
     LeaseLost,
@@ -126,12 +127,14 @@ def test_a_kept_connection_the_server_dropped_is_replaced_before_a_read_or_a_sub
 def test_a_thread_blocked_in_a_read_leaves_the_others_their_connections(
     make_server, request: pytest.FixtureRequest
 ) -> None:
-    q, _port = _queue_on_own_server(make_server, request, "threads")
+    q, port = _queue_on_own_server(make_server, request, "threads")
+    admin = redis.Redis(port=port)
+    request.addfinalizer(admin.close)
     (lease,) = q.claim("w", 1)
     got: list[object] = []
     reader = threading.Thread(target=lambda: got.extend(q.read_rollouts("learner", 10, block_s=4.0)))
     reader.start()
-    time.sleep(0.3)  # blocked in XREADGROUP, on the kept connection
+    wait_until(lambda: blocked_in(admin, "xreadgroup"), "the reader blocked in XREADGROUP, on the kept connection")
     t0 = time.monotonic()
     assert q.submit("w", lease.lease_id, groups(lease.batch)).stored == 2
     reader.join(5.0)
@@ -143,7 +146,9 @@ def test_a_forked_child_never_writes_on_its_parents_kept_connection(
 ) -> None:
     """The child blocks in a read while the parent submits: on one shared socket one of
     them would read the other's reply."""
-    q, _port = _queue_on_own_server(make_server, request, "fork")
+    q, port = _queue_on_own_server(make_server, request, "fork")
+    admin = redis.Redis(port=port)
+    request.addfinalizer(admin.close)
     (lease,) = q.claim("w", 1)
     assert q.read_rollouts("learner", 10) == []  # the parent's kept connection, in use before the fork
     pid = os.fork()
@@ -153,7 +158,7 @@ def test_a_forked_child_never_writes_on_its_parents_kept_connection(
             code = 0 if len(q.read_rollouts("learner-2", 10, block_s=4.0)) == 2 else 1
         finally:
             os._exit(code)
-    time.sleep(0.3)
+    wait_until(lambda: blocked_in(admin, "xreadgroup"), "the child blocked in its read")
     result = q.submit("w", lease.lease_id, groups(lease.batch))
     _pid, status = os.waitpid(pid, 0)
     assert result.stored == 2 and result.finished

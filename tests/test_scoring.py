@@ -18,6 +18,7 @@ import pytest
 import redis
 from conftest import read_all
 from servers import RedisServer, kill_process
+from waiting import wait_until
 
 from protocol import FinishedBatch, PromptBatch, QueueConfig
 from protocol.trusted import RedisQueue
@@ -329,7 +330,7 @@ def test_a_scoring_worker_rides_out_a_redis_restart(
         first = submit_unscored(q, [trusted_batch(0)])
         assert sorted(g.group_id for g in read_all(q, 2)) == sorted(first)
         server.kill()
-        time.sleep(3)  # long enough for RQ's loop to notice and quit
+        wait_until(lambda: "RQ's worker" in (tmp_path / "scorer.log").read_text(), "RQ's worker to notice and quit", 30)
         server.start()
         second = submit_unscored(q, [trusted_batch(1)])
         assert sorted(g.group_id for g in read_all(q, 2, timeout_s=90)) == sorted(second)
