@@ -91,12 +91,17 @@ def make_model(out: Path | None = None, gguf: Path | None = None, force: bool = 
         )
     model.tie_weights()
     model.generation_config = quantized.generation_config
-    partial = out.with_name(out.name + ".partial")
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")  # two runs making it at once write apart
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    if out.exists():
-        shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    partial.rename(out)
+    if out.exists() and (force or not is_model_dir(out)):
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        partial.rename(out)
+    except OSError:  # another process made it meanwhile: the same model, from the same file
+        shutil.rmtree(partial, ignore_errors=True)
+        if not is_model_dir(out):
+            raise
     return out

@@ -61,6 +61,9 @@ def example_run(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return run_dir
 
 
+# the tests that read the example's run share one worker (pytest-xdist), which makes it once
+@pytest.mark.xdist_group("arithmetic-run")
+@pytest.mark.timeout(900)  # the example's run is this test's set-up: ~3 min on 2 cores beside other tests
 def test_the_arithmetic_example_trains_the_real_model(example_run: Path) -> None:
     rows = [json.loads(line) for line in (example_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -104,6 +107,8 @@ def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path
     assert row["completions/max_length"] <= 96
 
 
+@pytest.mark.xdist_group("arithmetic-run")
+@pytest.mark.timeout(900)  # the example's run, if this test comes first on its worker
 def test_the_exported_adapter_generates_what_the_actor_generated(
     example_run: Path, real_model: Path, tmp_path: Path
 ) -> None:
