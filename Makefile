@@ -11,9 +11,10 @@ DEPLOY_VENV ?= .venv-deploy
 # the lowest redis-py pyproject.toml allows, installed beside the newest (test-redis-lowest)
 REDIS_LOWEST := 6.3.0
 # pytest's worker processes (pytest-xdist): most tests wait on the processes they start
-# (proxy, actors, scorers, Redis), so 3 keep 2 cores busy
+# (proxy, actors, scorers, Redis), so 3 keep 2 cores busy; the slow ones on 2 (the real
+# model's tests keep a core each busy for minutes)
 PYTEST_WORKERS ?= 3
-XDIST = -n $(PYTEST_WORKERS) --dist loadgroup
+SLOW_WORKERS ?= 2
 
 .PHONY: install venvs test test-all test-main test-redis-lowest test-vllm test-deploy test-slow lint bench
 
@@ -68,29 +69,22 @@ lint: install
 # every test but the real model's (SmolLM2, minutes each on 2 cores) and the long ones (marker long)
 test: test-main test-redis-lowest test-deploy test-vllm
 
-# everything, as CI runs it: the main and the slow tests in one pytest run (the slow ones dealt
-# first, so their minutes overlap the short ones: tests/conftest.py), then the rest of `make test`
-# and vLLM's real-model test
-test-all: install lint $(VLLM_VENV)/.installed
-	$(BIN)/python -m pytest $(XDIST) -m "not vllm" --durations=20
-	$(MAKE) test-redis-lowest test-deploy test-vllm
-	$(VLLM_REAL_MODEL)
+# everything: what CI runs
+test-all: test test-slow
 
 test-main: install lint
-	$(BIN)/python -m pytest $(XDIST) -m "not vllm and not real_model and not long" --durations=15
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) -m "not vllm and not real_model and not long" --durations=15
 
 # the queue's tests on real Redis servers (one, and a cluster) with the lowest redis-py allowed
 test-redis-lowest: install
 	PYTHONPATH=$(VENV)/redis-lowest $(BIN)/python -c 'import redis; assert redis.__version__ == "$(REDIS_LOWEST)", redis.__version__'
-	PYTHONPATH=$(VENV)/redis-lowest $(BIN)/python -m pytest $(XDIST) -p no:cacheprovider -k "not fakeredis" \
+	PYTHONPATH=$(VENV)/redis-lowest $(BIN)/python -m pytest -n $(PYTEST_WORKERS) -p no:cacheprovider -k "not fakeredis" \
 		tests/test_queue.py tests/test_redis_faults.py tests/test_cluster.py
 
 # the real model's tests in both environments (learner make-model runs once, ~25 s), and the long ones
 test-slow: install $(VLLM_VENV)/.installed
-	$(BIN)/python -m pytest $(XDIST) -m "(real_model or long) and not vllm" --durations=5
-	$(VLLM_REAL_MODEL)
-
-VLLM_REAL_MODEL = VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m "vllm and real_model" --durations=5
+	$(BIN)/python -m pytest -n $(SLOW_WORKERS) -m "(real_model or long) and not vllm" --durations=10
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -m "vllm and real_model" --durations=5
 
 # only tests/test_deploy.py, on the project's sources (no install: it imports actors.cli's parser)
 test-deploy: $(DEPLOY_VENV)/.installed

@@ -29,8 +29,7 @@ pytest_plugins = ["servers"]  # the servers' fixtures (Redis, S3, the proxy), fo
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real model's tests first, then the long ones, the rest in file order: pytest-xdist
     deals tests to its workers one at a time in this order, so the few that take minutes
-    start at once on different workers and the many short ones fill in around them (a
-    slow test dealt last would run alone at the end)."""
+    start at once on different workers (a slow test dealt last would run alone at the end)."""
 
     def rank(item: pytest.Item) -> int:
         return 0 if item.get_closest_marker("real_model") else 1 if item.get_closest_marker("long") else 2

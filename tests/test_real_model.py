@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from learner.models import make_model
 
@@ -40,7 +41,19 @@ def _learner(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 
 @pytest.fixture(scope="module")
 def example_run(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    run_dir = tmp_path_factory.mktemp("arithmetic") / "run"
+    """The arithmetic example's run, made once per test session: pytest-xdist's workers share
+    it (the first makes it under a file lock, the others wait and read it)."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, above each worker's own
+    run_dir = shared / "arithmetic" / "run"
+    with FileLock(shared / "arithmetic.lock"):
+        if not (run_dir / "summary.json").exists():
+            _run_arithmetic(real_model, run_dir)
+    return run_dir
+
+
+def _run_arithmetic(real_model: Path, run_dir: Path) -> None:
     proc = _learner(
         "run",
         "--example",
@@ -58,11 +71,8 @@ def example_run(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> P
         "--no-tensorboard",
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return run_dir
 
 
-# the tests that read the example's run share one worker (pytest-xdist), which makes it once
-@pytest.mark.xdist_group("arithmetic-run")
 @pytest.mark.timeout(900)  # the example's run is this test's set-up: ~3 min on 2 cores beside other tests
 def test_the_arithmetic_example_trains_the_real_model(example_run: Path) -> None:
     rows = [json.loads(line) for line in (example_run / "metrics.jsonl").read_text().splitlines()]
@@ -107,8 +117,7 @@ def test_the_calculator_example_runs_episodes_on_the_real_model(real_model: Path
     assert row["completions/max_length"] <= 96
 
 
-@pytest.mark.xdist_group("arithmetic-run")
-@pytest.mark.timeout(900)  # the example's run, if this test comes first on its worker
+@pytest.mark.timeout(900)  # the example's run, if this test comes first (or waits for it on another worker)
 def test_the_exported_adapter_generates_what_the_actor_generated(
     example_run: Path, real_model: Path, tmp_path: Path
 ) -> None:

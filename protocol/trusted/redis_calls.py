@@ -62,17 +62,43 @@ async def _aio_exec(aclient: Any, commands: list[tuple[Any, ...]], timeout_s: fl
 
 
 async def _exec_replies(conn: Any, n: int) -> list[Any]:
-    """MULTI's +OK and `n` +QUEUED (or a command's refusal), then EXEC's replies."""
-    refused: redis.exceptions.ResponseError | None = None
-    for _ in range(n + 1):
+    replies = _ExecReplies(n)
+    while not replies.done:
         try:
-            await conn.read_response()
+            replies.take(await conn.read_response())
         except redis.exceptions.ResponseError as err:
-            refused = refused or err
-    try:
-        return list(await conn.read_response())
-    except redis.exceptions.ExecAbortError:
-        raise refused or QueueError("redis: transaction aborted") from None
+            replies.take(err)
+    return replies.result()
+
+
+class _ExecReplies:
+    """What a MULTI/EXEC of `n` commands answers, however its replies are read (a blocking
+    connection or an event loop's): MULTI's +OK, then +QUEUED or a command's refusal for
+    each command, then EXEC's replies. `take` each as read (a refusal as its exception)
+    until `done`; `result` is EXEC's replies, or the first refusal when EXEC aborted."""
+
+    __slots__ = ("final", "left", "refused")
+
+    def __init__(self, n: int) -> None:
+        self.left = n + 2
+        self.refused: redis.exceptions.ResponseError | None = None
+        self.final: Any = None
+
+    @property
+    def done(self) -> bool:
+        return self.left == 0
+
+    def take(self, reply: Any) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.final = reply
+        elif isinstance(reply, redis.exceptions.ResponseError):
+            self.refused = self.refused or reply
+
+    def result(self) -> list[Any]:
+        if isinstance(self.final, redis.exceptions.ExecAbortError):
+            raise self.refused or QueueError("redis: transaction aborted")
+        return list(self.final)
 
 
 def _multi_exec(commands: list[tuple[Any, ...]]) -> bytes:
@@ -192,16 +218,13 @@ class RedisCalls:
             conn, pinned = self._take()
             try:
                 conn.send_packed_command([_multi_exec(commands)])
-                refused: redis.exceptions.ResponseError | None = None
-                for _ in range(len(commands) + 1):  # MULTI's +OK, then +QUEUED or a command's refusal
+                replies = _ExecReplies(len(commands))
+                while not replies.done:
                     try:
-                        conn.read_response()
+                        replies.take(conn.read_response())
                     except redis.exceptions.ResponseError as err:
-                        refused = refused or err
-                try:
-                    return list(conn.read_response())
-                except redis.exceptions.ExecAbortError:
-                    raise refused or QueueError("redis: transaction aborted") from None
+                        replies.take(err)
+                return replies.result()
             except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                 conn.disconnect()
                 if attempt == 2:
