@@ -29,7 +29,9 @@ pytest_plugins = ["servers"]  # the servers' fixtures (Redis, S3, the proxy), fo
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The real model's tests first, then the long ones, the rest in file order: pytest-xdist
     deals tests to its workers one at a time in this order, so the few that take minutes
-    start at once on different workers (a slow test dealt last would run alone at the end)."""
+    start at once on different workers (a slow test dealt last would run alone at the end).
+    Dealing the `slow` ones first too was slower (over 9 min against 7 min 42 s for the main
+    suite on 3 workers, 2026-12-05): together they only contend for the two cores."""
 
     def rank(item: pytest.Item) -> int:
         return 0 if item.get_closest_marker("real_model") else 1 if item.get_closest_marker("long") else 2

@@ -65,6 +65,7 @@ def spread(_prompt: list[int], tokens: list[int], _text: str) -> float:
     return sum(tokens) % 11 / 10
 
 
+@pytest.mark.slow
 def test_a_fleet_faster_than_the_learner_stops_generating_what_goes_stale(
     tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -159,6 +159,7 @@ def _one_and_two_ranks(script: str, tiny_model: Path, tmp_path: Path) -> tuple[P
     return one, two
 
 
+@pytest.mark.slow
 def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Path) -> None:
     """The same adapter, the same step batch (several uneven micro-batches per rank): the
     LoRA gradient and the updated adapter of 2 FSDP2 ranks equal one process's, for each
@@ -180,6 +181,7 @@ def test_one_step_on_two_ranks_equals_one_process(tiny_model: Path, tmp_path: Pa
             assert value == pytest.approx(figures_two[case][name], rel=1e-4, abs=1e-6), (case, name)
 
 
+@pytest.mark.slow
 def test_an_audit_on_two_ranks_equals_one_process_and_puts_the_adapter_back(tiny_model: Path, tmp_path: Path) -> None:
     """Rank 0 drives audits (`Trainer.audit_moments`, the AUDIT command) while rank 1
     follows: each pass (the live adapter, the base model, another version swapped in)

@@ -174,6 +174,7 @@ def _wait_for_leases(queue: RedisQueue, worker: str, n: int, proc: subprocess.Po
 
 @pytest.mark.redis
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM])
+@pytest.mark.slow
 def test_leases_in_flight_survive_sigkill_and_sigterm(
     tmp_path: Path, tiny_model: Path, redis_server, run_name: str, signum: int, make_proxy
 ) -> None:

@@ -40,6 +40,7 @@ def test_a_finished_run_refuses_every_claim_with_the_learners_words(redis_server
     q.close()
 
 
+@pytest.mark.slow
 def test_through_the_door_a_working_actor_is_told_and_exits_0(make_proxy, tiny_model: Path) -> None:
     proxy = make_proxy()
     learner, actor = proxy.queue("learner"), proxy.queue("actor")

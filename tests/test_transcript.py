@@ -108,6 +108,7 @@ def test_failed_calls_and_the_turn_limit_are_counted_as_the_actor_did(tokenizer,
         assert (s.turns, s.tool_calls, s.tool_errors, s.turn_limit) == (3, 2, 2, True)
 
 
+@pytest.mark.slow
 def test_the_tier_replaces_the_actors_episode_figures_with_its_own(tokenizer, toolbox, reader) -> None:
     """Finding 8: an actor's `turns` of 4.6e18 became the run's `turns_mean`."""
     s = honest(tokenizer, toolbox, lambda text, j: "5" if "<tool_response>" in text else tool_call("add", a=2, b=3))[0]
