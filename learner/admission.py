@@ -31,6 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
 
 WAITING = 0.1
 """The share of a step the learner spent waiting for rollouts above which more may be in flight."""
@@ -52,6 +56,19 @@ class Admission:
     def __post_init__(self) -> None:
         self.limit = self.floor if self.adaptive else self.ceiling
         self.slow_start = self.adaptive
+
+    @classmethod
+    def for_run(cls, cfg: LearnerConfig) -> Admission:
+        """The run's window. Its floor holds one whole lease too: only whole batches are
+        issued, so a window narrower than `prompts_per_batch` would never issue one (the
+        config keeps both <= `max_inflight`). A fixed lag (`lag_versions`) is not adaptive."""
+        return cls(
+            ceiling=cfg.max_inflight,
+            floor=max(cfg.groups_per_step, cfg.prompts_per_batch),
+            lease=cfg.prompts_per_batch,
+            max_staleness=cfg.max_staleness,
+            adaptive=cfg.adaptive_inflight and cfg.lag_versions is None,
+        )
 
     def update(self, staleness: Sequence[int], dropped_stale: int, waited_frac: float) -> None:
         """After a step: the staleness of the groups trained on, the groups dropped as

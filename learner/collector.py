@@ -85,6 +85,19 @@ class Collector:
                 "pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay)
             )
 
+    def acknowledge(self) -> None:
+        """After a checkpoint: the groups it holds are acknowledged in the queue, with the
+        batches finished since the last one. On an outage they stay in the state, and the
+        next checkpoint tries again."""
+        acked = list(self.state.unacked.values())
+        try:
+            self.queue.ack_rollouts(acked, self.state.ledger.finished_batches())
+        except QueueUnavailable as err:
+            log.warning("could not acknowledge %d groups yet: %s", len(acked), err)
+            return
+        self.state.unacked = {}
+        self.state.ledger.reported()
+
     def collect(self, n: int, stop: threading.Event) -> list[RolloutGroup] | None:
         """Block until `n` groups pass the filters, feeding prompts while it waits; None if
         `stop` was set (the collection is abandoned)."""

@@ -16,8 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from protocol import RolloutGroup
+
+if TYPE_CHECKING:
+    from learner.config import LearnerConfig
 
 
 class Reason(StrEnum):
@@ -75,6 +79,20 @@ class Bounds:
     max_staleness: int
     episodes: bool = False
     """The run offers tools (`--tools`, `--environment`): a completion may carry a mask."""
+
+    @classmethod
+    def for_run(cls, cfg: LearnerConfig, vocab_size: int, context: int) -> Bounds:
+        """The run's bounds, for a model of `vocab_size` words and `context` tokens."""
+        return cls(
+            scoring_mode=cfg.scoring_mode,
+            max_abs_reward=cfg.max_abs_reward,
+            vocab_size=vocab_size,
+            context=context,
+            num_generations=cfg.num_generations,
+            max_tokens=cfg.max_tokens,
+            max_staleness=cfg.max_staleness,
+            episodes=bool(cfg.tools or cfg.environment),
+        )
 
 
 def judge(

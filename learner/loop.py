@@ -5,7 +5,8 @@ parts that own their state: the `Feeder` issues prompts (`learner.feeder`), the
 published versions (`learner.evaluate`), the `Trainer` takes the GRPO step
 (`learner.trainer`, `learner.train`) and the `Publisher` uploads adapters
 (`learner.publish`). This module keeps what ties them: start and resume, publishing,
-checkpoints with their acknowledgements, and the per-step report.
+checkpoints, and the per-step report; what the learner tells the queue when the run starts
+and ends is in `learner.lifecycle`.
 
 Exactly-once training: a rollout group is acknowledged in the queue only after the
 checkpoint that holds its effect is written (see `learner.checkpoint`).
@@ -33,21 +34,13 @@ from learner.dist import Dist, peak_memory_mb, resolve_device
 from learner.evaluate import EvalSink
 from learner.feeder import Feeder
 from learner.judge import Bounds, Reason
-from learner.ledger import PromptLedger
+from learner.lifecycle import LearnerError, StartupRetry, close_run, open_run
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
 from learner.publish import Publisher, PublishJob, nonfinite
 from learner.trackers import open_trackers
 from learner.trainer import Trainer
-from protocol import (
-    Queue,
-    QueueError,
-    QueueUnavailable,
-    RolloutGroup,
-    fingerprint_of_model,
-)
+from protocol import Queue, RolloutGroup, fingerprint_of_model
 from protocol.trusted.store import Store
-from protocol.usercode.rewards import canonical_spec
-from protocol.util.retry import retry
 from protocol.wire.files import StoreError
 
 log = logging.getLogger(__name__)
@@ -56,9 +49,7 @@ CONSUMER = "learner-0"
 """The learner's consumer name in the rollouts group: one learner per run, and a
 restarted learner must find its predecessor's pending list under the same name."""
 
-
-class LearnerError(RuntimeError):
-    """The learner cannot start or continue as configured."""
+__all__ = ["CONSUMER", "Learner", "LearnerError"]
 
 
 class Learner:
@@ -93,28 +84,12 @@ class Learner:
         )
         self.stop_requested = stop_requested or threading.Event()
         """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
-        # the floor holds one whole lease too: only whole batches are issued, so a window
-        # narrower than prompts_per_batch would never issue one (the config keeps both <= max_inflight)
-        self.admission = Admission(
-            ceiling=cfg.max_inflight,
-            floor=max(cfg.groups_per_step, cfg.prompts_per_batch),
-            lease=cfg.prompts_per_batch,
-            max_staleness=cfg.max_staleness,
-            adaptive=cfg.adaptive_inflight and cfg.lag_versions is None,
-        )
+        self._retry = StartupRetry(cfg, self.stop_requested)
+        self.admission = Admission.for_run(cfg)
         self.evals = EvalSink(cfg, queue, held_out, self.publisher, CONSUMER)
         self.feeder = Feeder(cfg, queue, self.source, self.admission, self.publisher, self.evals, self.trainer.sampling)
         self.auditor = open_auditor(cfg, self.trainer, store)
-        bounds = Bounds(
-            scoring_mode=cfg.scoring_mode,
-            max_abs_reward=cfg.max_abs_reward,
-            vocab_size=self.policy.vocab_size,
-            context=self.policy.context,
-            num_generations=cfg.num_generations,
-            max_tokens=cfg.max_tokens,
-            max_staleness=cfg.max_staleness,
-            episodes=bool(cfg.tools or cfg.environment),
-        )
+        bounds = Bounds.for_run(cfg, self.policy.vocab_size, self.policy.context)
         self.collector = Collector(cfg, queue, CONSUMER, bounds, self.feeder, self.evals, self.publisher, self.auditor)
         self.state = LearnerState()
         self.on_step: Callable[[dict[str, Any]], None] | None = None
@@ -178,9 +153,7 @@ class Learner:
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
             if self.state.step >= cfg.steps:
-                self.end_run()
-                if not cfg.keep_queue:
-                    self.expire_queue()
+                close_run(self.queue, self.publisher, cfg, self.state.step, self.state.policy_version)
         finally:
             self.trainer.stop()  # the other ranks (torchrun) exit with this one
             self.publisher.close()
@@ -217,18 +190,12 @@ class Learner:
             log.info(
                 "resumed at step %d (cursor %d, version %d)",
                 self.state.step,
-                self.ledger.cursor,
+                self.state.ledger.cursor,
                 self.state.policy_version,
             )
         elif self.cfg.resume:
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
-        try:  # a run finished before and continued now (more --steps): workers may claim again
-            self._retry(lambda: self.queue.set_run_over(""))
-            if self.cfg.scoring_mode == "trusted":  # what a scoring worker checks its own rewards against
-                specs = [canonical_spec(s) for s in self.cfg.reward_specs]
-                self._retry(lambda: self.queue.set_run_rewards(specs))
-        except NotImplementedError:
-            pass
+        open_run(self.queue, self.cfg, self._retry)
         # a version number names one adapter forever: continue above any ever announced
         self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0)
         self.collector.replay_pending(self._retry)
@@ -239,10 +206,6 @@ class Learner:
         else:
             self.evals.start_fresh()
         return resumed_at
-
-    @property
-    def ledger(self) -> PromptLedger:
-        return self._state.ledger
 
     # ------------------------------------------------------- publish/checkpoint
     def publish(self) -> float:
@@ -306,95 +269,33 @@ class Learner:
             return
         self._checkpointed_step = self.state.step
         self._checkpoint_versions.append(self.state.policy_version)
-        acked = list(self.state.unacked.values())
-        try:
-            self.queue.ack_rollouts(acked, self.ledger.finished_batches())
-        except QueueUnavailable as err:  # they stay in the ledger; the next checkpoint retries
-            log.warning("could not acknowledge %d groups yet: %s", len(acked), err)
-            return
-        self.state.unacked = {}
-        self.ledger.reported()
         log.info("checkpoint at step %d", self.state.step)
-
-    def end_run(self) -> None:
-        """The run is complete: workers are told (their claims are refused with this line), so
-        they stop rather than wait on a queue nobody fills (best effort)."""
-        why = (
-            f"run {self.cfg.run!r} is over: its learner finished at step {self.state.step} "
-            f"(adapter v{self.state.policy_version})"
-        )
-        try:
-            self.queue.set_run_over(why)
-        except (QueueError, NotImplementedError) as err:
-            log.warning("could not tell the workers that the run is over: %s", err)
-
-    def expire_queue(self) -> None:
-        """The run is complete: its Redis keys go after `queue_ttl_s` (best effort)."""
-        self.publisher.flush()  # the last announcement first
-        try:
-            keys = self.queue.expire_run(self.cfg.queue_ttl_s)
-        except QueueError as err:
-            log.warning("could not set the run's keys to expire (--keep-queue to keep them anyway): %s", err)
-            return
-        log.info(
-            "run complete: its %d queue keys expire in %.0fs (--keep-queue keeps them)", keys, self.cfg.queue_ttl_s
-        )
-
-    def _retry(self, fn: Any) -> Any:
-        """A queue call at start-up, retried through an outage for `startup_timeout_s` in all
-        (the client's own retries included), and given up at once on SIGTERM."""
-        limit = self.cfg.startup_timeout_s
-        try:
-            return retry(
-                fn,
-                on=(QueueUnavailable,),
-                deadline_s=limit,
-                first=1.0,
-                stop=self.stop_requested,
-                before_wait=lambda err, delay: log.warning("queue unavailable, retrying in %.0fs: %s", delay, err),
-            )
-        except QueueUnavailable as err:
-            if self.stop_requested.is_set():
-                raise LearnerError(f"stopped while waiting for the queue: {err}") from None
-            raise LearnerError(f"the queue was unreachable for {limit:g}s: {err}") from None
+        self.collector.acknowledge()
 
     # ----------------------------------------------------------------- metrics
     def report(
-        self,
-        groups: list[RolloutGroup],
-        batch: StepBatch,
-        stats: dict[str, float],
-        trained_with: int,
-        *,
-        wait_s: float,
-        step_s: float,
-        publish_s: float,
+        self, groups: list[RolloutGroup], batch: StepBatch, stats: dict[str, float], trained_with: int, **times: float
     ) -> None:
+        """The step's row (`metrics.jsonl`, the trackers, the live view, the console line);
+        `times`: `wait_s`, `step_s` and `publish_s`."""
         step_groups = self.collector.end_step()
         self.feeder.reissue(step_groups)
+        # TRL's num_tokens: prompt and completion tokens trained on, run-long
         self.state.count(
             "num_tokens",
             sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size for g in groups for c in g.completions),
         )
+        rewards_N, episodes = batch.rewards_N.tolist(), bool(self.cfg.tools or self.cfg.environment)
+        names, logged = self._reward_names, self._logged_names
+        figures = group_figures(groups, step_groups, rewards_N, trained_with, names, episodes, logged)
         row = clean(
             {
                 "step": self.state.step,
                 "adapter_version": self.state.policy_version,
-                **group_figures(
-                    groups,
-                    step_groups,
-                    batch.rewards_N.tolist(),
-                    trained_with,
-                    self._reward_names,
-                    episodes=bool(self.cfg.tools or self.cfg.environment),
-                    logged=self._logged_names,
-                ),
+                **figures,
                 **stats,
-                # TRL's: prompt and completion tokens trained on, run-long
                 "num_tokens": self.state.totals["num_tokens"],
-                "wait_s": wait_s,
-                "step_s": step_s,
-                "publish_s": publish_s,
+                **times,
                 **self.feeder.metrics(),
                 **self.collector.metrics(),
                 **self.evals.metrics(),

@@ -11,6 +11,7 @@ import pytest
 from conftest import redis_clients
 from factories import batch, group, groups, manifest
 from inprocess_proxy import ProxiedQueue
+from waiting import blocked_in, wait_until
 
 from protocol import (
     FinishedBatch,
@@ -34,6 +35,7 @@ def backend(request: pytest.FixtureRequest):
     clients = redis_clients(request, request.param if request.param in ("redis", "cluster") else "fakeredis")
     make = next(clients)
     make.through_proxy = request.param == "proxy"
+    make.server = request.param in ("redis", "cluster")  # a server to ask what its clients do
     yield make
     next(clients, None)  # closes them
 
@@ -293,12 +295,17 @@ def test_a_blocked_reader_wakes_for_stored_groups_only_and_no_gate_outlives_a_su
     got: list = []
     reader = threading.Thread(target=lambda: got.extend(learner.read_rollouts("learner", 10, block_s=8.0)))
     reader.start()
-    time.sleep(0.3)
+    if backend.server:
+        wait_until(lambda: blocked_in(client, "xreadgroup"), "the reader blocked in XREADGROUP")
+    else:  # fakeredis has no server to ask: a pause for the reader to reach its wait
+        time.sleep(0.3)
     with pytest.raises(LeaseMismatch):
         q.submit("w", first.lease_id, groups(second.batch))
     assert no_gate_left()
-    time.sleep(0.3)
+    time.sleep(0.3)  # what would wake the reader has had its time
     assert reader.is_alive() and got == []  # still blocked, nothing stored
+    if backend.server:
+        assert blocked_in(client, "xreadgroup")
 
     part = q.submit("w", first.lease_id, groups(first.batch)[:1])
     reader.join(5.0)

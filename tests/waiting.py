@@ -25,6 +25,10 @@ def wait_until(ready: Callable[[], T], what: str, timeout_s: float = 10.0, poll_
 
 
 def blocked_in(client: Any, command: str) -> int:
-    """How many clients of a real redis-server are blocked in `command` (CLIENT LIST's
-    flag `b`): a reader that has reached its wait, seen from the server."""
-    return sum(1 for c in client.client_list() if "b" in c["flags"] and c["cmd"] == command)
+    """How many clients of a real redis-server (or of every node of a cluster's) are blocked
+    in `command` (CLIENT LIST's flag `b`): a reader that has reached its wait, seen from the
+    server."""
+    nodes = getattr(client, "ALL_NODES", None)  # a RedisCluster: a list per node
+    listed = client.client_list() if nodes is None else client.client_list(target_nodes=nodes)
+    per_node = listed.values() if isinstance(listed, dict) else [listed]
+    return sum(1 for clients in per_node for c in clients if "b" in c["flags"] and c["cmd"] == command)
