@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
 from learner.data import PromptSource
+from learner.token_use import group_tokens
 from protocol import PromptBatch, Queue, QueueUnavailable, RolloutGroup, SamplingParams
 from protocol.util.retry import Backoff
 
@@ -246,6 +247,7 @@ class EvalSink:
     def take(self, group: RolloutGroup) -> None:
         """One eval group: never trained on, never counted as a training prompt."""
         assert self.evaluator is not None
+        self.state.count("tokens/evaluated", group_tokens(group))
         figures = self.evaluator.record(group)
         self._done(figures)
         if figures is not None:

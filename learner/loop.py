@@ -37,6 +37,7 @@ from learner.judge import Bounds, Reason
 from learner.lifecycle import LearnerError, StartupRetry, close_run, open_run
 from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
 from learner.publish import Publisher, PublishJob, nonfinite
+from learner.token_use import count_step, sequence_tokens
 from learner.trackers import open_trackers
 from learner.trainer import Trainer
 from protocol import Queue, RolloutGroup, fingerprint_of_model
@@ -280,11 +281,8 @@ class Learner:
         `times`: `wait_s`, `step_s` and `publish_s`."""
         step_groups = self.collector.end_step()
         self.feeder.reissue(step_groups)
-        # TRL's num_tokens: prompt and completion tokens trained on, run-long
-        self.state.count(
-            "num_tokens",
-            sum(g.prompt_tokens.size * len(g.completions) + c.tokens.size for g in groups for c in g.completions),
-        )
+        count_step(self.state, step_groups, self.cfg.mask_truncated_completions)
+        self.state.count("num_tokens", sequence_tokens(groups))  # TRL's, run-long
         rewards_N, episodes = batch.rewards_N.tolist(), bool(self.cfg.tools or self.cfg.environment)
         names, logged = self._reward_names, self._logged_names
         figures = group_figures(groups, step_groups, rewards_N, trained_with, names, episodes, logged)

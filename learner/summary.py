@@ -11,6 +11,7 @@ from rich.console import Console
 
 from learner.config import LearnerConfig
 from learner.progress import plot, summarise
+from learner.token_use import token_accounting, token_line
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         # every group the learner read, by verdict, those of a collection a stop cut short too
         # (they stay pending in the queue, so `dropped` leaves them out)
         "read": {k.removeprefix("read/"): v for k, v in sorted(totals.items()) if k.startswith("read/")},
+        # where every generated token of a consumed group went (`learner.token_use`)
+        "tokens": token_accounting(totals),
     }
     if cfg.scoring_mode == "trusted":
         out["scored"] = totals.get("scored_groups", 0)
@@ -95,10 +98,12 @@ def done_line(summary: dict[str, Any], path: Any) -> str:
         held_out = f"; held-out pass@1 {shown[first]} (v{first}) -> {shown[last]} (v{last})" + (
             " (cut short)" if evals[last].get("cut_short") else ""
         )
+    tokens = token_line(summary.get("accounting", {}).get("tokens", {}))
+    tokens = f"\n  {tokens}" if tokens else ""
     return (
         f"\n[bold]done[/bold]: {summary['steps']} steps in {summary['wall_s']}s; reward {summary['reward_first_5']} "
         f"(first 5 steps) -> {summary['reward_last_5']} (last 5){held_out}; max staleness {summary['staleness_max']}; "
-        f"adapter v{summary['adapter_version']}.\n  plot {summary['curve']}{files}"
+        f"adapter v{summary['adapter_version']}.{tokens}\n  plot {summary['curve']}{files}"
     )
 
 

@@ -64,9 +64,8 @@ def chat_batch() -> PromptBatch:
 
 
 def completion(n: int = 4, reward: float | None = 1.0, **fields: object) -> Completion:
-    return Completion.of(
-        list(range(10, 10 + n)), [-0.25] * n, finish_reason="stop", text="x" * n, reward=reward, **fields
-    )
+    fields = {"finish_reason": "stop", "text": "x" * n, **fields}
+    return Completion.of(list(range(10, 10 + n)), [-0.25] * n, reward=reward, **fields)
 
 
 def group(

@@ -95,6 +95,12 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, 
     # scored by the trusted tier (its own worker beside the actors), nothing rejected there
     assert accounting["scored"] >= accounting["trained"] > 0 and accounting["rejected_by_scoring"] == 0
     assert "in_scoring" in accounting and (run_dir / "logs" / "scorer-0.log").exists()
+    # where every generated token went: the trained ones are the steps' completions (8 a group)
+    tokens = accounting["tokens"]
+    assert tokens["trained"] == pytest.approx(sum(r["completions/mean_length"] * r["groups"] * 8 for r in rows))
+    assert tokens["generated"] == sum(v for k, v in tokens.items() if k not in ("generated", "trained_share"))
+    assert tokens["evaluated"] > 0
+    assert f"trained {tokens['trained_share']:.0%} of {tokens['generated']:,} generated tokens" in proc.stderr
     assert all(r["score_s_mean"] >= 0 and r["scoring_latency_s_mean"] > 0 for r in rows)
     assert "reward" in proc.stderr and "done" in proc.stderr
     # warnings say only what is true: a worker is named as lagging only if its groups were dropped

@@ -178,5 +178,53 @@ def test_the_eval_sink_keeps_eval_groups_out_of_training_and_writes_the_version_
     evals.out.close()
     (row,) = read_evals(learner.cfg.resolved_run_dir)
     assert (row["eval/version"], row["eval/prompts"], row["eval/pass@1"]) == (0, 2, 0.5)
+    assert state.totals["tokens/evaluated"] == 2 * 4 * 2  # generated to be measured, never trained
     assert evals.outstanding() == 0 and evals.metrics() == {"eval_inflight": 0} and 0 not in evals.pinned()
     assert list(state.ledger.finished) == [b.batch_id]  # the queue may forget it with the next checkpoint
+
+
+def test_every_generated_token_of_a_consumed_group_is_counted_once_where_it_went(learner: Learner) -> None:
+    """`learner.token_use`: trained, truncated (masked out of the loss), flat, stale,
+    rejected and evaluated tokens add up to what was generated; an abandoned collection
+    counts nothing, and an episode's environment tokens are not the model's."""
+    from learner.summary import accounting
+    from learner.token_use import count_step, model_tokens, sequence_tokens, token_line
+
+    collector, state = learner.collector, learner.state
+    learner.cfg.mask_truncated_completions = True
+    learner.feeder.feed(kept=0)
+    b0, b1, b2, _ = issued(learner)
+    cut = completion(3, reward=1.0, finish_reason="length")
+    trained = msgspec.structs.replace(answer(b0, 0), completions=[*answer(b0, 0).completions[:3], cut])
+    collector.take(Delivery("1-0", trained))  # 3 x 2 tokens trained, 3 truncated
+    collector.take(Delivery("1-1", answer(b0, 1, rewards=(1, 1, 1, 1))))  # flat: 4 x 2
+    collector.take(Delivery("1-2", answer(b1, 0, version=7)))  # rejected (a future version): 4 x 2
+    collector.take(Delivery("1-3", trained))  # the same prompt again: rejected as a duplicate, 9
+    collector.abandon()  # a stop: none of it is consumed, so none of it is counted
+    count_step(state, collector.end_step(), mask_truncated=True)
+    assert not any(k.startswith("tokens/") for k in state.totals)
+
+    for i, g in enumerate([trained, answer(b0, 1, rewards=(1, 1, 1, 1)), answer(b1, 0, version=7), trained]):
+        collector.take(Delivery(f"2-{i}", g))
+    state.policy_version = 3  # max_staleness 2: a group of the base model is stale now
+    collector.take(Delivery("2-4", answer(b2, 0)))  # stale: 4 x 2
+    count_step(state, collector.end_step(), mask_truncated=True)
+    tokens = accounting(state, learner.cfg, None)["tokens"]
+    assert tokens == {
+        "generated": 6 + 3 + 8 + 8 + 9 + 8,
+        "trained": 6,
+        "truncated": 3,
+        "flat": 8,
+        "stale": 8,
+        "rejected": 17,
+        "evaluated": 0,
+        "trained_share": round(6 / 42, 4),
+    }
+    assert token_line(tokens) == (
+        "trained 14% of 42 generated tokens (truncated 7%, flat 19%, stale 19%, rejected 40%)"
+    )
+    episode = completion(6, reward=1.0, mask=[1, 1, 0, 0, 1, 0])
+    assert model_tokens(episode) == 3 and model_tokens(completion(6)) == 6
+    # TRL's num_tokens: each sequence's prompt once, with its completion
+    prompt = trained.prompt_tokens.size
+    assert prompt > 1 and sequence_tokens([trained]) == 4 * prompt + 3 * 2 + 3

@@ -1,0 +1,71 @@
+"""Where the tokens the fleet generated went: trained on, or not and why.
+
+Every completion token a worker's model generated (an episode's environment tokens are
+not: `Completion.mask`) of every group the learner consumed lands in one place:
+
+- `trained`: in the loss of a step;
+- `truncated`: a trained group's completion that hit `max_tokens`, left out of the loss
+  by `mask_truncated_completions` (DAPO's overlong filtering);
+- `flat`, `stale`: a good group with no usable signal (`learner.judge.Reason.dropped`);
+- `rejected`: a group that broke a rule, a duplicate or a quarantined worker's included;
+- `evaluated`: held-out evaluations, generated to be measured, never trained.
+
+The counts are run-long totals in the checkpointed state (`tokens/<where>`), counted when a
+step's verdicts are final (`count_step`), so a collection a stop abandons counts nothing:
+its groups stay pending and are judged again by the next run. `summary.json` and the
+`done:` line give the trained share.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from learner.judge import StepGroups
+from protocol import Completion, RolloutGroup
+
+WHERE = ("trained", "truncated", "flat", "stale", "rejected", "evaluated")
+PREFIX = "tokens/"
+
+
+def model_tokens(c: Completion) -> int:
+    """The tokens of `c` its model generated."""
+    return len(c.token_ids) // 4 if c.mask is None else int(np.count_nonzero(np.frombuffer(c.mask, np.uint8)))
+
+
+def group_tokens(group: RolloutGroup) -> int:
+    return sum(model_tokens(c) for c in group.completions)
+
+
+def sequence_tokens(groups: list[RolloutGroup]) -> int:
+    """TRL's `num_tokens`: the prompt and completion tokens of every sequence trained on."""
+    return sum(g.prompt_tokens.size + c.tokens.size for g in groups for c in g.completions)
+
+
+def count_step(state: Any, step: StepGroups, mask_truncated: bool) -> None:
+    """Count one step's groups, trained and dropped, into `state.totals`."""
+    for g in step.kept:
+        for c in g.completions:
+            masked = mask_truncated and c.finish_reason == "length"
+            state.count(PREFIX + ("truncated" if masked else "trained"), model_tokens(c))
+    for g, reason in step.dropped:
+        state.count(PREFIX + (reason.removeprefix("dropped_") if reason.dropped else "rejected"), group_tokens(g))
+
+
+def token_accounting(totals: dict[str, int]) -> dict[str, Any]:
+    """`summary.json`'s `tokens`: each place's count, the total and the trained share."""
+    where = {w: totals.get(PREFIX + w, 0) for w in WHERE}
+    generated = sum(where.values())
+    share = round(where["trained"] / generated, 4) if generated else None
+    return {"generated": generated, **where, "trained_share": share}
+
+
+def token_line(tokens: dict[str, Any]) -> str:
+    """`trained 61% of 12,345 generated tokens (flat 30%, stale 9%)`, or "" before any."""
+    generated = tokens.get("generated") or 0
+    if not generated:
+        return ""
+    rest = ", ".join(f"{w} {tokens[w] / generated:.0%}" for w in WHERE[1:] if tokens.get(w))
+    line = f"trained {tokens['trained'] / generated:.0%} of {generated:,} generated tokens"
+    return f"{line} ({rest})" if rest else line
