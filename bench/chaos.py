@@ -271,6 +271,9 @@ class Soak:
                 "--startup-timeout-s",
                 "600",
                 "--no-tensorboard",
+                # the check below names every issued prompt from its batch's number (batch i
+                # holds positions PPB*i on); active sampling passes positions over
+                "--no-active-sampling",
             ],
             {**base, "SPOTGRPO_TOKEN": self.secrets["learner"], "SPOTGRPO_CA_CERT": str(self.cert)},
             self.logs / "learner.log",

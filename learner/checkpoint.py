@@ -27,6 +27,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from learner.active import PromptOutcomes
 from learner.ledger import PromptLedger
 from learner.policy import read_adapter_weights
 from protocol.trusted.store import Store, retrying
@@ -50,6 +51,8 @@ class LearnerState:
     rng: dict[str, Any] = field(default_factory=dict)
     quarantined: dict[str, str] = field(default_factory=dict)
     """worker -> why: the workers whose groups are no longer trained on (`learner.audit`)."""
+    outcomes: PromptOutcomes = field(default_factory=PromptOutcomes)
+    """Each prompt's recent groups, flat or not, and the prompts set aside (`learner.active`)."""
 
     def count(self, key: str, n: int = 1) -> None:
         key = str(key)  # a `learner.judge.Reason` is counted under its plain name
@@ -68,6 +71,7 @@ class LearnerState:
             unacked=dict(raw.get("unacked") or {}),
             rng=dict(raw.get("rng") or {}),
             quarantined=dict(raw.get("quarantined") or {}),
+            outcomes=PromptOutcomes.from_json(raw.get("outcomes")),
         )
 
 

@@ -155,6 +155,8 @@ class Collector:
                 f"its group named adapter v{group.adapter_version} and carried the digest of other files",
             )
         self.step.add(group, reason)
+        if reason in (None, Reason.FLAT, Reason.STALE):  # a rejected group says nothing of its prompt
+            self.feeder.outcome(group)
         state.count(f"read/{reason or 'kept'}")  # every group read, never taken back (summary)
         if reason is not None:
             state.count(reason)

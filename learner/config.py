@@ -280,6 +280,17 @@ class LearnerConfig(BaseModel):
         "token",
         description="Policy ratio per token (GRPO/PPO), or per sequence as the geometric mean of its tokens' (GSPO).",
     )
+    active_sampling: bool = Field(
+        True,
+        description="Pass over prompts whose recent groups were flat at the best reward (mastered: no advantage), "
+        "with their flat rate as the chance (learner/active.py).",
+    )
+    active_sampling_floor: float = Field(
+        0.05, ge=0, le=1, description="Active sampling: the least chance a prompt met is issued (it is retried)."
+    )
+    active_sampling_hard: bool = Field(
+        False, description="Active sampling: pass over prompts flat below the best reward (too hard) as well."
+    )
     mask_truncated_completions: bool = Field(
         False, description="Leave completions that hit max_tokens out of the loss (DAPO's overlong filtering)."
     )

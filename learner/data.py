@@ -13,6 +13,7 @@ is all it takes to continue.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -242,6 +243,7 @@ class PromptSource:
         """Passed to the tokenizer's chat template (Qwen3's enable_thinking, ...)."""
         self.tools = tools
         self._orders: dict[int, np.ndarray] = {}
+        self._keys: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -262,6 +264,24 @@ class PromptSource:
         if epoch not in self._orders:
             self._orders = {epoch: np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))}
         return int(self._orders[epoch][offset])
+
+    def row_key(self, position: int) -> int:
+        """The prompt at run position `position`, known by its row's content: the index of
+        the first row with the same columns (active sampling's key, `learner.active`)."""
+        return self._row_keys()[self.row_index(position)]
+
+    @functools.cached_property
+    def distinct(self) -> int:
+        """Distinct prompts (rows with other content)."""
+        return len(set(self._row_keys()))
+
+    def _row_keys(self) -> list[int]:
+        if self._keys is None:
+            first: dict[str, int] = {}
+            self._keys = [
+                first.setdefault(json.dumps(row, sort_keys=True, default=str), i) for i, row in enumerate(self.rows)
+            ]
+        return self._keys
 
     def _render(self, index: int) -> tuple[list[int], dict[str, Any]]:
         """Row `index`'s prompt token ids (uncut) and its text or messages."""

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from learner.active import passes_over
 from learner.admission import Admission
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
@@ -47,9 +48,25 @@ class Feeder:
         self.cfg, self.queue, self.source = cfg, queue, source
         self.admission, self.publisher, self.evals, self.sampling = admission, publisher, evals, sampling
         self.state = LearnerState()
-        """The run's state, shared with the other parts (`Learner.state` sets it on resume)."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
+
+    @property
+    def state(self) -> LearnerState:
+        """The run's state, shared with the other parts (`Learner.state` sets it on resume)."""
+        return self._state
+
+    @state.setter
+    def state(self, state: LearnerState) -> None:
+        self._state = state
+        self.checkpointed()
+
+    def checkpointed(self) -> None:
+        """The state was written to a checkpoint (or restored from one). Active sampling
+        decides from the prompts' flat rates as they were then: a batch issued after it and
+        issued again by a resumed learner (the same id, which the queue keeps the first of)
+        then holds the same prompts."""
+        self._flat_rate = dict(self._state.outcomes.flat_rate)
 
     @property
     def ledger(self) -> PromptLedger:
@@ -77,17 +94,31 @@ class Feeder:
             again = self._batch(f"{cfg.run}-r{ledger.batches_issued}", ledger.to_reissue[:n])
             self.queue.add_prompts([again])
             ledger.issue_again(again.batch_id, n)
-        batches: list[PromptBatch] = []
-        room = ledger.room(limit)
+        batches: list[tuple[PromptBatch, list[int]]] = []
+        room, cursor = ledger.room(limit), ledger.cursor
         while size > 0 and size <= room - size * len(batches):
-            start = ledger.cursor + size * len(batches)
-            batches.append(
-                self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}", list(range(start, start + size)))
-            )
+            positions = self.next_positions(cursor, size)
+            cursor = positions[-1] + 1
+            batches.append((self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}", positions), positions))
         if batches:
-            self.queue.add_prompts(batches)  # batch ids are deterministic: a re-issue is skipped
-            for b in batches:
-                ledger.issue(b.batch_id, len(b.prompts))
+            self.queue.add_prompts([b for b, _ in batches])  # batch ids are deterministic: a re-issue is skipped
+            for b, positions in batches:
+                ledger.issue(b.batch_id, len(positions), positions)
+
+    def next_positions(self, cursor: int, n: int) -> list[int]:
+        """The next `n` data set positions from `cursor` whose prompts active sampling does
+        not pass over (`learner.active`). Where a long stretch is all passed over, the next
+        ones regardless: a run never waits for its prompts."""
+        cfg, rates = self.cfg, self._flat_rate
+        if not cfg.active_sampling or not rates:
+            return list(range(cursor, cursor + n))
+        picked: list[int] = []
+        p, end = cursor, cursor + min(len(self.source), 64 * n)
+        while len(picked) < n and p < end:
+            if not passes_over(rates.get(self.source.row_key(p), 0.0), p, cfg.seed, cfg.active_sampling_floor):
+                picked.append(p)
+            p += 1
+        return picked + list(range(p, p + n - len(picked)))
 
     def _batch(self, batch_id: str, positions: list[int]) -> PromptBatch:
         cfg, state = self.cfg, self.state
@@ -107,6 +138,12 @@ class Feeder:
             scoring=cfg.scoring_mode,  # type: ignore[arg-type]
             **self.source.episodes(),
         )
+
+    def outcome(self, group: RolloutGroup) -> None:
+        """A group of a training prompt was judged: flat or with a spread (`learner.active`)."""
+        rewards = [float(r or 0.0) for r in group.rewards]  # judged: every one is a number
+        key = self.source.row_key(position_of(group.prompt_id))
+        self.state.outcomes.record(key, rewards, hard=self.cfg.active_sampling_hard)
 
     def issued_tokens(self, group: RolloutGroup) -> dict[str, bytes | None] | None:
         """prompt id -> the prompt tokens issued, for the group's batch if it is outstanding
@@ -157,4 +194,6 @@ class Feeder:
             "inflight": self.ledger.inflight,
             "inflight_limit": self.admission.limit,
             "epoch": self.source.epochs(self.ledger.cursor),
+            **self.state.outcomes.metrics(self.source.distinct),
+            "sampling/skipped_prompts": self.ledger.skipped,
         }

@@ -82,13 +82,15 @@ class PromptLedger:
     finished: dict[str, Span] = field(default_factory=dict)
     """Batches consumed to the end (or dead-lettered), not yet reported to the queue."""
     reissued: int = 0
-    """Prompts issued a second time (`issue_again`): `cursor + reissued` were issued in all."""
+    """Prompts issued a second time (`issue_again`): `cursor + reissued - skipped` were issued in all."""
+    skipped: int = 0
+    """Positions the cursor passed over, never issued: their prompts were set aside (`learner.active`)."""
     to_reissue: list[int] = field(default_factory=list)
     """Positions of prompts to issue again (`learner.judge.Reason.reissued`), in the order their groups were dropped."""
 
     @property
     def issued(self) -> int:
-        return self.cursor + self.reissued
+        return self.cursor + self.reissued - self.skipped
 
     @property
     def inflight(self) -> int:
@@ -98,11 +100,18 @@ class PromptLedger:
         """Prompts that may be issued now without passing `limit` in flight."""
         return limit - self.inflight
 
-    def issue(self, batch_id: str, n: int) -> int:
-        """A batch of the next `n` prompts; returns its first data set position."""
-        start = self.cursor
-        self.outstanding.setdefault(batch_id, Outstanding(start, n))
-        self.cursor += n
+    def issue(self, batch_id: str, n: int, positions: list[int] | None = None) -> int:
+        """A batch of the next `n` prompts, or of `positions` (ascending, from the cursor
+        on: those between them are skipped); returns its first data set position."""
+        start = self.cursor if positions is None else positions[0]
+        if positions is None or positions == list(range(start, start + n)):
+            positions = None
+        else:
+            assert len(positions) == n and positions == sorted(set(positions)) and start >= self.cursor
+        end = start + n if positions is None else positions[-1] + 1
+        self.outstanding.setdefault(batch_id, Outstanding(start, n, positions))
+        self.skipped += end - self.cursor - n
+        self.cursor = end
         self.batches_issued += 1
         return start
 
@@ -207,5 +216,6 @@ class PromptLedger:
             outstanding={k: outstanding(v) for k, v in (raw.get("outstanding") or {}).items()},
             finished={k: span(v) for k, v in (raw.get("finished") or {}).items()},
             reissued=int(raw.get("reissued", 0)),
+            skipped=int(raw.get("skipped", 0)),
             to_reissue=[int(p) for p in raw.get("to_reissue") or []],
         )

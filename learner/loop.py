@@ -270,6 +270,7 @@ class Learner:
             return
         self._checkpointed_step = self.state.step
         self._checkpoint_versions.append(self.state.policy_version)
+        self.feeder.checkpointed()
         log.info("checkpoint at step %d", self.state.step)
         self.collector.acknowledge()
 

@@ -75,7 +75,14 @@ def test_the_feeder_fills_the_window_with_whole_batches_and_no_more(learner: Lea
     assert ledger.batches_issued == 4  # full: nothing more
     batches = issued(learner)
     assert [b.batch_id for b in batches] == ["parts-b0", "parts-b1", "parts-b2", "parts-b3"]
-    assert feeder.metrics() == {"inflight": 8, "inflight_limit": 8, "epoch": 8 / len(learner.source)}
+    assert feeder.metrics() == {
+        "inflight": 8,
+        "inflight_limit": 8,
+        "epoch": 8 / len(learner.source),
+        "sampling/flat_prompt_frac": 0.0,
+        "sampling/skip_chance_mean": 0.0,
+        "sampling/skipped_prompts": 0,
+    }
     g = answer(batches[0], 0)
     assert feeder.issued_tokens(g) == {p.id: p.token_ids for p in batches[0].prompts}
     learner.collector.take(Delivery("1-0", g))
