@@ -50,9 +50,13 @@ def check(cfg: LearnerConfig) -> int:
         try:
             import_user_code(cfg)
         except ValueError as err:  # RewardError, ToolError
-            raise CheckFailed(
-                str(err), "run from the folder that holds your module (it is on the module path), or install it"
-            ) from None
+            unimported = "cannot import" in str(err) or "has no function" in str(err)
+            fix = (
+                "run from the folder that holds your module (it is on the module path), or install it"
+                if unimported
+                else "correct the specification as the line says (module:function, or module:factory(name=value, ...))"
+            )
+            raise CheckFailed(str(err), fix) from None
         return (
             f"no --queue: `learner run` starts the whole system here in {cfg.resolved_run_dir}: "
             f"{'redis-server ' + redis if redis else 'an in-process Redis (fakeredis)'}, the proxy over TLS on "

@@ -33,6 +33,7 @@ from learner.judge import Bounds, Reason, RepeatedWarnings, StepGroups, judge
 from learner.publish import Publisher
 from learner.watchdog import ProgressWatch
 from protocol import Delivery, ProtocolError, Queue, QueueError, QueueUnavailable, RolloutGroup
+from protocol.usercode.rewards import reward_name
 from protocol.util.retry import Backoff
 from protocol.wire.text import printable
 
@@ -236,7 +237,7 @@ class Collector:
             stats = None if self.step.dropped else self.queue.stats()
         except (QueueError, ProtocolError):
             stats = None
-        names = [spec.split(":", 1)[-1].split("=", 1)[0] for spec in self.cfg.reward]
+        names = [reward_name(spec) for spec in self.cfg.reward]
         log.warning("%s", self.watch.explain(self.step, wanted, names, stats))
 
     def check_fleet(self, every_s: float = 15.0) -> None:

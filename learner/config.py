@@ -95,7 +95,8 @@ class LearnerConfig(BaseModel):
     reward: list[str] = Field(
         [],
         description=(
-            "Reward functions module:function[=weight]: what the run's scorers run (`learner score --reward`, or "
+            "Reward functions module:function[=weight], or module:factory(name=value, ...)[=weight]: what the run's "
+            "scorers run (`learner score --reward`, or "
             "the actors' own with --scoring actors); the embedded default starts them with these."
         ),
     )

@@ -29,6 +29,7 @@ from typing import Any
 from learner.judge import Reason, StepGroups
 from learner.trackers import Sample, Tracker
 from protocol import RolloutGroup
+from protocol.usercode.rewards import reward_name
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class RewardNames:
 
     def __init__(self, specs: list[str], limit: int = 16, per_source: int = 4) -> None:
         self.fixed = bool(specs)
-        self.names = {spec.split(":", 1)[-1].split("=", 1)[0] for spec in specs}
+        self.names = {reward_name(spec) for spec in specs}
         self.limit, self.per_source = limit, per_source
         self._introduced: collections.Counter[str] = collections.Counter()
 

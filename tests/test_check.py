@@ -254,6 +254,11 @@ def test_learner_check_of_the_embedded_run(tmp_path: Path) -> None:
     proc = learner_check("--reward", "my_rewardz:correct", "--run", "typo")  # the typo
     assert proc.returncode == 1, proc.stdout
     assert "FAIL  embedded   --reward 'my_rewardz:correct': cannot import my_rewardz" in proc.stdout
+    assert "fix: run from the folder that holds your module" in proc.stdout
+    length = "protocol.usercode.length:get_soft_overlong_punishment(max_completion_len=2, soft_punish_cache=3)"
+    proc = learner_check("--reward", length, "--run", "bad-args")  # a factory's arguments it refuses
+    assert proc.returncode == 1 and "raised ValueError: soft_punish_cache (3) must be between" in proc.stdout
+    assert "fix: correct the specification as the line says" in proc.stdout
     (tmp_path / "my_rewards.py").write_text(
         "def correct(completions, **kwargs):\n    return [float(c.strip()[:1].isdigit()) for c in completions]\n"
     )

@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 from protocol.usercode.math_reward import accuracy
-from protocol.usercode.rewards import Scorer, load_reward
+from protocol.usercode.rewards import RewardError, Scorer, canonical_spec, load_reward, reward_name, without_weight
+from protocol.util.config_file import reward_specs
 
 
 def test_math_accuracy_on_gsm8k_style_answers() -> None:
@@ -82,3 +83,66 @@ def test_logged_metrics_are_bounded_and_named_safely() -> None:
     )
     assert len(scores.metrics) == MAX_LOGGED_METRICS and scores.metrics["m0"] == 1.0
     assert "inf" not in scores.metrics
+
+
+def test_dapo_soft_overlong_punishment_gives_trl_s_values() -> None:
+    from trl.rewards import get_soft_overlong_punishment as trls
+
+    from protocol.usercode.length import get_soft_overlong_punishment as ours
+
+    ids = [[7] * n for n in (0, 1, 79, 80, 81, 90, 99, 100, 101, 500)]
+    for limit, cache in ((100, 20), (100, 0), (100, 100), (8, 3)):
+        assert ours(limit, cache)(ids) == pytest.approx(trls(limit, cache)(ids)), (limit, cache)
+    assert ours(100, 20)(ids)[:8] == [0.0, 0.0, 0.0, 0.0, -0.05, -0.5, -0.95, -1.0]
+    with pytest.raises(ValueError, match="soft_punish_cache"):
+        ours(10, 11)
+
+
+SPEC = "protocol.usercode.length:get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)"
+
+
+def test_a_factory_spec_scores_with_the_function_it_returns_beside_the_task_s_reward() -> None:
+    """`module:factory(k=v, ...)=weight` (TRL's get_soft_overlong_punishment), as a user
+    adds it to the task's reward: each counted with its weight, named after the factory."""
+    scorer = Scorer([load_reward("protocol.usercode.math_reward:accuracy"), load_reward(SPEC + "=0.5")], timeout_s=5.0)
+    prompt = factories.batch(0, 1).prompts[0]  # columns: answer "1"
+    scores = scorer.score(prompt, "", ["1", "1 1 1", "1 1 1 1 1"], [[1], [1, 1, 1], [1] * 5])
+    assert scores.error is None and scores.rewards == [1.0, 0.75, 0.5]
+    assert [c["get_soft_overlong_punishment"] for c in scores.components] == [0.0, -0.5, -1.0]
+
+
+LENGTH = "protocol.usercode.length:get_soft_overlong_punishment"
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        (f"{LENGTH}(4, 2)", "name=literal"),
+        (f"{LENGTH}(max_completion_len=4, **x)", "name=literal"),
+        (f"{LENGTH}(max_completion_len=x)", "name=literal"),
+        (f"{LENGTH}(max_completion_len=open('x'))", "expected module:function"),
+        (f"{LENGTH}(max_completion_len=4)", "raised TypeError"),
+        (f"{LENGTH}(max_completion_len=4, soft_punish_cache=9)", "between"),
+        ("protocol.usercode.math_reward:accuracy(answer='1')", "returned list, not a function|raised"),
+        (f"{LENGTH}(max_completion_len=4, soft_punish_cache=2)=1e999", "finite"),
+        ("protocol.usercode.rewards:TRL_EXTRAS()", "no function"),
+        ("protocol.usercode.rewards:reward_name(spec='x')", "returned str, not a function"),
+    ],
+)
+def test_a_bad_factory_spec_is_refused_in_one_line_naming_it(spec: str, why: str) -> None:
+    with pytest.raises(RewardError, match=why) as err:
+        load_reward(spec)
+    assert "\n" not in str(err.value) and spec in str(err.value)
+
+
+def test_a_factory_spec_has_one_canonical_form_and_its_name_and_weight_come_apart() -> None:
+    written = [
+        "protocol.usercode.length:get_soft_overlong_punishment(soft_punish_cache=2, max_completion_len=4)=1",
+        "protocol.usercode.length.get_soft_overlong_punishment( max_completion_len = 4,soft_punish_cache=2 )",
+    ]
+    assert {canonical_spec(s) for s in written} == {
+        "protocol.usercode.length:get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)=1.0"
+    }
+    assert reward_name(SPEC + "=2") == "get_soft_overlong_punishment" and reward_name("m:f=2") == "f"
+    assert without_weight(SPEC + "=2.5") == SPEC and without_weight(SPEC) == SPEC
+    assert reward_specs({"reward": [SPEC + "=3"], "reward_weights": [0.5]}) == [SPEC + "=0.5"]

@@ -29,6 +29,7 @@ nothing beyond the standard library and the protocol, so all three can use it.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import functools
 import importlib
@@ -48,8 +49,12 @@ from protocol import Prompt
 from protocol.wire.messages import MAX_LOGGED_METRICS
 from protocol.wire.text import printable
 
-_SPEC = re.compile(r"^(?P<module>[A-Za-z_][\w.]*?)[:.](?P<attr>[A-Za-z_]\w*)(?:=(?P<weight>[-+0-9.eE]+))?$")
-"""`module:function[=weight]`, or TRL's dotted `module.function`."""
+_SPEC = re.compile(
+    r"^(?P<module>[A-Za-z_][\w.]*?)[:.](?P<attr>[A-Za-z_]\w*)(?:\((?P<args>[^()]*)\))?(?:=(?P<weight>[-+0-9.eE]+))?$"
+)
+"""`module:function[=weight]`, or TRL's dotted `module.function`; `module:factory(k=v, ...)`
+names the function a factory returns (TRL's `get_soft_overlong_punishment(...)`)."""
+_WEIGHT = re.compile(r"=[-+0-9.eE]+$")
 
 
 T = TypeVar("T")
@@ -113,32 +118,86 @@ loading now, and a spec that names the old module still loads (runs and scripts 
 started before the move)."""
 
 
-def canonical_spec(spec: str) -> str:
-    """`spec` as `module:function=weight`, however it was written (TRL's dotted form, no
-    weight, a built-in's earlier module), so that two roles' rewards compare; unchanged if
-    it is not a spec."""
+@dataclass(frozen=True)
+class RewardSpec:
+    """A parsed `--reward`: `module:function[=weight]`, or `module:factory(k=v, ...)[=weight]`
+    whose keyword arguments are Python literals (numbers, strings, lists, ...)."""
+
+    module: str
+    attr: str
+    kwargs: dict[str, Any] | None
+    """The factory's keyword arguments; None: `attr` is the reward function itself."""
+    weight: float = 1.0
+
+    @classmethod
+    def parse(cls, spec: str) -> RewardSpec:
+        match = _SPEC.match(spec.strip())
+        if match is None:
+            raise RewardError(
+                f"--reward {spec!r}: expected module:function (or module.function), or "
+                "module:factory(name=value, ...), with =weight if wanted"
+            )
+        weight = float(match["weight"]) if match["weight"] else 1.0
+        if not math.isfinite(weight):
+            raise RewardError(f"--reward {spec!r}: weight must be finite")
+        kwargs = None if match["args"] is None else _literal_kwargs(spec, match["args"])
+        return cls(MOVED.get(match["module"], match["module"]), match["attr"], kwargs, weight)
+
+    def canonical(self) -> str:
+        kwargs = sorted((self.kwargs or {}).items())
+        args = "" if self.kwargs is None else "(" + ", ".join(f"{k}={v!r}" for k, v in kwargs) + ")"
+        return f"{self.module}:{self.attr}{args}={self.weight!r}"
+
+
+def _literal_kwargs(spec: str, args: str) -> dict[str, Any]:
+    try:
+        call = ast.parse(f"f({args})", mode="eval").body
+        assert isinstance(call, ast.Call)
+        if call.args or any(k.arg is None for k in call.keywords):
+            raise ValueError("only name=value arguments")
+        return {str(k.arg): ast.literal_eval(k.value) for k in call.keywords}
+    except (SyntaxError, ValueError) as err:
+        raise RewardError(f"--reward {spec!r}: the factory's arguments must be name=literal pairs: {err}") from None
+
+
+def reward_name(spec: str) -> str:
+    """The name a reward's figures go by (`rewards/<name>/mean`): its function's, or its factory's."""
     match = _SPEC.match(spec.strip())
-    if match is None:
+    return match["attr"] if match is not None else spec
+
+
+def without_weight(spec: str) -> str:
+    """`spec` less its `=weight`."""
+    return _WEIGHT.sub("", spec.strip())
+
+
+def canonical_spec(spec: str) -> str:
+    """`spec` as `module:function=weight` (or `module:factory(k=v, ...)=weight`, its
+    arguments sorted), however it was written (TRL's dotted form, no weight, a built-in's
+    earlier module), so that two roles' rewards compare; unchanged if it is not a spec."""
+    try:
+        return RewardSpec.parse(spec).canonical()
+    except RewardError:
         return spec
-    weight = float(match["weight"]) if match["weight"] else 1.0
-    return f"{MOVED.get(match['module'], match['module'])}:{match['attr']}={weight!r}"
 
 
 def load_reward(spec: str) -> RewardFn:
-    match = _SPEC.match(spec.strip())
-    if match is None:
-        raise RewardError(f"--reward {spec!r}: expected module:function (or module.function), with =weight if wanted")
+    parsed = RewardSpec.parse(spec)
     try:
-        module = importlib.import_module(MOVED.get(match["module"], match["module"]))
+        module = importlib.import_module(parsed.module)
     except ImportError as err:
-        raise RewardError(f"--reward {spec!r}: cannot import {match['module']}: {err}") from err
-    fn = getattr(module, match["attr"], None)
+        raise RewardError(f"--reward {spec!r}: cannot import {parsed.module}: {err}") from err
+    fn = getattr(module, parsed.attr, None)
     if not callable(fn):
-        raise RewardError(f"--reward {spec!r}: {match['module']} has no function {match['attr']}")
-    weight = float(match["weight"]) if match["weight"] else 1.0
-    if not math.isfinite(weight):
-        raise RewardError(f"--reward {spec!r}: weight must be finite")
-    return RewardFn(name=match["attr"], fn=fn, weight=weight)
+        raise RewardError(f"--reward {spec!r}: {parsed.module} has no function {parsed.attr}")
+    if parsed.kwargs is not None:
+        try:
+            fn = fn(**parsed.kwargs)
+        except Exception as err:
+            raise RewardError(f"--reward {spec!r}: {parsed.attr}(...) raised {type(err).__name__}: {err}") from err
+        if not callable(fn):
+            raise RewardError(f"--reward {spec!r}: {parsed.attr}(...) returned {type(fn).__name__}, not a function")
+    return RewardFn(name=parsed.attr, fn=fn, weight=parsed.weight)
 
 
 @dataclass(frozen=True)

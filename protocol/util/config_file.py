@@ -18,6 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from protocol.usercode.rewards import without_weight
+
 ROLE_TABLES = ("score", "actors", "proxy")
 """Tables of a config file that belong to the other roles, not to the learner."""
 
@@ -56,7 +58,7 @@ def reward_specs(learner: dict[str, Any]) -> list[str] | None:
         return [str(r) for r in rewards]
     if not isinstance(weights, list) or len(weights) != len(rewards):
         raise ConfigFileError("reward_weights: one weight per reward function")
-    return [f"{str(spec).split('=')[0]}={float(w)!r}" for spec, w in zip(rewards, weights, strict=True)]
+    return [f"{without_weight(str(spec))}={float(w)!r}" for spec, w in zip(rewards, weights, strict=True)]
 
 
 def shared(role: str, learner: dict[str, Any]) -> dict[str, Any]:
