@@ -4,8 +4,8 @@ see on the wire."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +14,7 @@ from pathlib import Path
 
 import factories
 import msgspec
+import psutil
 import pytest
 import redis
 from conftest import read_all
@@ -140,6 +141,28 @@ def test_a_hung_reward_is_killed_at_its_timeout_and_its_group_rejected(
     assert len(attempts.read_text().splitlines()) == 1
 
 
+def test_a_reward_module_keeps_its_state_across_jobs_and_a_hang_costs_only_that_state(
+    queue: RedisQueue, scorers, tmp_path: Path
+) -> None:
+    """The rewards run in the worker's reward host, which outlives the work horses RQ forks
+    per job: a reward's state built on its first call is there for every later group. A
+    hung reward's host is killed at the group's limit and replaced: the groups after it
+    are scored, by a fresh host."""
+    submit_unscored(queue, [trusted_batch(i, prompts=1) for i in range(4)])
+    scorers("--groups-per-job", "1", "--reward-timeout-s", "2", "--retries", "0", reward="toy_rewards:counts_or_hangs")
+    got = read_all(queue, 4)
+    assert sorted(g.rewards[0] for g in got) == [1.0, 2.0, 3.0, 4.0]  # four jobs, one count
+    assert len({g.scored_by for g in got}) == 1
+    hang = trusted_batch(4, prompts=1)
+    submit_unscored(
+        queue, [msgspec.structs.replace(hang, prompts=[msgspec.structs.replace(hang.prompts[0], text="hang")])]
+    )
+    (hung,) = read_all(queue, 1)
+    assert "time limit of 2s" in hung.error
+    submit_unscored(queue, [trusted_batch(i, prompts=1) for i in range(5, 7)])
+    assert sorted(g.rewards[0] for g in read_all(queue, 2)) == [1.0, 2.0]  # a fresh host: its state is new
+
+
 def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueue, scorers, tmp_path: Path) -> None:
     attempts = tmp_path / "attempts"
     # two prompts of one lease: one job; it fails, is split per group, and each is retried
@@ -170,10 +193,19 @@ def test_a_scoring_worker_killed_mid_job_has_its_job_rerun_and_the_group_stored_
     deadline = time.monotonic() + 30
     while not attempts.exists() and time.monotonic() < deadline:
         time.sleep(0.1)
-    horse = int(attempts.read_text().split()[0])
-    # the machine dies: the worker and its work horse (a process group of its own), SIGKILL
+    assert int(attempts.read_text().split()[0]) != first.pid  # the reward runs in the worker's reward host
+    # the worker dies, with its work horse (a process group of its own) and its reward host (a spawned
+    # interpreter), SIGKILL; RQ's scheduler process lives on, as it did when only the horse was the worker's
+    tree = [
+        p
+        for p in psutil.Process(first.pid).children(recursive=True)
+        if os.getpgid(p.pid) == p.pid or "spawn_main" in " ".join(p.cmdline())
+    ]
+    assert len(tree) == 2, tree
     first.kill()
-    os.kill(horse, signal.SIGKILL)
+    for child in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     first.wait(10)
     scorers("--retries", "1", reward="toy_rewards:slow_first_attempt")
     groups = read_all(queue, 2, timeout_s=60)  # ask for more than one: a second copy would show

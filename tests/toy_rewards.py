@@ -133,3 +133,20 @@ def strict(prompts: list, completions: list, completion_ids: list, answer: list)
     """A reward without `**kwargs` (TRL always passes `completion_ids`): it is handed only
     what it names."""
     return [1.0 if _text(c).strip() == a else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+_calls: list[int] = []
+
+
+def counts_its_calls(prompts: list, completions: list, **_: object) -> list[float]:
+    """Its own call number (state built when first called, as a client or a judge model is):
+    a reward module that keeps its state across groups counts 1, 2, 3, ..."""
+    _calls.append(len(_calls) + 1)
+    return [float(_calls[-1])] * len(completions)
+
+
+def counts_or_hangs(prompts: list, completions: list, **kw: object) -> list[float]:
+    """Hangs when the prompt says "hang"; counts its calls otherwise."""
+    if "hang" in str(prompts[0]):
+        time.sleep(300)
+    return counts_its_calls(prompts, completions, **kw)

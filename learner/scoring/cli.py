@@ -133,10 +133,11 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     from learner.detokenize import load_decode, load_tokenizer
     from learner.scoring.episodes import EpisodeReader
     from learner.scoring.replay import ReplayLimits
+    from learner.scoring.reward_host import HostedScorer
     from learner.scoring.tier import NameTaken, free_name, serve
     from protocol import QueueConfig, QueueUnavailable, check_model_path
     from protocol.trusted.scoring import ScoringQueue
-    from protocol.usercode.rewards import RewardError, Scorer, load_reward
+    from protocol.usercode.rewards import RewardError, load_reward
     from protocol.usercode.transcript import environment_reward
 
     if not args.redis.startswith(("redis://", "rediss://", "unix://")):
@@ -154,10 +155,10 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
         tokenizer = load_tokenizer(args.model) if args.environment or args.tools else None
         decode = load_decode(args.model, tokenizer)
         environment = environment_reward(args.environment, tokenizer) if args.environment else None
-        scorer = Scorer(
+        # loaded here too: a bad spec is refused before anything starts; they run in the reward host
+        scorer = HostedScorer(
             [load_reward(spec) for spec in args.reward or []],
-            timeout_s=None,
-            reraise=True,
+            list(args.reward or []),
             extra=environment.name if environment else None,
         )
         queue = ScoringQueue.from_url(args.redis, QueueConfig(run=args.run), rq_url=args.rq_redis)

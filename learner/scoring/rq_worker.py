@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -68,6 +69,15 @@ class ScoringWorker(Worker):
     stop_requested = False
     """SIGTERM or SIGINT reached this worker (RQ's loop also ends, and says less, when
     Redis goes away)."""
+
+    before_fork: Callable[[], None] | None = None
+    """Called before each work horse is forked (the reward host is started again if a horse
+    killed it: `learner.scoring.reward_host`)."""
+
+    def fork_work_horse(self, job: Job, queue: Any) -> None:
+        if self.before_fork is not None:
+            self.before_fork()
+        super().fork_work_horse(job, queue)
 
     def get_heartbeat_ttl(self, job: Job, *args: Any, **kwargs: Any) -> int:
         ttl = super().get_heartbeat_ttl(job, *args, **kwargs)

@@ -14,15 +14,17 @@ many as you like; each is one RQ worker plus a dispatcher thread.
   not sink its lease), and a failed one-group job becomes a rejected group (reward
   None, the error text), which reaches the learner and is counted, never trained on.
 - **The RQ worker** (the main thread; a forked work horse per job) runs `score_job`
-  (`learner.scoring.jobs`).
-  Each group is scored within its own time limit (`--reward-timeout-s`, on a thread of
-  the horse): a group past it is rejected at once, with that reason, and the job goes on
-  with the lease's other groups; a time-out is not retried (the same reward on the same
-  text would hang again). The horse ends with the job, taking an abandoned reward's
-  thread with it. RQ does the rest: `job_timeout` (the groups' limits plus a margin) is
-  the backstop that kills a horse that hangs anyway, `Retry` with backoff re-runs a
-  reward that raised, and a job whose worker died is found abandoned by RQ's
-  maintenance and retried.
+  (`learner.scoring.jobs`). The reward functions run in the worker's reward host
+  (`learner.scoring.reward_host`), a process that outlives the horses, so a reward's
+  state lasts across jobs; a horse asks it for each group's values.
+  Each group is scored within its own time limit (`--reward-timeout-s`, the horse's wait
+  for the host's answer): a group past it is rejected at once, with that reason, and the
+  job goes on with the lease's other groups; a time-out is not retried (the same reward
+  on the same text would hang again). The reward host busy with it is killed, and
+  replaced. RQ does the rest: `job_timeout` (the groups' limits plus a margin) is the
+  backstop that kills a horse that hangs anyway, `Retry` with backoff re-runs a reward
+  that raised, and a job whose worker died is found abandoned by RQ's maintenance and
+  retried.
 - **Scores follow tokens**: the tier decodes each completion's token ids with the run's
   tokenizer (`--model`, the learner's) and scores that text, the text the learner trains
   on; the actor's `text` is replaced by it. Timings come from the trusted side too: the
@@ -58,6 +60,7 @@ from learner.scoring import jobs, replay
 from learner.scoring.dispatcher import Dispatcher
 from learner.scoring.episodes import EpisodeReader
 from learner.scoring.jobs import Decode, Tier
+from learner.scoring.reward_host import HostedScorer
 from learner.scoring.rq_worker import ScoringWorker, adjust_rq
 from protocol import QueueUnavailable
 from protocol.trusted.scoring import ScoringQueue
@@ -124,6 +127,9 @@ def serve(
     then QueueUnavailable) and starts another RQ worker under a new name (the old one's
     registration may outlive a restart on its AOF)."""
     adjust_rq()
+    host = scorer.host if isinstance(scorer, HostedScorer) else None
+    if host is not None:
+        host.start()  # before the dispatcher's thread: one process, started once
     jobs.install(
         Tier(
             queue=queue,
@@ -162,6 +168,7 @@ def serve(
                 worker_ttl=max(20, maintenance_interval_s + 15),
             )
             worker.abandon_after_s = abandon_after_s
+            worker.before_fork = host.ensure if host is not None else None
             try:
                 done = worker.work(burst=burst, with_scheduler=True, logging_level="WARNING")
                 if worker.stop_requested or burst:
@@ -182,6 +189,8 @@ def serve(
     finally:
         dispatcher.stopping.set()
         dispatcher.join(timeout=5)
+        if host is not None:
+            host.close()
 
 
 def _wait_for_redis(queue: ScoringQueue, outage_s: float) -> None:

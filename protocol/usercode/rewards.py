@@ -20,7 +20,8 @@ total is the weighted sum of the others. A function that raises, returns the wro
 shape or a non-finite value, or runs past its time limit fails the whole group with
 the error text: such a group is never recorded as reward 0.
 
-Where rewards run: the trusted scoring tier (`learner score`, an RQ job per group), an
+Where rewards run: the trusted scoring tier (`learner score`: RQ jobs, whose work horses
+ask the worker's long-lived reward host, `learner.scoring.reward_host`), an
 actor's `actors.rewards.ScoringPool` (worker processes beside the engine), or
 `Scorer.submit` inline (a thread per call; a hung reward's thread is abandoned, not
 killed). `learner check` calls them here on a row of the data set. This module needs
@@ -258,6 +259,16 @@ class Scorer:
         extra: Callable[[], list[float]] | None = None,
     ) -> Scores:
         """`extra`: the `extra` reward's values, computed when called (an environment's)."""
+        called = self.call_functions(prompt, prompt_text, texts, completion_ids)
+        if isinstance(called, Scores):
+            return called
+        return self.combine(len(texts), *called, extra)
+
+    def call_functions(
+        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+    ) -> tuple[dict[str, list[float | None]], dict[str, list[float]]] | Scores:
+        """Each reward function's values by name, with what they logged (`log_metric`), or
+        the group's failure."""
         n = len(texts)
         if prompt.messages is not None:
             messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
@@ -281,6 +292,17 @@ class Scorer:
             if error is not None or values is None:
                 return Scores.failed(n, error or f"reward {rf.name} returned nothing")
             per_fn[rf.name] = values
+        return per_fn, logged
+
+    def combine(
+        self,
+        n: int,
+        per_fn: dict[str, list[float | None]],
+        logged: dict[str, list[float]],
+        extra: Callable[[], list[float]] | None = None,
+    ) -> Scores:
+        """The weighted totals of the functions' values, and of `extra`'s when given."""
+        per_fn = dict(per_fn)
         weights = {rf.name: rf.weight for rf in self.functions}
         if extra is not None and self.extra is not None:
             try:

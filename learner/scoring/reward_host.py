@@ -1,0 +1,196 @@
+"""The scoring tier's reward functions in a process that outlives its jobs.
+
+RQ forks a work horse per job, and a reward called in the horse loses with it whatever it
+built: a client, a judge model loaded on first use, a cache. So the scoring worker starts
+its reward functions once, in a process of their own (the host: `multiprocessing`'s spawn,
+a fresh interpreter that imports the `--reward` modules), and each work horse asks it for a
+group's values over a pipe (msgpack, no pickle). A reward module's state then lives as
+long as the worker.
+
+What stays in the horse: decoding, the environment's replay (`extra`, forked per episode),
+combining the values with their weights, storing. What the horse's time limit does: a
+group whose values do not come back within `--reward-timeout-s` is rejected with that
+reason, and the host, still busy with it, is killed (SIGKILL); the worker starts another
+before it forks its next horse (`ensure`). A reward that raises makes the horse raise, so
+RQ retries the job, as before. The host ends with the worker: when every copy of the
+worker's end of the pipe is closed (the worker and its horses gone, however they ended),
+its read sees end-of-file.
+
+Only one horse runs at a time per worker, so the host serves one request at a time. A
+reply that arrives for an earlier request (a horse killed while it waited) is told apart by
+its id and dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+
+from protocol import Prompt
+from protocol.usercode.rewards import PastLimit, RewardFn, Scorer, Scores, load_reward
+
+log = logging.getLogger(__name__)
+
+
+class _Request(msgspec.Struct, frozen=True):
+    id: str
+    prompt: Prompt
+    prompt_text: str
+    texts: list[str]
+    completion_ids: list[list[int]]
+
+
+class _Reply(msgspec.Struct, frozen=True):
+    id: str
+    values: dict[str, list[float | None]] | None = None
+    logged: dict[str, list[float]] = {}
+    failed: str | None = None
+    """The group fails (a reward returned garbage, abstained everywhere, ...)."""
+    raised: str | None = None
+    """A reward raised: the job is retried by RQ."""
+
+
+class RewardRaised(RuntimeError):
+    """A reward function raised in the host (the horse raises it so RQ retries the job)."""
+
+
+class RewardHost:
+    """The worker's side: the host's process and the pipe to it."""
+
+    def __init__(self, specs: list[str]) -> None:
+        self.specs = list(specs)
+        self.pid: int | None = None
+        self._conn: Connection | None = None
+        self._process: Any = None
+
+    def start(self) -> None:
+        ctx = multiprocessing.get_context("spawn")
+        ours, theirs = ctx.Pipe()
+        self._process = ctx.Process(target=serve, args=(theirs, self.specs), name="reward-host", daemon=True)
+        self._process.start()
+        theirs.close()
+        self._conn, self.pid = ours, self._process.pid
+        log.info("reward host %d started: %s", self.pid, ", ".join(self.specs))
+
+    def ensure(self) -> None:
+        """In the worker, before it forks a horse: a host killed by an earlier horse (a
+        reward past its time) is replaced."""
+        if self._process is not None and self._process.is_alive():
+            return
+        if self._process is not None:
+            log.warning("reward host %s ended (exit %s); starting another", self.pid, self._process.exitcode)
+            self.close()
+        self.start()
+
+    def call(self, request: _Request, timeout_s: float | None) -> _Reply:
+        """In a horse: the host's reply to `request`, or PastLimit. Past the limit the host
+        is killed and the horse starts one of its own for the job's other groups (it ends
+        with the horse; the worker replaces its own before the next job)."""
+        assert self._conn is not None, "the reward host was not started"
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            self._conn.send_bytes(msgspec.msgpack.encode(request))
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._conn.poll(left):
+                    self.kill()
+                    self._conn.close()
+                    self.start()
+                    raise PastLimit()
+                reply = msgspec.msgpack.decode(self._conn.recv_bytes(), type=_Reply)
+                if reply.id == request.id:
+                    return reply
+        except (EOFError, BrokenPipeError, ConnectionResetError):
+            raise RewardRaised("the reward host ended while scoring (killed, or out of memory?)") from None
+
+    def kill(self) -> None:
+        """From a horse too: by pid (a forked horse may not use its parent's process object)."""
+        if self.pid is not None:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self._process is not None:
+            self._process.kill()
+            self._process.join(5)
+            self._process = None
+
+
+class HostedScorer(Scorer):
+    """A `Scorer` whose reward functions run in a `RewardHost` (started by the worker with
+    `host.start()`); weights, the environment's reward and the totals stay here."""
+
+    def __init__(self, functions: list[RewardFn], specs: list[str], extra: str | None = None) -> None:
+        super().__init__(functions, timeout_s=None, reraise=True, extra=extra)
+        self.host = RewardHost(specs)
+        self._limit: float | None = None
+
+    def call_functions(
+        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+    ) -> tuple[dict[str, list[float | None]], dict[str, list[float]]] | Scores:
+        if not self.functions:  # an environment's reward alone
+            return {}, {}
+        request = _Request(os.urandom(8).hex(), prompt, prompt_text, list(texts), [list(i) for i in completion_ids])
+        reply = self.host.call(request, self._limit)
+        if reply.raised is not None:
+            raise RewardRaised(reply.raised)
+        if reply.failed is not None or reply.values is None:
+            return Scores.failed(len(texts), reply.failed or "the reward host answered nothing")
+        return reply.values, reply.logged
+
+    def score_within(
+        self,
+        timeout_s: float,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        extra: Callable[[], list[float]] | None = None,
+    ) -> Scores:
+        """The functions' values within `timeout_s` (the host is killed past it), then the
+        environment's reward and the totals here."""
+        self._limit = timeout_s
+        try:
+            return self.score(prompt, prompt_text, texts, completion_ids, extra)
+        except PastLimit:
+            return Scores.failed(
+                len(texts),
+                f"the rewards exceeded the group's time limit of {timeout_s:g}s (the group is rejected, not retried)",
+            )
+        finally:
+            self._limit = None
+
+
+def serve(conn: Connection, specs: list[str]) -> None:
+    """The host's main: load the rewards, then answer requests until the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the worker, which ends us
+    scorer = Scorer([load_reward(spec) for spec in specs], timeout_s=None, reraise=True)
+    decoder = msgspec.msgpack.Decoder(_Request)
+    encoder = msgspec.msgpack.Encoder()
+    while True:
+        try:
+            request = decoder.decode(conn.recv_bytes())
+        except (EOFError, OSError):
+            return  # the worker and its horses are gone
+        try:
+            called = scorer.call_functions(request.prompt, request.prompt_text, request.texts, request.completion_ids)
+            if isinstance(called, Scores):
+                reply = _Reply(request.id, failed=called.error or "failed")
+            else:
+                reply = _Reply(request.id, values=called[0], logged=called[1])
+        except Exception as err:  # the user's reward
+            reply = _Reply(request.id, raised=f"{type(err).__name__}: {err}")
+        conn.send_bytes(encoder.encode(reply))
