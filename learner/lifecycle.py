@@ -17,12 +17,24 @@ from typing import Any, TypeVar
 from learner.config import LearnerConfig
 from learner.publish import Publisher
 from protocol import Queue, QueueError, QueueUnavailable
-from protocol.usercode.rewards import canonical_spec
+from protocol.usercode.rewards import ENVIRONMENT, canonical_spec
 from protocol.util.retry import retry
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+def _owns_reward(spec: str) -> bool:
+    """Whether `--environment` scores its episodes; False where this machine cannot import
+    it (a learner need not: its actors and scorers run it), so nothing is said of it."""
+    from protocol.usercode.chat import load_environment, owns_reward
+
+    try:
+        return owns_reward(load_environment(spec))
+    except ValueError as err:  # ToolError
+        log.info("the environment is not checked against the scorers' (%s)", err)
+        return False
 
 
 class LearnerError(RuntimeError):
@@ -54,11 +66,14 @@ class StartupRetry:
 
 def open_run(queue: Queue, cfg: LearnerConfig, retried: Callable[[Callable[[], Any]], Any]) -> None:
     """The run is (again) in progress: its over mark is taken back, and the rewards a
-    scoring worker checks its own against are published (trusted scoring)."""
+    scoring worker checks its own against are published (trusted scoring): the functions
+    with their weights, and the environment when it owns a reward (`ENVIRONMENT`)."""
     try:
         retried(lambda: queue.set_run_over(""))
         if cfg.scoring_mode == "trusted":
             specs = [canonical_spec(s) for s in cfg.reward_specs]
+            if cfg.environment and _owns_reward(cfg.environment):
+                specs.append(ENVIRONMENT + cfg.environment)
             retried(lambda: queue.set_run_rewards(specs))
     except NotImplementedError:  # a queue with no run records (tests' fakes)
         pass

@@ -124,7 +124,7 @@ def test_a_bad_role_table_is_refused_with_the_flag_it_meant(tmp_path: Path) -> N
 
 @pytest.mark.redis
 def test_a_scorer_with_other_rewards_than_the_learners_refuses_in_one_line(
-    redis_server, run_name: str, tiny_model: Path, tmp_path: Path
+    redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path, tmp_path: Path
 ) -> None:
     from protocol import QueueConfig
     from protocol.trusted import RedisQueue
@@ -160,6 +160,21 @@ def test_a_scorer_with_other_rewards_than_the_learners_refuses_in_one_line(
     assert proc.returncode == 2 and "differ from those" in proc.stderr and "Traceback" not in proc.stderr
     # the same functions and weights however written (the config's dotted name, weights as numbers): it serves
     proc = score("--burst")  # (--burst: it exits once the queue is empty)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # the learner's environment scores its episodes: a worker without it, or with another, is refused
+    said.set_run_rewards(
+        ["toy_rewards:digit_first=1.0", "toy_rewards:length_bonus=0.5", "environment=toy_tools:ScoredGuess"]
+    )
+    proc = score("--burst")
+    assert (
+        proc.returncode == 2
+        and "scores episodes with environment toy_tools:ScoredGuess's get_reward, this worker without one"
+        in proc.stderr
+    ), proc.stderr[-2000:]
+    chatml = ("--model", str(tiny_chatml_model))  # episodes need a template that renders tool calls
+    proc = score("--environment", "toy_tools:Hungry", *chatml, "--burst")
+    assert proc.returncode == 2 and "this worker with toy_tools:Hungry" in proc.stderr, proc.stderr[-2000:]
+    proc = score("--environment", "toy_tools:ScoredGuess", *chatml, "--burst")
     assert proc.returncode == 0, proc.stderr[-2000:]
     said.close()
 

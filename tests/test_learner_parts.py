@@ -235,3 +235,19 @@ def test_every_generated_token_of_a_consumed_group_is_counted_once_where_it_went
     # TRL's num_tokens: each sequence's prompt once, with its completion
     prompt = trained.prompt_tokens.size
     assert prompt > 1 and sequence_tokens([trained]) == 4 * prompt + 3 * 2 + 3
+
+
+@pytest.mark.parametrize(("environment", "said"), [("toy_tools:ScoredGuess", True), ("toy_tools:GuessNumber", False)])
+def test_the_learner_says_its_environment_scores_episodes_only_when_it_does(
+    learner: Learner, environment: str, said: bool
+) -> None:
+    """With trusted scoring the learner publishes its rewards for the scorers to check theirs
+    against, and its environment when it owns a reward (`get_reward`)."""
+    from learner.lifecycle import open_run
+
+    cfg = learner.cfg.model_copy(
+        update={"scoring": "trusted", "reward": ["toy_rewards:digit_first"], "environment": environment}
+    )
+    open_run(learner.queue, cfg, lambda call: call())
+    expected = ["toy_rewards:digit_first=1.0", *([f"environment={environment}"] if said else [])]
+    assert learner.queue.run_rewards() == expected

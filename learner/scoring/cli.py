@@ -168,7 +168,7 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
     except QueueUnavailable as err:
         print(f"{prog}: --queue {args.redis}: {err}", file=sys.stderr)
         return 1
-    check = RewardsCheck(queue, args.reward or [], args.run, prog)
+    check = RewardsCheck(queue, args.reward or [], args.run, prog, args.environment)
     try:
         name = free_name(
             queue, args.name or f"scorer-{socket.gethostname()}-{os.getpid()}", chosen=args.name is not None
@@ -234,28 +234,40 @@ class RewardsCheck:
     backoff: nothing is issued, so nothing is scored, before it says) and stops the worker
     warmly (SIGTERM) if they differ."""
 
-    def __init__(self, queue: Any, specs: list[str], run: str, prog: str) -> None:
+    def __init__(self, queue: Any, specs: list[str], run: str, prog: str, environment: str | None = None) -> None:
         from protocol.usercode.rewards import canonical_spec
 
         self.queue, self.run, self.prog = queue, run, prog
         self.mine = sorted(canonical_spec(s) for s in specs)
+        self.environment = environment
         self.pending = True
         self.line = ""
         self.stop = threading.Event()
 
     def disagrees(self) -> bool:
+        from protocol.usercode.rewards import ENVIRONMENT
+
         theirs = self.queue.run_rewards()
         if theirs is None:
             return False
         self.pending = False
-        if sorted(theirs) == self.mine:
-            return False
-        self.line = (
-            f"{self.prog}: its rewards ({', '.join(self.mine) or 'none'}) differ from those run {self.run!r}'s "
-            f"learner scores with ({', '.join(sorted(theirs)) or 'none'}): start it with the learner's config "
-            "(`learner score --config grpo.toml`) or the same --reward flags"
-        )
-        return True
+        functions = sorted(s for s in theirs if not s.startswith(ENVIRONMENT))
+        environment = next((s.removeprefix(ENVIRONMENT) for s in theirs if s.startswith(ENVIRONMENT)), None)
+        if functions != self.mine:
+            self.line = (
+                f"{self.prog}: its rewards ({', '.join(self.mine) or 'none'}) differ from those run {self.run!r}'s "
+                f"learner scores with ({', '.join(functions) or 'none'}): start it with the learner's config "
+                "(`learner score --config grpo.toml`) or the same --reward flags"
+            )
+            return True
+        if environment is not None and environment != self.environment:
+            self.line = (
+                f"{self.prog}: run {self.run!r}'s learner scores episodes with environment {environment}'s get_reward, "
+                f"this worker {'with ' + self.environment if self.environment else 'without one'}: start it with the "
+                f"learner's config (`learner score --config grpo.toml`) or --environment {environment}"
+            )
+            return True
+        return False
 
     def start(self) -> None:
         threading.Thread(target=self._wait, name="rewards-check", daemon=True).start()

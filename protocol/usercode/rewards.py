@@ -56,6 +56,9 @@ _SPEC = re.compile(
 """`module:function[=weight]`, or TRL's dotted `module.function`; `module:factory(k=v, ...)`
 names the function a factory returns (TRL's `get_soft_overlong_punishment(...)`)."""
 _WEIGHT = re.compile(r"=[-+0-9.eE]+$")
+ENVIRONMENT = "environment="
+"""A run's published rewards (`Queue.set_run_rewards`) name an environment that scores its
+episodes (`get_reward`) as this prefix and its `module:Class`."""
 
 
 T = TypeVar("T")
