@@ -163,6 +163,27 @@ def test_a_reward_module_keeps_its_state_across_jobs_and_a_hang_costs_only_that_
     assert sorted(g.rewards[0] for g in read_all(queue, 2)) == [1.0, 2.0]  # a fresh host: its state is new
 
 
+@pytest.mark.parametrize("reward", ["toy_rewards:its_mark", "toy_rewards:fails_in_batches"])
+def test_reward_batch_calls_each_reward_once_per_job_and_falls_back_to_each_group_alone(
+    queue: RedisQueue, scorers, tmp_path: Path, reward: str
+) -> None:
+    """`--reward-batch`: a lease of four groups is one job, and each reward one call on its
+    16 completions (TRL's batch), the values split back to their groups; a reward that fails
+    on the batch is called on each group alone."""
+    calls = tmp_path / "calls"
+    b = trusted_batch(0, prompts=4, calls_file=str(calls))
+    b = msgspec.structs.replace(
+        b, prompts=[msgspec.structs.replace(p, columns={**p.columns, "mark": i}) for i, p in enumerate(b.prompts)]
+    )
+    submit_unscored(queue, [b])
+    scorers("--reward-batch", "--retries", "0", reward=reward)
+    got = {g.prompt_id: g for g in read_all(queue, 4)}
+    assert {p: g.rewards for p, g in got.items()} == {f"p{i}": [float(i)] * 4 for i in range(4)}
+    assert all(g.error is None for g in got.values())
+    together = [16] if reward.endswith("its_mark") else [16, 4, 4, 4, 4]
+    assert [int(n) for n in calls.read_text().split()] == together
+
+
 def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueue, scorers, tmp_path: Path) -> None:
     attempts = tmp_path / "attempts"
     # two prompts of one lease: one job; it fails, is split per group, and each is retried

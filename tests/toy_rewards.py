@@ -150,3 +150,21 @@ def counts_or_hangs(prompts: list, completions: list, **kw: object) -> list[floa
     if "hang" in str(prompts[0]):
         time.sleep(300)
     return counts_its_calls(prompts, completions, **kw)
+
+
+def its_mark(prompts: list, completions: list, mark: list, calls_file: list, **_: object) -> list[float]:
+    """Each completion's prompt's `mark` column (so a batch's values show where they were
+    split); appends the call's size to the `calls_file` column's file."""
+    from pathlib import Path
+
+    with Path(str(calls_file[0])).open("a") as f:
+        f.write(f"{len(completions)}\n")
+    return [float(m) for m in mark]
+
+
+def fails_in_batches(prompts: list, completions: list, mark: list, calls_file: list, **kw: object) -> list[float]:
+    """`its_mark`, raising when given more than one group's completions (4)."""
+    values = its_mark(prompts, completions, mark, calls_file, **kw)
+    if len(completions) > 4:
+        raise RuntimeError("this judge takes one group at a time")
+    return values

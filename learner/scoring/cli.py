@@ -106,6 +106,14 @@ def add_score_flags(score: argparse.ArgumentParser) -> None:
         ),
     )
     a(
+        "--reward-batch",
+        action="store_true",
+        help=(
+            "call each reward function once per job, on all its groups' completions together (TRL's batch: a reward "
+            "model or an LLM judge batches its work); if that call fails, each group is scored alone"
+        ),
+    )
+    a(
         "--redispatch-s",
         type=float,
         default=30.0,
@@ -202,6 +210,7 @@ def score(args: argparse.Namespace, prog: str = "learner score") -> int:
             retries=args.retries,
             retry_backoff_s=args.retry_backoff_s,
             groups_per_job=args.groups_per_job,
+            reward_batch=args.reward_batch,
             abandon_after_s=args.abandon_after_s,
             monitoring_interval_s=args.monitoring_interval_s,
             maintenance_interval_s=args.maintenance_interval_s,

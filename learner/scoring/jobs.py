@@ -17,7 +17,7 @@ from learner.scoring import replay
 from learner.scoring.episodes import EpisodeReader, read_episodes, recounted, single_turns
 from protocol import Completion, ProtocolError, RolloutGroup
 from protocol.trusted.scoring import ScoringQueue, UnscoredGroup
-from protocol.usercode.rewards import RewardRefused, Scorer, Scores
+from protocol.usercode.rewards import PastLimit, RewardRefused, Scorer, Scores
 from protocol.usercode.transcript import (
     EnvironmentReward,
     Transcript,
@@ -48,6 +48,8 @@ class Tier:
     episodes: EpisodeReader | None = None
     """Reads episodes' masks against their model turns (`learner.scoring.episodes`)."""
     replay_limits: replay.ReplayLimits = field(default_factory=replay.ReplayLimits)
+    batch: bool = False
+    """`--reward-batch`: each reward function called once per job (`call_together`)."""
     """Per call and memory, for the environment's replay (`learner.scoring.replay`)."""
 
 
@@ -137,6 +139,8 @@ def score_entries(tier: Tier, entry_ids: Sequence[str]) -> list[dict[str, Any]]:
             out[entry_id] = done
         else:
             ready.append(done)
+    if tier.batch and len(ready) > 1:
+        call_together(tier, ready)
     running = [r.running for r in ready if r.running is not None]
     owner = {id(r.running): r for r in ready if r.running is not None}
     try:
@@ -164,6 +168,45 @@ class _Ready:
     started: float
     running: replay.Replay | None = None
     """The environment's replay of its episodes."""
+    called: tuple[dict[str, list[float | None]], dict[str, list[float]]] | None = None
+    """The reward functions' values and what they logged, when the job's groups were scored
+    together (`call_together`)."""
+
+    decoded: tuple[list[str], list[list[int]]] | None = None
+
+    def texts_and_ids(self, decode: Decode) -> tuple[list[str], list[list[int]]]:
+        """The completions' texts (decoded from their tokens: what rewards score) and ids."""
+        if self.decoded is None:
+            ids = [c.tokens.tolist() for c in self.item.group.completions]
+            self.decoded = [decode(i) for i in ids], ids
+        return self.decoded
+
+
+def call_together(tier: Tier, ready: list[_Ready]) -> None:
+    """`--reward-batch`: each reward function called once on all the ready groups (within
+    their limits together). If that fails (a reward raised, hung, returned garbage, the
+    groups' columns differ), each group is scored alone as without it, so one bad group
+    still costs only itself."""
+    groups = []
+    for r in ready:
+        assert r.item.prompt is not None
+        texts, ids = r.texts_and_ids(tier.decode)
+        groups.append((r.item.prompt, "", texts, ids))
+    try:
+        results = tier.scorer.call_batch_within(tier.timeout_s * len(ready), groups)
+    except PastLimit:
+        why = f"past {tier.timeout_s * len(ready):g}s"
+    except Exception as err:  # the user's reward raised: alone, it is retried as always
+        why = f"{type(err).__name__}: {printable(str(err), 300)}"
+    else:
+        failed = next((c for c in results if isinstance(c, Scores)), None)
+        if failed is None:
+            for r, called in zip(ready, results, strict=True):
+                assert not isinstance(called, Scores)
+                r.called = called
+            return
+        why = failed.error or "failed"
+    log.warning("scoring %d groups together failed (%s); scoring each alone", len(ready), why)
 
 
 def _read_one(tier: Tier, entry_id: str, item: UnscoredGroup | ProtocolError | None) -> dict[str, Any] | _Ready:
@@ -210,9 +253,11 @@ def _score_ready(tier: Tier, r: _Ready) -> dict[str, Any]:
                 raise RewardRefused(outcome or "the environment's replay gave no answer")
             return outcome
 
-    ids = [c.tokens.tolist() for c in completions]
-    texts = [tier.decode(i) for i in ids]
-    scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
+    texts, ids = r.texts_and_ids(tier.decode)
+    if r.called is not None:
+        scores = tier.scorer.combine(len(texts), *r.called, extra)
+    else:
+        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
     group = scored_group(
         item, scores, texts, tier.name, time.monotonic() - r.started, recounted(completions, r.transcripts)
     )

@@ -28,32 +28,41 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
 
 from protocol import Prompt
-from protocol.usercode.rewards import PastLimit, RewardFn, Scorer, Scores, load_reward
+from protocol.usercode.rewards import Called, Group, PastLimit, RewardFn, Scorer, Scores, load_reward
 
 log = logging.getLogger(__name__)
 
 
-class _Request(msgspec.Struct, frozen=True):
-    id: str
+class _Group(msgspec.Struct, frozen=True, array_like=True):
     prompt: Prompt
     prompt_text: str
     texts: list[str]
     completion_ids: list[list[int]]
 
 
+class _Request(msgspec.Struct, frozen=True):
+    id: str
+    groups: list[_Group]
+    """Scored together (`Scorer.call_batch`): one group, or a job's with `--reward-batch`."""
+
+
+class _Result(msgspec.Struct, frozen=True, array_like=True):
+    values: dict[str, list[float | None]] | None
+    logged: dict[str, list[float]]
+    failed: str | None
+    """The group fails (a reward returned garbage, abstained everywhere, ...)."""
+
+
 class _Reply(msgspec.Struct, frozen=True):
     id: str
-    values: dict[str, list[float | None]] | None = None
-    logged: dict[str, list[float]] = {}
-    failed: str | None = None
-    """The group fails (a reward returned garbage, abstained everywhere, ...)."""
+    results: list[_Result] = []
     raised: str | None = None
     """A reward raised: the job is retried by RQ."""
 
@@ -138,18 +147,28 @@ class HostedScorer(Scorer):
         self.host = RewardHost(specs)
         self._limit: float | None = None
 
-    def call_functions(
-        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
-    ) -> tuple[dict[str, list[float | None]], dict[str, list[float]]] | Scores:
+    def call_batch(self, groups: Sequence[Group]) -> list[Called]:
         if not self.functions:  # an environment's reward alone
-            return {}, {}
-        request = _Request(os.urandom(8).hex(), prompt, prompt_text, list(texts), [list(i) for i in completion_ids])
+            return [({}, {}) for _ in groups]
+        sent = [_Group(p, pt, list(t), [list(i) for i in ids]) for p, pt, t, ids in groups]
+        request = _Request(os.urandom(8).hex(), sent)
         reply = self.host.call(request, self._limit)
         if reply.raised is not None:
             raise RewardRaised(reply.raised)
-        if reply.failed is not None or reply.values is None:
-            return Scores.failed(len(texts), reply.failed or "the reward host answered nothing")
-        return reply.values, reply.logged
+        if len(reply.results) != len(groups):
+            return [Scores.failed(len(g[2]), "the reward host answered nothing") for g in groups]
+        return [
+            (r.values, r.logged) if r.values is not None else Scores.failed(len(g[2]), r.failed or "failed")
+            for r, g in zip(reply.results, groups, strict=True)
+        ]
+
+    def call_batch_within(self, timeout_s: float, groups: Sequence[Group]) -> list[Called]:
+        """`call_batch` within `timeout_s` (PastLimit past it: the host is killed)."""
+        self._limit = timeout_s
+        try:
+            return self.call_batch(groups)
+        finally:
+            self._limit = None
 
     def score_within(
         self,
@@ -186,11 +205,12 @@ def serve(conn: Connection, specs: list[str]) -> None:
         except (EOFError, OSError):
             return  # the worker and its horses are gone
         try:
-            called = scorer.call_functions(request.prompt, request.prompt_text, request.texts, request.completion_ids)
-            if isinstance(called, Scores):
-                reply = _Reply(request.id, failed=called.error or "failed")
-            else:
-                reply = _Reply(request.id, values=called[0], logged=called[1])
+            groups = [(g.prompt, g.prompt_text, g.texts, g.completion_ids) for g in request.groups]
+            results = [
+                _Result(None, {}, called.error or "failed") if isinstance(called, Scores) else _Result(*called, None)
+                for called in scorer.call_batch(groups)
+            ]
+            reply = _Reply(request.id, results)
         except Exception as err:  # the user's reward
             reply = _Reply(request.id, raised=f"{type(err).__name__}: {err}")
         conn.send_bytes(encoder.encode(reply))

@@ -112,6 +112,7 @@ def serve(
     retries: int = 2,
     retry_backoff_s: float = 1.0,
     groups_per_job: int = 8,
+    reward_batch: bool = False,
     abandon_after_s: int = 60,
     monitoring_interval_s: int = 30,
     maintenance_interval_s: int = 30,
@@ -140,6 +141,7 @@ def serve(
             environment=environment,
             episodes=episodes,
             replay_limits=replay_limits or replay.ReplayLimits(),
+            batch=reward_batch,
         )
     )
     rq = RQQueue(rq_queue_name(queue.config.run), connection=queue.client, serializer=JSONSerializer)

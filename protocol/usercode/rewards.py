@@ -35,13 +35,14 @@ import asyncio
 import functools
 import importlib
 import inspect
+import itertools
 import math
 import numbers
 import os
 import re
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -62,6 +63,9 @@ episodes (`get_reward`) as this prefix and its `module:Class`."""
 
 
 T = TypeVar("T")
+Group = tuple[Prompt, str, list[str], list[list[int]]]
+"""A group to score: its prompt, the prompt's text (plain prompts without `text`), the
+completions' texts and their token ids."""
 
 
 class RewardError(ValueError):
@@ -219,6 +223,11 @@ class Scores:
         return cls([None] * n, components or [{} for _ in range(n)], printable(error, 2000))
 
 
+Called = tuple[dict[str, list[float | None]], dict[str, list[float]]] | Scores
+"""What `Scorer.call_functions` gives a group: each function's values by name and what they
+logged, or the group's failure."""
+
+
 def unscored(n: int) -> Future[Scores]:
     """No rewards, no error: a group for the trusted scoring tier to score."""
     future: Future[Scores] = Future()
@@ -269,33 +278,61 @@ class Scorer:
 
     def call_functions(
         self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
-    ) -> tuple[dict[str, list[float | None]], dict[str, list[float]]] | Scores:
+    ) -> Called:
         """Each reward function's values by name, with what they logged (`log_metric`), or
         the group's failure."""
-        n = len(texts)
-        if prompt.messages is not None:
-            messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
-            prompts: list[Any] = [messages] * n
-            completions: list[Any] = [[{"role": "assistant", "content": t}] for t in texts]
-        else:
-            prompts, completions = [prompt.text if prompt.text is not None else prompt_text] * n, list(texts)
-        columns = {k: [v] * n for k, v in prompt.columns.items()}
+        return self.call_batch([(prompt, prompt_text, texts, completion_ids)])[0]
+
+    def call_batch(self, groups: Sequence[Group]) -> list[Called]:
+        """`call_functions` for several groups with one call of each function (TRL's batch:
+        every list aligned over all the groups' completions; `trainer_state` is the first
+        group's, and what a function logs counts for each group). A failure fails every
+        group, as do groups whose columns differ (they cannot be aligned)."""
+        sizes = [len(texts) for _, _, texts, _ in groups]
+        n = sum(sizes)
+        prompts: list[Any] = []
+        completions: list[Any] = []
+        ids: list[list[int]] = []
+        columns: dict[str, list[Any]] = {}
+        keys = set(groups[0][0].columns)
+        for prompt, prompt_text, texts, completion_ids in groups:
+            if set(prompt.columns) != keys:
+                return [Scores.failed(size, "the batch's groups have different columns") for size in sizes]
+            if prompt.messages is not None:
+                messages = [{"role": t.role, "content": t.content} for t in prompt.messages]
+                prompts += [messages] * len(texts)
+                completions += [[{"role": "assistant", "content": t}] for t in texts]
+            else:
+                prompts += [prompt.text if prompt.text is not None else prompt_text] * len(texts)
+                completions += list(texts)
+            for k, v in prompt.columns.items():
+                columns.setdefault(k, []).extend([v] * len(texts))
+            ids += completion_ids
+        progress = groups[0][0].progress
         logged: dict[str, list[float]] = {}
         trl = {
             "trainer_state": None
-            if prompt.progress is None
-            else TrainerState(prompt.progress.global_step, prompt.progress.max_steps, prompt.progress.epoch),
+            if progress is None
+            else TrainerState(progress.global_step, progress.max_steps, progress.epoch),
             "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
             "log_extra": lambda column, values: None,
         }
         per_fn: dict[str, list[float | None]] = {}
         for rf in self.functions:
             extras = {k: v for k, v in trl.items() if k not in columns and k in rf.extras}
-            values, error = self._call(rf, prompts, completions, completion_ids, {**columns, **extras}, n)
+            values, error = self._call(rf, prompts, completions, ids, {**columns, **extras}, n)
             if error is not None or values is None:
-                return Scores.failed(n, error or f"reward {rf.name} returned nothing")
+                return [Scores.failed(size, error or f"reward {rf.name} returned nothing") for size in sizes]
             per_fn[rf.name] = values
-        return per_fn, logged
+        out: list[Called] = []
+        for start in itertools.accumulate([0, *sizes[:-1]]):
+            size = sizes[len(out)]
+            out.append(({name: values[start : start + size] for name, values in per_fn.items()}, logged))
+        return out
+
+    def call_batch_within(self, timeout_s: float, groups: Sequence[Group]) -> list[Called]:
+        """`call_batch` under one time limit (PastLimit past it; its thread is abandoned)."""
+        return within(timeout_s, lambda: self.call_batch(groups), "score-batch")
 
     def combine(
         self,
