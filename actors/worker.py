@@ -391,12 +391,15 @@ class Worker:
                     reward=r,
                     reward_components=c,
                     error=scores.error,
+                    extra=x,
                     turns=s.turns,
                     tool_calls=s.tool_calls,
                     tool_errors=s.tool_errors,
                     turn_limit=s.turn_limit,
                 )
-                for s, t, r, c in zip(samples, texts, scores.rewards, scores.components, strict=True)
+                for s, t, r, c, x in zip(
+                    samples, texts, scores.rewards, scores.components, scores.extras or [{}] * len(texts), strict=True
+                )
             ],
             error=scores.error,
             timings=timings,

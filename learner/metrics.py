@@ -165,6 +165,10 @@ def source_of(actor_id: str) -> str:
     return actor_id.split("/", 1)[0]
 
 
+TABLE_COLUMNS = ("prompt", "completion", "reward", "advantage")
+"""The completions table's own columns: a `log_extra` column of one of these names is left out."""
+
+
 def samples(
     groups: list[RolloutGroup], advantages_N: list[float], decode: Callable[..., Any], most: int = 4, per_group: int = 2
 ) -> list[Sample]:
@@ -182,6 +186,7 @@ def samples(
                     "reward": float(c.reward or 0.0),
                     **{name: float(v) for name, v in sorted(c.reward_components.items()) if v is not None},
                     "advantage": float(advantages_N[offset + i]),
+                    **{name: value for name, value in sorted(c.extra.items()) if name not in TABLE_COLUMNS},
                 }
             )
         offset += len(g.completions)

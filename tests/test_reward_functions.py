@@ -85,6 +85,33 @@ def test_logged_metrics_are_bounded_and_named_safely() -> None:
     assert "inf" not in scores.metrics
 
 
+def test_log_extra_columns_reach_each_completion_bounded_and_named_safely() -> None:
+    """TRL's `log_extra(column, values)`: a value per completion, split back to each group
+    of a batch; a column of another length, an unsafe name, a ninth column are left out,
+    and a long value is cut."""
+    from protocol.usercode.rewards import RewardFn
+    from protocol.wire.messages import MAX_EXTRA_CHARS, MAX_EXTRA_COLUMNS
+
+    def explains(prompts, completions, log_extra, **_):
+        log_extra("verdict", [f"saw {c}" for c in completions])
+        log_extra("short", ["only one"])  # not one per completion
+        log_extra("bad\x1b[2Jname", ["x"] * len(completions))
+        log_extra("long", ["y" * 1000] * len(completions))
+        for i in range(10):
+            log_extra(f"c{i}", [i] * len(completions))
+        return [1.0] * len(completions)
+
+    scorer = Scorer([RewardFn("explains", explains)], timeout_s=None)
+    p0, p1 = factories.batch(0, 2).prompts
+    scores = scorer.score(p0, "", ["a", "b"], [[1], [2]])
+    assert [row["verdict"] for row in scores.extras] == ["saw a", "saw b"]
+    (row, _) = scores.extras
+    assert "short" not in row and not any("\x1b" in k for k in row) and len(row) == MAX_EXTRA_COLUMNS
+    assert len(row["long"]) == MAX_EXTRA_CHARS and row["c0"] == "0"
+    together = scorer.call_batch([(p0, "", ["a"], [[1]]), (p1, "", ["b", "c"], [[2], [3]])])
+    assert [v.extras["verdict"] for v in together] == [["saw a"], ["saw b", "saw c"]]
+
+
 def test_dapo_soft_overlong_punishment_gives_trl_s_values() -> None:
     from trl.rewards import get_soft_overlong_punishment as trls
 

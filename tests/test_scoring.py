@@ -184,6 +184,29 @@ def test_reward_batch_calls_each_reward_once_per_job_and_falls_back_to_each_grou
     assert [int(n) for n in calls.read_text().split()] == together
 
 
+def test_log_extra_reaches_the_learners_completions_table_and_an_actors_own_is_replaced(
+    queue: RedisQueue, scorers
+) -> None:
+    from learner.metrics import samples
+
+    queue.add_prompts([trusted_batch(0, prompts=1)])
+    (lease,) = queue.claim("actor-1", 1)
+    forged = [
+        msgspec.structs.replace(
+            g, completions=[msgspec.structs.replace(c, extra={"verdict": "trust me"}) for c in g.completions]
+        )
+        for g in factories.groups(lease.batch)
+    ]
+    assert queue.submit("actor-1", lease.lease_id, forged).finished
+    scorers(reward="toy_rewards:explains")
+    (group,) = read_all(queue, 1)
+    assert [c.extra for c in group.completions] == [
+        {"verdict": "starts with a digit"}
+    ] * 4  # the tier's, not the actor's
+    rows = samples([group], [0.0] * 4, lambda ids, **_: "".join(map(str, ids)))
+    assert [r["verdict"] for r in rows] == ["starts with a digit"] * 2 and rows[0]["reward"] == 1.0
+
+
 def test_a_raising_reward_is_retried_with_backoff_then_rejected(queue: RedisQueue, scorers, tmp_path: Path) -> None:
     attempts = tmp_path / "attempts"
     # two prompts of one lease: one job; it fails, is split per group, and each is retried

@@ -168,3 +168,11 @@ def fails_in_batches(prompts: list, completions: list, mark: list, calls_file: l
     if len(completions) > 4:
         raise RuntimeError("this judge takes one group at a time")
     return values
+
+
+def explains(prompts: list, completions: list, log_extra=None, **kw: object) -> list[float]:
+    """digit_first, logging each completion's verdict with TRL's `log_extra`."""
+    values = digit_first(prompts, completions, **kw)
+    if log_extra is not None:
+        log_extra("verdict", ["starts with a digit" if v else "no digit first" for v in values])
+    return values

@@ -17,7 +17,7 @@ from learner.scoring import replay
 from learner.scoring.episodes import EpisodeReader, read_episodes, recounted, single_turns
 from protocol import Completion, ProtocolError, RolloutGroup
 from protocol.trusted.scoring import ScoringQueue, UnscoredGroup
-from protocol.usercode.rewards import PastLimit, RewardRefused, Scorer, Scores
+from protocol.usercode.rewards import PastLimit, RewardRefused, Scorer, Scores, Values
 from protocol.usercode.transcript import (
     EnvironmentReward,
     Transcript,
@@ -80,10 +80,11 @@ def scored_group(
     group = item.group
     error = printable(scores.error, 2000) if scores.error is not None else None
     short = printable(scores.error, ERROR_CHARS) if scores.error is not None else None
+    extras = scores.extras or [{}] * len(texts)  # the tier's, in place of any an actor sent
     completions = [
-        msgspec.structs.replace(c, text=t, reward=r, reward_components=comp, error=short)
-        for c, t, r, comp in zip(
-            completions or group.completions, texts, scores.rewards, scores.components, strict=True
+        msgspec.structs.replace(c, text=t, reward=r, reward_components=comp, error=short, extra=x)
+        for c, t, r, comp, x in zip(
+            completions or group.completions, texts, scores.rewards, scores.components, extras, strict=True
         )
     ]
     submitted = entry_time(item.entry_id)
@@ -168,7 +169,7 @@ class _Ready:
     started: float
     running: replay.Replay | None = None
     """The environment's replay of its episodes."""
-    called: tuple[dict[str, list[float | None]], dict[str, list[float]]] | None = None
+    called: Values | None = None
     """The reward functions' values and what they logged, when the job's groups were scored
     together (`call_together`)."""
 
@@ -255,7 +256,7 @@ def _score_ready(tier: Tier, r: _Ready) -> dict[str, Any]:
 
     texts, ids = r.texts_and_ids(tier.decode)
     if r.called is not None:
-        scores = tier.scorer.combine(len(texts), *r.called, extra)
+        scores = tier.scorer.combine(len(texts), r.called, extra)
     else:
         scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
     group = scored_group(

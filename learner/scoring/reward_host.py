@@ -35,7 +35,7 @@ from typing import Any
 import msgspec
 
 from protocol import Prompt
-from protocol.usercode.rewards import Called, Group, PastLimit, RewardFn, Scorer, Scores, load_reward
+from protocol.usercode.rewards import Called, Group, PastLimit, RewardFn, Scorer, Scores, Values, load_reward
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,7 @@ class _Request(msgspec.Struct, frozen=True):
 class _Result(msgspec.Struct, frozen=True, array_like=True):
     values: dict[str, list[float | None]] | None
     logged: dict[str, list[float]]
+    extras: dict[str, list[str]]
     failed: str | None
     """The group fails (a reward returned garbage, abstained everywhere, ...)."""
 
@@ -149,7 +150,7 @@ class HostedScorer(Scorer):
 
     def call_batch(self, groups: Sequence[Group]) -> list[Called]:
         if not self.functions:  # an environment's reward alone
-            return [({}, {}) for _ in groups]
+            return [Values({}, {}, {}) for _ in groups]
         sent = [_Group(p, pt, list(t), [list(i) for i in ids]) for p, pt, t, ids in groups]
         request = _Request(os.urandom(8).hex(), sent)
         reply = self.host.call(request, self._limit)
@@ -157,10 +158,13 @@ class HostedScorer(Scorer):
             raise RewardRaised(reply.raised)
         if len(reply.results) != len(groups):
             return [Scores.failed(len(g[2]), "the reward host answered nothing") for g in groups]
-        return [
-            (r.values, r.logged) if r.values is not None else Scores.failed(len(g[2]), r.failed or "failed")
-            for r, g in zip(reply.results, groups, strict=True)
-        ]
+        out: list[Called] = []
+        for r, (_, _, texts, _) in zip(reply.results, groups, strict=True):
+            if r.values is None:
+                out.append(Scores.failed(len(texts), r.failed or "failed"))
+            else:
+                out.append(Values(r.values, r.logged, r.extras))
+        return out
 
     def call_batch_within(self, timeout_s: float, groups: Sequence[Group]) -> list[Called]:
         """`call_batch` within `timeout_s` (PastLimit past it: the host is killed)."""
@@ -207,8 +211,8 @@ def serve(conn: Connection, specs: list[str]) -> None:
         try:
             groups = [(g.prompt, g.prompt_text, g.texts, g.completion_ids) for g in request.groups]
             results = [
-                _Result(None, {}, called.error or "failed") if isinstance(called, Scores) else _Result(*called, None)
-                for called in scorer.call_batch(groups)
+                _Result(None, {}, {}, c.error or "failed") if isinstance(c, Scores) else _Result(*c, None)
+                for c in scorer.call_batch(groups)
             ]
             reply = _Reply(request.id, results)
         except Exception as err:  # the user's reward

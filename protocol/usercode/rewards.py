@@ -12,8 +12,8 @@ gets TRL's `trainer_state` (`global_step`, `max_steps`, `epoch`: where the learn
 when it issued the prompt, at most `max_staleness` steps before it trains on the group;
 `None` where that is unknown), `log_metric(name, value)` (the value, averaged over the
 step's groups, is a metric of the step under that name) and `log_extra(column, values)`
-(accepted, and not shown: the learner draws its completions table from the tokens it
-trains on, and these columns do not travel).
+(a value per completion: it travels with the completion, `Completion.extra`, and is a
+column of the learner's completions table; at most 8 columns of 300 characters).
 
 `None` from a function means it abstains for that completion (TRL's convention); the
 total is the weighted sum of the others. A function that raises, returns the wrong
@@ -45,11 +45,11 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from protocol import Prompt
-from protocol.wire.messages import MAX_LOGGED_METRICS
-from protocol.wire.text import printable
+from protocol.wire.messages import MAX_EXTRA_CHARS, MAX_EXTRA_COLUMNS, MAX_LOGGED_METRICS
+from protocol.wire.text import SAFE_NAME, printable
 
 _SPEC = re.compile(
     r"^(?P<module>[A-Za-z_][\w.]*?)[:.](?P<attr>[A-Za-z_]\w*)(?:\((?P<args>[^()]*)\))?(?:=(?P<weight>[-+0-9.eE]+))?$"
@@ -57,6 +57,7 @@ _SPEC = re.compile(
 """`module:function[=weight]`, or TRL's dotted `module.function`; `module:factory(k=v, ...)`
 names the function a factory returns (TRL's `get_soft_overlong_punishment(...)`)."""
 _WEIGHT = re.compile(r"=[-+0-9.eE]+$")
+_SAFE_NAME = re.compile(SAFE_NAME)
 ENVIRONMENT = "environment="
 """A run's published rewards (`Queue.set_run_rewards`) name an environment that scores its
 episodes (`get_reward`) as this prefix and its `module:Class`."""
@@ -217,15 +218,27 @@ class Scores:
     from a user's exception and is logged and sent on the wire)."""
     metrics: dict[str, float] = field(default_factory=dict)
     """What the functions logged with `log_metric`, averaged per name over this group's calls."""
+    extras: list[dict[str, str]] = field(default_factory=list)
+    """Per completion, what the functions logged with `log_extra` (empty: nothing)."""
 
     @classmethod
     def failed(cls, n: int, error: str, components: list[dict[str, float | None]] | None = None) -> Scores:
         return cls([None] * n, components or [{} for _ in range(n)], printable(error, 2000))
 
 
-Called = tuple[dict[str, list[float | None]], dict[str, list[float]]] | Scores
-"""What `Scorer.call_functions` gives a group: each function's values by name and what they
-logged, or the group's failure."""
+class Values(NamedTuple):
+    """What the reward functions gave one group."""
+
+    per_fn: dict[str, list[float | None]]
+    """Each function's values by name."""
+    logged: dict[str, list[float]]
+    """What they logged with `log_metric`."""
+    extras: dict[str, list[str]]
+    """What they logged with `log_extra`, a value per completion (`extra_columns`)."""
+
+
+Called = Values | Scores
+"""What `Scorer.call_functions` gives a group: its `Values`, or its failure."""
 
 
 def unscored(n: int) -> Future[Scores]:
@@ -274,7 +287,7 @@ class Scorer:
         called = self.call_functions(prompt, prompt_text, texts, completion_ids)
         if isinstance(called, Scores):
             return called
-        return self.combine(len(texts), *called, extra)
+        return self.combine(len(texts), called, extra)
 
     def call_functions(
         self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
@@ -310,12 +323,13 @@ class Scorer:
             ids += completion_ids
         progress = groups[0][0].progress
         logged: dict[str, list[float]] = {}
+        extra_logged: dict[str, list[Any]] = {}
         trl = {
             "trainer_state": None
             if progress is None
             else TrainerState(progress.global_step, progress.max_steps, progress.epoch),
             "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
-            "log_extra": lambda column, values: None,
+            "log_extra": lambda column, values: extra_logged.setdefault(str(column), []).extend(list(values)),
         }
         per_fn: dict[str, list[float | None]] = {}
         for rf in self.functions:
@@ -324,25 +338,27 @@ class Scorer:
             if error is not None or values is None:
                 return [Scores.failed(size, error or f"reward {rf.name} returned nothing") for size in sizes]
             per_fn[rf.name] = values
+        columns_logged = extra_columns(extra_logged, n)
         out: list[Called] = []
         for start in itertools.accumulate([0, *sizes[:-1]]):
             size = sizes[len(out)]
-            out.append(({name: values[start : start + size] for name, values in per_fn.items()}, logged))
+            part = slice(start, start + size)
+            out.append(
+                Values(
+                    {name: values[part] for name, values in per_fn.items()},
+                    logged,
+                    {name: values[part] for name, values in columns_logged.items()},
+                )
+            )
         return out
 
     def call_batch_within(self, timeout_s: float, groups: Sequence[Group]) -> list[Called]:
         """`call_batch` under one time limit (PastLimit past it; its thread is abandoned)."""
         return within(timeout_s, lambda: self.call_batch(groups), "score-batch")
 
-    def combine(
-        self,
-        n: int,
-        per_fn: dict[str, list[float | None]],
-        logged: dict[str, list[float]],
-        extra: Callable[[], list[float]] | None = None,
-    ) -> Scores:
+    def combine(self, n: int, values: Values, extra: Callable[[], list[float]] | None = None) -> Scores:
         """The weighted totals of the functions' values, and of `extra`'s when given."""
-        per_fn = dict(per_fn)
+        per_fn, logged = dict(values.per_fn), values.logged
         weights = {rf.name: rf.weight for rf in self.functions}
         if extra is not None and self.extra is not None:
             try:
@@ -363,7 +379,8 @@ class Scorer:
             components.append(parts)
         if any(r is None for r in rewards):
             return Scores.failed(n, "every reward function abstained for some completion", components)
-        return Scores(rewards, components, None, _logged_metrics(logged))
+        rows = [{name: column[i] for name, column in values.extras.items()} for i in range(n)] if values.extras else []
+        return Scores(rewards, components, None, _logged_metrics(logged), rows)
 
     def score_within(
         self,
@@ -421,6 +438,18 @@ class Scorer:
             else:
                 clean.append(float(v))
         return clean, None
+
+
+def extra_columns(extras: dict[str, list[Any]], n: int) -> dict[str, list[str]]:
+    """`log_extra`'s columns as a completion carries them: names that are safe labels, a
+    value per completion (a column of another length is left out), each made printable and
+    at most MAX_EXTRA_CHARS, the first MAX_EXTRA_COLUMNS columns kept."""
+    out: dict[str, list[str]] = {}
+    for name, values in extras.items():
+        label = printable(name, 64).strip()
+        if len(values) == n and label and _SAFE_NAME.match(label) and len(out) < MAX_EXTRA_COLUMNS:
+            out[label] = [printable(str(v), MAX_EXTRA_CHARS) for v in values]
+    return out
 
 
 def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:

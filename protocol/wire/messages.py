@@ -40,6 +40,10 @@ SCHEMA_VERSION = 3
 
 MAX_LOGGED_METRICS = 16
 """Most `log_metric` names one group may carry."""
+MAX_EXTRA_COLUMNS = 8
+"""Most `log_extra` columns one completion may carry."""
+MAX_EXTRA_CHARS = 300
+"""Longest `log_extra` value a completion may carry (the scorer cuts longer ones)."""
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
@@ -216,6 +220,13 @@ class Completion(_Struct, frozen=True):
     turn_limit: bool = False
     """The episode's last turn called tools past `max_tool_calling_iterations`: it was
     ended there, its calls unanswered."""
+    extra: Annotated[
+        dict[Label, Annotated[str, msgspec.Meta(max_length=MAX_EXTRA_CHARS, pattern=SAFE_LINE)]],
+        msgspec.Meta(max_length=MAX_EXTRA_COLUMNS),
+    ] = {}
+    """What the reward functions logged for this completion with TRL's `log_extra(column,
+    values)`: columns of the learner's completions table (set by whoever scored it; the
+    tier replaces an actor's)."""
 
     def __post_init__(self) -> None:
         """Shapes here; the values of the arrays (no negative id, every log-probability
