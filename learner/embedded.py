@@ -26,6 +26,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,14 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
             queue.stop_retrying()  # a call waiting on a dead proxy fails now, not after its retries
 
         system.watch(child_failed)
+
+        def stop_workers_at_once(stop: threading.Event = learner.stop_requested) -> None:
+            # what actors generate after Ctrl-C is not trained in this run: they stop beside the
+            # learner's checkpoint, not after it (what they hand back stays in the queue)
+            if stop.wait():
+                system.signal_workers()
+
+        threading.Thread(target=stop_workers_at_once, name="stop-workers", daemon=True).start()
         logging.getLogger("matplotlib").setLevel(logging.WARNING)
         if console.is_terminal:  # a live table; without a terminal (nohup, CI, docker logs) a line per step
             for chatty in ("learner.loop", "learner.collector", "learner.publish"):

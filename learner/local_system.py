@@ -61,6 +61,8 @@ class LocalSystem:
         """Held open while this process lives: the children stop when it dies, even by SIGKILL."""
         self.stopping = False
         """The system is being stopped: children that exit now were told to."""
+        self._signalled: set[int] = set()
+        """The workers told to stop (SIGTERM once each)."""
         self._restarts = [0] * actors
         self._actor_env: dict[str, str] = {}
 
@@ -269,8 +271,9 @@ class LocalSystem:
         warm shutdown: the job in hand finishes), all at once: they stop side by side."""
         self.stopping = True
         for proc in [*self.workers, *self.scorers]:
-            if proc.poll() is None:
-                proc.terminate()
+            if proc.poll() is None and proc.pid not in self._signalled:
+                proc.terminate()  # once: a second SIGTERM is RQ's cold shutdown, which kills the job in hand
+                self._signalled.add(proc.pid)
 
     def wait_workers(self) -> None:
         for proc in self.workers:
