@@ -319,7 +319,7 @@ def run_embedded(cfg: LearnerConfig, on_learner: Any) -> int:
             for chatty in ("learner.loop", "learner.collector", "learner.publish"):
                 logging.getLogger(chatty).setLevel(logging.WARNING)
             with LiveProgress(cfg.steps, system.alive, queue.stats, console) as progress:
-                learner.on_step = progress.update
+                learner.report.on_step = progress.update
                 state = learner.run()
         else:
             state = learner.run()

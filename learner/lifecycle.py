@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from learner.config import LearnerConfig
-from learner.publish import Publisher
 from protocol import Queue, QueueError, QueueUnavailable
 from protocol.usercode.rewards import ENVIRONMENT, canonical_spec
 from protocol.util.retry import retry
+
+if TYPE_CHECKING:  # publish raises LearnerError
+    from learner.publish import Publisher
 
 log = logging.getLogger(__name__)
 

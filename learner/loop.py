@@ -1,15 +1,10 @@
 """The learner loop: feed prompts, collect scored rollout groups, step, publish,
-checkpoint. `Learner.run` is the whole algorithm on one screen. The learner is made of
-parts that own their state: the `Feeder` issues prompts (`learner.feeder`), the
-`Collector` reads and judges groups (`learner.collector`), the `EvalSink` evaluates
-published versions (`learner.evaluate`), the `Trainer` takes the GRPO step
-(`learner.trainer`, `learner.train`) and the `Publisher` uploads adapters
-(`learner.publish`). This module keeps what ties them: start and resume, publishing,
-checkpoints, and the per-step report; what the learner tells the queue when the run starts
-and ends is in `learner.lifecycle`.
-
-Exactly-once training: a rollout group is acknowledged in the queue only after the
-checkpoint that holds its effect is written (see `learner.checkpoint`).
+checkpoint; `Learner.run` is the whole algorithm on one screen. Its parts own their state:
+the `Feeder` issues prompts, the `Collector` reads and judges groups, the `EvalSink`
+evaluates published versions, the `Trainer` takes the GRPO step, the `Publisher` uploads
+adapters and the `StepReport` writes each step's figures. This module ties them: start and
+resume, publishing, checkpoints. Exactly-once training: a rollout group is acknowledged in
+the queue only after the checkpoint that holds its effect is written (`learner.checkpoint`).
 """
 
 from __future__ import annotations
@@ -18,8 +13,6 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -35,12 +28,11 @@ from learner.evaluate import EvalSink
 from learner.feeder import Feeder
 from learner.judge import Bounds, Reason
 from learner.lifecycle import LearnerError, StartupRetry, close_run, open_run
-from learner.metrics import MetricsLog, RewardNames, clean, console_line, group_figures, samples
-from learner.publish import Publisher, PublishJob, nonfinite
+from learner.publish import Publisher, PublishJob, finite
+from learner.report import StepReport
 from learner.token_use import count_step, sequence_tokens
-from learner.trackers import open_trackers
 from learner.trainer import Trainer
-from protocol import Queue, RolloutGroup, fingerprint_of_model
+from protocol import Queue, RolloutGroup
 from protocol.trusted.store import Store
 from protocol.wire.files import StoreError
 
@@ -73,16 +65,7 @@ class Learner:
         self.source, held_out = sources or open_sources(cfg, self.policy.tokenizer, self.policy.context)
         self._checkpoint_versions: collections.deque[int] = collections.deque(maxlen=cfg.keep_checkpoints)
         """Adapter versions of the checkpoints kept in the store (protected from pruning)."""
-        self.publisher = Publisher(
-            store,
-            queue,
-            base_model=cfg.model,
-            rank=cfg.lora_rank,
-            keep_adapters=cfg.adapters_kept,
-            fingerprint=fingerprint_of_model(cfg.model),
-            protected=self.pinned_versions,
-            log_every=cfg.log_every,
-        )
+        self.publisher = Publisher.for_run(cfg, store, queue, protected=self.pinned_versions)
         self.stop_requested = stop_requested or threading.Event()
         """Set to stop after a checkpoint (SIGTERM, Ctrl-C); the caller may own it."""
         self._retry = StartupRetry(cfg, self.stop_requested)
@@ -93,14 +76,10 @@ class Learner:
         bounds = Bounds.for_run(cfg, self.policy.vocab_size, self.policy.context)
         self.collector = Collector(cfg, queue, CONSUMER, bounds, self.feeder, self.evals, self.publisher, self.auditor)
         self.state = LearnerState()
-        self.on_step: Callable[[dict[str, Any]], None] | None = None
-        """Called with each step's metrics row (the embedded default's live display)."""
+        self.report = StepReport(cfg, self.policy.tokenizer.decode)
         self._checkpointed_step = -1
         self.complete = False
         """Started on a run whose checkpoint is already at `steps`."""
-        self.metrics: MetricsLog | None = None
-        self._reward_names = RewardNames([*cfg.reward, *([cfg.environment] if cfg.environment else [])])
-        self._logged_names = RewardNames([])
 
     @property
     def state(self) -> LearnerState:
@@ -118,10 +97,7 @@ class Learner:
             resume_step = self.start()
             if self.complete:
                 return self.state
-            trackers = open_trackers(
-                cfg.trackers, cfg.resolved_run_dir, cfg.run, cfg.model_dump(mode="json", exclude={"token"}), resume_step
-            )
-            self.metrics = self.evals.out = MetricsLog(cfg.resolved_run_dir, trackers=trackers, resume_step=resume_step)
+            self.evals.out = self.report.open(resume_step)
             while self.state.step < cfg.steps and not self.stop_requested.is_set():
                 waited = time.monotonic()
                 groups = self.collector.collect(cfg.groups_per_step, self.stop_requested)  # feeds prompts meanwhile
@@ -142,15 +118,16 @@ class Learner:
                     wait_s / max(wait_s + step_s, 1e-9),
                 )
                 publish_s = self.publish() if self.state.step % cfg.sync_every == 0 else 0.0
-                self.report(groups, batch, stats, trained_with, wait_s=wait_s, step_s=step_s, publish_s=publish_s)
+                times = {"wait_s": wait_s, "step_s": step_s, "publish_s": publish_s}
+                self.step_done(groups, batch, trained_with, stats, times)
                 if self.state.step % cfg.checkpoint_every == 0:
                     self.checkpoint()
-            # groups dropped since the last checkpoint (flat or stale, while collecting for a
-            # step that never ran) are consumed too: without a checkpoint they would stay
-            # pending in the queue and be counted twice
             if self.state.step >= cfg.steps:
                 self.evals.final(self.publish, self.feeder.poll_dead_letters, self.stop_requested)
             record_audits(self.queue, self.auditor)
+            # groups dropped since the last checkpoint (flat or stale, while collecting for a
+            # step that never ran) are consumed too: without a checkpoint they would stay
+            # pending in the queue and be counted twice
             if self.state.step != self._checkpointed_step or self.state.unacked:
                 self.checkpoint(final=True)
             if self.state.step >= cfg.steps:
@@ -158,8 +135,7 @@ class Learner:
         finally:
             self.trainer.stop()  # the other ranks (torchrun) exit with this one
             self.publisher.close()
-            if self.metrics is not None:
-                self.metrics.close()
+            self.report.close()
         return self.state
 
     # ------------------------------------------------------------- start/resume
@@ -177,22 +153,16 @@ class Learner:
             # a finished run started again (compose's restart, a second `up`): nothing to
             # train, issue, publish or evaluate, and its numbering untouched
             self.state, self.complete = ckpt.state, True
-            log.info(
-                "the run is complete: its checkpoint is at step %d of --steps %d; nothing to do",
-                ckpt.state.step,
-                self.cfg.steps,
-            )
+            log.info("the run is complete: its checkpoint is at step %d of --steps %d", ckpt.state.step, self.cfg.steps)
             return ckpt.state.step
         if ckpt is not None:
             self.state = ckpt.state
             self.trainer.restore(ckpt.adapter, ckpt.trainer)
             restore_rng(ckpt)
             resumed_at = self._checkpointed_step = self.state.step
+            state = self.state
             log.info(
-                "resumed at step %d (cursor %d, version %d)",
-                self.state.step,
-                self.state.ledger.cursor,
-                self.state.policy_version,
+                "resumed at step %d (cursor %d, version %d)", state.step, state.ledger.cursor, state.policy_version
             )
         elif self.cfg.resume:
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
@@ -213,7 +183,7 @@ class Learner:
         """Hand the adapter to the publisher as the next version; returns the seconds
         the training thread was blocked (snapshot + hand-over)."""
         started = time.monotonic()
-        adapter = self.finite_adapter()
+        adapter = finite(self.trainer.adapter(), self.state.step)
         self.state.policy_version += 1
         if self.auditor is not None:
             self.auditor.remember(self.state.policy_version, adapter)
@@ -233,19 +203,6 @@ class Learner:
         (actors load them by number) and the versions of kept checkpoints."""
         return set(self._checkpoint_versions) | self.evals.pinned()
 
-    def finite_adapter(self, adapter: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        """A snapshot of the adapter (or `adapter`), or LearnerError if any value is NaN or
-        infinite: such an adapter is never published (actors would generate garbage) nor
-        checkpointed (the last good checkpoint stays the one to resume from)."""
-        adapter = self.trainer.adapter() if adapter is None else adapter
-        if bad := nonfinite(adapter):
-            raise LearnerError(
-                f"step {self.state.step}: the adapter has non-finite values ({bad}); not publishing or "
-                "checkpointing it. Resume from the last checkpoint, with a lower --learning-rate or "
-                "--max-grad-norm"
-            )
-        return adapter
-
     def checkpoint(self, final: bool = False) -> None:
         """Write a checkpoint, then acknowledge what it holds. A store outage that outlasts
         the retries skips this checkpoint (nothing is acknowledged, so nothing is lost);
@@ -258,7 +215,7 @@ class Learner:
             save_checkpoint(
                 self.store,
                 self.state,
-                self.finite_adapter(adapter),
+                finite(adapter, self.state.step),
                 trainer_state,
                 keep=self.cfg.keep_checkpoints,
             )
@@ -274,42 +231,23 @@ class Learner:
         log.info("checkpoint at step %d", self.state.step)
         self.collector.acknowledge()
 
-    # ----------------------------------------------------------------- metrics
-    def report(
-        self, groups: list[RolloutGroup], batch: StepBatch, stats: dict[str, float], trained_with: int, **times: float
+    # ----------------------------------------------------------------- report
+    def step_done(
+        self,
+        groups: list[RolloutGroup],
+        batch: StepBatch,
+        trained_with: int,
+        stats: dict[str, float],
+        times: dict[str, float],
     ) -> None:
-        """The step's row (`metrics.jsonl`, the trackers, the live view, the console line);
-        `times`: `wait_s`, `step_s` and `publish_s`."""
+        """The step's verdicts handed to the parts and counted, then the step's row written
+        (`stats`: the loss figures; `times`: the wait, step and publish seconds)."""
         step_groups = self.collector.end_step()
         self.feeder.reissue(step_groups)
         count_step(self.state, step_groups, self.cfg.mask_truncated_completions)
         self.state.count("num_tokens", sequence_tokens(groups))  # TRL's, run-long
-        rewards_N, episodes = batch.rewards_N.tolist(), bool(self.cfg.tools or self.cfg.environment)
-        names, logged = self._reward_names, self._logged_names
-        figures = group_figures(groups, step_groups, rewards_N, trained_with, names, episodes, logged)
-        row = clean(
-            {
-                "step": self.state.step,
-                "adapter_version": self.state.policy_version,
-                **figures,
-                **stats,
-                "num_tokens": self.state.totals["num_tokens"],
-                **times,
-                **self.feeder.metrics(),
-                **self.collector.metrics(),
-                **self.evals.metrics(),
-                "publish_failures": self.publisher.failures,
-                "memory_peak_mb": peak_memory_mb(self.dist.device),
-                "time": time.time(),
-            }
-        )
-        assert self.metrics is not None
-        self.metrics.write(row, [g.group_id for g in groups], step_groups.reasons())
-        if self.cfg.samples_every and self.state.step % self.cfg.samples_every == 0:
-            self.metrics.samples(
-                samples(groups, batch.advantages_N.tolist(), self.policy.tokenizer.decode), self.state.step
-            )
-        if self.on_step is not None:
-            self.on_step(row)
-        if self.state.step % self.cfg.log_every == 0:
-            log.info(console_line(row, self.cfg.steps))
+        parts = {**self.feeder.metrics(), **self.collector.metrics(), **self.evals.metrics()}
+        tail = {**stats, "num_tokens": self.state.totals["num_tokens"], **times, **parts}
+        tail |= {"publish_failures": self.publisher.failures, "memory_peak_mb": peak_memory_mb(self.dist.device)}
+        head = {"step": self.state.step, "adapter_version": self.state.policy_version}
+        self.report.write(head, groups, step_groups, batch, trained_with, tail)

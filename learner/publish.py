@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from learner.config import LearnerConfig
+from learner.lifecycle import LearnerError
 from learner.policy import adapter_files
-from protocol import AdapterManifest, ProtocolError, Queue, QueueError, QueueUnavailable, to_json
+from protocol import AdapterManifest, ProtocolError, Queue, QueueError, QueueUnavailable, fingerprint_of_model, to_json
 from protocol.trusted.store import Store, retrying
 from protocol.wire.files import MANIFEST, StoreError, adapter_digest, adapter_key, file_entry
 
@@ -80,6 +82,20 @@ class Publisher:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._work, name="adapter-publisher", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_run(cls, cfg: LearnerConfig, store: Store, queue: Queue, protected: Callable[[], set[int]]) -> Publisher:
+        """The run's publisher: its model, rank, kept versions and logging cadence."""
+        return cls(
+            store,
+            queue,
+            base_model=cfg.model,
+            rank=cfg.lora_rank,
+            keep_adapters=cfg.adapters_kept,
+            fingerprint=fingerprint_of_model(cfg.model),
+            protected=protected,
+            log_every=cfg.log_every,
+        )
 
     @property
     def last_published(self) -> int:
@@ -198,3 +214,15 @@ def nonfinite(adapter: dict[str, Tensor]) -> str:
     """The tensors of `adapter` holding a NaN or an infinity, named ("" if none)."""
     bad = [name for name, t in adapter.items() if not bool(torch.isfinite(t).all())]
     return "" if not bad else bad[0] + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
+
+
+def finite(adapter: dict[str, Tensor], step: int) -> dict[str, Tensor]:
+    """`adapter`, or LearnerError if any value is NaN or infinite: such an adapter is never
+    published (actors would generate garbage) nor checkpointed (the last good checkpoint
+    stays the one to resume from)."""
+    if bad := nonfinite(adapter):
+        raise LearnerError(
+            f"step {step}: the adapter has non-finite values ({bad}); not publishing or checkpointing it. "
+            "Resume from the last checkpoint, with a lower --learning-rate or --max-grad-norm"
+        )
+    return adapter
