@@ -130,6 +130,20 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a("--worker-id", default=None, help="consumer name (default host-pid-random)")
     a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
+    a(
+        "--adapter-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a folder the workers of this machine share: each adapter file is fetched once per machine and "
+        "hard-linked into each worker's --cache-dir (default: none, each worker fetches its own)",
+    )
+    a(
+        "--adapter-cache-mb",
+        type=float,
+        default=4096.0,
+        help="--adapter-cache's size; the least recently used files go first (default 4096)",
+    )
     a("--lease-timeout-s", type=float, default=60.0, help="a lease not heartbeated for this long is taken over")
     a("--claim-block-s", type=float, default=5.0, help="long-poll wait for a batch (default 5)")
     a(
@@ -207,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.engine import EngineError, open_engine
     from actors.episodes import EpisodeEngine
     from actors.metrics import WorkerMetrics
+    from actors.node_cache import NodeCache
     from actors.rewards import ScoringPool
     from actors.tools import Toolbox
     from actors.watcher import AdapterWatcher, ProxySource
@@ -297,6 +312,7 @@ def run(args: argparse.Namespace) -> int:
         keep_adapters=args.keep_adapters,
         on_loaded=loaded,
         on_refused=lambda v, reason: metrics.adapters_refused.inc(),
+        node_cache=NodeCache(args.adapter_cache, args.adapter_cache_mb) if args.adapter_cache else None,
     )
     worker = Worker(
         queue,

@@ -9,7 +9,10 @@ a second at the door for nothing. Only the newest version
 matters to an actor, so versions it never saw are skipped, not replayed.
 
 A new version is downloaded file by file, each checked against the manifest's size
-and sha256, written to `cache_dir/v<N>/`, and loaded next to the current one. A
+and sha256, written to `cache_dir/v<N>/`, and loaded next to the current one. With a
+`node_cache` (`actors.node_cache`), the workers of one machine share the downloads: each
+file is fetched once per machine and linked into each worker's folder; what the engine
+loads is checked against the manifest's digest either way. A
 corrupt or missing adapter is refused with a logged reason (and never retried: a
 version names one adapter forever); the actor keeps generating with what it has. One
 that could not be fetched (the store, the network or the disk failed: at 1,000 workers on
@@ -31,10 +34,11 @@ from pathlib import Path
 from typing import Any
 
 from actors.engine import Engine, EngineError
+from actors.node_cache import NodeCache
 from protocol import AdapterManifest, ProtocolError, Queue, QueueError
 from protocol.client.adapters import AdapterSource
 from protocol.util.retry import Backoff
-from protocol.wire.files import StoreError, StoreMissing, folder_digest, verify
+from protocol.wire.files import StoreError, StoreMissing, adapter_digest, folder_digest, verify
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,7 @@ class AdapterWatcher:
         quiet_poll_s: float = 60.0,
         on_loaded: Callable[[AdapterManifest, float], None] | None = None,
         on_refused: Callable[[int, str], None] | None = None,
+        node_cache: NodeCache | None = None,
     ) -> None:
         if keep_adapters < 1:
             raise ValueError("keep_adapters must be >= 1")
@@ -85,14 +90,15 @@ class AdapterWatcher:
         self.keep_adapters = keep_adapters
         self.poll_s, self.quiet_poll_s = poll_s, quiet_poll_s
         self.on_loaded, self.on_refused = on_loaded, on_refused
+        self.node_cache = node_cache
         self.current = 0
         """The newest loaded version (0: the base model)."""
         self.refused: dict[int, str] = {}
         self.retry_soon = False
         """A download failed for want of the store or the network: read the latest within `poll_s`."""
         self.digests: dict[int, str] = {}
-        """`folder_digest` of each loaded version's files, taken once the engine loaded them:
-        the proof each group carries of the adapter it was generated with."""
+        """`folder_digest` of each loaded version's files, as the engine loads them (equal to
+        the manifest's): the proof each group carries of the adapter it was generated with."""
         self.load_s: dict[int, float] = {}
         """Seconds from the start of the download to loaded, per version."""
         self._stop = threading.Event()
@@ -202,11 +208,20 @@ class AdapterWatcher:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             for entry in manifest.files:
-                data = self.source.fetch(manifest, entry.name)
+                fetch = functools.partial(self.source.fetch, manifest, entry.name)
+                if self.node_cache is not None:
+                    self.node_cache.place(entry, fetch, folder / entry.name)
+                    continue
+                data = fetch()
                 verify(entry, data)
                 (folder / entry.name).write_bytes(data)
+            digest = folder_digest(folder)
+            if digest != adapter_digest(manifest.files):  # a damaged copy on this machine's disk
+                if self.node_cache is not None:
+                    self.node_cache.discard(manifest.files)
+                raise OSError(f"v{version}'s files on disk do not match its manifest")
             self.engine.load_adapter(version, folder)
-            self.digests[version] = folder_digest(folder)
+            self.digests[version] = digest
         except (ProtocolError, EngineError, StoreMissing) as err:  # the adapter itself: never again
             reason = f"{type(err).__name__}: {err}"
             self.refused[version] = reason

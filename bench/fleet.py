@@ -25,6 +25,14 @@ Scenarios, each a table:
    groups/s is back to 90 % of before.
 3. churn: `--churn-fraction` of the fleet leaves (SIGTERM) and joins per minute for
    `--churn-minutes`.
+4. fanout: a 34 MB adapter (LoRA rank 16 on every linear layer of Qwen2.5-0.5B's shape,
+   float32) published `--publishes` times, `--publish-every-s` apart, through the real
+   publisher (store, manifest, announce) by the bench itself: no learner or scorer runs
+   when it is the only scenario. Per size in `--workers`: bytes read from the store per
+   publish (what the workers fetched, counted) and seconds until 95 % of the workers had
+   the version loaded. With `--node-cache` each host's workers share their downloads as
+   the workers of one machine do (`actors run --adapter-cache`): a host of `--per-host`
+   workers stands for one machine.
 
 At the end the workers are stopped, the learner checkpoints (SIGTERM), and the ledger of
 `bench/chaos.py` is checked: every issued prompt trained once, dropped with its reason,
@@ -32,6 +40,7 @@ dead-lettered or still in the queue; nothing trained twice. Exits 1 if it is not
 
     python bench/fleet.py [--workers 1,10,100,300,1000] [--scenarios scaleout,reclaim,churn]
         [--json figures.json] [--keep DIR]
+    python bench/fleet.py --scenarios fanout --workers 100,1000 [--node-cache]
 """
 
 from __future__ import annotations
@@ -112,6 +121,7 @@ class Rig:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.hosts: list[dict[str, Any]] = []
         self.serial = 0
+        self.learner: subprocess.Popen[bytes] | None = None
 
     def _start(self, name: str, cmd: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         with (self.logs / f"{name}.log").open("ab") as out:
@@ -170,6 +180,9 @@ class Rig:
             base,
         )  # fmt: skip
         wait_for_proxy(self.proxy_url, str(self.cert), self.procs["proxy"], timeout_s=60)
+        self.actor_env = {**base, "SPOTGRPO_TOKEN": secrets["actor"]}
+        if not a.trains:
+            return
         for i in range(a.scorers):
             self._start(
                 f"scorer{i}",
@@ -190,7 +203,6 @@ class Rig:
              "--startup-timeout-s", "600", "--no-tensorboard"],
             {**base, "SPOTGRPO_TOKEN": secrets["learner"], "SPOTGRPO_CA_CERT": str(self.cert)},
         )  # fmt: skip
-        self.actor_env = {**base, "SPOTGRPO_TOKEN": secrets["actor"]}
 
     # ---------------------------------------------------------------- the fleet
     @property
@@ -214,7 +226,8 @@ class Rig:
                      "--tokens-per-s", str(a.tokens_per_s), "--completion-tokens", str(a.completion_tokens),
                      "--max-num-seqs", str(a.num_generations * PPB), "--dilation", str(a.dilation),
                      "--lease-timeout-s", str(a.lease_timeout_s), "--grace-s", str(a.grace_s),
-                     "--join-over-s", str(a.join_over_s)],
+                     "--join-over-s", str(a.join_over_s),
+                     *(["--node-cache", str(self.work / "nodes" / name)] if a.node_cache else [])],
                     env=self.actor_env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                 )  # fmt: skip
             self.hosts.append({"name": name, "count": count, "proc": proc, "stats": stats})
@@ -237,7 +250,7 @@ class Rig:
             "redis_cpu_s": float(info["used_cpu_sys"]) + float(info["used_cpu_user"]),
             "redis_mb": info["used_memory"] / 2**20,
             "redis_clients": info["connected_clients"],
-            "learner_cpu_s": cpu_s(self.learner.pid),
+            "learner_cpu_s": cpu_s(self.learner.pid) if self.learner else 0.0,
             "scorer_cpu_s": sum(cpu_s(p.pid) for n, p in self.procs.items() if n.startswith("scorer")),
             "hosts_cpu_s": sum(cpu_s(pid) for pid in hosts),
             "moto_cpu_s": cpu_s(self.procs["moto"].pid),
@@ -366,16 +379,20 @@ class Rig:
         """Per version announced in the window: bytes the workers fetched, and the seconds
         until 95 % of `workers` had loaded it."""
         loads: dict[int, list[float]] = defaultdict(list)
+        read: dict[int, int] = defaultdict(int)
         for h in self.hosts:
             if h["stats"].exists():
                 for line in h["stats"].read_text().splitlines():
-                    for _worker, version, at in json.loads(line)["loads"]:
+                    row = json.loads(line)
+                    for _worker, version, at in row["loads"]:
                         loads[version].append(at)
+                    for version, size in row.get("fetched", []):
+                        read[version] += size
         reach, fetched = [], []
-        for version, at, size in self.announces():
+        for version, at, _size in self.announces():
             if since <= at < until - 15:
                 times = sorted(t - at for t in loads.get(version, []))
-                fetched.append(len(times) * size)
+                fetched.append(read[version])
                 need = max(1, int(np.ceil(0.95 * workers)))
                 reach.append(times[need - 1] if len(times) >= need else float("inf"))
         finite = [r for r in reach if np.isfinite(r)]
@@ -398,6 +415,9 @@ class Rig:
                 h["proc"].wait(max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 h["proc"].kill()
+        if self.learner is None:  # nothing was trained: no ledger to check
+            self.close()
+            return {}
         self.learner.send_signal(signal.SIGTERM)
         try:
             self.learner.wait(300)
@@ -539,6 +559,69 @@ def churn(rig: Rig, n: int) -> list[dict[str, Any]]:
     return rows
 
 
+def qwen_shaped_adapter(rank: int = 16, seed: int = 0) -> dict[str, Any]:
+    """LoRA A and B of every linear layer of Qwen2.5-0.5B's shape (24 layers, hidden 896,
+    MLP 4864, 2 key-value heads of 64), float32: 8.8 M values, 35 MB."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj": (896, 896), "k_proj": (896, 128), "v_proj": (896, 128), "o_proj": (896, 896),
+              "gate_proj": (896, 4864), "up_proj": (896, 4864), "down_proj": (4864, 896)}  # fmt: skip
+    state = {}
+    for layer in range(24):
+        for module, (fan_in, fan_out) in shapes.items():
+            part = "self_attn" if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            name = f"base_model.model.model.layers.{layer}.{part}.{module}"
+            state[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * 0.01
+            state[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.01
+    return state
+
+
+def fanout(rig: Rig, sizes: list[int]) -> list[dict[str, Any]]:
+    """See the module docstring (scenario 4)."""
+    from learner.publish import Publisher, PublishJob
+    from protocol import QueueConfig
+    from protocol.trusted import RedisQueue, open_store
+
+    a = rig.args
+    queue = RedisQueue.from_url(rig.redis_url, QueueConfig(run=RUN))
+    publisher = Publisher(open_store(rig.store), queue, base_model="fleet", rank=16, keep_adapters=3)
+    config = json.dumps({"r": 16, "lora_alpha": 32, "peft_type": "LORA"}).encode()
+    version, rows = 0, []
+    try:
+        for n in sizes:
+            rig.grow_to(n)
+            time.sleep(a.warm_s)
+            s0 = rig.sample()
+            for _ in range(a.publishes):
+                version += 1
+                publisher.submit(PublishJob(version, version, qwen_shaped_adapter(seed=version), config))
+                publisher.flush()
+                time.sleep(a.publish_every_s)
+            time.sleep(20)  # the last version's stragglers (`fanout` counts versions 15 s before the end)
+            row = {"workers": n, "node_cache": a.node_cache, **rig.fanout(s0["t"], time.time(), n)}
+            s1 = rig.sample()
+            dt = s1["t"] - s0["t"]
+            row |= {
+                "proxy_cores": (s1["proxy_cpu_s"] - s0["proxy_cpu_s"]) / dt,
+                "moto_cores": (s1["moto_cpu_s"] - s0["moto_cpu_s"]) / dt,
+                "hosts_cores": (s1["hosts_cpu_s"] - s0["hosts_cpu_s"]) / dt,
+            }
+            rows.append(row)
+            if len(rows) == 1:
+                print(f"\n== fanout ({'a cache per host of ' + str(a.per_host) if a.node_cache else 'no cache'})")
+                print(f"{'workers':>8} {'MB':>6} {'versions':>8} {'MB read/publish':>16} {'reach95 p50 s':>14} "
+                      f"{'missed':>6} {'proxy':>6} {'moto':>6} {'hosts':>6}")  # fmt: skip
+            print(f"{n:>8} {row['adapter_bytes'] / 1e6:>6.1f} {row['versions']:>8} "
+                  f"{row['bytes_per_publish'] / 1e6:>16.1f} {row['reach95_p50_s']:>14.1f} {row['reach95_missed']:>6} "
+                  f"{row['proxy_cores']:>6.2f} {row['moto_cores']:>6.2f} {row['hosts_cores']:>6.2f}",
+                  flush=True)  # fmt: skip
+    finally:
+        publisher.close()
+        queue.close()
+    return rows
+
+
 def print_rows(title: str, rows: list[dict[str, Any]], header: bool) -> None:
     cols = [
         ("workers", "{:>7}"), ("groups_per_s", "{:>8.1f}"), ("stale_per_s", "{:>6.1f}"), ("stored_per_s", "{:>8.1f}"),
@@ -598,6 +681,9 @@ def main() -> None:
     p.add_argument("--churn-fraction", type=float, default=0.1)
     p.add_argument("--churn-minutes", type=float, default=10.0)
     p.add_argument("--token-workers", type=int, default=None, help="size the actor token for this many workers")
+    p.add_argument("--node-cache", action="store_true", help="each host's workers share their adapter downloads")
+    p.add_argument("--publishes", type=int, default=4, help="fanout: adapters published per fleet size")
+    p.add_argument("--publish-every-s", type=float, default=30.0, help="fanout: seconds between publishes")
     p.add_argument("--proxy-flag", dest="proxy_flags", action="append", default=[], help="one more `proxy serve` flag")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--keep", type=Path, default=None, help="work here and keep it (logs, stats, run)")
@@ -605,6 +691,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     sizes = [int(s) for s in args.workers.split(",")]
     scenarios = args.scenarios.split(",")
+    args.trains = any(s != "fanout" for s in scenarios)
     work = args.keep or Path(tempfile.mkdtemp(prefix="spotgrpo-fleet-"))
     work.mkdir(parents=True, exist_ok=True)
     group_s = args.completion_tokens / (args.tokens_per_s / (args.num_generations * PPB)) * args.dilation
@@ -622,6 +709,8 @@ def main() -> None:
             figures["reclaim"] = reclaim(rig, max(sizes))
         if "churn" in scenarios:
             figures["churn"] = churn(rig, max(sizes))
+        if "fanout" in scenarios:
+            figures["fanout"] = fanout(rig, sizes)
         figures["ledger"] = rig.stop()
     except BaseException:
         rig.close()
@@ -630,6 +719,8 @@ def main() -> None:
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1, default=str))
     book = figures["ledger"]
+    if not book:  # nothing trained
+        sys.exit(0)
     print(f"\nledger: {book['issued_prompts']} prompts issued, {book['trained']} trained, dropped {book['dropped']}, "
           f"{book['dead_lettered']} dead-lettered, {book['in_queue'] + book['waiting_batches']} in the queue; "
           f"exact: {book['exact']} {book['problems']}")  # fmt: skip

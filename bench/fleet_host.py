@@ -13,7 +13,9 @@ claiming and hands back what it cannot finish within `--grace-s`, as `actors run
 a SIGKILL loses all of them at once: a host is one spot machine. Every second the host
 appends one JSON line to `--stats`: latencies of the door's calls (ms, by call), tokens
 generated so far (finished and in progress), tokens in groups the queue stored, adapter
-loads (version, time) and the workers still running.
+loads (version, time), adapter bytes read from the store (version, bytes) and the workers
+still running. With `--node-cache DIR` the host's workers share their downloads as the
+workers of one machine do (`actors run --adapter-cache`).
 
     python bench/fleet_host.py --url https://127.0.0.1:PORT --ca cert.pem --count 25 \
         --name h3 --stats h3.jsonl --run fleet --vocab 80 --digits 4,5,...
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from actors.engine import Engine, EngineError, GroupRequest, Sample
+from actors.node_cache import NodeCache
 from actors.watcher import AdapterWatcher, ProxySource
 from actors.worker import Worker, WorkerRefused
 from protocol import QueueConfig, QueueError
@@ -192,6 +195,7 @@ class Recorder:
         self.retried: dict[str, int] = defaultdict(int)
         self.failed: dict[str, int] = defaultdict(int)
         self.loads: list[tuple[str, int, float]] = []
+        self.fetched: list[tuple[int, int]] = []
         self.tokens_stored = 0
         self.groups_stored = 0
         self.engines: list[SimEngine] = []
@@ -213,16 +217,13 @@ class Recorder:
                 "retried": dict(self.retried),
                 "failed": dict(self.failed),
                 "loads": self.loads,
+                "fetched": self.fetched,
                 "tokens_generated": generated,
                 "tokens_stored": self.tokens_stored,
                 "groups_stored": self.groups_stored,
             }
-            self.latencies, self.retried, self.failed, self.loads = (
-                defaultdict(list),
-                defaultdict(int),
-                defaultdict(int),
-                [],
-            )
+            self.latencies, self.retried, self.failed = defaultdict(list), defaultdict(int), defaultdict(int)
+            self.loads, self.fetched = [], []
         with self.path.open("a") as f:
             f.write(json.dumps(line) + "\n")
 
@@ -271,6 +272,8 @@ class TimedQueue(HttpQueue):
 
     def fetch_adapter_file(self, download: Any, name: str) -> bytes:
         data: bytes = self._timed("adapter_file", lambda: super(TimedQueue, self).fetch_adapter_file(download, name))
+        with self.recorder.lock:
+            self.recorder.fetched.append((download.manifest.version, len(data)))
         return data
 
 
@@ -293,6 +296,7 @@ def main() -> None:
     p.add_argument("--claim-block-s", type=float, default=5.0)
     p.add_argument("--report-every-s", type=float, default=10.0)
     p.add_argument("--join-over-s", type=float, default=2.0, help="workers start spread over this long")
+    p.add_argument("--node-cache", type=Path, default=None, help="the host's shared adapter cache (one machine's)")
     args = p.parse_args()
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     token = os.environ["SPOTGRPO_TOKEN"]
@@ -336,7 +340,10 @@ def main() -> None:
             with recorder.lock:
                 recorder.loads.append((worker_id, manifest.version, time.time()))
 
-        watcher = AdapterWatcher(queue, ProxySource(queue), engine, cache / f"w{j}", on_loaded=loaded)
+        node_cache = NodeCache(args.node_cache) if args.node_cache else None
+        watcher = AdapterWatcher(
+            queue, ProxySource(queue), engine, cache / f"w{j}", on_loaded=loaded, node_cache=node_cache
+        )
         worker = Worker(
             queue,
             engine,
