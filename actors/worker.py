@@ -27,7 +27,8 @@ back what it holds, and exits 0.
 Shutdown (SIGTERM, a spot notice): stop claiming; leases in hand may finish within
 `grace_s`, after which generation is aborted and every unfinished lease is handed back,
 so other workers take them at once; what is finished is submitted within the rest of
-the grace period (at least a second); exit 0.
+the grace period (at least a second); exit 0. Whatever ends the loop, the worker's last
+call takes its status out of the fleet view (`Queue.leave`).
 """
 
 from __future__ import annotations
@@ -229,7 +230,16 @@ class Worker:
             raise WorkerEngineDead(str(err)) from None
         finally:
             self.heartbeat.close()
+            self._leave()
         return 0
+
+    def _leave(self) -> None:
+        """Leave the fleet view now: a departed worker would be listed (and count against
+        its token's live workers) until its status aged out."""
+        try:
+            self.queue.leave(self.worker_id)
+        except QueueError as err:
+            log.info("could not say goodbye (the status ages out instead): %s", err)
 
     def _queue_calls(self, max_batches: int | None) -> None:
         """Submit what is ready, then claim while there is room; an outage defers both."""

@@ -42,6 +42,8 @@ from protocol.client.http import (
     HeartbeatRequest,
     HeartbeatResponse,
     LatestAdapterResponse,
+    LeaveRequest,
+    LeaveResponse,
     LiftRequest,
     LiftResponse,
     QuarantineRequest,
@@ -287,6 +289,10 @@ def report_status(
     return ReportStatusResponse(worker=name)
 
 
+def leave(ctx: Context, token: Token, body: LeaveRequest, params: dict[str, str]) -> LeaveResponse:
+    return LeaveResponse(left=ctx.queue.leave(worker_name(token, body.worker), owner=token.name))
+
+
 def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WorkersResponse:
     max_age_s = _int_param(params, "max_age_s", 120, 1, 86_400)
     limit = _int_param(params, "limit", 500, 1, 1000)
@@ -442,6 +448,7 @@ HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.SUBMIT: submit,
     api.RELEASE: release,
     api.REPORT_STATUS: report_status,
+    api.LEAVE: leave,
     api.WORKERS: list_workers,
     api.WHOAMI: whoami,
     api.LATEST_ADAPTER: latest_adapter,

@@ -98,6 +98,9 @@ class ProxiedQueue(Queue):
     def report_status(self, status: WorkerStatus) -> None:
         self.actor.report_status(status)
 
+    def leave(self, worker: str) -> bool:
+        return self.actor.leave(worker)
+
     def subscribe_adapters(self) -> AdapterSubscription:
         return self.actor.subscribe_adapters()
 

@@ -445,7 +445,7 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(
     queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=600))
     queue.add_prompts([batch_of(PROMPTS, batch_id="only", n=8, max_tokens=200)])
     proc = subprocess.Popen(
-        _actor_cmd(tiny_model, proxy, "spot", "--lease-timeout-s", "600"),
+        _actor_cmd(tiny_model, proxy, "spot", "--lease-timeout-s", "600", "--report-every-s", "1"),
         cwd=REPO,
         env=proxy.actor_env(),
         stdout=subprocess.PIPE,
@@ -454,6 +454,10 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(
     )
     try:
         _wait_for_lease(queue, "spot", proc)
+        deadline = time.monotonic() + 30
+        while [w.worker for w in queue.workers()] != [through_proxy("spot")]:
+            assert time.monotonic() < deadline, "the worker never reported its status"
+            time.sleep(0.1)
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -466,6 +470,7 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(
     leases = queue.claim("other", 1)
     assert [lease.batch.batch_id for lease in leases] == ["only"]
     assert queue.stats().rollouts.length == 0
+    assert queue.workers() == []  # it said goodbye: not listed for the 2 minutes a status lives
     queue.close()
 
 

@@ -490,6 +490,11 @@ def test_one_token_cannot_grow_the_fleet_view_the_learners_log_or_the_metrics(pr
         except TooManyWorkers:
             refused += 1
     assert refused == 40
+    assert honest.leave("gpu-0") is False  # a worker of that name under another token is not its to remove
+    assert mallory.leave("gpu-0") is True and mallory.leave("gpu-0") is False
+    mallory.report_status(status("gpu-59"))  # the place it left is free at once, not in 2 minutes
+    with pytest.raises(TooManyWorkers):
+        mallory.report_status(status("gpu-58"))
     mallory.report_status(status("gpu-3", version=2))  # a worker it already has still reports
     honest.report_status(status("real-0"))  # and other tokens are not affected
     with _raw(p, TOKENS["learner"]) as client:

@@ -559,8 +559,12 @@ def test_worker_statuses_replace_each_other_and_old_ones_are_forgotten(make_queu
     q._r.hset(q.keys.workers, "c", b"\xc1garbage")
     assert [(w.worker, w.adapter_version) for w in q.workers(max_age_s=120)] == [(listed(q, "a"), 2)]
     assert q._r.hkeys(q.keys.workers) == [listed(q, "a").encode()]  # b and c forgotten
+    assert q.leave("a") is True and q.workers(max_age_s=120) == []  # a stopping worker's goodbye
+    assert q.leave("a") is False
     with pytest.raises(ValueError):
         q.report_status(WorkerStatus(worker="has space", reported_at=now))
+    with pytest.raises(ValueError):
+        q.leave("has space")
 
 
 def test_a_completed_runs_keys_expire(make_queue) -> None:

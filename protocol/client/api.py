@@ -29,6 +29,8 @@ from protocol.client.http import (
     HeartbeatRequest,
     HeartbeatResponse,
     LatestAdapterResponse,
+    LeaveRequest,
+    LeaveResponse,
     LiftRequest,
     LiftResponse,
     QuarantineRequest,
@@ -121,6 +123,14 @@ REPORT_STATUS = _e(
     "Report this worker's status (adapter loaded, last error, throughput).",
     ReportStatusRequest,
     ReportStatusResponse,
+)
+LEAVE = _e(
+    "POST",
+    "/v1/workers/leave",
+    {ACTOR},
+    "A stopping worker's last call: its status leaves the fleet view (and its token's count of live workers) now.",
+    LeaveRequest,
+    LeaveResponse,
 )
 WORKERS: Endpoint[None, WorkersResponse] = _e(
     "GET",
@@ -285,7 +295,7 @@ HEALTHZ: Endpoint[None, None] = _e("GET", "/healthz", set(), "200 when Redis ans
 OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document.")
 
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
-    CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
+    CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, LEAVE, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
     ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, RUN_OVER, RUN_REWARDS,
     ANNOUNCE,
     DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, RECORD_AUDITS,

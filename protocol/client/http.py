@@ -133,6 +133,16 @@ class ReportStatusResponse(_Body, frozen=True, tag="reported"):
     """The name the status is listed under."""
 
 
+class LeaveRequest(_Body, frozen=True, tag="leave"):
+    worker: Ident
+    """The worker's own name; the proxy puts the token's name first."""
+
+
+class LeaveResponse(_Body, frozen=True, tag="left"):
+    left: bool
+    """False: it was not listed (never reported, or aged out)."""
+
+
 class WorkersResponse(_Body, frozen=True, tag="workers"):
     workers: Annotated[list[WorkerStatus], msgspec.Meta(max_length=1000)]
     """At most `?limit=` of them (default 500, at most 1,000): the furthest behind first
@@ -286,13 +296,13 @@ class ErrorResponse(_Body, frozen=True, tag="error"):
 
 
 REQUESTS = (
-    ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, AddPromptsRequest,
+    ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, LeaveRequest, AddPromptsRequest,
     ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest, QuarantineRequest, LiftRequest,
     ForgetLiftedRequest, RecordAuditsRequest, RunOverRequest, RunRewardsRequest,
 )  # fmt: skip
 RESPONSES = (
-    ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, AdapterDownload,
-    AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
+    ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, LeaveResponse,
+    AdapterDownload, AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
     WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse, RunOverResponse, RunRewardsResponse,
 )  # fmt: skip

@@ -50,6 +50,7 @@ from protocol.client.http import (
     ExpireRunRequest,
     ForgetLiftedRequest,
     HeartbeatRequest,
+    LeaveRequest,
     LiftRequest,
     QuarantineRequest,
     ReadRolloutsRequest,
@@ -350,6 +351,9 @@ class HttpQueue(Queue):
     # ------------------------------------------------------------------- fleet
     def report_status(self, status: WorkerStatus) -> None:
         self._call(api.REPORT_STATUS, ReportStatusRequest(status=status))
+
+    def leave(self, worker: str) -> bool:
+        return self._call(api.LEAVE, LeaveRequest(worker=worker)).left
 
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         """The proxy lists at most 500, those furthest behind first."""

@@ -350,6 +350,11 @@ class Queue(abc.ABC):
         """A worker's latest status (replaces its previous one)."""
 
     @abc.abstractmethod
+    def leave(self, worker: str) -> bool:
+        """A stopping worker's status goes now, where it would be listed until it aged out;
+        False if it was not listed."""
+
+    @abc.abstractmethod
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         """Workers that reported within `max_age_s`, by name (older reports are forgotten)."""
 

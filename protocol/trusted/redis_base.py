@@ -50,6 +50,7 @@ class RedisBase:
                 "ANNOUNCE",
                 "COUNT_AFTER",
                 "REPORT_STATUS",
+                "LEAVE",
                 "QUARANTINE",
                 "LIFT_QUARANTINE",
                 "FORGET_LIFTED",

@@ -422,6 +422,12 @@ return 1
 """
 )
 
+LEAVE = r"""
+-- KEYS: workers, owner's workers (zset)   ARGV: worker
+redis.call('ZREM', KEYS[2], ARGV[1])
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
+
 QUARANTINE = (
     _HELPERS
     + r"""

@@ -81,6 +81,11 @@ class RedisRecords(RedisBase):
                 f"(the proxy's --max-workers-per-token); this one's status is not recorded"
             )
 
+    def leave(self, worker: str, owner: str = "") -> bool:
+        """`owner` (the proxy: the token's name): the worker no longer counts among its live ones."""
+        check_worker(worker)
+        return bool(int(self._script("LEAVE", [self.keys.workers, self.keys.workers_of(owner)], [worker])))
+
     def workers(self, max_age_s: float = 120.0) -> list[WorkerStatus]:
         now = time.time()
         live: list[WorkerStatus] = []
