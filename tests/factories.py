@@ -6,6 +6,7 @@ import json
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 from protocol import (
     AdapterFile,
@@ -108,6 +109,27 @@ def manifest(version: int = 1, step: int = 0) -> AdapterManifest:
         ],
         created_at=time.time(),
     )
+
+
+def stored_manifest(store: Any, version: int, weights: bytes | None = None, config: bytes = b"{}") -> AdapterManifest:
+    """An adapter version as the publisher leaves it in `store`: its files, then its
+    manifest (`weights` default: a few bytes naming the version)."""
+    from protocol import to_json
+    from protocol.wire.files import adapter_key, file_entry
+
+    files = {"adapter_model.safetensors": weights or f"weights-{version}".encode(), "adapter_config.json": config}
+    for name, data in files.items():
+        store.put(adapter_key(version, name), data)
+    made = AdapterManifest(
+        version=version,
+        step=version,
+        base_model="m",
+        rank=1,
+        files=[file_entry(n, d) for n, d in files.items()],
+        created_at=time.time(),
+    )
+    store.put(adapter_key(version, "manifest.json"), to_json(made))
+    return made
 
 
 def write_dataset(path: Path, n: int = 200, seed: int = 0) -> Path:

@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from factories import stored_manifest
 from scripted import ScriptedEngine
 
 from actors.node_cache import NodeCache
 from actors.watcher import AdapterWatcher, ProxySource
-from protocol import AdapterManifest, ProtocolError, to_json
+from protocol import AdapterManifest, ProtocolError
 from protocol.trusted import open_store
 from protocol.wire.files import adapter_digest, adapter_key, file_entry
 
@@ -25,19 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def publish(store, version: int, weights: bytes) -> AdapterManifest:
-    files = {"adapter_model.safetensors": weights, "adapter_config.json": b'{"r": 4}'}
-    for name, data in files.items():
-        store.put(adapter_key(version, name), data)
-    manifest = AdapterManifest(
-        version=version,
-        step=version,
-        base_model="m",
-        rank=4,
-        files=[file_entry(n, d) for n, d in files.items()],
-        created_at=time.time(),
-    )
-    store.put(adapter_key(version, "manifest.json"), to_json(manifest))
-    return manifest
+    return stored_manifest(store, version, weights, config=b'{"r": 4}')
 
 
 class CountingSource(ProxySource):

@@ -26,7 +26,6 @@ from protocol import (
     QueueUnavailable,
     WorkerStatus,
     encode,
-    to_json,
 )
 from protocol.client.api import ENDPOINTS
 from protocol.client.http import (
@@ -42,7 +41,7 @@ from protocol.client.http import (
 from protocol.client.http_queue import QueueForbidden
 from protocol.trusted import RedisQueue
 from protocol.trusted.store import open_store
-from protocol.wire.files import StoreMissing, adapter_key, file_entry
+from protocol.wire.files import StoreMissing
 from proxy.auth import TokenError, Tokens
 
 pytestmark = pytest.mark.redis
@@ -427,19 +426,9 @@ def test_an_http_proxy_named_with_credentials_is_sent_them() -> None:
 
 
 def _manifest(store, version: int) -> AdapterManifest:
-    files = {"adapter_model.safetensors": f"weights-{version}".encode(), "adapter_config.json": b"{}"}
-    for name, data in files.items():
-        store.put(adapter_key(version, name), data)
-    manifest = AdapterManifest(
-        version=version,
-        step=version,
-        base_model="m",
-        rank=1,
-        files=[file_entry(n, d) for n, d in files.items()],
-        created_at=time.time(),
-    )
-    store.put(adapter_key(version, "manifest.json"), to_json(manifest))
-    return manifest
+    from factories import stored_manifest
+
+    return stored_manifest(store, version)
 
 
 def test_adapter_downloads_from_a_file_store_are_streamed_by_the_proxy(make_proxy, tmp_path) -> None:
