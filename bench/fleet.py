@@ -25,14 +25,15 @@ Scenarios, each a table:
    groups/s is back to 90 % of before.
 3. churn: `--churn-fraction` of the fleet leaves (SIGTERM) and joins per minute for
    `--churn-minutes`.
-4. fanout: a 34 MB adapter (LoRA rank 16 on every linear layer of Qwen2.5-0.5B's shape,
+4. fanout: a 35 MB adapter (LoRA rank 16 on every linear layer of Qwen2.5-0.5B's shape,
    float32) published `--publishes` times, `--publish-every-s` apart, through the real
-   publisher (store, manifest, announce) by the bench itself: no learner or scorer runs
-   when it is the only scenario. Per size in `--workers`: bytes read from the store per
-   publish (what the workers fetched, counted) and seconds until 95 % of the workers had
-   the version loaded. With `--node-cache` each host's workers share their downloads as
-   the workers of one machine do (`actors run --adapter-cache`): a host of `--per-host`
-   workers stands for one machine.
+   publisher (store, manifest, announce) by the bench itself, on a rig of its own after
+   the others (Redis, the store, the proxy and the fleet; no learner or scorer). Per size
+   in `--workers`: bytes read from the store per publish (what the workers fetched,
+   counted) and seconds until 95 % of the workers had the version loaded. With
+   `--node-cache` each host's workers share their downloads as the workers of one machine
+   do (`actors run --adapter-cache`): a host of `--per-host` workers stands for one
+   machine.
 
 At the end the workers are stopped, the learner checkpoints (SIGTERM), and the ledger of
 `bench/chaos.py` is checked: every issued prompt trained once, dropped with its reason,
@@ -699,33 +700,43 @@ def main() -> None:
           f"of {args.completion_tokens} tokens takes {group_s:.1f} s ({args.dilation:g}x a GPU at "
           f"{args.tokens_per_s:g} tokens/s); learner steps of {args.groups_per_step} groups on the tiny model; "
           f"work in {work}", flush=True)  # fmt: skip
-    rig = Rig(work, args)
     figures: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k not in ("json", "keep")}}
-    try:
-        rig.start()
+
+    def on_a_rig(where: Path, trains: bool, body: Any) -> dict[str, Any]:
+        """Start a rig (with a learner, or only the door for the fan-out), run `body` on it, stop it."""
+        rig = Rig(where, argparse.Namespace(**{**vars(args), "trains": trains}))
+        try:
+            rig.start()
+            body(rig)
+            return rig.stop()
+        except BaseException:
+            rig.close()
+            raise
+
+    def training(rig: Rig) -> None:
         if "scaleout" in scenarios:
             figures["scaleout"] = scaleout(rig, sizes)
         if "reclaim" in scenarios:
             figures["reclaim"] = reclaim(rig, max(sizes))
         if "churn" in scenarios:
             figures["churn"] = churn(rig, max(sizes))
-        if "fanout" in scenarios:
-            figures["fanout"] = fanout(rig, sizes)
-        figures["ledger"] = rig.stop()
-    except BaseException:
-        rig.close()
-        raise
+
+    try:
+        if args.trains:
+            figures["ledger"] = on_a_rig(work, True, training)
+        if "fanout" in scenarios:  # its own rig: the bench publishes where a learner would
+            on_a_rig(work / "fanout", False, lambda rig: figures.update(fanout=fanout(rig, sizes)))
     finally:
         if args.json:
             args.json.write_text(json.dumps(figures, indent=1, default=str))
-    book = figures["ledger"]
+    if args.keep is None:
+        shutil.rmtree(work, ignore_errors=True)
+    book = figures.get("ledger")
     if not book:  # nothing trained
         sys.exit(0)
     print(f"\nledger: {book['issued_prompts']} prompts issued, {book['trained']} trained, dropped {book['dropped']}, "
           f"{book['dead_lettered']} dead-lettered, {book['in_queue'] + book['waiting_batches']} in the queue; "
           f"exact: {book['exact']} {book['problems']}")  # fmt: skip
-    if args.keep is None:
-        shutil.rmtree(work, ignore_errors=True)
     sys.exit(0 if book["exact"] else 1)
 
 
