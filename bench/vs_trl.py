@@ -11,7 +11,8 @@ of it, and one `actors run --engine vllm` worker through the proxy (scoring its 
 as TRL's rollout worker does).
 
 The same work for both: the tiny model (`learner.tiny.save_tiny`), the next-digit task asked
-as a chat turn, reward `digits` below (the task's own and a dense part), `--groups` prompts x 8 completions a step,
+as a chat turn, reward `digits` below (the task's own and a dense part), `--groups` prompts x
+`--num-generations` (8) completions a step,
 up to 16 tokens at temperature 1, LoRA r8 / alpha 16 on every linear layer, the same
 learning rate, at most `--max-staleness` versions behind, `--steps` steps. The learner
 side (TRL's trainer and its rollout process; spotgrpo's learner and its Redis) runs on
@@ -154,7 +155,7 @@ def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> di
                 "--max-model-len",
                 "256",
                 "--max-num-seqs",
-                str(4 * args.groups * 8),
+                str(4 * args.groups * args.num_generations),
                 "--seed",
                 "0",
             ],
@@ -174,6 +175,7 @@ def run_trl(args: argparse.Namespace, work: Path, model: Path, data: Path) -> di
             "out": str(work / "trl"),
             "steps": args.steps,
             "groups": args.groups,
+            "num_generations": args.num_generations,
             "lr": args.lr,
             "max_staleness": args.max_staleness,
         }
@@ -278,7 +280,7 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
             "--scoring",
             "actors",
             "--num-generations",
-            "8",
+            str(args.num_generations),
             "--groups-per-step",
             str(args.groups),
             "--max-tokens",
@@ -471,7 +473,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=1, help="pairs of runs (peer, then spotgrpo)")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--groups", type=int, default=2, help="prompts (groups of 8) per step")
+    parser.add_argument("--groups", type=int, default=2, help="prompts (groups of --num-generations) per step")
+    parser.add_argument("--num-generations", type=int, default=8, help="completions per prompt (both systems)")
     parser.add_argument(
         "--prompts-per-batch", type=int, default=None, help="spotgrpo: prompts per lease (default: the learner's)"
     )
@@ -497,8 +500,8 @@ def main() -> None:
     model = save_tiny(root / "model")
     data = write_data(root / "next_digit_chat.jsonl")
     print(
-        f"work: tiny model, next digit as a chat turn, {args.groups} prompts x 8 completions a step, "
-        f"16 tokens, lr {args.lr}, LoRA r8, max staleness {args.max_staleness}, {args.steps} steps; "
+        f"work: tiny model, next digit as a chat turn, {args.groups} prompts x {args.num_generations} completions a "
+        f"step, 16 tokens, lr {args.lr}, LoRA r8, max staleness {args.max_staleness}, {args.steps} steps; "
         f"learner side on core {LEARNER_CORE}, generator on core {GENERATOR_CORE}; logs in {root}"
     )
     ratios = []

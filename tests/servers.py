@@ -28,8 +28,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def free_cluster_port() -> int:
-    """A free port whose cluster bus port (+10000) is free too, and below 65536."""
+def free_port_pair(offset: int) -> int:
+    """A free port whose partner `offset` above it is free too (and below 65536): a
+    Redis Cluster node's bus port (+10000), the second worker's metrics of `--gpus`
+    (+1)."""
     import random
 
     for _ in range(1000):
@@ -37,11 +39,11 @@ def free_cluster_port() -> int:
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
-                b.bind(("127.0.0.1", port + 10000))
+                b.bind(("127.0.0.1", port + offset))
             return port
         except OSError:
             continue
-    raise RuntimeError("no free port pair for a cluster node")
+    raise RuntimeError(f"no free port pair {offset} apart")
 
 
 def kill_process(proc: subprocess.Popen | None) -> None:
@@ -71,7 +73,7 @@ class RedisServer:
 
     def __init__(self, workdir: Path, port: int | None = None, persistent: bool = False, cluster: bool = False) -> None:
         self.workdir = workdir
-        self.port = port or (free_cluster_port() if cluster else free_port())
+        self.port = port or (free_port_pair(10000) if cluster else free_port())
         self.persistent = persistent
         self.cluster = cluster
         """A node of a Redis Cluster (`RedisClusterNodes` joins them)."""

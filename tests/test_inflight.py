@@ -4,6 +4,8 @@ real Redis with the transformers engine (the vLLM engine's share is in test_vllm
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-from servers import ProxyProcess, free_port, kill_process, through_proxy
+from servers import ProxyProcess, free_port_pair, kill_process, through_proxy
 
 from actors.hf_engine import TransformersEngine
 from actors.rewards import ScoringPool
@@ -300,12 +302,18 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(
         "--max-num-seqs",
         "16",
         "--metrics-port",
-        str(port := free_port()),
+        str(port := free_port_pair(1)),  # the second worker serves on port + 1
         "--gpus",
         "0,1",
     ]
     parent = subprocess.Popen(
-        cmd, cwd=REPO, env=proxy.actor_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd,
+        cwd=REPO,
+        env=proxy.actor_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group: the finally kills the workers too
     )
     try:
         deadline = time.monotonic() + 120
@@ -319,6 +327,8 @@ def test_gpus_start_one_worker_per_gpu_and_pass_sigterm_on(
         parent.send_signal(signal.SIGTERM)
         out, _ = parent.communicate(timeout=60)
     finally:
+        with contextlib.suppress(ProcessLookupError):  # after a failed wait: workers hold the pipe
+            os.killpg(parent.pid, signal.SIGKILL)
         kill_process(parent)
     assert parent.returncode == 0, out[-3000:]
     assert len(queue.claim("other", 10)) == 4  # both handed their leases back
