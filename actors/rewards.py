@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 
 from protocol import Prompt
-from protocol.usercode.rewards import Scorer, Scores, load_reward
+from protocol.usercode.rewards import Scorer, Scores, ToolMask, load_reward
 
 
 class ScoringPool:
@@ -38,11 +38,16 @@ class ScoringPool:
         )
 
     def submit(
-        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+        self,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        tool_mask: ToolMask = None,
     ) -> Future[Scores]:
         inner = self.pool.schedule(
             _score_in_child,
-            args=(msgspec.msgpack.encode(prompt), prompt_text, texts, completion_ids),
+            args=(msgspec.msgpack.encode(prompt), prompt_text, texts, completion_ids, tool_mask),
             timeout=self.timeout_s,
         )
         outer: Future[Scores] = Future()
@@ -75,6 +80,10 @@ def _init_child(specs: list[str]) -> None:
     _CHILD_SCORER = Scorer([load_reward(spec) for spec in specs], timeout_s=None)
 
 
-def _score_in_child(prompt: bytes, prompt_text: str, texts: list[str], completion_ids: list[list[int]]) -> Scores:
+def _score_in_child(
+    prompt: bytes, prompt_text: str, texts: list[str], completion_ids: list[list[int]], tool_mask: ToolMask
+) -> Scores:
     assert _CHILD_SCORER is not None
-    return _CHILD_SCORER.score(msgspec.msgpack.decode(prompt, type=Prompt), prompt_text, texts, completion_ids)
+    return _CHILD_SCORER.score(
+        msgspec.msgpack.decode(prompt, type=Prompt), prompt_text, texts, completion_ids, tool_mask=tool_mask
+    )

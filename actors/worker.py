@@ -61,7 +61,7 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
-from protocol.usercode.rewards import Scores, unscored
+from protocol.usercode.rewards import Scores, ToolMask, group_tool_mask, unscored
 from protocol.util.retry import Backoff
 from protocol.wire.text import printable
 
@@ -80,7 +80,12 @@ class Scoring(Protocol):
     """`Scorer` (inline) or `ScoringPool` (processes beside the engine)."""
 
     def submit(
-        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+        self,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        tool_mask: ToolMask = None,
     ) -> Future[Scores]: ...
 
     def close(self) -> None: ...
@@ -351,8 +356,13 @@ class Worker:
                 # scored on the trusted side; whatever reward this worker sent would be ignored
                 self.scoring[(lease_id, i)] = unscored(len(samples))
             else:
+                ids = [s.token_ids for s in samples]
                 self.scoring[(lease_id, i)] = self.scorer.submit(
-                    prompt, self.engine.decode(flight.prompt_ids[i]), texts, [s.token_ids for s in samples]
+                    prompt,
+                    self.engine.decode(flight.prompt_ids[i]),
+                    texts,
+                    ids,
+                    group_tool_mask([s.mask for s in samples], ids),
                 )
         self._collect_scores()
         for lease_id in self.heartbeat.take_lost():

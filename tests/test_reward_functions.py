@@ -108,7 +108,7 @@ def test_log_extra_columns_reach_each_completion_bounded_and_named_safely() -> N
     (row, _) = scores.extras
     assert "short" not in row and not any("\x1b" in k for k in row) and len(row) == MAX_EXTRA_COLUMNS
     assert len(row["long"]) == MAX_EXTRA_CHARS and row["c0"] == "0"
-    together = scorer.call_batch([(p0, "", ["a"], [[1]]), (p1, "", ["b", "c"], [[2], [3]])])
+    together = scorer.call_batch([(p0, "", ["a"], [[1]], None), (p1, "", ["b", "c"], [[2], [3]], None)])
     assert [v.extras["verdict"] for v in together] == [["saw a"], ["saw b", "saw c"]]
 
 
@@ -123,6 +123,69 @@ def test_dapo_soft_overlong_punishment_gives_trl_s_values() -> None:
     assert ours(100, 20)(ids)[:8] == [0.0, 0.0, 0.0, 0.0, -0.05, -0.5, -0.95, -1.0]
     with pytest.raises(ValueError, match="soft_punish_cache"):
         ours(10, 11)
+
+
+PENALTY = (
+    "protocol.usercode.length:get_length_penalty_reward"
+    "(token_penalty=0.1, turn_penalty=1, free_tokens=2, max_penalty=-10)"
+)
+
+
+def test_the_length_penalty_charges_the_models_tokens_and_turns_past_the_free_ones() -> None:
+    from protocol.usercode.length import get_length_penalty_reward
+
+    penalty = load_reward(PENALTY).fn
+    ids = [[7] * 2, [7] * 5, [7] * 8, [7] * 9]
+    # single turns: every token the model's, one turn (free)
+    assert penalty(completion_ids=ids) == pytest.approx([0.0, -0.3, -0.6, -0.7])
+    # episodes: 1 marks the model's tokens; tool results (0) cost nothing, a turn costs 1
+    masks = [[1, 1], [1, 1, 0, 0, 1], [1, 1, 1, 0, 0, 0, 1, 1], [1, 0, 1, 0, 1, 0, 1, 0, 1]]
+    assert penalty(completion_ids=ids, tool_mask=masks) == pytest.approx([0.0, -1.1, -1.3, -4.3])
+    # never below max_penalty
+    floored = get_length_penalty_reward(token_penalty=1.0, max_penalty=-2.5)
+    assert floored(completion_ids=ids) == [-2.0, -2.5, -2.5, -2.5]
+    assert get_length_penalty_reward()(completion_ids=ids) == [0.0] * 4  # no price: no penalty
+    for bad, why in (
+        ({"token_penalty": -0.1}, "token_penalty"),
+        ({"free_turns": -1}, "free_turns"),
+        ({"max_penalty": 1.0}, "max_penalty"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            get_length_penalty_reward(**bad)
+
+
+def test_the_tool_mask_reaches_a_reward_that_takes_it_aligned_over_a_batch() -> None:
+    """TRL's `tool_mask`, as the scorer hands it: the group's own where it has episodes,
+    all 1 for single turns, aligned with `completion_ids` over a batch of groups."""
+    from protocol.usercode.rewards import group_tool_mask
+
+    from protocol import Prompt
+
+    scorer = Scorer([load_reward(PENALTY), load_reward("toy_rewards:strict")], timeout_s=None)  # strict: no extras
+    prompt = Prompt(id="p", text="q", columns={"answer": "1"})
+    ids = [[1] * 5, [2] * 5]
+    masks = group_tool_mask([[1, 1, 0, 0, 1], None], ids)
+    assert masks == [[1, 1, 0, 0, 1], [1] * 5] and group_tool_mask([None, None], ids) is None
+    scored = scorer.score(prompt, "", ["1", "x"], ids, tool_mask=masks)
+    assert scored.error is None, scored.error
+    assert [c["get_length_penalty_reward"] for c in scored.components] == pytest.approx([-1.1, -0.3])
+    together = scorer.call_batch([(prompt, "", ["1", "x"], ids, masks), (prompt, "", ["1"], [[3] * 3], None)])
+    assert [v.per_fn["get_length_penalty_reward"] for v in together] == [
+        pytest.approx([-1.1, -0.3]),
+        pytest.approx([-0.1]),
+    ]
+
+
+def test_the_actors_scoring_processes_get_the_tool_mask() -> None:
+    from actors.rewards import ScoringPool
+
+    pool = ScoringPool([PENALTY], timeout_s=30.0, workers=1)
+    try:
+        prompt = factories.batch(0, 1).prompts[0]
+        scores = pool.submit(prompt, "", ["a", "b"], [[1] * 5, [2] * 5], [[1, 1, 0, 0, 1], [1] * 5]).result(60)
+    finally:
+        pool.close()
+    assert scores.error is None and scores.rewards == pytest.approx([-1.1, -0.3])
 
 
 SPEC = "protocol.usercode.length:get_soft_overlong_punishment(max_completion_len=4, soft_punish_cache=2)"

@@ -17,7 +17,7 @@ from learner.scoring import replay
 from learner.scoring.episodes import EpisodeReader, read_episodes, recounted, single_turns
 from protocol import Completion, ProtocolError, RolloutGroup
 from protocol.trusted.scoring import ScoringQueue, UnscoredGroup
-from protocol.usercode.rewards import PastLimit, RewardRefused, Scorer, Scores, Values
+from protocol.usercode.rewards import PastLimit, RewardRefused, Scorer, Scores, ToolMask, Values, group_tool_mask
 from protocol.usercode.transcript import (
     EnvironmentReward,
     Transcript,
@@ -173,13 +173,16 @@ class _Ready:
     """The reward functions' values and what they logged, when the job's groups were scored
     together (`call_together`)."""
 
-    decoded: tuple[list[str], list[list[int]]] | None = None
+    decoded: tuple[list[str], list[list[int]], ToolMask] | None = None
 
-    def texts_and_ids(self, decode: Decode) -> tuple[list[str], list[list[int]]]:
-        """The completions' texts (decoded from their tokens: what rewards score) and ids."""
+    def texts_and_ids(self, decode: Decode) -> tuple[list[str], list[list[int]], ToolMask]:
+        """The completions' texts (decoded from their tokens: what rewards score), ids and
+        tool mask (read against the episodes' model turns before the group came here)."""
         if self.decoded is None:
-            ids = [c.tokens.tolist() for c in self.item.group.completions]
-            self.decoded = [decode(i) for i in ids], ids
+            completions = self.item.group.completions
+            ids = [c.tokens.tolist() for c in completions]
+            masks = [None if c.mask is None else list(c.mask) for c in completions]
+            self.decoded = [decode(i) for i in ids], ids, group_tool_mask(masks, ids)
         return self.decoded
 
 
@@ -191,8 +194,8 @@ def call_together(tier: Tier, ready: list[_Ready]) -> None:
     groups = []
     for r in ready:
         assert r.item.prompt is not None
-        texts, ids = r.texts_and_ids(tier.decode)
-        groups.append((r.item.prompt, "", texts, ids))
+        texts, ids, mask = r.texts_and_ids(tier.decode)
+        groups.append((r.item.prompt, "", texts, ids, mask))
     try:
         results = tier.scorer.call_batch_within(tier.timeout_s * len(ready), groups)
     except PastLimit:
@@ -254,11 +257,11 @@ def _score_ready(tier: Tier, r: _Ready) -> dict[str, Any]:
                 raise RewardRefused(outcome or "the environment's replay gave no answer")
             return outcome
 
-    texts, ids = r.texts_and_ids(tier.decode)
+    texts, ids, mask = r.texts_and_ids(tier.decode)
     if r.called is not None:
         scores = tier.scorer.combine(len(texts), r.called, extra)
     else:
-        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra)
+        scores = tier.scorer.score_within(tier.timeout_s, item.prompt, "", texts, ids, extra, tool_mask=mask)
     group = scored_group(
         item, scores, texts, tier.name, time.monotonic() - r.started, recounted(completions, r.transcripts)
     )

@@ -35,7 +35,17 @@ from typing import Any
 import msgspec
 
 from protocol import Prompt
-from protocol.usercode.rewards import Called, Group, PastLimit, RewardFn, Scorer, Scores, Values, load_reward
+from protocol.usercode.rewards import (
+    Called,
+    Group,
+    PastLimit,
+    RewardFn,
+    Scorer,
+    Scores,
+    ToolMask,
+    Values,
+    load_reward,
+)
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +55,7 @@ class _Group(msgspec.Struct, frozen=True, array_like=True):
     prompt_text: str
     texts: list[str]
     completion_ids: list[list[int]]
+    tool_mask: list[list[int]] | None = None
 
 
 class _Request(msgspec.Struct, frozen=True):
@@ -151,7 +162,7 @@ class HostedScorer(Scorer):
     def call_batch(self, groups: Sequence[Group]) -> list[Called]:
         if not self.functions:  # an environment's reward alone
             return [Values({}, {}, {}) for _ in groups]
-        sent = [_Group(p, pt, list(t), [list(i) for i in ids]) for p, pt, t, ids in groups]
+        sent = [_Group(p, pt, list(t), [list(i) for i in ids], mask) for p, pt, t, ids, mask in groups]
         request = _Request(os.urandom(8).hex(), sent)
         reply = self.host.call(request, self._limit)
         if reply.raised is not None:
@@ -159,7 +170,7 @@ class HostedScorer(Scorer):
         if len(reply.results) != len(groups):
             return [Scores.failed(len(g[2]), "the reward host answered nothing") for g in groups]
         out: list[Called] = []
-        for r, (_, _, texts, _) in zip(reply.results, groups, strict=True):
+        for r, (_, _, texts, _, _) in zip(reply.results, groups, strict=True):
             if r.values is None:
                 out.append(Scores.failed(len(texts), r.failed or "failed"))
             else:
@@ -182,12 +193,14 @@ class HostedScorer(Scorer):
         texts: list[str],
         completion_ids: list[list[int]],
         extra: Callable[[], list[float]] | None = None,
+        *,
+        tool_mask: ToolMask = None,
     ) -> Scores:
         """The functions' values within `timeout_s` (the host is killed past it), then the
         environment's reward and the totals here."""
         self._limit = timeout_s
         try:
-            return self.score(prompt, prompt_text, texts, completion_ids, extra)
+            return self.score(prompt, prompt_text, texts, completion_ids, extra, tool_mask=tool_mask)
         except PastLimit:
             return Scores.failed(
                 len(texts),
@@ -209,7 +222,7 @@ def serve(conn: Connection, specs: list[str]) -> None:
         except (EOFError, OSError):
             return  # the worker and its horses are gone
         try:
-            groups = [(g.prompt, g.prompt_text, g.texts, g.completion_ids) for g in request.groups]
+            groups = [(g.prompt, g.prompt_text, g.texts, g.completion_ids, g.tool_mask) for g in request.groups]
             results = [
                 _Result(None, {}, {}, c.error or "failed") if isinstance(c, Scores) else _Result(*c, None)
                 for c in scorer.call_batch(groups)

@@ -11,9 +11,13 @@ user's functions work unchanged. A function that takes them (by name, or `**kwar
 gets TRL's `trainer_state` (`global_step`, `max_steps`, `epoch`: where the learner stood
 when it issued the prompt, at most `max_staleness` steps before it trains on the group;
 `None` where that is unknown), `log_metric(name, value)` (the value, averaged over the
-step's groups, is a metric of the step under that name) and `log_extra(column, values)`
+step's groups, is a metric of the step under that name), `log_extra(column, values)`
 (a value per completion: it travels with the completion, `Completion.extra`, and is a
-column of the learner's completions table; at most 8 columns of 300 characters).
+column of the learner's completions table; at most 8 columns of 300 characters) and
+`tool_mask` (TRL's name for it inside its trainer: per completion, 1 for each of the
+model's tokens and 0 for the environment's, tool results and the chat template's glue
+between turns; all 1 for a single turn). On the scoring tier the mask is the one it
+checked against the episode's model turns (`protocol.usercode.transcript`).
 
 `None` from a function means it abstains for that completion (TRL's convention); the
 total is the weighted sum of the others. A function that raises, returns the wrong
@@ -64,17 +68,29 @@ episodes (`get_reward`) as this prefix and its `module:Class`."""
 
 
 T = TypeVar("T")
-Group = tuple[Prompt, str, list[str], list[list[int]]]
+ToolMask = list[list[int]] | None
+"""Per completion, 1 for the model's tokens and 0 for the environment's; None: single
+turns, every token the model's."""
+Group = tuple[Prompt, str, list[str], list[list[int]], ToolMask]
 """A group to score: its prompt, the prompt's text (plain prompts without `text`), the
-completions' texts and their token ids."""
+completions' texts, their token ids and their tool masks."""
 
 
 class RewardError(ValueError):
     """A reward specification cannot be loaded."""
 
 
-TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric")
-"""The keyword arguments TRL adds to the data set's columns for a reward function."""
+TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric", "tool_mask")
+"""The keyword arguments added to the data set's columns for a reward function: TRL's,
+and the episode's mask (`tool_mask`)."""
+
+
+def group_tool_mask(masks: Sequence[Sequence[int] | None], completion_ids: Sequence[Sequence[int]]) -> ToolMask:
+    """A group's tool mask from its completions' masks (None where a completion is a single
+    turn: all its tokens are the model's)."""
+    if all(m is None for m in masks):
+        return None
+    return [[1] * len(ids) if m is None else list(m) for m, ids in zip(masks, completion_ids, strict=True)]
 
 
 class RewardRefused(Exception):
@@ -265,11 +281,16 @@ class Scorer:
         self.reraise = reraise
 
     def submit(
-        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+        self,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        tool_mask: ToolMask = None,
     ) -> Future[Scores]:
         """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
         future: Future[Scores] = Future()
-        future.set_result(self.score(prompt, prompt_text, texts, completion_ids))
+        future.set_result(self.score(prompt, prompt_text, texts, completion_ids, tool_mask=tool_mask))
         return future
 
     def close(self) -> None:
@@ -282,33 +303,41 @@ class Scorer:
         texts: list[str],
         completion_ids: list[list[int]],
         extra: Callable[[], list[float]] | None = None,
+        *,
+        tool_mask: ToolMask = None,
     ) -> Scores:
         """`extra`: the `extra` reward's values, computed when called (an environment's)."""
-        called = self.call_functions(prompt, prompt_text, texts, completion_ids)
+        called = self.call_functions(prompt, prompt_text, texts, completion_ids, tool_mask)
         if isinstance(called, Scores):
             return called
         return self.combine(len(texts), called, extra)
 
     def call_functions(
-        self, prompt: Prompt, prompt_text: str, texts: list[str], completion_ids: list[list[int]]
+        self,
+        prompt: Prompt,
+        prompt_text: str,
+        texts: list[str],
+        completion_ids: list[list[int]],
+        tool_mask: ToolMask = None,
     ) -> Called:
         """Each reward function's values by name, with what they logged (`log_metric`), or
         the group's failure."""
-        return self.call_batch([(prompt, prompt_text, texts, completion_ids)])[0]
+        return self.call_batch([(prompt, prompt_text, texts, completion_ids, tool_mask)])[0]
 
     def call_batch(self, groups: Sequence[Group]) -> list[Called]:
         """`call_functions` for several groups with one call of each function (TRL's batch:
         every list aligned over all the groups' completions; `trainer_state` is the first
         group's, and what a function logs counts for each group). A failure fails every
         group, as do groups whose columns differ (they cannot be aligned)."""
-        sizes = [len(texts) for _, _, texts, _ in groups]
+        sizes = [len(texts) for _, _, texts, _, _ in groups]
         n = sum(sizes)
         prompts: list[Any] = []
         completions: list[Any] = []
         ids: list[list[int]] = []
+        masks: list[list[int]] = []
         columns: dict[str, list[Any]] = {}
         keys = set(groups[0][0].columns)
-        for prompt, prompt_text, texts, completion_ids in groups:
+        for prompt, prompt_text, texts, completion_ids, group_mask in groups:
             if set(prompt.columns) != keys:
                 return [Scores.failed(size, "the batch's groups have different columns") for size in sizes]
             if prompt.messages is not None:
@@ -321,6 +350,7 @@ class Scorer:
             for k, v in prompt.columns.items():
                 columns.setdefault(k, []).extend([v] * len(texts))
             ids += completion_ids
+            masks += [[1] * len(i) for i in completion_ids] if group_mask is None else group_mask
         progress = groups[0][0].progress
         logged: dict[str, list[float]] = {}
         extra_logged: dict[str, list[Any]] = {}
@@ -330,6 +360,7 @@ class Scorer:
             else TrainerState(progress.global_step, progress.max_steps, progress.epoch),
             "log_metric": lambda name, value: logged.setdefault(str(name), []).append(float(value)),
             "log_extra": lambda column, values: extra_logged.setdefault(str(column), []).extend(list(values)),
+            "tool_mask": masks,
         }
         per_fn: dict[str, list[float | None]] = {}
         for rf in self.functions:
@@ -390,13 +421,17 @@ class Scorer:
         texts: list[str],
         completion_ids: list[list[int]],
         extra: Callable[[], list[float]] | None = None,
+        *,
+        tool_mask: ToolMask = None,
     ) -> Scores:
         """`score` under one time limit for the whole group, on a thread: past it the
         group fails with that reason, and its thread is abandoned (in an RQ work horse it
         ends with the job's process). An exception `reraise` lets through is raised here."""
         try:
             return within(
-                timeout_s, lambda: self.score(prompt, prompt_text, texts, completion_ids, extra), "score-group"
+                timeout_s,
+                lambda: self.score(prompt, prompt_text, texts, completion_ids, extra, tool_mask=tool_mask),
+                "score-group",
             )
         except PastLimit:
             return Scores.failed(
