@@ -17,7 +17,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import msgspec
 
 from protocol import Prompt
-from protocol.usercode.rewards import Scorer, Scores, ToolMask, load_reward
+from protocol.usercode.rewards import Group, Scorer, Scores, ToolMask, load_reward
 
 
 class ScoringPool:
@@ -37,14 +37,8 @@ class ScoringPool:
             context=multiprocessing.get_context("spawn"),
         )
 
-    def submit(
-        self,
-        prompt: Prompt,
-        prompt_text: str,
-        texts: list[str],
-        completion_ids: list[list[int]],
-        tool_mask: ToolMask = None,
-    ) -> Future[Scores]:
+    def submit(self, group: Group) -> Future[Scores]:
+        prompt, prompt_text, texts, completion_ids, tool_mask = group
         inner = self.pool.schedule(
             _score_in_child,
             args=(msgspec.msgpack.encode(prompt), prompt_text, texts, completion_ids, tool_mask),

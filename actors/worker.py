@@ -48,7 +48,6 @@ from actors.watcher import AdapterWatcher
 from protocol import (
     Completion,
     Lease,
-    Prompt,
     Queue,
     QueueError,
     QueueForbidden,
@@ -61,7 +60,7 @@ from protocol import (
     group_id_for,
     pack_i32,
 )
-from protocol.usercode.rewards import Scores, ToolMask, group_tool_mask, unscored
+from protocol.usercode.rewards import Group, Scores, group_tool_mask, unscored
 from protocol.util.retry import Backoff
 from protocol.wire.text import printable
 
@@ -79,14 +78,10 @@ class WorkerEngineDead(RuntimeError):
 class Scoring(Protocol):
     """`Scorer` (inline) or `ScoringPool` (processes beside the engine)."""
 
-    def submit(
-        self,
-        prompt: Prompt,
-        prompt_text: str,
-        texts: list[str],
-        completion_ids: list[list[int]],
-        tool_mask: ToolMask = None,
-    ) -> Future[Scores]: ...
+    def submit(self, group: Group) -> Future[Scores]:
+        """Score a group (its prompt, the prompt's text, the completions' texts, ids and
+        tool mask)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -357,13 +352,9 @@ class Worker:
                 self.scoring[(lease_id, i)] = unscored(len(samples))
             else:
                 ids = [s.token_ids for s in samples]
-                self.scoring[(lease_id, i)] = self.scorer.submit(
-                    prompt,
-                    self.engine.decode(flight.prompt_ids[i]),
-                    texts,
-                    ids,
-                    group_tool_mask([s.mask for s in samples], ids),
-                )
+                prompt_text = self.engine.decode(flight.prompt_ids[i])
+                mask = group_tool_mask([s.mask for s in samples], ids)
+                self.scoring[(lease_id, i)] = self.scorer.submit((prompt, prompt_text, texts, ids, mask))
         self._collect_scores()
         for lease_id in self.heartbeat.take_lost():
             if lease_id in self.flights:

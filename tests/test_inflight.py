@@ -102,7 +102,7 @@ def test_a_hung_reward_is_killed_and_the_pool_recovers(tmp_path: Path) -> None:
         pid_file = tmp_path / "pid"
         started = time.monotonic()
         hung = pool.submit(
-            Prompt(id="a", text="hang", columns={"pid_file": str(pid_file)}), "hang", ["1", "x"], [[1], [2]]
+            (Prompt(id="a", text="hang", columns={"pid_file": str(pid_file)}), "hang", ["1", "x"], [[1], [2]], None)
         )
         scores = hung.result(timeout=30)
         assert scores.error is not None and "killed" in scores.error and scores.rewards == [None, None]
@@ -112,7 +112,7 @@ def test_a_hung_reward_is_killed_and_the_pool_recovers(tmp_path: Path) -> None:
         while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, "the hung reward's process still runs"
             time.sleep(0.1)
-        fine = pool.submit(Prompt(id="b", text="fine"), "fine", ["1", "x"], [[1], [2]]).result(timeout=60)
+        fine = pool.submit((Prompt(id="b", text="fine"), "fine", ["1", "x"], [[1], [2]], None)).result(timeout=60)
         assert fine.error is None and fine.rewards == [1.0, 0.0]  # a fresh process took over
     finally:
         pool.close()

@@ -157,9 +157,8 @@ def test_the_length_penalty_charges_the_models_tokens_and_turns_past_the_free_on
 def test_the_tool_mask_reaches_a_reward_that_takes_it_aligned_over_a_batch() -> None:
     """TRL's `tool_mask`, as the scorer hands it: the group's own where it has episodes,
     all 1 for single turns, aligned with `completion_ids` over a batch of groups."""
-    from protocol.usercode.rewards import group_tool_mask
-
     from protocol import Prompt
+    from protocol.usercode.rewards import group_tool_mask
 
     scorer = Scorer([load_reward(PENALTY), load_reward("toy_rewards:strict")], timeout_s=None)  # strict: no extras
     prompt = Prompt(id="p", text="q", columns={"answer": "1"})
@@ -182,7 +181,7 @@ def test_the_actors_scoring_processes_get_the_tool_mask() -> None:
     pool = ScoringPool([PENALTY], timeout_s=30.0, workers=1)
     try:
         prompt = factories.batch(0, 1).prompts[0]
-        scores = pool.submit(prompt, "", ["a", "b"], [[1] * 5, [2] * 5], [[1, 1, 0, 0, 1], [1] * 5]).result(60)
+        scores = pool.submit((prompt, "", ["a", "b"], [[1] * 5, [2] * 5], [[1, 1, 0, 0, 1], [1] * 5])).result(60)
     finally:
         pool.close()
     assert scores.error is None and scores.rewards == pytest.approx([-1.1, -0.3])

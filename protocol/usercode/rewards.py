@@ -254,7 +254,7 @@ class Values(NamedTuple):
 
 
 Called = Values | Scores
-"""What `Scorer.call_functions` gives a group: its `Values`, or its failure."""
+"""What `Scorer.call_batch` gives a group: its `Values`, or its failure."""
 
 
 def unscored(n: int) -> Future[Scores]:
@@ -280,15 +280,9 @@ class Scorer:
         self.timeout_s = timeout_s
         self.reraise = reraise
 
-    def submit(
-        self,
-        prompt: Prompt,
-        prompt_text: str,
-        texts: list[str],
-        completion_ids: list[list[int]],
-        tool_mask: ToolMask = None,
-    ) -> Future[Scores]:
+    def submit(self, group: Group) -> Future[Scores]:
         """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
+        prompt, prompt_text, texts, completion_ids, tool_mask = group
         future: Future[Scores] = Future()
         future.set_result(self.score(prompt, prompt_text, texts, completion_ids, tool_mask=tool_mask))
         return future
@@ -307,25 +301,14 @@ class Scorer:
         tool_mask: ToolMask = None,
     ) -> Scores:
         """`extra`: the `extra` reward's values, computed when called (an environment's)."""
-        called = self.call_functions(prompt, prompt_text, texts, completion_ids, tool_mask)
+        (called,) = self.call_batch([(prompt, prompt_text, texts, completion_ids, tool_mask)])
         if isinstance(called, Scores):
             return called
         return self.combine(len(texts), called, extra)
 
-    def call_functions(
-        self,
-        prompt: Prompt,
-        prompt_text: str,
-        texts: list[str],
-        completion_ids: list[list[int]],
-        tool_mask: ToolMask = None,
-    ) -> Called:
-        """Each reward function's values by name, with what they logged (`log_metric`), or
-        the group's failure."""
-        return self.call_batch([(prompt, prompt_text, texts, completion_ids, tool_mask)])[0]
-
     def call_batch(self, groups: Sequence[Group]) -> list[Called]:
-        """`call_functions` for several groups with one call of each function (TRL's batch:
+        """Each reward function's values by name, with what they logged (`log_metric`), or
+        the group's failure, for several groups with one call of each function (TRL's batch:
         every list aligned over all the groups' completions; `trainer_state` is the first
         group's, and what a function logs counts for each group). A failure fails every
         group, as do groups whose columns differ (they cannot be aligned)."""
