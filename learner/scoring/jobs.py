@@ -17,13 +17,14 @@ from learner.scoring import replay
 from learner.scoring.episodes import EpisodeReader, read_episodes, recounted, single_turns
 from protocol import Completion, ProtocolError, RolloutGroup
 from protocol.trusted.scoring import ScoringQueue, UnscoredGroup
-from protocol.usercode.rewards import PastLimit, RewardRefused, Scorer, Scores, ToolMask, Values, group_tool_mask
+from protocol.usercode.rewards import RewardRefused, Scorer, Scores, ToolMask, Values, group_tool_mask
 from protocol.usercode.transcript import (
     EnvironmentReward,
     Transcript,
     TranscriptError,
     answered_calls,
 )
+from protocol.util.deadline import PastLimit
 from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)

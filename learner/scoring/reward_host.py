@@ -38,7 +38,6 @@ from protocol import Prompt
 from protocol.usercode.rewards import (
     Called,
     Group,
-    PastLimit,
     RewardFn,
     Scorer,
     Scores,
@@ -46,6 +45,7 @@ from protocol.usercode.rewards import (
     Values,
     load_reward,
 )
+from protocol.util.deadline import PastLimit
 
 log = logging.getLogger(__name__)
 

@@ -45,13 +45,13 @@ import numbers
 import os
 import re
 import sys
-import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 from protocol import Prompt
+from protocol.util.deadline import PastLimit, within
 from protocol.wire.messages import MAX_EXTRA_CHARS, MAX_EXTRA_COLUMNS, MAX_LOGGED_METRICS
 from protocol.wire.text import SAFE_NAME, printable
 
@@ -67,7 +67,6 @@ ENVIRONMENT = "environment="
 episodes (`get_reward`) as this prefix and its `module:Class`."""
 
 
-T = TypeVar("T")
 ToolMask = list[list[int]] | None
 """Per completion, 1 for the model's tokens and 0 for the environment's; None: single
 turns, every token the model's."""
@@ -318,6 +317,7 @@ class Scorer:
         completions: list[Any] = []
         ids: list[list[int]] = []
         masks: list[list[int]] = []
+        wants_mask = any("tool_mask" in rf.extras for rf in self.functions)
         columns: dict[str, list[Any]] = {}
         keys = set(groups[0][0].columns)
         for prompt, prompt_text, texts, completion_ids, group_mask in groups:
@@ -333,7 +333,8 @@ class Scorer:
             for k, v in prompt.columns.items():
                 columns.setdefault(k, []).extend([v] * len(texts))
             ids += completion_ids
-            masks += [[1] * len(i) for i in completion_ids] if group_mask is None else group_mask
+            if wants_mask:
+                masks += [[1] * len(i) for i in completion_ids] if group_mask is None else group_mask
         progress = groups[0][0].progress
         logged: dict[str, list[float]] = {}
         extra_logged: dict[str, list[Any]] = {}
@@ -480,33 +481,6 @@ def _logged_metrics(logged: dict[str, list[float]]) -> dict[str, float]:
         if finite and label and len(out) < MAX_LOGGED_METRICS:
             out[label] = sum(finite) / len(finite)
     return out
-
-
-class PastLimit(Exception):
-    """`within`'s function ran past its time limit (and was left to finish alone)."""
-
-
-def within(timeout_s: float, fn: Callable[[], T], name: str) -> T:
-    """`fn()` on a daemon thread we can stop waiting for: its value, or its exception raised
-    here, or `PastLimit` after `timeout_s` (the thread is abandoned: a process of its own
-    ends it, a `ScoringPool` process or an RQ work horse)."""
-    box: dict[str, Any] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as err:  # handed to the caller's thread as it is
-            box["error"] = err
-
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        raise PastLimit(name)
-    if "error" in box:
-        raise box["error"]
-    value: T = box["value"]
-    return value
 
 
 async def _awaited(value: Any) -> Any:
