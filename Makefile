@@ -66,8 +66,12 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# every test but the real model's (SmolLM2, minutes each on 2 cores) and the long ones (marker long)
-test: test-main test-redis-lowest test-deploy test-vllm
+# every test but the real model's (SmolLM2, minutes each on 2 cores) and the long ones (marker long):
+# the lint and the main pytest run, then the three short runs side by side (each one's output
+# printed whole when it ends). The lint beside the main run slowed it by more than it saved.
+test: $(VENV)/.installed $(VLLM_VENV)/.installed $(DEPLOY_VENV)/.installed
+	$(MAKE) --no-print-directory test-main
+	$(MAKE) --no-print-directory --output-sync=target -j3 test-redis-lowest test-deploy test-vllm
 
 # everything: what CI runs
 test-all: test test-slow

@@ -21,6 +21,38 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
+def learner_check(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
+    """`learner_check(*flags, env=...)` runs `learner check` in `tmp_path`: a test's first
+    call as a user runs it (`python -m learner check`, its own process, `env` its
+    environment), the later ones through `learner.cli.main` in the test's process, the same
+    code less an interpreter's start and imports (6-8 s a call on 2 cores)."""
+    from learner.cli import main
+
+    calls = 0
+
+    def check(*flags: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return subprocess.run(
+                [sys.executable, "-m", "learner", "check", *flags],
+                capture_output=True,
+                text=True,
+                timeout=180,
+                env=env,
+                cwd=tmp_path,
+            )
+        monkeypatch.chdir(tmp_path)
+        monkeypatch.setattr(sys, "path", list(sys.path))  # main puts the working folder on it
+        capsys.readouterr()
+        code = main(["check", *flags])
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(list(flags), code, out.out, out.err)
+
+    return check
+
+
+@pytest.fixture
 def published(make_proxy, tiny_model: Path, tmp_path: Path):
     """A proxy whose run has adapter v1 (rank 4) of `tiny_model`, published as the learner does."""
     store_url = (tmp_path / "store").as_uri()
@@ -169,23 +201,15 @@ def test_a_wrong_role_or_certificate_fails_the_first_check(published, tiny_model
 
 
 def test_learner_check_names_the_first_thing_missing(
-    redis_server, run_name: str, tiny_model: Path, tmp_path: Path
+    redis_server, run_name: str, tiny_model: Path, tmp_path: Path, learner_check
 ) -> None:
     from factories import write_dataset
 
     data = write_dataset(tmp_path / "data.jsonl")
-
-    def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "learner.cli", "check", "--run", run_name, *flags],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
-            cwd=tmp_path,
-        )
-
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     good = [
+        "--run",
+        run_name,
         "--queue",
         redis_server.url,
         "--store",
@@ -197,7 +221,7 @@ def test_learner_check_names_the_first_thing_missing(
         "--reward",
         "toy_rewards:digit_first",
     ]
-    proc = learner_check(*good)
+    proc = learner_check(*good, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")] == [
         "queue",
@@ -219,27 +243,16 @@ def test_learner_check_names_the_first_thing_missing(
     proc = learner_check(*good, "--max-tokens", "1020")  # the tiny model's context is 1024
     assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout, proc.stdout
     assert "do not fit in the model's context of 1024" in proc.stdout and "lower --max-tokens" in proc.stdout
-    proc = learner_check(*good[:7], str(tmp_path / "missing.jsonl"), *good[8:])
+    proc = learner_check(*good[:9], str(tmp_path / "missing.jsonl"), *good[10:])
     assert proc.returncode == 1 and "FAIL  dataset" in proc.stdout
-    proc = learner_check("--queue", "redis://127.0.0.1:1/0", *good[2:])
+    proc = learner_check(*good[:2], "--queue", "redis://127.0.0.1:1/0", *good[4:])
     assert proc.returncode == 1 and "FAIL  queue" in proc.stdout and "reachable" in proc.stdout
 
 
-def test_learner_check_of_the_embedded_run(tmp_path: Path) -> None:
+def test_learner_check_of_the_embedded_run(tmp_path: Path, learner_check) -> None:
     """Without --queue, `learner check` checks what `learner run` would start here: the
     built-in run's parts, and a user's reward module imported from the working folder."""
-
-    def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [sys.executable, "-m", "learner", "check", *flags],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},  # as a user runs it
-            cwd=tmp_path,
-        )
-
-    proc = learner_check()
+    proc = learner_check(env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})  # as a user runs it
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [line.split()[1] for line in proc.stdout.splitlines() if line.startswith("ok")] == [
         "embedded",
@@ -271,34 +284,15 @@ def test_learner_check_of_the_embedded_run(tmp_path: Path) -> None:
 
 
 def test_learner_check_of_a_run_with_tools(
-    redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path, tmp_path: Path
+    redis_server, run_name: str, tiny_model: Path, tiny_chatml_model: Path, tmp_path: Path, learner_check
 ) -> None:
     from factories import write_dataset
     from test_episodes import write_chat_dataset
 
-    def learner_check(*flags: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "learner.cli",
-                "check",
-                "--run",
-                run_name,
-                "--queue",
-                redis_server.url,
-                "--store",
-                (tmp_path / "store").as_uri(),
-                *flags,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=180,
-            env={**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"},
-            cwd=tmp_path,
-        )
-
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    where = ["--run", run_name, "--queue", redis_server.url, "--store", (tmp_path / "store").as_uri()]
     chat = [
+        *where,
         "--dataset",
         str(write_chat_dataset(tmp_path / "chat.jsonl")),
         "--reward",
@@ -316,6 +310,7 @@ def test_learner_check_of_a_run_with_tools(
         "toy_tools:slow_add",
         "--max-tool-calling-iterations",
         "3",
+        env=env,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ok    tools" in proc.stdout and "add, slow_add: schemas built" in proc.stdout, proc.stdout

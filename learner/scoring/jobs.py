@@ -176,14 +176,17 @@ class _Ready:
 
     decoded: tuple[list[str], list[list[int]], ToolMask] | None = None
 
-    def texts_and_ids(self, decode: Decode) -> tuple[list[str], list[list[int]], ToolMask]:
+    def texts_and_ids(self, tier: Tier) -> tuple[list[str], list[list[int]], ToolMask]:
         """The completions' texts (decoded from their tokens: what rewards score), ids and
-        tool mask (read against the episodes' model turns before the group came here)."""
+        tool mask (read against the episodes' model turns before the group came here; None
+        when no reward takes it)."""
         if self.decoded is None:
             completions = self.item.group.completions
             ids = [c.tokens.tolist() for c in completions]
-            masks = [None if c.mask is None else list(c.mask) for c in completions]
-            self.decoded = [decode(i) for i in ids], ids, group_tool_mask(masks, ids)
+            mask = None
+            if tier.scorer.wants_tool_mask:
+                mask = group_tool_mask([None if c.mask is None else list(c.mask) for c in completions], ids)
+            self.decoded = [tier.decode(i) for i in ids], ids, mask
         return self.decoded
 
 
@@ -195,7 +198,7 @@ def call_together(tier: Tier, ready: list[_Ready]) -> None:
     groups = []
     for r in ready:
         assert r.item.prompt is not None
-        texts, ids, mask = r.texts_and_ids(tier.decode)
+        texts, ids, mask = r.texts_and_ids(tier)
         groups.append((r.item.prompt, "", texts, ids, mask))
     try:
         results = tier.scorer.call_batch_within(tier.timeout_s * len(ready), groups)
@@ -258,7 +261,7 @@ def _score_ready(tier: Tier, r: _Ready) -> dict[str, Any]:
                 raise RewardRefused(outcome or "the environment's replay gave no answer")
             return outcome
 
-    texts, ids, mask = r.texts_and_ids(tier.decode)
+    texts, ids, mask = r.texts_and_ids(tier)
     if r.called is not None:
         scores = tier.scorer.combine(len(texts), r.called, extra)
     else:

@@ -279,6 +279,11 @@ class Scorer:
         self.timeout_s = timeout_s
         self.reraise = reraise
 
+    @property
+    def wants_tool_mask(self) -> bool:
+        """Some reward function takes `tool_mask`: only then is a group's mask built and sent."""
+        return any("tool_mask" in rf.extras for rf in self.functions)
+
     def submit(self, group: Group) -> Future[Scores]:
         """Score now, on this thread; the same shape of answer as `ScoringPool.submit`."""
         prompt, prompt_text, texts, completion_ids, tool_mask = group
@@ -317,7 +322,7 @@ class Scorer:
         completions: list[Any] = []
         ids: list[list[int]] = []
         masks: list[list[int]] = []
-        wants_mask = any("tool_mask" in rf.extras for rf in self.functions)
+        wants_mask = self.wants_tool_mask
         columns: dict[str, list[Any]] = {}
         keys = set(groups[0][0].columns)
         for prompt, prompt_text, texts, completion_ids, group_mask in groups:

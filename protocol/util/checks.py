@@ -16,8 +16,8 @@ class CheckFailed(Exception):
 
 
 class Checks:
-    def __init__(self, out: Any = sys.stdout) -> None:
-        self.out = out
+    def __init__(self, out: Any = None) -> None:
+        self.out = sys.stdout if out is None else out  # the stream of now, not of the import
         self.passed: list[str] = []
 
     def run(self, name: str, fn: Callable[[], str]) -> None:
