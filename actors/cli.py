@@ -144,7 +144,13 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
         default=4096.0,
         help="--adapter-cache's size; the least recently used files go first (default 4096)",
     )
-    a("--lease-timeout-s", type=float, default=60.0, help="a lease not heartbeated for this long is taken over")
+    a(
+        "--lease-timeout-s",
+        type=float,
+        default=None,
+        help="redis:// queue: a lease not heartbeated for this long is taken over (default 60); "
+        "through a proxy its own --lease-timeout-s counts, and heartbeats follow it",
+    )
     a("--claim-block-s", type=float, default=5.0, help="long-poll wait for a batch (default 5)")
     a(
         "--startup-timeout-s",
@@ -200,6 +206,18 @@ def confirm_identity(queue: object, run: str | None) -> str:
     from protocol.client.http_queue import confirm_identity as confirm
 
     return confirm(queue, "actor", run, "a rollout worker")
+
+
+def say_lease_timeout(timeout_s: float, asked_s: float | None) -> None:
+    """One line on the lease timeout in force; a warning where `--lease-timeout-s` was given
+    and the proxy's differs (the proxy's counts, and the heartbeats follow it)."""
+    if asked_s is not None and asked_s != timeout_s:
+        log.warning(
+            "--lease-timeout-s %g: the proxy's lease timeout, %g s, counts; heartbeats follow it", asked_s, timeout_s
+        )
+    from actors.heartbeat import heartbeat_period_s
+
+    log.info("lease timeout %g s: a heartbeat every %g s", timeout_s, heartbeat_period_s(timeout_s))
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, object]:
@@ -270,9 +288,12 @@ def run(args: argparse.Namespace) -> int:
             if args.tools or args.environment
             else None
         )
-        config = QueueConfig(run=args.run or "default", lease_timeout_s=args.lease_timeout_s)
+        config = QueueConfig(
+            run=args.run or "default", lease_timeout_s=60.0 if args.lease_timeout_s is None else args.lease_timeout_s
+        )
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
+        say_lease_timeout(queue.config.lease_timeout_s, args.lease_timeout_s)
         source = ProxySource(queue)  # presigned downloads: no bucket credentials here
     except (RewardError, ValueError, FileNotFoundError, QueueRefused) as err:
         print(f"actors run: {err}", file=sys.stderr)

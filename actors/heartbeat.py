@@ -13,6 +13,11 @@ from protocol import Queue, QueueError, WorkerStatus
 log = logging.getLogger(__name__)
 
 
+def heartbeat_period_s(lease_timeout_s: float) -> float:
+    """A third of the lease timeout (two beats may be lost), and no faster than twice a second."""
+    return max(0.5, lease_timeout_s / 3)
+
+
 class Heartbeat:
     """Keeps every lease in flight alive with one call per interval, from a thread."""
 

@@ -42,7 +42,7 @@ from typing import Protocol, cast
 
 from actors.engine import Engine, EngineDead, GroupRequest, Sample
 from actors.episodes import EpisodeEngine, episode_request
-from actors.heartbeat import Heartbeat
+from actors.heartbeat import Heartbeat, heartbeat_period_s
 from actors.metrics import WorkerMetrics
 from actors.watcher import AdapterWatcher
 from protocol import (
@@ -136,7 +136,7 @@ class Worker:
         self.heartbeat = Heartbeat(
             queue,
             worker_id,
-            max(0.5, queue.config.lease_timeout_s / 3),
+            heartbeat_period_s(queue.config.lease_timeout_s),
             status=self.status,
             report_every_s=report_every_s,
         )

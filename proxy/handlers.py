@@ -305,7 +305,8 @@ def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str])
 
 
 def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WhoAmIResponse:
-    return WhoAmIResponse(name=token.name, role=token.role, run=ctx.queue.config.run)
+    config = ctx.queue.config
+    return WhoAmIResponse(name=token.name, role=token.role, run=config.run, lease_timeout_s=config.lease_timeout_s)
 
 
 def quarantine(ctx: Context, token: Token, body: QuarantineRequest, params: dict[str, str]) -> QuarantineResponse:

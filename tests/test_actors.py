@@ -474,6 +474,37 @@ def test_sigterm_hands_the_lease_back_at_once_and_exits_0(
     queue.close()
 
 
+@pytest.mark.redis
+@pytest.mark.slow
+def test_an_actor_heartbeats_on_the_proxys_lease_timeout_not_its_own(
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str, make_proxy
+) -> None:
+    """The proxy's `--lease-timeout-s` is the one that counts: an actor whose own says 600 s
+    (a heartbeat every 200 s) must still keep a 2 s lease through a 4 s reward."""
+    proxy = make_proxy(store=tmp_path.as_uri(), extra=("--lease-timeout-s", "2"))
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))
+    queue.add_prompts([batch_of(PROMPTS[:1], batch_id="only", n=2)])
+    cmd = proxy.actor_command(tiny_model, "steady", "--reward", "toy_rewards:slow_check", "--lease-timeout-s", "600")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=proxy.actor_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while queue.stats().rollouts.length == 0:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "no group came"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=60)[0].decode()
+    finally:
+        kill_process(proc)
+    assert "the proxy's lease timeout, 2 s, counts" in out and "a heartbeat every 0.666667 s" in out, out[-3000:]
+    assert "lost" not in out.lower(), out[-3000:]
+    (delivery,) = queue.read_rollouts("t", 10)
+    assert delivery.group.batch_id == "only"
+    stats = queue.stats()
+    assert stats.prompts.length == 0 and stats.dead_letters == 0 and stats.leases_by_worker == {}
+    queue.close()
+
+
 def test_test_engines_subclass_the_real_interface() -> None:
     assert issubclass(GatedEngine, TransformersEngine) and issubclass(TransformersEngine, Engine)
 

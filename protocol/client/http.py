@@ -164,6 +164,9 @@ class WhoAmIResponse(_Body, frozen=True, tag="whoami"):
     """The token's name (its secret is never sent back)."""
     role: str
     run: str
+    lease_timeout_s: float | None = None
+    """The proxy's `--lease-timeout-s`: a lease claimed through it lapses after this long
+    without a heartbeat, whatever the client's own setting (None: a proxy that does not say)."""
 
 
 # --------------------------------------------------------------- learner routes

@@ -24,6 +24,7 @@ with Last-Event-ID after a dropped connection; adapter files come from presigned
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import ssl
@@ -386,8 +387,12 @@ class HttpQueue(Queue):
         return dict(self._call(api.AUDITS).workers)
 
     def whoami(self) -> WhoAmIResponse:
-        """The token's name and role, and the run the proxy serves."""
-        return self._call(api.WHOAMI)
+        """The token's name and role, and the run the proxy serves. Adopts the proxy's lease
+        timeout into `config`: that one counts, so a heartbeat (a third of it) follows it."""
+        who = self._call(api.WHOAMI)
+        if who.lease_timeout_s is not None and who.lease_timeout_s != self.config.lease_timeout_s:
+            self.config = dataclasses.replace(self.config, lease_timeout_s=who.lease_timeout_s)
+        return who
 
     # ------------------------------------------------------------------- everyone
     def stats(self) -> QueueStats:

@@ -71,7 +71,8 @@ class QueueConfig:
     run: str = "default"
     """Run name; every key of the run lives under it, so runs can share one Redis."""
     lease_timeout_s: float = 60.0
-    """A claimed batch not heartbeated for this long may be taken over by another worker."""
+    """A claimed batch not heartbeated for this long may be taken over by another worker.
+    Through a proxy the proxy's `--lease-timeout-s` counts; `HttpQueue.whoami` adopts it."""
     max_deliveries: int = 3
     """A batch handed out this many times without being finished goes to the dead letters."""
     max_block_s: float = 10.0
