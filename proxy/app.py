@@ -61,6 +61,7 @@ from protocol.client.api import Endpoint
 from protocol.client.http import (
     ACCEPTED_CONTENT_TYPES,
     CONTENT_TYPE,
+    RUN_HEADER,
     ClaimRequest,
     ReadRolloutsRequest,
     SubmitHead,
@@ -72,7 +73,7 @@ from protocol.client.http import (
 from protocol.trusted.store import FileStore
 from protocol.wire.errors import LeaseLost, status_of
 from protocol.wire.files import StoreError, StoreMissing, adapter_key
-from proxy.auth import Token
+from proxy.auth import RunRefused, Token
 from proxy.fairness import OverCap
 from proxy.handlers import (
     HANDLERS,
@@ -111,7 +112,8 @@ def build_app(ctx: Context) -> Starlette:
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.hub.start()
         yield
-        await ctx.hub.stop()
+        for run_ctx in list(ctx.runs.values()):
+            await run_ctx.hub.stop()
         await ctx.rate.aclose()
         for client in (ctx.aredis, ctx.waits):
             if client is not None:
@@ -134,6 +136,8 @@ def _endpoint(
         token: Token | None = None
         try:
             token = await _authorise(ctx, spec, request)
+            if token is not None:
+                ctx = _run_context(ctx, token, request)
             if special is not None:
                 answer: Response = await special(ctx, token, request)
                 return answer
@@ -218,6 +222,15 @@ async def _authorise(ctx: Context, spec: Endpoint[Any, Any], request: Request) -
         raise ApiError(429, "too many requests for this token", {"Retry-After": str(max(1, round(wait)))})
     request.state.token = token
     return token
+
+
+def _run_context(ctx: Context, token: Token, request: Request) -> Context:
+    """The context of the run the request names (`RUN_HEADER`), or of the token's run."""
+    try:
+        run = token.run_of(request.headers.get(RUN_HEADER), ctx.run)
+    except RunRefused as err:
+        raise ApiError(403, str(err)) from None
+    return ctx.for_run(run)
 
 
 async def _read_body(ctx: Context, token: Token | None, spec: Endpoint[Any, Any], request: Request) -> Any:

@@ -5,6 +5,12 @@
     role = "actor"          # actor | learner | admin
     secret = "..."          # at least 32 characters
     workers = 1000          # optional, actors: a fleet of this many workers (sizes its caps)
+    runs = ["exp-a", "exp-b"]  # optional: the runs it may touch (a learner's: one); none: --run's
+
+A proxy serves its `--run` and every run a token names, each with its own keys on Redis
+and, where `--store` holds `{run}`, its own prefix in the store. A request names its run
+in the `Spotgrpo-Run` header (`protocol.client.http.RUN_HEADER`); without one it is the token's run: `--run`
+where the token may touch it, else the one run the token names.
 
 The variable `SPOTGRPO_TOKENS` holds the same TOML text. Secrets are compared in
 constant time against every known token and never logged.
@@ -21,6 +27,7 @@ from pathlib import Path
 from typing import Literal
 
 Role = Literal["actor", "learner", "admin"]
+
 ROLES: tuple[Role, ...] = ("actor", "learner", "admin")
 MIN_SECRET = 32
 MAX_WORKERS = 100_000
@@ -33,6 +40,10 @@ class TokenError(ValueError):
     """The tokens file is invalid."""
 
 
+class RunRefused(Exception):
+    """The token may not touch the run a request names, or names none and has several."""
+
+
 @dataclass(frozen=True)
 class Token:
     name: str
@@ -43,6 +54,27 @@ class Token:
     """A fleet's token: the workers it is for. Its caps (event streams, long-polls, live
     workers, requests/s, body bytes) are sized for them (`proxy.handlers.ProxyLimits.caps`)
     in place of the proxy's per-token flags, so a stolen copy holds no more than that fleet does."""
+    runs: frozenset[str] | None = None
+    """The runs it may touch; None: the proxy's `--run` alone."""
+
+    def run_of(self, asked: str | None, default_run: str) -> str:
+        """The run a request of this token is for: `asked` (its header), or without one the
+        proxy's `default_run` if the token may touch it, else the token's only run. Raises
+        RunRefused with what to change."""
+        allowed = self.runs if self.runs is not None else frozenset((default_run,))
+        if asked is None:
+            if default_run in allowed:
+                return default_run
+            if len(allowed) == 1:
+                return next(iter(allowed))
+            raise RunRefused(f"the token {self.name!r} may touch runs {', '.join(sorted(allowed))}: name one (--run)")
+        if asked not in allowed:
+            runs = ", ".join(repr(r) for r in sorted(allowed))
+            raise RunRefused(
+                f"the token {self.name!r} may not touch run {asked!r}: "
+                f"the proxy serves run{'s' if len(allowed) > 1 else ''} {runs} for it"
+            )
+        return asked
 
     def __repr__(self) -> str:  # never the secret, not even its digest
         return f"Token(name={self.name!r}, role={self.role!r})"
@@ -66,8 +98,8 @@ class Tokens:
         tokens, names, secrets = [], set(), set()
         for i, entry in enumerate(entries):
             where = f"{source}: tokens[{i}]"
-            if not isinstance(entry, dict) or set(entry) - {"name", "role", "secret", "workers"}:
-                raise TokenError(f"{where}: only name, role, secret and workers are allowed")
+            if not isinstance(entry, dict) or set(entry) - {"name", "role", "secret", "workers", "runs"}:
+                raise TokenError(f"{where}: only name, role, secret, workers and runs are allowed")
             name, role, secret = entry.get("name"), entry.get("role"), entry.get("secret")
             if not isinstance(name, str) or not _NAME.match(name):
                 raise TokenError(f"{where}: name must be 1-64 letters, digits, '.', '_' or '-'")
@@ -88,11 +120,25 @@ class Tokens:
                 or not 1 <= workers <= MAX_WORKERS
             ):
                 raise TokenError(f"{where} ({name}): workers is for an actor token: a whole number 1-{MAX_WORKERS}")
+            runs = entry.get("runs")
+            if runs is not None and (
+                not isinstance(runs, list)
+                or not runs
+                or not all(isinstance(r, str) and _NAME.match(r) for r in runs)
+                or len(set(runs)) != len(runs)
+            ):
+                raise TokenError(
+                    f"{where} ({name}): runs must be a list of distinct run names "
+                    "(1-64 letters, digits, '.', '_' or '-')"
+                )
+            if runs is not None and role == "learner" and len(runs) != 1:
+                raise TokenError(f"{where} ({name}): a learner token belongs to one run; it names {len(runs)}")
             if name in names or secret in secrets:
                 raise TokenError(f"{where} ({name}): names and secrets must be unique")
             names.add(name)
             secrets.add(secret)
-            tokens.append(Token(name, role, hashlib.sha256(secret.encode()).digest(), workers))
+            digest = hashlib.sha256(secret.encode()).digest()
+            tokens.append(Token(name, role, digest, workers, None if runs is None else frozenset(runs)))
         return cls(tokens)
 
     @classmethod
@@ -101,6 +147,10 @@ class Tokens:
             return cls.from_toml(path.read_text(), str(path))
         except OSError as err:
             raise TokenError(f"{path}: {err}") from None
+
+    def runs(self) -> set[str]:
+        """Every run some token names (the proxy's `--run` aside)."""
+        return {run for token in self.tokens for run in token.runs or ()}
 
     def check(self, secret: str) -> Token | None:
         """The token with this secret, or None; the time taken does not depend on which."""

@@ -55,10 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     a(
         "--store",
         required=True,
-        help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed)",
+        help="adapter store: s3://bucket/prefix (presigned downloads) or file:///dir (streamed); "
+        "with {run} in it (s3://bucket/spotgrpo/{run}) each run has its own prefix, as serving several needs",
     )
     a("--tokens", type=Path, default=None, help="tokens TOML file (or the TOML text in SPOTGRPO_TOKENS)")
-    a("--run", default="default", help="run name (the learner's --run)")
+    a(
+        "--run",
+        default="default",
+        help="run name (the learner's --run); the proxy also serves every run its tokens name (runs = [...])",
+    )
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     a("--port", type=int, default=8443, help="port (default 8443)")
     a("--tls-cert", type=Path, help="PEM certificate (chain)")
@@ -251,7 +256,13 @@ def serve(args: argparse.Namespace) -> int:
             # a connection for every worker thread, and some for the event hub and health checks
             queue = wait_for_redis(args.redis, config, THREADS + 16, args.startup_timeout_s)
             rate_storage = rate_storage_url(args.redis, queue.on_cluster)
-        store = open_store(args.store, presign_endpoint=args.presign_endpoint)
+        several = tokens.runs() - {args.run}
+        if several and "{run}" not in args.store:
+            raise ValueError(
+                f"tokens name runs {', '.join(sorted(several))} besides --run {args.run}: give --store with "
+                "{run} in it (s3://bucket/prefix/{run}), so each run's adapters have their own prefix"
+            )
+        store = open_store(args.store.replace("{run}", args.run), presign_endpoint=args.presign_endpoint)
     except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
         print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)
         return 1
@@ -277,15 +288,23 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
     )
     ctx = Context(
-        queue=queue, store=store, tokens=tokens, limits=limits, metrics=ProxyMetrics(), rate_storage=rate_storage
+        queue=queue,
+        store=store,
+        tokens=tokens,
+        limits=limits,
+        metrics=ProxyMetrics(),
+        rate_storage=rate_storage,
+        store_url=args.store if "{run}" in args.store else None,
+        presign_endpoint=args.presign_endpoint,
     )
     if args.redis != "memory://" and not queue.on_cluster:  # submissions from the event loop (proxy.handlers)
         ctx.aredis = connect_async(args.redis)
         ctx.waits = connect_async(args.redis, max_connections=args.max_connections)
     HeaderTimeoutProtocol.header_timeout_s = args.header_timeout_s
     log.info(
-        "proxy for run %s on %s://%s:%d (%d tokens)",
+        "proxy for run %s%s on %s://%s:%d (%d tokens)",
         args.run,
+        f" (and {', '.join(sorted(tokens.runs() - {args.run}))})" if tokens.runs() - {args.run} else "",
         "http" if args.insecure_http else "https",
         args.host,
         args.port,
@@ -314,7 +333,7 @@ def serve(args: argparse.Namespace) -> int:
             args.max_connections,
         )
     # a port it cannot bind: uvicorn says so, exit 3
-    ProxyServer(server_config, on_exit=ctx.hub.close_soon, handshake_timeout_s=args.handshake_timeout_s).run()
+    ProxyServer(server_config, on_exit=ctx.close_soon, handshake_timeout_s=args.handshake_timeout_s).run()
     queue.close()
     return 0
 

@@ -6,6 +6,8 @@ errors, streams) is `proxy.app`'s."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import itertools
 import logging
 import time
@@ -66,7 +68,7 @@ from protocol.client.http import (
     encode_body,
 )
 from protocol.trusted import RedisQueue
-from protocol.trusted.store import FileStore, Store
+from protocol.trusted.store import FileStore, Store, open_store
 from protocol.wire.codec import DEFAULT_LIMITS, Limits
 from protocol.wire.files import StoreMissing, adapter_key
 from proxy.auth import Token, Tokens
@@ -183,6 +185,13 @@ class Context:
     the app): submissions go from the event loop (`RedisQueue.submit_async`)."""
     waits: Any = None
     """Another, with a connection for every claim that may wait at once (`claim`)."""
+    store_url: str | None = None
+    """The store's URL with `{run}` in it: each run its own prefix there. None: this proxy
+    serves its queue's run alone (`for_run`)."""
+    presign_endpoint: str | None = None
+    """The public endpoint the store's presigned URLs name (`--presign-endpoint`)."""
+    runs: dict[str, Context] = field(init=False)
+    """Every run served so far, this one included, by name: one dict shared by them all."""
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
@@ -206,6 +215,41 @@ class Context:
             {name: caps.body_bytes for name, caps in sized.items()},
         )
         self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
+        self.runs = {self.queue.config.run: self}
+
+    @property
+    def run(self) -> str:
+        return self.queue.config.run
+
+    @property
+    def default_run(self) -> str:
+        """The proxy's `--run`: a token that names no runs touches it alone."""
+        return next(iter(self.runs))
+
+    def close_soon(self) -> None:
+        """End every run's event streams (the server is stopping)."""
+        for ctx in list(self.runs.values()):
+            ctx.hub.close_soon()
+
+    def for_run(self, run: str) -> Context:
+        """The context of `run`, made on its first request (on the event loop, which its event
+        hub starts on): its own queue (`{run}`'s keys on the same Redis and connections), store
+        prefix, event hub and download cache; the tokens, their rates, caps and bodies in
+        flight, and the metrics are the proxy's, whichever runs a token's requests are for."""
+        if (ctx := self.runs.get(run)) is not None:
+            return ctx
+        if self.store_url is None:
+            raise ApiError(404, f"this proxy serves run {self.run!r} alone (its --store has no {{run}})")
+        ctx = copy.copy(self)
+        ctx.queue = RedisQueue(self.queue.client, dataclasses.replace(self.queue.config, run=run))
+        ctx.store = open_store(self.store_url.replace("{run}", run), presign_endpoint=self.presign_endpoint)
+        ctx.hub = AdapterEventHub(ctx.queue)
+        ctx.downloads = DownloadCache(partial(make_download, ctx), self.limits.presign_s)
+        ctx._backlog = (0.0, 0)
+        ctx.hub.start()
+        self.runs[run] = ctx
+        log.info("serving run %s too (%d runs)", run, len(self.runs))
+        return ctx
 
     def block(self, requested: float) -> float:
         return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)
@@ -306,7 +350,13 @@ def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str])
 
 def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WhoAmIResponse:
     config = ctx.queue.config
-    return WhoAmIResponse(name=token.name, role=token.role, run=config.run, lease_timeout_s=config.lease_timeout_s)
+    return WhoAmIResponse(
+        name=token.name,
+        role=token.role,
+        run=config.run,
+        lease_timeout_s=config.lease_timeout_s,
+        runs=sorted(token.runs or (ctx.default_run,)),
+    )
 
 
 def quarantine(ctx: Context, token: Token, body: QuarantineRequest, params: dict[str, str]) -> QuarantineResponse:

@@ -73,7 +73,7 @@ def test_tokens_file_validation() -> None:
         ('[[tokens]]\nname = "a"\nrole = "root"\nsecret = "%s"\n' % ("x" * 32), "role must be"),
         ("[[tokens]]\n" + good + "[[tokens]]\n" + good, "unique"),
         ("tokens = 3", "expected"),
-        ("[[tokens]]\n" + good + 'extra = "no"\n', "only name, role, secret and workers"),
+        ("[[tokens]]\n" + good + 'extra = "no"\n', "only name, role, secret, workers and runs"),
         ("[", "tokens"),
         ("[[tokens]]\n" + good + "workers = 0\n", "workers is for an actor token"),
         ("[[tokens]]\n" + good + 'workers = "many"\n', "workers is for an actor token"),

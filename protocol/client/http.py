@@ -55,6 +55,12 @@ BlockS = Annotated[float, msgspec.Meta(ge=0.0, le=60.0)]
 Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_ITEMS)]
 
 
+RUN_HEADER = "Spotgrpo-Run"
+"""The request header naming the run a call is for; without it, the token's run (a proxy
+serves its `--run` and every run its tokens name). `HttpQueue` sends its `config.run`, but
+for the run named "default": a client told no run gets the token's."""
+
+
 class _Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
     schema: int = SCHEMA_VERSION
 
@@ -167,6 +173,9 @@ class WhoAmIResponse(_Body, frozen=True, tag="whoami"):
     lease_timeout_s: float | None = None
     """The proxy's `--lease-timeout-s`: a lease claimed through it lapses after this long
     without a heartbeat, whatever the client's own setting (None: a proxy that does not say)."""
+    runs: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
+    """Every run the token may touch on this proxy, `run` among them (empty: a proxy that
+    does not say)."""
 
 
 # --------------------------------------------------------------- learner routes

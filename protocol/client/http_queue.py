@@ -43,6 +43,7 @@ from protocol.client.events import READ_TIMEOUT_S, SseSubscription
 from protocol.client.http import (
     CHUNK_ITEMS,
     CONTENT_TYPE,
+    RUN_HEADER,
     AckRequest,
     AdapterDownload,
     AddPromptsRequest,
@@ -129,7 +130,7 @@ class HttpQueue(Queue):
         if verify is None:  # a private CA or a self-signed proxy certificate
             verify = os.environ.get("SPOTGRPO_CA_CERT") or True
         self._verify = tls_context(verify)
-        headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
+        self._auth_headers = {"Authorization": f"Bearer {token}", "Accept": CONTENT_TYPE}
         proxy = environment_proxy(self.url)
         self._pools = pool_manager(self._verify, proxy, read_s=timeout_s + self.config.max_block_s)
         self.pool = self._pools.connection_from_url(self.url)
@@ -140,8 +141,9 @@ class HttpQueue(Queue):
         self._file_pools: dict[str | None, urllib3.PoolManager] = {}
         """For presigned adapter URLs (the store's host, not the proxy's), by the HTTP proxy
         the environment names for each."""
-        self._headers = headers
-        self._body_headers = {**headers, "Content-Type": CONTENT_TYPE}
+        self._headers: dict[str, str] = {}
+        self._body_headers: dict[str, str] = {}
+        self._name_run(self.config.run)
         self.retried = False
         """Whether the last call needed more than one attempt."""
         self._received: dict[str, set[str]] = {}
@@ -151,6 +153,15 @@ class HttpQueue(Queue):
 
     def stop_retrying(self) -> None:
         self._stopping.set()
+
+    def _name_run(self, run: str) -> None:
+        """Every call names `run` (`RUN_HEADER`), but for the run named "default", the name a
+        client that was told none has: it gets the token's run, as the proxy decides (a
+        proxy's `--run`, where the token names no runs: what every client got before a
+        proxy served several)."""
+        named = {} if run == QueueConfig.run else {RUN_HEADER: run}
+        self._headers = {**self._auth_headers, **named}
+        self._body_headers = {**self._headers, "Content-Type": CONTENT_TYPE}
 
     # ------------------------------------------------------------------ plumbing
     def _call(
@@ -387,11 +398,19 @@ class HttpQueue(Queue):
         return dict(self._call(api.AUDITS).workers)
 
     def whoami(self) -> WhoAmIResponse:
-        """The token's name and role, and the run the proxy serves. Adopts the proxy's lease
-        timeout into `config`: that one counts, so a heartbeat (a third of it) follows it."""
+        """The token's name and role, and the run this queue's calls are for, which becomes
+        `config.run` (a queue of the run named "default" names none: it gets the token's).
+        Adopts the proxy's lease timeout into `config`: that one counts, so a heartbeat (a
+        third of it) follows it."""
         who = self._call(api.WHOAMI)
+        changes: dict[str, Any] = {}
         if who.lease_timeout_s is not None and who.lease_timeout_s != self.config.lease_timeout_s:
-            self.config = dataclasses.replace(self.config, lease_timeout_s=who.lease_timeout_s)
+            changes["lease_timeout_s"] = who.lease_timeout_s
+        if who.run != self.config.run:
+            changes["run"] = who.run
+        if changes:
+            self.config = dataclasses.replace(self.config, **changes)
+            self._name_run(self.config.run)
         return who
 
     # ------------------------------------------------------------------- everyone
@@ -407,12 +426,13 @@ class HttpQueue(Queue):
 
 
 def confirm_identity(queue: object, role: str, run: str | None, what: str) -> str:
-    """Through a proxy, before anything costly: the token must have `role` and `run` (if
-    given) must be the proxy's run (`what`: who needs it, for the message). Returns the
-    run. Raises ValueError with what to change. Any other queue is the caller's to trust."""
+    """Through a proxy, before anything costly: the token must have `role` and may touch
+    `run` (None: the token's run, which the queue then names in every call; `what`: who
+    needs it, for the message). Returns the run. Raises ValueError with what to change,
+    or QueueForbidden. Any other queue is the caller's to trust."""
     if not isinstance(queue, HttpQueue):
         return run or "default"
-    who = queue.whoami()
+    who = queue.whoami()  # QueueForbidden: a token that may not touch the run named
     if who.role != role:
         raise ValueError(
             f"the token {who.name!r} has role {who.role}; {what} needs a token with role {role} "

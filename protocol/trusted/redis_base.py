@@ -72,6 +72,11 @@ class RedisBase:
         return cls(client, config)
 
     @property
+    def client(self) -> Any:
+        """The client itself: a proxy's queues of other runs on the same server share it."""
+        return self._r
+
+    @property
     def on_cluster(self) -> bool:
         """Connected to a Redis Cluster (redis-py's cluster client)."""
         return cluster_client(self._r)

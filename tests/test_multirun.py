@@ -1,0 +1,226 @@
+"""One proxy, several runs: each run its own keys on Redis and its own prefix in the store,
+and a token confined to the runs it names (`proxy.auth.Token.run_of`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from factories import batch, groups, stored_manifest
+from servers import ProxyProcess, kill_process
+
+from protocol import QueueConfig
+from protocol.client.http_queue import HttpQueue, QueueForbidden, confirm_identity
+from protocol.trusted import RedisQueue
+from protocol.trusted.store import open_store
+from protocol.wire.errors import LeaseLost
+from protocol.wire.files import StoreMissing
+from proxy.auth import RunRefused, TokenError, Tokens
+
+pytestmark = pytest.mark.redis
+REPO = Path(__file__).resolve().parents[1]
+
+SECRETS = {
+    "admin": "admin-secret-for-multirun-0123456789-abc",
+    "learner-a": "learner-a-secret-for-multirun-012345678",
+    "learner-b": "learner-b-secret-for-multirun-012345678",
+    "fleet-ab": "fleet-ab-secret-for-multirun-0123456789",
+    "fleet-c": "fleet-c-secret-for-multirun-01234567890",
+    "fleet-home": "fleet-home-secret-for-multirun-01234567",
+}
+
+
+def _tokens_text(a: str, b: str, c: str) -> str:
+    entries = [
+        ("admin", "admin", None),
+        ("learner-a", "learner", [a]),
+        ("learner-b", "learner", [b]),
+        ("fleet-ab", "actor", [a, b]),
+        ("fleet-c", "actor", [c]),
+        ("fleet-home", "actor", None),  # names no runs: the proxy's --run alone
+    ]
+    text = ""
+    for name, role, runs in entries:
+        text += f'[[tokens]]\nname = "{name}"\nrole = "{role}"\nsecret = "{SECRETS[name]}"\n'
+        if runs is not None:
+            text += "runs = [" + ", ".join(f'"{r}"' for r in runs) + "]\n"
+    return text
+
+
+@pytest.fixture
+def runs(run_name: str) -> tuple[str, str, str]:
+    return f"{run_name}-a", f"{run_name}-b", f"{run_name}-c"
+
+
+@pytest.fixture
+def multirun_proxy(redis_server, run_name: str, runs, tls_pair, tmp_path: Path):
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_tokens_text(*runs))
+    store = (tmp_path / "store").as_uri() + "/{run}"
+    proxy = ProxyProcess(redis_server.url, store, run_name, tls_pair, tokens).start()
+    yield proxy
+    proxy.kill()
+
+
+def _queue(proxy: ProxyProcess, token: str, run: str) -> HttpQueue:
+    return HttpQueue(proxy.url, SECRETS[token], QueueConfig(run=run), verify=proxy.ca)
+
+
+def test_a_token_names_its_runs_and_a_learner_token_one() -> None:
+    base = '[[tokens]]\nname = "t"\nrole = "%s"\nsecret = "' + "x" * 32 + '"\n'
+    tokens = Tokens.from_toml(base % "actor" + 'runs = ["a", "b"]\n')
+    (token,) = tokens.tokens
+    assert token.runs == {"a", "b"} and tokens.runs() == {"a", "b"}
+    assert token.run_of("b", "home") == "b"
+    with pytest.raises(RunRefused, match="may not touch run 'home'"):
+        token.run_of("home", "home")
+    with pytest.raises(RunRefused, match="may touch runs a, b: name one"):
+        token.run_of(None, "home")
+    (single,) = Tokens.from_toml(base % "learner" + 'runs = ["a"]\n').tokens
+    assert single.run_of(None, "home") == "a"  # its only run, without naming it
+    (plain,) = Tokens.from_toml(base % "actor").tokens
+    assert plain.runs is None and plain.run_of(None, "home") == "home"
+    with pytest.raises(RunRefused):
+        plain.run_of("a", "home")
+    for extra, msg in [
+        ('runs = ["a", "b"]\n', "a learner token belongs to one run"),
+        ("runs = []\n", "runs must be a list"),
+        ('runs = "a"\n', "runs must be a list"),
+        ('runs = ["a", "a"]\n', "runs must be a list of distinct"),
+        ('runs = ["../up"]\n', "runs must be a list"),
+        ('runs = ["{a}"]\n', "runs must be a list"),
+    ]:
+        with pytest.raises(TokenError, match=msg):
+            Tokens.from_toml(base % "learner" + extra)
+
+
+def test_one_proxy_serves_several_runs_each_confined_to_its_own_keys_and_store(
+    multirun_proxy: ProxyProcess, redis_server, run_name: str, runs, tmp_path: Path
+) -> None:
+    a, b, c = runs
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (a, b, c, run_name)}
+    learner_a, learner_b = _queue(multirun_proxy, "learner-a", a), _queue(multirun_proxy, "learner-b", b)
+    learner_a.add_prompts([batch("in-a")])
+    learner_b.add_prompts([batch("in-b", prompts=1)])
+
+    fleet_a, fleet_b = _queue(multirun_proxy, "fleet-ab", a), _queue(multirun_proxy, "fleet-ab", b)
+    (lease_a,) = fleet_a.claim("w", 1)
+    (lease_b,) = fleet_b.claim("w", 1)
+    assert (lease_a.batch.batch_id, lease_b.batch.batch_id) == ("batch-in-a", "batch-in-b")
+    assert fleet_a.claim("w", 1) == [] and fleet_b.claim("w", 1) == []  # each run's prompts, once
+    assert fleet_b.submit("w", lease_b.lease_id, groups(lease_b.batch)).stored == 1
+    with pytest.raises(LeaseLost):  # a lease of run a is not submitted into run b
+        fleet_b.submit("w", lease_a.lease_id, groups(lease_a.batch))
+    assert fleet_a.submit("w", lease_a.lease_id, groups(lease_a.batch)).stored == 2
+
+    (got_b,) = learner_b.read_rollouts("l", 10)
+    assert got_b.group.batch_id == "batch-in-b" and got_b.group.actor_id == "fleet-ab/w"
+    assert sorted(d.group.batch_id for d in learner_a.read_rollouts("l", 10)) == ["batch-in-a"] * 2
+    assert direct[a].stats().rollouts.length == 2 and direct[b].stats().rollouts.length == 1
+
+    # refused, and nothing of any run changed
+    before = {r: q.stats() for r, q in direct.items()}
+    fleet_c_as_ab = _queue(multirun_proxy, "fleet-ab", c)
+    for call in (
+        lambda: fleet_c_as_ab.claim("w", 1),
+        lambda: fleet_c_as_ab.latest_adapter(),
+        lambda: _queue(multirun_proxy, "learner-a", b).add_prompts([batch("sneaked")]),
+        lambda: _queue(multirun_proxy, "learner-a", b).read_rollouts("l", 10),
+        lambda: _queue(multirun_proxy, "fleet-home", a).claim("w", 1),
+        lambda: _queue(multirun_proxy, "fleet-c", run_name).claim("w", 1),
+    ):
+        with pytest.raises(QueueForbidden, match="may not touch run"):
+            call()
+    with httpx.Client(base_url=multirun_proxy.url, verify=multirun_proxy.ssl(), timeout=15) as raw:
+        for name in ("{" + a + "}", "../" + a, a + "*", ""):
+            garbage = raw.post(
+                "/v1/leases/claim",
+                headers={"Authorization": f"Bearer {SECRETS['fleet-ab']}", "Spotgrpo-Run": name},
+                content=b"\x80",
+            )
+            assert garbage.status_code == 403, (name, garbage.text)
+    assert {r: q.stats() for r, q in direct.items()} == before
+    assert direct[c].stats().prompts.length == 0
+
+    # the adapters: each run its own prefix, its own announcements
+    store_a = open_store((tmp_path / "store" / a).as_uri())
+    learner_a.announce(stored_manifest(store_a, 1))
+    assert fleet_a.fetch_adapter_file(fleet_a.adapter_download(1), "adapter_model.safetensors") == b"weights-1"
+    assert fleet_a.latest_adapter().version == 1 and fleet_b.latest_adapter() is None
+    with pytest.raises(StoreMissing):
+        fleet_b.adapter_download(1)
+    assert [e.manifest.version for e in fleet_a.adapter_events()] == [1] and fleet_b.adapter_events() == []
+    for q in (*direct.values(), learner_a, learner_b, fleet_a, fleet_b, fleet_c_as_ab):
+        q.close()
+
+
+def test_a_client_that_names_no_run_gets_its_tokens_run(multirun_proxy: ProxyProcess, run_name: str, runs) -> None:
+    a, _, c = runs
+    home = _queue(multirun_proxy, "fleet-home", "default")
+    assert confirm_identity(home, "actor", None, "a worker") == run_name == home.config.run
+    only_c = _queue(multirun_proxy, "fleet-c", "default")
+    assert confirm_identity(only_c, "actor", None, "a worker") == c
+    assert only_c.whoami().runs == [c]
+    either = _queue(multirun_proxy, "fleet-ab", "default")
+    with pytest.raises(QueueForbidden, match="name one"):
+        confirm_identity(either, "actor", None, "a worker")
+    assert confirm_identity(_queue(multirun_proxy, "fleet-ab", a), "actor", a, "a worker") == a
+    with pytest.raises(QueueForbidden, match="may not touch run"):
+        confirm_identity(_queue(multirun_proxy, "learner-a", c), "learner", c, "the learner")
+    for q in (home, only_c, either):
+        q.close()
+
+
+def test_tokens_naming_other_runs_need_a_store_prefix_per_run(redis_server, runs, tls_pair, tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_tokens_text(*runs))
+    cmd = [sys.executable, "-m", "proxy.cli", "serve", "--redis", redis_server.url, "--store",
+           (tmp_path / "store").as_uri(), "--tokens", str(tokens), "--insecure-http", "--port", "1"]  # fmt: skip
+    started = time.monotonic()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "give --store with {run} in it" in done.stderr, done.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_an_actor_serves_the_run_it_names_and_no_other(
+    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path
+) -> None:
+    """`actors run --run B` with a token for A and B: B's prompts are answered, A's stay."""
+    a, b, _ = runs
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (a, b)}
+    direct[a].add_prompts([batch("left-alone", prompts=1)])
+    direct[b].add_prompts([batch("answered", prompts=1)])
+    cmd = multirun_proxy.actor_command(tiny_model, "spot", "--reward", "toy_rewards:digit_first")
+    cmd[cmd.index("--run") + 1] = b
+    env = {**multirun_proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["fleet-ab"]}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while direct[b].stats().rollouts.length == 0:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "run b's prompt was never answered"
+            time.sleep(0.1)
+        time.sleep(1.0)  # a claim of run a, were there one, would show by now
+    finally:
+        kill_process(proc)
+    (delivery,) = direct[b].read_rollouts("l", 10)
+    assert delivery.group.batch_id == "batch-answered" and delivery.group.actor_id == "fleet-ab/spot"
+    stats_a = direct[a].stats()
+    assert stats_a.prompts.length == 1 and stats_a.prompts.pending == 0 and stats_a.rollouts.length == 0
+    for q in direct.values():
+        q.close()
+
+
+def test_the_deploy_pages_tokens_for_several_runs_are_what_the_proxy_reads() -> None:
+    import re
+
+    page = (REPO / "docs" / "deploy.md").read_text().split("### Several runs behind one proxy", 1)[1]
+    (block,) = re.findall(r"^```toml\n(.*?)^```", page.split("\n### ", 1)[0], re.S | re.M)
+    tokens = Tokens.from_toml(block.replace('"..."', '"' + "s" * 40 + '"', 1).replace('"..."', '"' + "t" * 40 + '"'))
+    learner, fleet = tokens.tokens
+    assert learner.run_of(None, "elsewhere") == "gsm8k-lr3e-5"
+    assert fleet.runs == {"gsm8k-lr3e-5", "gsm8k-lr1e-4"} and fleet.workers == 64
