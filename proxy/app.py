@@ -37,6 +37,7 @@ import contextlib
 import inspect
 import logging
 import re
+import signal
 from collections.abc import AsyncIterator, Callable, Iterator
 from functools import partial
 from typing import Any
@@ -111,6 +112,9 @@ def build_app(ctx: Context) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         ctx.hub.start()
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ValueError, NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(signal.SIGHUP, ctx.reload_tokens)
         yield
         for run_ctx in list(ctx.runs.values()):
             await run_ctx.hub.stop()

@@ -10,7 +10,8 @@
 A proxy serves its `--run` and every run a token names, each with its own keys on Redis
 and, where `--store` holds `{run}`, its own prefix in the store. A request names its run
 in the `Spotgrpo-Run` header (`protocol.client.http.RUN_HEADER`); without one it is the token's run: `--run`
-where the token may touch it, else the one run the token names.
+where the token may touch it, else the one run the token names. SIGHUP reads the file
+again (`proxy.handlers.Context.reload_tokens`).
 
 The variable `SPOTGRPO_TOKENS` holds the same TOML text. Secrets are compared in
 constant time against every known token and never logged.

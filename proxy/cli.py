@@ -256,12 +256,6 @@ def serve(args: argparse.Namespace) -> int:
             # a connection for every worker thread, and some for the event hub and health checks
             queue = wait_for_redis(args.redis, config, THREADS + 16, args.startup_timeout_s)
             rate_storage = rate_storage_url(args.redis, queue.on_cluster)
-        several = tokens.runs() - {args.run}
-        if several and "{run}" not in args.store:
-            raise ValueError(
-                f"tokens name runs {', '.join(sorted(several))} besides --run {args.run}: give --store with "
-                "{run} in it (s3://bucket/prefix/{run}), so each run's adapters have their own prefix"
-            )
         store = open_store(args.store.replace("{run}", args.run), presign_endpoint=args.presign_endpoint)
     except QueueUnavailable as err:  # before OSError, which it is (and StoreError too)
         print(f"proxy serve: --redis {args.redis}: {err}", file=sys.stderr)
@@ -287,16 +281,21 @@ def serve(args: argparse.Namespace) -> int:
         max_body_bytes_per_token=args.max_body_bytes_per_token,
         max_body_bytes_in_flight=args.max_body_bytes_in_flight,
     )
-    ctx = Context(
-        queue=queue,
-        store=store,
-        tokens=tokens,
-        limits=limits,
-        metrics=ProxyMetrics(),
-        rate_storage=rate_storage,
-        store_url=args.store if "{run}" in args.store else None,
-        presign_endpoint=args.presign_endpoint,
-    )
+    try:
+        ctx = Context(
+            queue=queue,
+            store=store,
+            tokens=tokens,
+            limits=limits,
+            metrics=ProxyMetrics(),
+            rate_storage=rate_storage,
+            store_url=args.store if "{run}" in args.store else None,
+            presign_endpoint=args.presign_endpoint,
+            tokens_file=args.tokens,
+        )
+    except TokenError as err:
+        print(f"proxy serve: {err}", file=sys.stderr)
+        return 2
     if args.redis != "memory://" and not queue.on_cluster:  # submissions from the event loop (proxy.handlers)
         ctx.aredis = connect_async(args.redis)
         ctx.waits = connect_async(args.redis, max_connections=args.max_connections)

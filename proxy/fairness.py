@@ -53,15 +53,14 @@ class SharedRateLimit:
         """`rates`: token name -> its own sustained rate (a fleet's token sized for its
         workers), with a burst of the same proportion."""
         self.item, self.slice = self._budget(rate_per_s, burst, reserve_s)
-        self._budgets = {
-            name: self._budget(rate, burst * rate / rate_per_s, reserve_s) for name, rate in (rates or {}).items()
-        }
+        self.rate_per_s, self.burst, self.reserve_s = rate_per_s, burst, reserve_s
+        self._budgets: dict[str, tuple[Any, int]] = {}
+        self.size(rates or {})
         self._reserved: dict[str, tuple[int, float]] = {}
         """Token name -> (requests left of its slice, when the slice was taken)."""
         self._locks: dict[str, asyncio.Lock] = {}
         self._refused: dict[str, tuple[float, float]] = {}
         """Token name -> (when it was refused, the wait it was told)."""
-        self.reserve_s = reserve_s
         options: dict[str, Any] = {"wrap_exceptions": True, "key_prefix": prefix}
         if storage_url.startswith("async+redis"):
             options |= {"implementation": "redispy", "socket_timeout": 2.0, "socket_connect_timeout": 2.0}
@@ -70,6 +69,13 @@ class SharedRateLimit:
         self.storage = storage_from_string(storage_url, **options)
         self.limiter = SlidingWindowCounterRateLimiter(self.storage)
         self._warned_at = 0.0
+
+    def size(self, rates: dict[str, float]) -> None:
+        """Token name -> its own sustained rate from now on (the others: the default)."""
+        self._budgets = {
+            name: self._budget(rate, self.burst * rate / self.rate_per_s, self.reserve_s)
+            for name, rate in rates.items()
+        }
 
     @staticmethod
     def _budget(rate_per_s: float, burst: float, reserve_s: float) -> tuple[RateLimitItemPerSecond, int]:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -71,7 +72,7 @@ from protocol.trusted import RedisQueue
 from protocol.trusted.store import FileStore, Store, open_store
 from protocol.wire.codec import DEFAULT_LIMITS, Limits
 from protocol.wire.files import StoreMissing, adapter_key
-from proxy.auth import Token, Tokens
+from proxy.auth import Token, TokenError, Tokens
 from proxy.downloads import DownloadCache
 from proxy.events import AdapterEventHub
 from proxy.fairness import BodyBytes, Holds, SharedRateLimit
@@ -190,32 +191,46 @@ class Context:
     serves its queue's run alone (`for_run`)."""
     presign_endpoint: str | None = None
     """The public endpoint the store's presigned URLs name (`--presign-endpoint`)."""
+    tokens_file: Path | None = None
+    """Where the tokens came from (`--tokens`), read again on SIGHUP; None: SPOTGRPO_TOKENS."""
     runs: dict[str, Context] = field(init=False)
     """Every run served so far, this one included, by name: one dict shared by them all."""
     _backlog: tuple[float, int] = (0.0, 0)
 
     def __post_init__(self) -> None:
-        sized = {t.name: self.limits.caps(t.workers) for t in self.tokens.tokens if t.workers is not None}
         self.rate = SharedRateLimit(
             self.rate_storage,
             self.limits.rate_per_s,
             self.limits.burst,
             prefix=f"spotgrpo:{{{self.queue.config.run}}}:rate",
-            rates={name: caps.rate_per_s for name, caps in sized.items()},
         )
         self.holds = Holds(
-            {"long-poll": self.limits.max_long_polls_per_token, "event stream": self.limits.max_streams_per_token},
-            {name: {"long-poll": caps.long_polls, "event stream": caps.streams} for name, caps in sized.items()},
+            {"long-poll": self.limits.max_long_polls_per_token, "event stream": self.limits.max_streams_per_token}
         )
         self.hub = AdapterEventHub(self.queue)
         self.downloads = DownloadCache(partial(make_download, self), self.limits.presign_s)
-        self.bodies = BodyBytes(
-            self.limits.max_body_bytes_per_token,
-            self.limits.max_body_bytes_in_flight,
-            {name: caps.body_bytes for name, caps in sized.items()},
-        )
-        self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
+        self.bodies = BodyBytes(self.limits.max_body_bytes_per_token, self.limits.max_body_bytes_in_flight)
         self.runs = {self.queue.config.run: self}
+        self.use_tokens(self.tokens)
+        self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
+
+    def use_tokens(self, tokens: Tokens) -> None:
+        """Serve `tokens` from now on, in every run (at start, and when SIGHUP has the tokens
+        file read again): a fleet token's caps sized for its workers, the runs they name
+        served, a run no token names any more refused. Raises TokenError, changing nothing,
+        where tokens name runs besides `--run` and the store has no prefix per run."""
+        several = tokens.runs() - {self.default_run}
+        if several and self.store_url is None:
+            raise TokenError(
+                f"tokens name runs {', '.join(sorted(several))} besides --run {self.default_run}: give --store "
+                "with {run} in it (s3://bucket/prefix/{run}), so each run's adapters have their own prefix"
+            )
+        sized = {t.name: self.limits.caps(t.workers) for t in tokens.tokens if t.workers is not None}
+        self.rate.size({name: caps.rate_per_s for name, caps in sized.items()})
+        self.holds.sized = {name: {"long-poll": c.long_polls, "event stream": c.streams} for name, c in sized.items()}
+        self.bodies.sized = {name: caps.body_bytes for name, caps in sized.items()}
+        for ctx in self.runs.values():
+            ctx.tokens = tokens
 
     @property
     def run(self) -> str:
@@ -250,6 +265,25 @@ class Context:
         self.runs[run] = ctx
         log.info("serving run %s too (%d runs)", run, len(self.runs))
         return ctx
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: the tokens file read again, so runs and tokens come and go without a restart.
+        A file that does not parse, or names runs the store cannot keep apart, changes
+        nothing (logged)."""
+        if self.tokens_file is None:
+            log.warning("SIGHUP: the tokens came from SPOTGRPO_TOKENS, which cannot change; nothing reloaded")
+            return
+        try:
+            self.use_tokens(Tokens.from_file(self.tokens_file))
+        except TokenError as err:
+            log.error("SIGHUP: %s; still serving the tokens read before", err)
+            return
+        log.info(
+            "SIGHUP: %d tokens from %s; runs %s",
+            len(self.tokens.tokens),
+            self.tokens_file,
+            ", ".join(sorted(self.tokens.runs() | {self.default_run})),
+        )
 
     def block(self, requested: float) -> float:
         return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)

@@ -224,3 +224,49 @@ def test_the_deploy_pages_tokens_for_several_runs_are_what_the_proxy_reads() -> 
     learner, fleet = tokens.tokens
     assert learner.run_of(None, "elsewhere") == "gsm8k-lr3e-5"
     assert fleet.runs == {"gsm8k-lr3e-5", "gsm8k-lr1e-4"} and fleet.workers == 64
+
+
+def test_sighup_reads_the_tokens_again_runs_come_and_go_without_a_restart(
+    multirun_proxy: ProxyProcess, redis_server, runs, tmp_path: Path
+) -> None:
+    import signal
+
+    a, b, c = runs
+    d = f"{c}-new"
+    tokens = tmp_path / "tokens.toml"
+    learner_d = 'name = "learner-d"\nrole = "learner"\nsecret = "' + "d" * 40 + f'"\nruns = ["{d}"]\n'
+    fleet_ab, fleet_d = _queue(multirun_proxy, "fleet-ab", b), _queue(multirun_proxy, "fleet-ab", d)
+    with pytest.raises(QueueForbidden):
+        fleet_d.claim("w", 1)
+
+    def hup_until(ok) -> None:
+        multirun_proxy.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 20
+        while not ok():
+            assert time.monotonic() < deadline, multirun_proxy.log.read_text()[-2000:]
+            time.sleep(0.1)
+
+    def refused(call) -> bool:
+        try:
+            call()
+        except QueueForbidden:
+            return True
+        return False
+
+    # a new run and its learner; the fleet token now names d and no longer b
+    text = _tokens_text(a, b, c).replace(f'runs = ["{a}", "{b}"]', f'runs = ["{a}", "{d}"]')
+    tokens.write_text(text + "[[tokens]]\n" + learner_d)
+    hup_until(lambda: not refused(lambda: fleet_d.claim("w", 1)))
+    learner = HttpQueue(multirun_proxy.url, "d" * 40, QueueConfig(run=d), verify=multirun_proxy.ca)
+    learner.add_prompts([batch("new-run", prompts=1)])
+    (lease,) = fleet_d.claim("w", 1)
+    assert lease.batch.batch_id == "batch-new-run"
+    assert refused(lambda: fleet_ab.claim("w", 1))  # b is gone for this token
+    assert RedisQueue.from_url(redis_server.url, QueueConfig(run=d)).stats().prompts.pending == 1
+
+    # a file that does not parse changes nothing
+    tokens.write_text(text + "[[tokens]]\nname = 'broken'\n")
+    hup_until(lambda: "still serving the tokens read before" in multirun_proxy.log.read_text())
+    assert fleet_d.claim("w", 1) == [] and learner.whoami().runs == [d]
+    for q in (fleet_ab, fleet_d, learner):
+        q.close()
