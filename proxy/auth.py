@@ -32,6 +32,8 @@ Role = Literal["actor", "learner", "admin"]
 ROLES: tuple[Role, ...] = ("actor", "learner", "admin")
 MIN_SECRET = 32
 MAX_WORKERS = 100_000
+MAX_RUNS = 1000
+"""Most runs one token may name (`WhoAmIResponse.runs` lists them)."""
 PLACEHOLDER = "REPLACE-"
 """How `proxy/tokens.example.toml`'s secrets begin: refused, so a copied example never serves."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -124,12 +126,12 @@ class Tokens:
             runs = entry.get("runs")
             if runs is not None and (
                 not isinstance(runs, list)
-                or not runs
+                or not 1 <= len(runs) <= MAX_RUNS
                 or not all(isinstance(r, str) and _NAME.match(r) for r in runs)
                 or len(set(runs)) != len(runs)
             ):
                 raise TokenError(
-                    f"{where} ({name}): runs must be a list of distinct run names "
+                    f"{where} ({name}): runs must be a list of 1-{MAX_RUNS} distinct run names "
                     "(1-64 letters, digits, '.', '_' or '-')"
                 )
             if runs is not None and role == "learner" and len(runs) != 1:

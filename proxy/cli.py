@@ -20,7 +20,7 @@ from protocol.util.config_file import apply_config_file, config_flag, subcommand
 from protocol.util.logs import add_logging_flags, level_of, setup_logging
 
 if TYPE_CHECKING:
-    from protocol import QueueConfig
+    from protocol import Queue, QueueConfig
     from protocol.trusted import RedisQueue
 
 log = logging.getLogger("proxy")
@@ -171,27 +171,40 @@ def build_parser() -> argparse.ArgumentParser:
     quarantine.add_argument("url", help="the proxy, https://host:port")
     quarantine.add_argument("--lift", metavar="WORKER", help="the worker's full name (token/worker), as listed")
     quarantine.add_argument("--token", default=None, help="an admin token (default: $SPOTGRPO_TOKEN)")
+    quarantine.add_argument(
+        "--run", default=None, help="the run, where the proxy serves several (default: the token's run)"
+    )
     add_logging_flags(quarantine)
     return parser
 
 
 def quarantine_command(args: argparse.Namespace) -> int:
     """`proxy quarantine`: one line per quarantined worker, or the lift's outcome."""
+    from protocol import QueueConfig, QueueRefused
     from protocol.client.urls import open_queue
 
-    with open_queue(args.url, token=args.token, retry_s=10.0) as queue:
-        if args.lift:
-            if not queue.lift_quarantine(args.lift):
-                print(f"{args.lift} is not quarantined", file=sys.stderr)
-                return 1
-            print(f"lifted: {args.lift} may claim again; the learner trains its groups from its next fleet check")
-            return 0
-        listed = {w: why for w, why in queue.quarantined().items() if why}
-        for worker, why in sorted(listed.items()):
-            print(f"{worker}\t{why}")
-        if not listed:
-            print("no worker is quarantined", file=sys.stderr)
+    config = QueueConfig(run=args.run) if args.run else None
+    try:
+        with open_queue(args.url, config, token=args.token, retry_s=10.0) as queue:
+            return _quarantine(queue, args.lift)
+    except QueueRefused as err:  # a token that is not an admin's, or not of this run
+        print(f"proxy quarantine: {err}", file=sys.stderr)
+        return 2
+
+
+def _quarantine(queue: Queue, lift: str | None) -> int:
+    if lift:
+        if not queue.lift_quarantine(lift):
+            print(f"{lift} is not quarantined", file=sys.stderr)
+            return 1
+        print(f"lifted: {lift} may claim again; the learner trains its groups from its next fleet check")
         return 0
+    listed = {w: why for w, why in queue.quarantined().items() if why}
+    for worker, why in sorted(listed.items()):
+        print(f"{worker}\t{why}")
+    if not listed:
+        print("no worker is quarantined", file=sys.stderr)
+    return 0
 
 
 def check_tls(cert: Path, key: Path) -> None:

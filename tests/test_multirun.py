@@ -31,6 +31,7 @@ SECRETS = {
     "fleet-ab": "fleet-ab-secret-for-multirun-0123456789",
     "fleet-c": "fleet-c-secret-for-multirun-01234567890",
     "fleet-home": "fleet-home-secret-for-multirun-01234567",
+    "ops-ab": "ops-ab-secret-for-multirun-0123456789012",
 }
 
 
@@ -42,6 +43,7 @@ def _tokens_text(a: str, b: str, c: str) -> str:
         ("fleet-ab", "actor", [a, b]),
         ("fleet-c", "actor", [c]),
         ("fleet-home", "actor", None),  # names no runs: the proxy's --run alone
+        ("ops-ab", "admin", [a, b]),
     ]
     text = ""
     for name, role, runs in entries:
@@ -90,7 +92,7 @@ def test_a_token_names_its_runs_and_a_learner_token_one() -> None:
         ('runs = ["a", "b"]\n', "a learner token belongs to one run"),
         ("runs = []\n", "runs must be a list"),
         ('runs = "a"\n', "runs must be a list"),
-        ('runs = ["a", "a"]\n', "runs must be a list of distinct"),
+        ('runs = ["a", "a"]\n', "runs must be a list of 1-1000 distinct"),
         ('runs = ["../up"]\n', "runs must be a list"),
         ('runs = ["{a}"]\n', "runs must be a list"),
     ]:
@@ -173,6 +175,12 @@ def test_a_client_that_names_no_run_gets_its_tokens_run(multirun_proxy: ProxyPro
         confirm_identity(_queue(multirun_proxy, "learner-a", c), "learner", c, "the learner")
     for q in (home, only_c, either):
         q.close()
+    admin = [sys.executable, "-m", "proxy.cli", "quarantine", multirun_proxy.url, "--token", SECRETS["ops-ab"]]
+    env = {"SPOTGRPO_CA_CERT": multirun_proxy.ca, "PATH": "/usr/bin:/bin"}
+    told = subprocess.run(admin, capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert told.returncode == 2 and "name one" in told.stderr and "Traceback" not in told.stderr, told.stderr
+    listed = subprocess.run([*admin, "--run", a], capture_output=True, text=True, timeout=60, env=env, cwd=REPO)
+    assert listed.returncode == 0 and "no worker is quarantined" in listed.stderr, listed.stderr
 
 
 def test_tokens_naming_other_runs_need_a_store_prefix_per_run(redis_server, runs, tls_pair, tmp_path: Path) -> None:
