@@ -4,6 +4,7 @@ middleware (no BaseHTTPMiddleware: it would buffer streaming responses)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -23,6 +24,7 @@ from protocol import AuditTally, Queue, QueueUnavailable, WorkerStatus
 
 class ProxyMetrics:
     def __init__(self) -> None:
+        self._rendering = threading.Lock()
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "spotgrpo_proxy_requests", "Requests by route, method and status", ["route", "method", "status"], registry=r
@@ -79,6 +81,12 @@ class ProxyMetrics:
         )
 
     def render(self, queue: Queue) -> tuple[bytes, str]:
+        """The registry, its gauges set from `queue` (the run the scrape names): one scrape at
+        a time, so two runs' scrapes never mix their gauges."""
+        with self._rendering:
+            return self._render(queue)
+
+    def _render(self, queue: Queue) -> tuple[bytes, str]:
         try:
             stats = queue.stats()
         except QueueUnavailable:

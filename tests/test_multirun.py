@@ -278,3 +278,17 @@ def test_sighup_reads_the_tokens_again_runs_come_and_go_without_a_restart(
     assert fleet_d.claim("w", 1) == [] and learner.whoami().runs == [d]
     for q in (fleet_ab, fleet_d, learner):
         q.close()
+
+
+def test_metrics_describe_the_run_the_scrape_names(multirun_proxy: ProxyProcess, redis_server, runs) -> None:
+    a, b, _ = runs
+    for run, n in ((a, 3), (b, 1)):
+        queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run))
+        queue.add_prompts([batch(f"{run}-{i}") for i in range(n)])
+        queue.close()
+    headers = {"Authorization": f"Bearer {SECRETS['ops-ab']}"}
+    with httpx.Client(base_url=multirun_proxy.url, verify=multirun_proxy.ssl(), timeout=15) as admin:
+        for run, n in ((a, 3), (b, 1)):
+            text = admin.get("/metrics", headers={**headers, "Spotgrpo-Run": run}).text
+            assert f'spotgrpo_queue_entries{{state="waiting",stream="prompts"}} {n}.0' in text, text[-2000:]
+        assert admin.get("/metrics", headers=headers).status_code == 403  # two runs: name one
