@@ -292,3 +292,34 @@ def test_metrics_describe_the_run_the_scrape_names(multirun_proxy: ProxyProcess,
             text = admin.get("/metrics", headers={**headers, "Spotgrpo-Run": run}).text
             assert f'spotgrpo_queue_entries{{state="waiting",stream="prompts"}} {n}.0' in text, text[-2000:]
         assert admin.get("/metrics", headers=headers).status_code == 403  # two runs: name one
+
+
+def test_a_run_whose_learner_stopped_reading_holds_back_that_run_alone(
+    redis_server, run_name: str, runs, tls_pair, tmp_path: Path
+) -> None:
+    """Backpressure is per run: run a's unread groups past --backlog-limit refuse a's
+    submissions (503, the worker keeps them), and run b's go on being stored."""
+    from protocol import QueueUnavailable
+
+    a, b, c = runs
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_tokens_text(a, b, c))
+    store = (tmp_path / "store").as_uri() + "/{run}"
+    proxy = ProxyProcess(redis_server.url, store, run_name, tls_pair, tokens, extra=("--backlog-limit", "0")).start()
+    try:
+        _queue(proxy, "learner-a", a).add_prompts([batch("a-1", prompts=1), batch("a-2", prompts=1)])
+        _queue(proxy, "learner-b", b).add_prompts([batch("b-1", prompts=1)])
+        fleet_a, fleet_b = _queue(proxy, "fleet-ab", a), _queue(proxy, "fleet-ab", b)
+        fleet_a.retry_s = 1.5
+        first, second = fleet_a.claim("w", 2)
+        assert fleet_a.submit("w", first.lease_id, groups(first.batch)).stored == 1  # a's learner never reads it
+        time.sleep(1.1)  # the proxy re-reads a run's backlog once a second
+        with pytest.raises(QueueUnavailable, match="503"):
+            fleet_a.submit("w", second.lease_id, groups(second.batch))
+        (lease_b,) = fleet_b.claim("w", 1)
+        assert fleet_b.submit("w", lease_b.lease_id, groups(lease_b.batch)).stored == 1
+        direct_a = RedisQueue.from_url(redis_server.url, QueueConfig(run=a))
+        assert direct_a.stats().rollouts.length == 1 and direct_a.stats().prompts.pending == 1  # kept, still leased
+        direct_a.close()
+    finally:
+        proxy.kill()
