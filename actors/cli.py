@@ -3,6 +3,8 @@
 `actors run --queue https://proxy:8443 --token … --engine vllm --model …`: one rollout
 worker. Start as many as you like; SIGTERM hands the batch in hand back and exits 0.
 With `--reward mod:fn` it also scores, for a learner that runs `--scoring actors`.
+Without `--run`, a worker whose token names several runs serves them all on one engine,
+each run's adapters its own, claiming by each run's weighted share (`actors.runs`).
 
 A worker reaches its run only through `proxy serve`, with an actor token: it holds no
 Redis or bucket credentials and imports neither client. The trusted scoring tier is
@@ -66,7 +68,8 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     a(
         "--run",
         default=None,
-        help="run name: the learner's --run (default: the run the proxy serves; a --run that differs is refused)",
+        help="run name: the learner's --run (default: every run the token names, on one engine, or the run the "
+        "proxy serves; a --run the token may not touch is refused)",
     )
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
@@ -220,14 +223,38 @@ def say_lease_timeout(timeout_s: float, asked_s: float | None) -> None:
     log.info("lease timeout %g s: a heartbeat every %g s", timeout_s, heartbeat_period_s(timeout_s))
 
 
-def engine_options(args: argparse.Namespace) -> dict[str, object]:
+def serving_runs(queue: object, run: str | None) -> list[str]:
+    """The runs to serve: `run` when given, else every run the token may touch (the
+    proxy's answer), the one the queue names first where it is among them."""
+    from protocol.client.http_queue import HttpQueue
+
+    if run is not None or not isinstance(queue, HttpQueue):
+        return [run or queue.config.run]  # type: ignore[attr-defined]
+    runs = set(queue.whoami().runs)
+    first = queue.config.run if queue.config.run in runs else min(runs)
+    return [first, *sorted(runs - {first})]
+
+
+def our_fingerprint(model: str) -> str | None:
+    """The base model's fingerprint, against which each batch's is checked (None, with a
+    warning, where it cannot be computed: batches are then taken on trust)."""
+    from protocol import fingerprint_of_model
+
+    try:
+        return fingerprint_of_model(model)
+    except (OSError, ValueError) as err:
+        log.warning("%s: no fingerprint (%s); batches for another base model will not be noticed", model, err)
+        return None
+
+
+def engine_options(args: argparse.Namespace, runs: int = 1) -> dict[str, object]:
     if args.engine == "transformers":
         return {"dtype": args.dtype or "float32", "max_batch_sequences": args.max_batch_sequences}
     return {
         "dtype": args.dtype or "auto",
         "max_lora_rank": args.max_lora_rank,
-        # LoRAs in one batch: the kept versions, and one evicted while its last requests finish
-        "max_loras": args.keep_adapters + 1,
+        # LoRAs in one batch: each run's kept versions, and one evicted while its last requests finish
+        "max_loras": (args.keep_adapters + 1) * runs,
         "max_model_len": args.max_model_len,
         "gpu_memory_utilization": args.gpu_memory_utilization,
         "max_num_seqs": args.max_num_seqs,
@@ -236,16 +263,18 @@ def engine_options(args: argparse.Namespace) -> dict[str, object]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from actors.engine import EngineError, open_engine
+    from actors.engine import Engine, EngineError, open_engine
     from actors.episodes import EpisodeEngine
     from actors.metrics import WorkerMetrics
     from actors.node_cache import NodeCache
     from actors.rewards import ScoringPool
+    from actors.runs import RunOpener
     from actors.tools import Toolbox
     from actors.watcher import AdapterWatcher, ProxySource
     from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
     from protocol import (
         AdapterManifest,
+        Queue,
         QueueConfig,
         QueueError,
         QueueRefused,
@@ -292,7 +321,9 @@ def run(args: argparse.Namespace) -> int:
             run=args.run or "default", lease_timeout_s=60.0 if args.lease_timeout_s is None else args.lease_timeout_s
         )
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
+        asked = args.run
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
+        runs = serving_runs(queue, asked)
         say_lease_timeout(queue.config.lease_timeout_s, args.lease_timeout_s)
         source = ProxySource(queue)  # presigned downloads: no bucket credentials here
     except (RewardError, ValueError, FileNotFoundError, QueueRefused) as err:
@@ -305,7 +336,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         metrics.serve(args.metrics_port)
     try:
-        engine = open_engine(args.engine, args.model, **engine_options(args))
+        engine = open_engine(args.engine, args.model, **engine_options(args, len(runs)))
     except (EngineError, OSError, ValueError) as err:
         print(f"actors run: cannot load {args.model}: {err}", file=sys.stderr)
         return 2
@@ -325,18 +356,25 @@ def run(args: argparse.Namespace) -> int:
         metrics.adapter_version.set(manifest.version)
         metrics.adapter_load.observe(seconds)
 
-    watcher = AdapterWatcher(
-        queue,
-        source,
-        engine,
-        cache,
-        keep_adapters=args.keep_adapters,
-        on_loaded=loaded,
-        on_refused=lambda v, reason: metrics.adapters_refused.inc(),
-        node_cache=NodeCache(args.adapter_cache, args.adapter_cache_mb) if args.adapter_cache else None,
-    )
+    node_cache = NodeCache(args.adapter_cache, args.adapter_cache_mb) if args.adapter_cache else None
+
+    def watcher_for(run_queue: Queue, run_engine: Engine, folder: Path) -> AdapterWatcher:
+        return AdapterWatcher(
+            run_queue,
+            source if run_queue is queue else ProxySource(run_queue),
+            run_engine,
+            folder,
+            keep_adapters=args.keep_adapters,
+            on_loaded=loaded,
+            on_refused=lambda v, reason: metrics.adapters_refused.inc(),
+            node_cache=node_cache,
+        )
+
+    opener = RunOpener(queue, engine, watcher_for, cache) if len(runs) > 1 else None
+    links = [opener.open(run) for run in runs] if opener is not None else []
+    watcher = links[0].watcher if links else watcher_for(queue, engine, cache)
     worker = Worker(
-        queue,
+        links[0].queue if links else queue,
         engine,
         watcher,
         scorer,
@@ -346,16 +384,20 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         metrics=metrics,
         report_every_s=args.report_every_s,
+        more_runs=links[1:],
+        fingerprint=our_fingerprint(args.model),
+        find_runs=opener.new_runs if opener is not None and asked is None else None,
     )
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()
     try:
-        try:
-            watcher.sync()  # start on the newest adapter rather than the base model
-        except QueueError as err:
-            log.warning("no adapter announcements yet (%s); the watcher keeps trying", err)
-        watcher.start()
-        log.info("worker %s: %s engine on %s, run %s", worker_id, args.engine, args.model, args.run)
+        if opener is None:
+            try:
+                watcher.sync()  # start on the newest adapter rather than the base model
+            except QueueError as err:
+                log.warning("no adapter announcements yet (%s); the watcher keeps trying", err)
+            watcher.start()
+        log.info("worker %s: %s engine on %s, runs %s", worker_id, args.engine, args.model, ", ".join(runs))
         code = worker.work()
         if worker.run_over is not None:
             print(f"actors run: {worker.run_over}", file=sys.stderr)
@@ -367,7 +409,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"actors run: {err}; its leases were handed back", file=sys.stderr)
         return 3
     finally:
-        watcher.close()
+        if opener is not None:
+            opener.close()
+        else:
+            watcher.close()
         if scorer is not None:
             scorer.close()
         engine.close()

@@ -24,6 +24,11 @@ verify) ends the loop with `WorkerRefused`, and an engine that dies ends it with
 A run its learner finished refuses claims (`RunOver`): the worker stops at once, handing
 back what it holds, and exits 0.
 
+A worker may serve several runs on one engine (`actors.runs`): each run has its own queue,
+adapter watcher and heartbeat (a `RunLink`), and leases are claimed from the run furthest
+below its weighted share. A run that ends stops that run's claims alone; the worker
+stops when every run it serves has ended.
+
 Shutdown (SIGTERM, a spot notice): stop claiming; leases in hand may finish within
 `grace_s`, after which generation is aborted and every unfinished lease is handed back,
 so other workers take them at once; what is finished is submitted within the rest of
@@ -36,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol, cast
@@ -44,6 +50,7 @@ from actors.engine import Engine, EngineDead, GroupRequest, Sample
 from actors.episodes import EpisodeEngine, episode_request
 from actors.heartbeat import Heartbeat, heartbeat_period_s
 from actors.metrics import WorkerMetrics
+from actors.runs import EMPTY_PAUSE_S, RunLink, claim_order, shares
 from actors.watcher import AdapterWatcher
 from protocol import (
     Completion,
@@ -91,6 +98,8 @@ class Flight:
     """One lease in flight: its groups queued, generating, scoring or ready to submit."""
 
     lease: Lease
+    link: RunLink
+    """The run the lease is of."""
     prompt_ids: list[list[int]]
     version: int
     """The adapter version every group of the lease is generated with (and tagged with)."""
@@ -124,7 +133,16 @@ class Worker:
         max_num_seqs: int | None = None,
         metrics: WorkerMetrics | None = None,
         report_every_s: float = 10.0,
+        more_runs: Sequence[RunLink] = (),
+        fingerprint: str | None = None,
+        find_runs: Callable[[set[str]], list[RunLink]] | None = None,
+        find_runs_every_s: float = 60.0,
     ) -> None:
+        """`queue`, `watcher`: the first run's; `more_runs`: the other runs served on the same
+        `engine` (then every run's watcher, the first's included, loads through its
+        `RunEngine`). `fingerprint`: the engine's base model (`model_fingerprint`); a batch
+        for another is refused. `find_runs`: every `find_runs_every_s`, the runs to serve
+        that are not among those named (runs added while the worker serves)."""
         self.queue, self.engine, self.watcher, self.scorer = queue, engine, watcher, scorer
         self.worker_id = worker_id
         self.claim_block_s = claim_block_s
@@ -133,58 +151,82 @@ class Worker:
         self.max_num_seqs = max_num_seqs or engine.max_num_seqs
         """Sequences kept in the engine; leases are claimed while there is room for one more."""
         self.metrics = metrics or WorkerMetrics()
-        self.heartbeat = Heartbeat(
-            queue,
-            worker_id,
-            heartbeat_period_s(queue.config.lease_timeout_s),
-            status=self.status,
-            report_every_s=report_every_s,
-        )
+        self.report_every_s = report_every_s
+        first = RunLink(queue.config.run, queue, watcher, watcher.engine if more_runs else engine)
+        self.links: list[RunLink] = []
+        self._beating = False
+        for link in (first, *more_runs):
+            self.add_run(link)
         self.last_error: str | None = None
         """The latest refusal or error, one line, for the status report."""
         self.tokens_generated = 0
         self.groups_submitted = 0
-        self._rate_mark = (time.monotonic(), 0)
-        self._refusal_seen = 0
+        self._refusal_seen: dict[str, int] = {}
         self.stopping = threading.Event()
         self.abort = threading.Event()
         """Set when the grace period is over: the engine drops what it generates."""
-        self.flights: dict[str, Flight] = {}
-        self.scoring: dict[tuple[str, int], Future[Scores]] = {}
-        self.samples: dict[tuple[str, int], tuple[list[Sample], list[str]]] = {}
-        """Generated groups being scored: their samples and decoded texts."""
+        self.flights: dict[tuple[str, str], Flight] = {}
+        """By (run, lease id): lease ids are unique within a run only."""
+        self.scoring: dict[tuple[str, str, int], Future[Scores]] = {}
+        self.samples: dict[tuple[str, str, int], tuple[list[Sample], list[str]]] = {}
+        """Generated groups being scored (by run, lease id, prompt): their samples and decoded texts."""
         self.batches_claimed = 0
         self.batches_done = 0
-        self._lease_size: int | None = None
-        """Sequences in the last lease seen: how much room a claim needs (unknown: claim one)."""
         self._backoff = Backoff(0.5, max_backoff_s)
         self._queue_back_at = 0.0
         """While the queue is unreachable, no queue call before this time."""
-        self._idle_claim_at = 0.0
-        """After an empty non-blocking claim, the next one waits until this time."""
+        self._rotation = 0
+        """Serving several runs, idle: the run the next long-poll waits on, in turn."""
         self.run_over: str | None = None
-        """The learner's last word once it finished the run (`RunOver`): the worker stops, exit 0."""
+        """The learner's last word once it finished the run, or every run served (`RunOver`):
+        the worker stops, exit 0."""
+        self.fingerprint = fingerprint
+        self.find_runs, self.find_runs_every_s = find_runs, find_runs_every_s
+        self._runs_found_at = time.monotonic()
+
+    def add_run(self, link: RunLink) -> None:
+        """Serve one more run (its watcher loading through its `RunEngine` on this engine)."""
+        link.heartbeat = Heartbeat(
+            link.queue,
+            self.worker_id,
+            heartbeat_period_s(link.queue.config.lease_timeout_s),
+            status=lambda: self.status(link),
+            report_every_s=self.report_every_s,
+        )
+        self.links.append(link)
+        if self._beating:
+            link.heartbeat.start()
+
+    @property
+    def heartbeat(self) -> Heartbeat:
+        """The first run's heartbeat."""
+        beat = self.links[0].heartbeat
+        assert beat is not None
+        return beat
 
     # ----------------------------------------------------------------- status
-    def status(self) -> WorkerStatus:
-        """What the fleet view shows of this worker (called from the heartbeat thread)."""
-        now, tokens = time.monotonic(), self.tokens_generated
-        then, before = self._rate_mark
-        self._rate_mark = (now, tokens)
-        refused = dict(self.watcher.refused)
-        if refused and max(refused) > self._refusal_seen:
-            self._refusal_seen = max(refused)
-            self._error(f"adapter v{self._refusal_seen} refused: {refused[self._refusal_seen]}")
+    def status(self, link: RunLink | None = None) -> WorkerStatus:
+        """What `link`'s run's fleet view shows of this worker (called from the heartbeat
+        thread; None: the first run)."""
+        link = link or self.links[0]
+        now, tokens = time.monotonic(), link.tokens_generated
+        then, before = link.rate_mark
+        link.rate_mark = (now, tokens)
+        refused = dict(link.watcher.refused)
+        if refused and max(refused) > self._refusal_seen.get(link.run, 0):
+            seen = self._refusal_seen[link.run] = max(refused)
+            self._error(f"adapter v{seen} refused: {refused[seen]}")
         return WorkerStatus(
             worker=self.worker_id,
             engine=type(self.engine).__name__[:64],
-            adapter_version=max(0, self.watcher.current),
-            leases=len(self.flights),
-            groups_done=self.groups_submitted,
+            adapter_version=max(0, link.watcher.current),
+            leases=sum(1 for f in list(self.flights.values()) if f.link is link),
+            groups_done=link.groups_submitted,
             tokens_per_s=(tokens - before) / max(now - then, 1e-3),
-            adapters_refused=len(self.watcher.refused),
+            adapters_refused=len(link.watcher.refused),
             last_error=self.last_error,
             reported_at=time.time(),
+            share=shares(self.links, now).get(link.run, 0.0) if len(self.links) > 1 else None,
         )
 
     def _error(self, text: str) -> None:
@@ -197,7 +239,8 @@ class Worker:
         if self.stopping.is_set():
             return
         self.stopping.set()
-        self.queue.stop_retrying()
+        for link in self.links:
+            link.queue.stop_retrying()
         timer = threading.Timer(self.grace_s, self.abort.set)
         timer.daemon = True
         timer.start()
@@ -205,7 +248,10 @@ class Worker:
     # -------------------------------------------------------------------- loop
     def work(self, max_batches: int | None = None) -> int:
         """Run until stopped (or `max_batches` leases are done); returns the exit status."""
-        self.heartbeat.start()
+        for link in self.links:
+            assert link.heartbeat is not None
+            link.heartbeat.start()
+        self._beating = True
         try:
             while True:
                 if self.abort.is_set():
@@ -229,23 +275,26 @@ class Worker:
             self._hand_back_all()
             raise WorkerEngineDead(str(err)) from None
         finally:
-            self.heartbeat.close()
-            self._leave()
+            for link in self.links:
+                assert link.heartbeat is not None
+                link.heartbeat.close()
+                self._leave(link)
         return 0
 
-    def _leave(self) -> None:
-        """Leave the fleet view now: a departed worker would be listed (and count against
-        its token's live workers) until its status aged out."""
+    def _leave(self, link: RunLink) -> None:
+        """Leave the run's fleet view now: a departed worker would be listed (and count
+        against its token's live workers) until its status aged out."""
         try:
-            self.queue.leave(self.worker_id)
+            link.queue.leave(self.worker_id)
         except QueueError as err:
-            log.info("could not say goodbye (the status ages out instead): %s", err)
+            log.info("could not say goodbye to run %s (the status ages out instead): %s", link.run, err)
 
     def _queue_calls(self, max_batches: int | None) -> None:
         """Submit what is ready, then claim while there is room; an outage defers both."""
         if time.monotonic() < self._queue_back_at:
             return
         try:
+            self._find_runs()
             self._submit_ready()
             if not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
                 self._fill(max_batches)
@@ -258,34 +307,99 @@ class Worker:
             self._queue_back_at = time.monotonic() + delay
 
     def _fill(self, max_batches: int | None) -> None:
-        """Claim leases while the engine has room for one more; long-poll only when idle."""
-        room = self.max_num_seqs - self.engine.in_flight
-        idle = not self.flights
-        size = self._lease_size
-        if not idle and (size is None or room < size or time.monotonic() < self._idle_claim_at):
+        """Claim leases while the engine has room for one more; long-poll only when idle.
+        Serving one run, a claim asks for as many leases as there is room for; serving
+        several, one lease at a time from the run furthest below its share."""
+        several = len(self.links) > 1
+        while not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
+            room = self.max_num_seqs - self.engine.in_flight
+            idle = not self.flights
+            link = next(
+                (
+                    k
+                    for k in claim_order(self.links, time.monotonic(), self.max_num_seqs)
+                    if idle or (k.lease_size is not None and room >= k.lease_size)
+                ),
+                None,
+            )
+            if link is None:
+                if several and idle and any(k.over is None for k in self.links):
+                    self._long_poll()
+                return
+            size = link.lease_size
+            count = 1 if size is None or several else max(1, room // size)
+            if max_batches is not None:
+                count = min(count, max_batches - self.batches_claimed)
+            if not self._claim(link, count, self.claim_block_s if idle and not several else 0.0) or not several:
+                return
+
+    def _find_runs(self) -> None:
+        """Serve the runs added since the last look (a token given a run, on SIGHUP)."""
+        if self.find_runs is None or time.monotonic() - self._runs_found_at < self.find_runs_every_s:
             return
-        count = 1 if size is None else max(1, room // size)
-        if max_batches is not None:
-            count = min(count, max_batches - self.batches_claimed)
+        self._runs_found_at = time.monotonic()
+        for link in self.find_runs({k.run for k in self.links}):
+            log.info("serving run %s too (%d runs)", link.run, len(self.links) + 1)
+            self.add_run(link)
+
+    def _long_poll(self) -> None:
+        """Serving several runs with nothing in flight and no backlog anywhere: wait on
+        each run in turn, for a share of `claim_block_s`."""
+        live = [k for k in self.links if k.over is None]
+        link = live[self._rotation % len(live)]
+        self._rotation += 1
+        self._claim(link, 1, self.claim_block_s / len(live))
+
+    def _claim(self, link: RunLink, count: int, block_s: float) -> bool:
+        """Claim up to `count` leases of `link`'s run and queue their groups; True if any came."""
         started = time.monotonic()
         try:
-            leases = self.queue.claim(self.worker_id, count, block_s=self.claim_block_s if idle else 0.0)
+            leases = link.queue.claim(self.worker_id, count, block_s=block_s)
         except RunOver as err:  # the learner finished: what is in flight is of no use to it
-            self.run_over = str(err)
-            log.info("%s; stopping", err)
+            self._run_ended(link, str(err))
+            return False
+        except QueueForbidden as err:  # a run taken from the token: the others go on
+            if sum(k.over is None for k in self.links) < 2:
+                raise
+            self._run_ended(link, f"run {link.run}: {err}")
+            return False
+        self.metrics.lease_wait.observe(time.monotonic() - started)
+        if len(self.links) > 1:
+            share = link.queue.run_share()
+            link.weight, link.cap = share.weight, share.cap
+        if not leases:
+            link.empty_until = time.monotonic() + EMPTY_PAUSE_S
+        for lease in leases:
+            self._start(link, lease)
+        return bool(leases)
+
+    def _run_ended(self, link: RunLink, why: str) -> None:
+        """The run's learner finished it: drop its leases; stop once every run has ended."""
+        link.over = why
+        if all(k.over is not None for k in self.links):
+            self.run_over = why
+            log.info("%s; stopping", why)
             self.stop()
             self.abort.set()
             return
-        self.metrics.lease_wait.observe(time.monotonic() - started)
-        if not leases:
-            self._idle_claim_at = time.monotonic() + 0.5
-        for lease in leases:
-            self._start(lease)
+        log.info("%s; serving the other runs", why)
+        for key in [k for k, f in self.flights.items() if f.link is link]:
+            self._forget(key)
 
-    def _start(self, lease: Lease) -> None:
+    def _start(self, link: RunLink, lease: Lease) -> None:
         batch = lease.batch
+        if self.fingerprint is not None and batch.model is not None and batch.model != self.fingerprint:
+            link.queue.release(self.worker_id, lease.lease_id)
+            why = (
+                f"run {link.run} trains another base model (fingerprint {batch.model}; this worker's --model has "
+                f"{self.fingerprint})"
+            )
+            if len(self.links) > 1:
+                self._run_ended(link, why)
+                return
+            raise WorkerRefused(f"{why}: start it with the learner's --model")
         if batch.scoring == "actors" and self.scorer is None:
-            self.queue.release(self.worker_id, lease.lease_id)
+            link.queue.release(self.worker_id, lease.lease_id)
             raise WorkerRefused(
                 f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
                 "start this worker with --reward"
@@ -295,7 +409,7 @@ class Worker:
             missing = [t for t in batch.tools if box is None or t not in box.names]
             has = box.environment_name if box is not None else None
             if missing or has != batch.environment:
-                self.queue.release(self.worker_id, lease.lease_id)
+                link.queue.release(self.worker_id, lease.lease_id)
                 of = f" of the environment {batch.environment}" if batch.environment else ""
                 lacks = f"lacks {', '.join(missing)}" if missing else f"has the environment {has}"
                 raise WorkerRefused(
@@ -305,9 +419,10 @@ class Worker:
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         # from choosing the version until the engine's queue names it, the watcher neither
         # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)
-        with self.watcher.holding():
-            version = self.watcher.current if batch.pinned_version is None else batch.pinned_version
-            if batch.pinned_version is not None and not self.watcher.ensure(version):
+        watcher = link.watcher
+        with watcher.holding():
+            version = watcher.current if batch.pinned_version is None else batch.pinned_version
+            if batch.pinned_version is not None and not watcher.ensure(version):
                 # an evaluation of a version this worker cannot load: let the lease expire, so
                 # that it is tried elsewhere and, failing that, dead-lettered and counted
                 log.error("lease %s: cannot load adapter v%d for its evaluation; leaving it", lease.lease_id, version)
@@ -317,7 +432,7 @@ class Worker:
             seed = batch.sampling.seed
             groups = [
                 GroupRequest(
-                    (lease.lease_id, i),
+                    (link.run, lease.lease_id, i),
                     prompt,
                     batch.num_generations,
                     batch.sampling,
@@ -327,49 +442,55 @@ class Worker:
                 )
                 for i, prompt in enumerate(prompts)
             ]
-            self.engine.add(
+            link.engine.add(
                 [episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools else groups
             )
-            digest = self.watcher.digests.get(version) if version else None
-        flight = Flight(lease, prompts, version, time.monotonic(), digest, waiting=set(range(len(prompts))))
-        self.flights[lease.lease_id] = flight
-        self.heartbeat.hold(lease.lease_id)
+            digest = watcher.digests.get(version) if version else None
+        flight = Flight(lease, link, prompts, version, time.monotonic(), digest, waiting=set(range(len(prompts))))
+        self.flights[(link.run, lease.lease_id)] = flight
+        assert link.heartbeat is not None
+        link.heartbeat.hold(lease.lease_id)
         self.batches_claimed += 1
-        self._lease_size = len(prompts) * batch.num_generations
+        link.lease_size = len(prompts) * batch.num_generations
+        link.in_flight += link.lease_size
+        link.claimed(link.lease_size, time.monotonic())
 
     def _advance(self, timeout_s: float) -> None:
         """Step the engine; send finished groups to scoring; collect finished scores."""
         for key, samples in self.engine.step(timeout_s, self.abort):
-            lease_id, i = cast(tuple[str, int], key)  # the keys this worker gave the engine
-            flight = self.flights.get(lease_id)
+            key = cast(tuple[str, str, int], key)  # the keys this worker gave the engine
+            run, lease_id, i = key
+            flight = self.flights.get((run, lease_id))
             if flight is None:
                 continue
             prompt = flight.lease.batch.prompts[i]
             texts = [self.engine.decode(s.token_ids) for s in samples]
-            self.samples[(lease_id, i)] = samples, texts
+            self.samples[key] = samples, texts
             if flight.lease.batch.scoring == "trusted" or self.scorer is None:
                 # scored on the trusted side; whatever reward this worker sent would be ignored
-                self.scoring[(lease_id, i)] = unscored(len(samples))
+                self.scoring[key] = unscored(len(samples))
             else:
                 ids = [s.token_ids for s in samples]
                 prompt_text = self.engine.decode(flight.prompt_ids[i])
                 mask = group_tool_mask([s.mask for s in samples], ids)
-                self.scoring[(lease_id, i)] = self.scorer.submit((prompt, prompt_text, texts, ids, mask))
+                self.scoring[key] = self.scorer.submit((prompt, prompt_text, texts, ids, mask))
         self._collect_scores()
-        for lease_id in self.heartbeat.take_lost():
-            if lease_id in self.flights:
-                self.flights[lease_id].lost = True
-                log.warning("lease %s passed to another worker; its groups will not be sent", lease_id)
+        for link in self.links:
+            assert link.heartbeat is not None
+            for lease_id in link.heartbeat.take_lost():
+                if (link.run, lease_id) in self.flights:
+                    self.flights[(link.run, lease_id)].lost = True
+                    log.warning("lease %s passed to another worker; its groups will not be sent", lease_id)
 
     def _collect_scores(self) -> None:
         """Scored groups become ready to submit."""
         for key in [k for k, f in self.scoring.items() if f.done()]:
             scores = self.scoring.pop(key).result()
             samples, texts = self.samples.pop(key)
-            flight = self.flights.get(key[0])
+            flight = self.flights.get(key[:2])
             if flight is not None:
-                flight.ready.append(self._group(flight, key[1], samples, texts, scores))
-                flight.waiting.discard(key[1])
+                flight.ready.append(self._group(flight, key[2], samples, texts, scores))
+                flight.waiting.discard(key[2])
 
     def _group(self, flight: Flight, i: int, samples: list[Sample], texts: list[str], scores: Scores) -> RolloutGroup:
         batch = flight.lease.batch
@@ -381,6 +502,7 @@ class Worker:
         model_tokens = sum(len(s.token_ids) if s.mask is None else sum(s.mask) for s in samples)
         self.metrics.tokens.inc(model_tokens)
         self.tokens_generated += model_tokens
+        flight.link.tokens_generated += model_tokens
         timings = {"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()}
         if batch.tools:
             timings["tool_s"] = sum(s.tool_s for s in samples)
@@ -422,15 +544,16 @@ class Worker:
 
     def _submit_ready(self) -> None:
         """One call per lease with groups ready: a partial submission unless it is the last."""
-        for lease_id, flight in list(self.flights.items()):
+        for key, flight in list(self.flights.items()):
+            lease_id = key[1]
             if flight.lost and not flight.waiting:
-                self._forget(lease_id)
+                self._forget(key)
                 continue
             if not flight.ready or flight.lost:
                 continue
             groups = list(flight.ready)
             try:
-                result = self.queue.submit(self.worker_id, lease_id, groups)
+                result = flight.link.queue.submit(self.worker_id, lease_id, groups)
             except (QueueForbidden, QueueTLSError):
                 raise
             except QueueRefused as err:  # not ours any more, or not an answer: the holder redoes it
@@ -442,6 +565,7 @@ class Worker:
             del flight.ready[: len(groups)]
             self.metrics.groups.inc(result.stored)
             self.groups_submitted += result.stored
+            flight.link.groups_submitted += result.stored
             if not result.lease_held:
                 log.info("lease %s was already finished; its %d groups were stored before", lease_id, result.duplicates)
             if flight.done:
@@ -452,11 +576,16 @@ class Worker:
                         result.missing,
                     )
                 self.batches_done += 1
-                self._forget(lease_id)
+                self._forget(key)
 
-    def _forget(self, lease_id: str) -> None:
-        self.flights.pop(lease_id, None)
-        self.heartbeat.drop(lease_id)
+    def _forget(self, key: tuple[str, str]) -> None:
+        flight = self.flights.pop(key, None)
+        if flight is None:
+            return
+        link = flight.link
+        link.in_flight -= len(flight.prompt_ids) * flight.lease.batch.num_generations
+        assert link.heartbeat is not None
+        link.heartbeat.drop(key[1])
 
     # -------------------------------------------------------------- shutdown
     def _abandon_in_flight(self) -> None:
@@ -477,10 +606,10 @@ class Worker:
         self._hand_back_all()
 
     def _hand_back_all(self) -> None:
-        for lease_id in list(self.flights):
+        for key, flight in list(self.flights.items()):
             try:
-                self.queue.release(self.worker_id, lease_id)
-                log.info("handed lease %s back unfinished", lease_id)
+                flight.link.queue.release(self.worker_id, key[1])
+                log.info("handed lease %s of run %s back unfinished", key[1], key[0])
             except QueueError as err:  # it will expire and be claimed again
-                log.warning("could not hand lease %s back (it will expire): %s", lease_id, err)
-            self._forget(lease_id)
+                log.warning("could not hand lease %s back (it will expire): %s", key[1], err)
+            self._forget(key)

@@ -177,6 +177,24 @@ class LearnerConfig(BaseModel):
     keep_queue: bool = Field(
         False, description="Keep the run's Redis keys when the run completes (default: they expire after queue_ttl_s)."
     )
+    fleet_weight: float | None = Field(
+        None,
+        gt=0,
+        le=1000,
+        description=(
+            "On a fleet that serves several runs: this run's weight, relative to the others', in each worker's claims "
+            "(default: leave what the admin set, else 1)."
+        ),
+    )
+    fleet_cap: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description=(
+            "On a fleet that serves several runs: the most of each worker's sequences this run holds at once "
+            "(default: no cap; given alone, the run's weight is 1)."
+        ),
+    )
     queue_ttl_s: float = Field(
         86400.0,
         gt=0,

@@ -81,7 +81,7 @@ class Evaluator:
         n, per = self.prompts(), self.cfg.prompts_per_batch
         return [(f"{self.prefix}v{version}-b{start // per}", start, min(per, n - start)) for start in range(0, n, per)]
 
-    def batches(self, version: int) -> list[PromptBatch]:
+    def batches(self, version: int, model: str | None = None) -> list[PromptBatch]:
         cfg = self.cfg
         return [
             PromptBatch(
@@ -99,6 +99,7 @@ class Evaluator:
                 learner_version=version,
                 issued_at=time.time(),
                 pinned_version=version,
+                model=model,
                 scoring=cfg.scoring_mode,  # type: ignore[arg-type]
                 **self.source.episodes(),
             )
@@ -112,15 +113,18 @@ class Evaluator:
     def is_eval(self, batch_id: str) -> bool:
         return batch_id.startswith(self.prefix)
 
-    def issue_due(self, queue: Queue, published: set[int] | list[int], last_published: int) -> None:
+    def issue_due(
+        self, queue: Queue, published: set[int] | list[int], last_published: int, model: str | None = None
+    ) -> None:
         """Issue the evaluations of the due versions now published (version 0 at once); a
-        version whose upload failed is dropped (there is nothing to measure)."""
+        version whose upload failed is dropped (there is nothing to measure). `model`: the
+        base model's fingerprint, which the batches carry."""
         for version in list(self.due):
             if version and version not in published:
                 if version < last_published:
                     self.due.remove(version)
                 continue
-            queue.add_prompts(self.batches(version))
+            queue.add_prompts(self.batches(version, model))
             self.issued(version)
             self.due.remove(version)
 
@@ -242,7 +246,9 @@ class EvalSink:
 
     def issue(self) -> None:
         if self.evaluator is not None:
-            self.evaluator.issue_due(self.queue, self.publisher.published, self.publisher.last_published)
+            self.evaluator.issue_due(
+                self.queue, self.publisher.published, self.publisher.last_published, self.publisher.fingerprint
+            )
 
     def take(self, group: RolloutGroup) -> None:
         """One eval group: never trained on, never counted as a training prompt."""

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from learner.config import LearnerConfig
-from protocol import Queue, QueueError, QueueUnavailable
+from protocol import Queue, QueueError, QueueUnavailable, RunShare
 from protocol.usercode.rewards import ENVIRONMENT, canonical_spec
 from protocol.util.retry import retry
 
@@ -67,9 +67,10 @@ class StartupRetry:
 
 
 def open_run(queue: Queue, cfg: LearnerConfig, retried: Callable[[Callable[[], Any]], Any]) -> None:
-    """The run is (again) in progress: its over mark is taken back, and the rewards a
-    scoring worker checks its own against are published (trusted scoring): the functions
-    with their weights, and the environment when it owns a reward (`ENVIRONMENT`)."""
+    """The run is (again) in progress: its over mark is taken back, the rewards a scoring
+    worker checks its own against are published (trusted scoring): the functions with
+    their weights, and the environment when it owns a reward (`ENVIRONMENT`); and its
+    share of a shared fleet, where `fleet_weight` or `fleet_cap` says one."""
     try:
         retried(lambda: queue.set_run_over(""))
         if cfg.scoring_mode == "trusted":
@@ -77,6 +78,9 @@ def open_run(queue: Queue, cfg: LearnerConfig, retried: Callable[[Callable[[], A
             if cfg.environment and _owns_reward(cfg.environment):
                 specs.append(ENVIRONMENT + cfg.environment)
             retried(lambda: queue.set_run_rewards(specs))
+        if cfg.fleet_weight is not None or cfg.fleet_cap is not None:
+            share = RunShare(weight=cfg.fleet_weight or 1.0, cap=cfg.fleet_cap)
+            retried(lambda: queue.set_run_share(share))
     except NotImplementedError:  # a queue with no run records (tests' fakes)
         pass
 

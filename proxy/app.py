@@ -141,7 +141,7 @@ def _endpoint(
         try:
             token = await _authorise(ctx, spec, request)
             if token is not None:
-                ctx = _run_context(ctx, token, request)
+                ctx = _run_context(ctx, token, request, spec)
             if special is not None:
                 answer: Response = await special(ctx, token, request)
                 return answer
@@ -228,11 +228,15 @@ async def _authorise(ctx: Context, spec: Endpoint[Any, Any], request: Request) -
     return token
 
 
-def _run_context(ctx: Context, token: Token, request: Request) -> Context:
-    """The context of the run the request names (`RUN_HEADER`), or of the token's run."""
+def _run_context(ctx: Context, token: Token, request: Request, spec: Endpoint[Any, Any]) -> Context:
+    """The context of the run the request names (`RUN_HEADER`), or of the token's run. A
+    token of several runs may ask who it is without naming one (a worker serving them all)."""
+    asked = request.headers.get(RUN_HEADER)
     try:
-        run = token.run_of(request.headers.get(RUN_HEADER), ctx.run)
+        run = token.run_of(asked, ctx.run)
     except RunRefused as err:
+        if spec is api.WHOAMI and asked is None:
+            return ctx
         raise ApiError(403, str(err)) from None
     return ctx.for_run(run)
 

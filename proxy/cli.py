@@ -175,7 +175,47 @@ def build_parser() -> argparse.ArgumentParser:
         "--run", default=None, help="the run, where the proxy serves several (default: the token's run)"
     )
     add_logging_flags(quarantine)
+    share = sub.add_parser(
+        "share",
+        help="Set a run's weight and cap on a fleet that serves several runs (admin or the run's learner token).",
+        description="Set a run's weight (relative to the other runs a worker serves) and cap (the most of a "
+        "worker's sequences it holds at once); workers follow within seconds, with their next claims. Asks the "
+        "proxy with the token in SPOTGRPO_TOKEN (or --token); trusts SPOTGRPO_CA_CERT.",
+    )
+    share.add_argument("url", help="the proxy, https://host:port")
+    share.add_argument("--run", default=None, help="the run (default: the token's run)")
+    share.add_argument("--weight", type=float, default=1.0, help="the run's weight, above 0, at most 1000 (default 1)")
+    share.add_argument("--cap", type=float, default=None, help="a fraction, above 0, at most 1 (default: no cap)")
+    share.add_argument(
+        "--token", default=None, help="an admin token, or the run's learner's (default: $SPOTGRPO_TOKEN)"
+    )
+    add_logging_flags(share)
     return parser
+
+
+def share_command(args: argparse.Namespace) -> int:
+    """`proxy share`: the run's new weight and cap, in one line."""
+    import msgspec
+
+    from protocol import QueueConfig, QueueRefused, RunShare
+    from protocol.client.urls import open_queue
+
+    try:
+        share = msgspec.convert({"weight": args.weight, "cap": args.cap}, RunShare)  # checks its bounds
+    except (msgspec.ValidationError, ValueError) as err:
+        print(f"proxy share: {err}", file=sys.stderr)
+        return 2
+    config = QueueConfig(run=args.run) if args.run else None
+    try:
+        with open_queue(args.url, config, token=args.token, retry_s=10.0) as queue:
+            queue.set_run_share(share)
+            run = queue.config.run
+    except QueueRefused as err:  # a token that is not an admin's, or not of this run
+        print(f"proxy share: {err}", file=sys.stderr)
+        return 2
+    cap = "no cap" if share.cap is None else f"cap {share.cap:g}"
+    print(f"run {run}: weight {share.weight:g}, {cap}; workers follow with their next claims")
+    return 0
 
 
 def quarantine_command(args: argparse.Namespace) -> int:
@@ -417,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     follow_lifeline()  # started by the embedded default: end with it
     if args.command == "quarantine":
         return quarantine_command(args)
+    if args.command == "share":
+        return share_command(args)
     return serve(args) if args.command == "serve" else selfsigned(args)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 from starlette.responses import Response
 
-from protocol import is_entry_id
+from protocol import RunShare, is_entry_id
 from protocol.client import api
 from protocol.client.api import Endpoint
 from protocol.client.http import (
@@ -62,6 +62,8 @@ from protocol.client.http import (
     RunOverResponse,
     RunRewardsRequest,
     RunRewardsResponse,
+    RunShareRequest,
+    RunShareResponse,
     StatsResponse,
     SubmitResponse,
     WhoAmIResponse,
@@ -146,6 +148,10 @@ class TokenCaps:
     body_bytes: int
 
 
+SHARE_READ_S = 5.0
+"""A run's share (weight and cap), carried by every claim's answer, is read from Redis at
+most this often: a change reaches the fleet within seconds, at one read per run."""
+
 OFF_LOOP_BYTES = 1 << 20
 """A request body (or a submission's arrays) past this is decoded (or encoded) in a worker
 thread, not on the event loop, where it would hold up every other request."""
@@ -196,6 +202,7 @@ class Context:
     runs: dict[str, Context] = field(init=False)
     """Every run served so far, this one included, by name: one dict shared by them all."""
     _backlog: tuple[float, int] = (0.0, 0)
+    _share: tuple[float, RunShare] = (-SHARE_READ_S - 1, RunShare())
 
     def __post_init__(self) -> None:
         self.rate = SharedRateLimit(
@@ -261,6 +268,7 @@ class Context:
         ctx.hub = AdapterEventHub(ctx.queue)
         ctx.downloads = DownloadCache(partial(make_download, ctx), self.limits.presign_s)
         ctx._backlog = (0.0, 0)
+        ctx._share = (-SHARE_READ_S - 1, RunShare())
         ctx.hub.start()
         self.runs[run] = ctx
         log.info("serving run %s too (%d runs)", run, len(self.runs))
@@ -287,6 +295,18 @@ class Context:
 
     def block(self, requested: float) -> float:
         return min(requested, self.limits.max_long_poll_s, self.queue.config.max_block_s)
+
+    async def share(self) -> RunShare:
+        """The run's weight and cap, re-read (in a worker thread) at most every few seconds:
+        every claim carries them."""
+        at, value = self._share
+        if time.monotonic() - at > SHARE_READ_S:
+            value = await in_thread(self.queue.run_share)
+            self._share = (time.monotonic(), value)
+        return value
+
+    def forget_share(self) -> None:
+        self._share = (-SHARE_READ_S - 1, self._share[1])
 
     async def backlog(self) -> int:
         """Waiting rollout groups, re-read (in a worker thread) at most once a second."""
@@ -322,11 +342,12 @@ async def claim(ctx: Context, token: Token, body: ClaimRequest, params: dict[str
     ctx.check_count("count", body.count)
     worker, block = worker_name(token, body.worker), ctx.block(body.block_s)
     if ctx.waits is None:  # fakeredis or a cluster: the whole blocking claim in a thread
-        return ClaimResponse(leases=await in_thread(ctx.queue.claim, worker, body.count, block))
+        leases = await in_thread(ctx.queue.claim, worker, body.count, block)
+        return ClaimResponse(leases=leases, share=await ctx.share())
     leases = await in_thread(ctx.queue.claim, worker, body.count, 0.0)
     if not leases and block:
         leases = await ctx.queue.wait_for_prompts_async(ctx.waits, worker, body.count, block)
-    return ClaimResponse(leases=leases)
+    return ClaimResponse(leases=leases, share=await ctx.share())
 
 
 def heartbeat(ctx: Context, token: Token, body: HeartbeatRequest, params: dict[str, str]) -> HeartbeatResponse:
@@ -387,7 +408,7 @@ def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> Wh
     return WhoAmIResponse(
         name=token.name,
         role=token.role,
-        run=config.run,
+        run=config.run if token.runs is None or config.run in token.runs else "",
         lease_timeout_s=config.lease_timeout_s,
         runs=sorted(token.runs or (ctx.default_run,)),
     )
@@ -433,6 +454,14 @@ def run_over(ctx: Context, token: Token, body: RunOverRequest, params: dict[str,
     if body.why:
         log.info("run %s is over: %s", ctx.queue.config.run, body.why)
     return RunOverResponse(over=bool(body.why))
+
+
+def run_share(ctx: Context, token: Token, body: RunShareRequest, params: dict[str, str]) -> RunShareResponse:
+    ctx.queue.set_run_share(body.share)
+    ctx.forget_share()
+    cap = "no cap" if body.share.cap is None else f"cap {body.share.cap:g}"
+    log.info("run %s: weight %g, %s (%s)", ctx.queue.config.run, body.share.weight, cap, token.name)
+    return RunShareResponse(share=body.share)
 
 
 def run_rewards(ctx: Context, token: Token, body: RunRewardsRequest, params: dict[str, str]) -> RunRewardsResponse:
@@ -545,6 +574,7 @@ HANDLERS: dict[Endpoint[Any, Any], Callable[..., Any]] = {
     api.EXPIRE_RUN: expire_run,
     api.RUN_OVER: run_over,
     api.RUN_REWARDS: run_rewards,
+    api.RUN_SHARE: run_share,
     api.QUARANTINE: quarantine,
     api.QUARANTINED: quarantined,
     api.LIFT_QUARANTINE: lift_quarantine,

@@ -251,3 +251,14 @@ def test_the_learner_says_its_environment_scores_episodes_only_when_it_does(
     open_run(learner.queue, cfg, lambda call: call())
     expected = ["toy_rewards:digit_first=1.0", *([f"environment={environment}"] if said else [])]
     assert learner.queue.run_rewards() == expected
+
+
+def test_the_learner_sets_its_runs_fleet_share_only_when_told(learner: Learner) -> None:
+    from learner.lifecycle import open_run
+    from protocol import RunShare
+
+    learner.queue.set_run_share(RunShare(weight=4.0))  # the admin's
+    open_run(learner.queue, learner.cfg, lambda call: call())
+    assert learner.queue.run_share() == RunShare(weight=4.0)  # not said: the admin's stays
+    open_run(learner.queue, learner.cfg.model_copy(update={"fleet_weight": 2.0, "fleet_cap": 0.5}), lambda c: c())
+    assert learner.queue.run_share() == RunShare(weight=2.0, cap=0.5)

@@ -168,8 +168,10 @@ def test_a_client_that_names_no_run_gets_its_tokens_run(multirun_proxy: ProxyPro
     assert confirm_identity(only_c, "actor", None, "a worker") == c
     assert only_c.whoami().runs == [c]
     either = _queue(multirun_proxy, "fleet-ab", "default")
+    assert confirm_identity(either, "actor", None, "a worker") == ""  # several: it may ask, then name one
+    assert either.whoami().runs == sorted([a, runs[1]]) and either.config.run == "default"
     with pytest.raises(QueueForbidden, match="name one"):
-        confirm_identity(either, "actor", None, "a worker")
+        either.claim("w", 1)
     assert confirm_identity(_queue(multirun_proxy, "fleet-ab", a), "actor", a, "a worker") == a
     with pytest.raises(QueueForbidden, match="may not touch run"):
         confirm_identity(_queue(multirun_proxy, "learner-a", c), "learner", c, "the learner")
@@ -323,3 +325,85 @@ def test_a_run_whose_learner_stopped_reading_holds_back_that_run_alone(
         direct_a.close()
     finally:
         proxy.kill()
+
+
+def test_a_runs_share_is_set_by_its_learner_or_an_admin_and_reaches_workers_with_claims(
+    multirun_proxy: ProxyProcess, runs
+) -> None:
+    from protocol import RunShare
+
+    a, b, _ = runs
+    fleet_b = _queue(multirun_proxy, "fleet-ab", b)
+    fleet_b.claim("w", 1)
+    assert fleet_b.run_share() == RunShare()  # nobody said: weight 1, no cap
+    _queue(multirun_proxy, "learner-b", b).set_run_share(RunShare(weight=3.0, cap=0.5))
+    fleet_b.claim("w", 1)
+    assert fleet_b.run_share() == RunShare(weight=3.0, cap=0.5)  # the proxy forgot its copy when told
+    _queue(multirun_proxy, "ops-ab", a).set_run_share(RunShare(weight=2.0))
+    with pytest.raises(QueueForbidden):
+        fleet_b.set_run_share(RunShare(weight=100.0))  # a worker cannot take more for its run
+    with pytest.raises(QueueForbidden):
+        _queue(multirun_proxy, "learner-a", b).set_run_share(RunShare(weight=100.0))  # nor another run's learner
+    fleet_a = fleet_b.for_run(a)
+    fleet_a.claim("w", 1)
+    assert fleet_a.run_share() == RunShare(weight=2.0) and fleet_b.run_share().weight == 3.0
+    fleet_a.close()
+    assert fleet_b.claim("w", 1) == []  # closing the run's sibling left the connections alone
+    fleet_b.close()
+
+
+def test_an_actor_without_run_serves_every_run_its_token_names(
+    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path
+) -> None:
+    """`actors run` with a token for runs A and B and no --run: one engine answers both runs'
+    prompts, and each run's fleet view shows the worker with its share of the run."""
+    a, b, _ = runs
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (a, b)}
+    for run in (a, b):
+        direct[run].add_prompts([batch(f"{run}-{i}", prompts=1) for i in range(3)])
+    cmd = multirun_proxy.actor_command(
+        tiny_model, "spot", "--reward", "toy_rewards:digit_first", "--report-every-s", "1"
+    )
+    del cmd[cmd.index("--run") : cmd.index("--run") + 2]
+    env = {**multirun_proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["fleet-ab"]}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while any(direct[r].stats().rollouts.length < 3 for r in (a, b)):
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            assert time.monotonic() < deadline, "both runs' prompts were never answered"
+            time.sleep(0.2)
+        shares = {}
+        while len(shares) < 2:  # each run's view of the worker, reported on its own heartbeat
+            shares = {r: w.share for r in (a, b) for w in direct[r].workers() if w.worker == "fleet-ab/spot"}
+            shares = {r: s for r, s in shares.items() if s}
+            assert time.monotonic() < deadline, "the worker's shares never showed"
+            time.sleep(0.2)
+    finally:
+        kill_process(proc)
+    assert sum(shares.values()) == pytest.approx(1.0, abs=0.05)
+    for run in (a, b):
+        ids = {d.group.batch_id for d in direct[run].read_rollouts("l", 10)}
+        assert ids == {f"batch-{run}-{i}" for i in range(3)}  # each run its own prompts, none of the other's
+        direct[run].close()
+
+
+def test_proxy_share_sets_a_runs_weight_in_one_line(multirun_proxy: ProxyProcess, runs) -> None:
+    from protocol import RunShare
+
+    a, _, _ = runs
+    env = {**multirun_proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["ops-ab"]}
+    base = [sys.executable, "-m", "proxy.cli", "share", multirun_proxy.url, "--run", a]
+    done = subprocess.run([*base, "--weight", "2.5", "--cap", "0.4"], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and f"run {a}: weight 2.5, cap 0.4" in done.stdout, done.stderr
+    fleet_a = _queue(multirun_proxy, "fleet-ab", a)
+    fleet_a.claim("w", 1)
+    assert fleet_a.run_share() == RunShare(weight=2.5, cap=0.4)
+    for bad in (["--weight", "0"], ["--cap", "2"]):
+        done = subprocess.run([*base, *bad], env=env, capture_output=True, text=True)
+        assert done.returncode == 2 and done.stderr.startswith("proxy share: ") and len(done.stderr.splitlines()) == 1
+    env["SPOTGRPO_TOKEN"] = SECRETS["fleet-ab"]  # a worker's token may not
+    done = subprocess.run([*base, "--weight", "9"], env=env, capture_output=True, text=True)
+    assert done.returncode == 2 and "proxy share: " in done.stderr
+    assert fleet_a.claim("w", 1) == [] and fleet_a.run_share() == RunShare(weight=2.5, cap=0.4)
+    fleet_a.close()

@@ -46,6 +46,8 @@ from protocol.client.http import (
     RunOverResponse,
     RunRewardsRequest,
     RunRewardsResponse,
+    RunShareRequest,
+    RunShareResponse,
     StatsResponse,
     SubmitRequest,
     SubmitResponse,
@@ -276,6 +278,14 @@ RUN_REWARDS = _e(
     RunRewardsRequest,
     RunRewardsResponse,
 )
+RUN_SHARE = _e(
+    "POST",
+    "/v1/run/share",
+    {LEARNER, ADMIN},
+    "The run's weight and cap on a fleet that serves several runs (workers learn them with their claims).",
+    RunShareRequest,
+    RunShareResponse,
+)
 ANNOUNCE = _e(
     "POST", "/v1/adapters/announce", {LEARNER}, "Make a manifest the latest adapter.", AnnounceRequest, AnnounceResponse
 )
@@ -297,7 +307,7 @@ OPENAPI: Endpoint[None, None] = _e("GET", "/openapi.json", set(), "This document
 ENDPOINTS: tuple[Endpoint[Any, Any], ...] = (
     CLAIM, HEARTBEAT, SUBMIT, RELEASE, REPORT_STATUS, LEAVE, WORKERS, WHOAMI, LATEST_ADAPTER, ADAPTER_EVENTS,
     ADAPTER_HISTORY, ADAPTER_DOWNLOAD, ADAPTER_FILE, ADD_PROMPTS, READ_ROLLOUTS, ACK, EXPIRE_RUN, RUN_OVER, RUN_REWARDS,
-    ANNOUNCE,
+    RUN_SHARE, ANNOUNCE,
     DEAD_LETTERS, STATS, QUARANTINE, QUARANTINED, LIFT_QUARANTINE, FORGET_LIFTED, RECORD_AUDITS,
     AUDITS, METRICS, HEALTHZ, OPENAPI,
 )  # fmt: skip

@@ -36,6 +36,7 @@ from protocol.wire.messages import (
     PosInt,
     PromptBatch,
     RolloutGroup,
+    RunShare,
     WorkerStatus,
     check_schema,
 )
@@ -80,6 +81,9 @@ class ClaimRequest(_Body, frozen=True, tag="claim"):
 
 class ClaimResponse(_Body, frozen=True, tag="leases"):
     leases: list[Lease]
+    share: RunShare | None = None
+    """The run's weight and cap (`Queue.set_run_share`), for a worker serving several runs:
+    it learns them with every claim, at no call of its own (None: a proxy that does not say)."""
 
 
 class HeartbeatRequest(_Body, frozen=True, tag="heartbeat"):
@@ -170,6 +174,7 @@ class WhoAmIResponse(_Body, frozen=True, tag="whoami"):
     """The token's name (its secret is never sent back)."""
     role: str
     run: str
+    """The run the call named, or the token's ("": a token of several runs, and none named)."""
     lease_timeout_s: float | None = None
     """The proxy's `--lease-timeout-s`: a lease claimed through it lapses after this long
     without a heartbeat, whatever the client's own setting (None: a proxy that does not say)."""
@@ -249,6 +254,14 @@ class RunRewardsRequest(_Body, frozen=True, tag="run_rewards"):
 
 class RunRewardsResponse(_Body, frozen=True, tag="run_rewards_set"):
     specs: list[str]
+
+
+class RunShareRequest(_Body, frozen=True, tag="run_share"):
+    share: RunShare
+
+
+class RunShareResponse(_Body, frozen=True, tag="run_share_set"):
+    share: RunShare
 
 
 class ReadRolloutsRequest(_Body, frozen=True, tag="read_rollouts"):

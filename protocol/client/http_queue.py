@@ -24,6 +24,7 @@ with Last-Event-ID after a dropped connection; adapter files come from presigned
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import os
@@ -61,6 +62,7 @@ from protocol.client.http import (
     ReportStatusRequest,
     RunOverRequest,
     RunRewardsRequest,
+    RunShareRequest,
     SubmitRequest,
     WhoAmIResponse,
     WorkersResponse,
@@ -99,7 +101,7 @@ from protocol.wire.errors import (
     from_response,
 )
 from protocol.wire.files import StoreError, StoreMissing
-from protocol.wire.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
+from protocol.wire.messages import AdapterManifest, PromptBatch, RolloutGroup, RunShare, WorkerStatus
 from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
@@ -150,9 +152,23 @@ class HttpQueue(Queue):
         self._resync: set[str] = set()
         self._subscriptions: list[SseSubscription] = []
         self._stopping = stop or threading.Event()
+        self._share = RunShare()
+        """The run's share as the last claim's answer carried it."""
+        self._owns_pools = True
 
     def stop_retrying(self) -> None:
         self._stopping.set()
+
+    def for_run(self, run: str) -> HttpQueue:
+        """The same proxy, token and connections, for another run the token may touch (a
+        worker serving several runs: `actors.runs`). Closing it leaves the connections to
+        the queue it came from."""
+        other = copy.copy(self)
+        other.config = dataclasses.replace(self.config, run=run)
+        other._name_run(run)
+        other._received, other._resync, other._subscriptions = {}, set(), []
+        other._share, other._owns_pools = RunShare(), False
+        return other
 
     def _name_run(self, run: str) -> None:
         """Every call names `run` (`RUN_HEADER`), but for the run named "default", the name a
@@ -232,7 +248,13 @@ class HttpQueue(Queue):
         )
 
     def claim(self, worker: str, count: int = 1, block_s: float = 0.0) -> list[Lease]:
-        return self._call(api.CLAIM, ClaimRequest(worker=worker, count=count, block_s=block_s)).leases
+        answer = self._call(api.CLAIM, ClaimRequest(worker=worker, count=count, block_s=block_s))
+        if answer.share is not None:
+            self._share = answer.share
+        return answer.leases
+
+    def run_share(self) -> RunShare:
+        return self._share
 
     def heartbeat(self, worker: str, lease_ids: Sequence[str]) -> list[str]:
         body = HeartbeatRequest(worker=worker, lease_ids=list(lease_ids))
@@ -360,6 +382,9 @@ class HttpQueue(Queue):
     def set_run_rewards(self, specs: Sequence[str]) -> None:
         self._call(api.RUN_REWARDS, RunRewardsRequest(specs=list(specs)))
 
+    def set_run_share(self, share: RunShare) -> None:
+        self._call(api.RUN_SHARE, RunShareRequest(share=share))
+
     # ------------------------------------------------------------------- fleet
     def report_status(self, status: WorkerStatus) -> None:
         self._call(api.REPORT_STATUS, ReportStatusRequest(status=status))
@@ -399,14 +424,16 @@ class HttpQueue(Queue):
 
     def whoami(self) -> WhoAmIResponse:
         """The token's name and role, and the run this queue's calls are for, which becomes
-        `config.run` (a queue of the run named "default" names none: it gets the token's).
+        `config.run` where the token may touch it (a queue of the run named "default" names
+        none: it gets the token's; a token of several runs keeps naming none, and `for_run`
+        gives a queue of each).
         Adopts the proxy's lease timeout into `config`: that one counts, so a heartbeat (a
         third of it) follows it."""
         who = self._call(api.WHOAMI)
         changes: dict[str, Any] = {}
         if who.lease_timeout_s is not None and who.lease_timeout_s != self.config.lease_timeout_s:
             changes["lease_timeout_s"] = who.lease_timeout_s
-        if who.run != self.config.run:
+        if who.run != self.config.run and (not who.runs or who.run in who.runs):
             changes["run"] = who.run
         if changes:
             self.config = dataclasses.replace(self.config, **changes)
@@ -420,6 +447,8 @@ class HttpQueue(Queue):
     def close(self) -> None:
         for sub in self._subscriptions:
             sub.close()
+        if not self._owns_pools:
+            return
         self._pools.clear()
         for pools in self._file_pools.values():
             pools.clear()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Self
 
 from protocol.wire.codec import DEFAULT_LIMITS, Limits
-from protocol.wire.messages import AdapterManifest, PromptBatch, RolloutGroup, WorkerStatus
+from protocol.wire.messages import AdapterManifest, PromptBatch, RolloutGroup, RunShare, WorkerStatus
 
 _MAX_U64 = 2**64 - 1
 
@@ -344,6 +344,16 @@ class Queue(abc.ABC):
     def run_rewards(self) -> list[str] | None:
         """What `set_run_rewards` said (None: the learner has not said yet)."""
         raise NotImplementedError(f"{type(self).__name__} keeps no run rewards")
+
+    def set_run_share(self, share: RunShare) -> None:
+        """The run's weight and cap on a fleet that serves several runs (its learner or the
+        admin says; workers follow within seconds)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no run share")
+
+    def run_share(self) -> RunShare:
+        """The run's weight and cap (weight 1, no cap where nobody said). Through a proxy,
+        the one its last claim's answer carried: no call of its own."""
+        return RunShare()
 
     # -- fleet status
     @abc.abstractmethod

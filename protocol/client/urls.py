@@ -51,7 +51,8 @@ def connect_queue(
     stop: threading.Event,
     opener: Opener = open_queue,
 ) -> Queue:
-    """Open the queue and make one call through it (the latest adapter: every role may ask),
+    """Open the queue and make one call through it (through a proxy, who the token is; else
+    the latest adapter: every role may ask either, whatever runs its token names),
     retrying an outage for `timeout_s` in all, the client's own retries included, or until
     `stop` is set; the queue keeps `stop` as its own signal to stop retrying. A refusal
     (token, role, certificate) raises at once: it is not an outage. Raises QueueUnavailable
@@ -60,7 +61,8 @@ def connect_queue(
     def connect() -> Queue:
         queue = opener(url, config, token, retry_s=min(30.0, timeout_s), stop=stop)
         try:
-            queue.latest_adapter()
+            probe = getattr(queue, "whoami", None) or queue.latest_adapter
+            probe()
         except BaseException:
             queue.close()
             raise

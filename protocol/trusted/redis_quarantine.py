@@ -1,6 +1,6 @@
 """The quarantine calls of `RedisQueue`: which workers may no longer claim, and why; the
-tallies of the learner's audits that lead to it; and the run's end, after which no
-worker claims.
+tallies of the learner's audits that lead to it; the run's end, after which no worker
+claims; and the run's share of a fleet that serves several runs.
 
 The learner is the authority (its checkpointed `LearnerState.quarantined`); this hash is
 what the door enforces, written by the learner and lifted by the admin. A lift leaves ""
@@ -11,16 +11,21 @@ is never mistaken for an entry Redis lost (which the learner writes again).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
+
+import msgspec
 
 from protocol.client.queue import AuditTally
 from protocol.trusted.redis_base import RedisBase
 from protocol.trusted.redis_fields import check_worker, text_of
 from protocol.wire.errors import ProtocolError, WorkerQuarantined
+from protocol.wire.messages import RunShare
 from protocol.wire.text import printable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class RedisQuarantine(RedisBase):
@@ -46,6 +51,25 @@ class RedisQuarantine(RedisBase):
     def run_rewards(self) -> list[str] | None:
         raw = self._call(lambda: self._r.get(self.keys.rewards))
         return None if raw is None else [str(s) for s in json.loads(raw)]
+
+    def set_run_share(self, share: RunShare) -> None:
+        if not isinstance(share, RunShare):
+            raise ProtocolError(f"set_run_share: expected a RunShare, got {type(share).__name__}")
+        try:  # a struct made in Python is not checked against its bounds: do it here
+            msgspec.convert(msgspec.to_builtins(share), RunShare)
+        except msgspec.ValidationError as err:
+            raise ProtocolError(f"set_run_share: {err}") from None
+        self._call(lambda: self._r.set(self.keys.share, msgspec.json.encode(share)))
+
+    def run_share(self) -> RunShare:
+        raw = self._call(lambda: self._r.get(self.keys.share))
+        if raw is None:
+            return RunShare()
+        try:
+            return msgspec.json.decode(raw, type=RunShare)
+        except (msgspec.ValidationError, msgspec.DecodeError) as err:  # written by hand: say so, use the default
+            log.error("run %s: its share record is unreadable, using weight 1: %s", self.config.run, err)
+            return RunShare()
 
     def quarantined(self) -> dict[str, str]:
         raw = self._call(lambda: self._r.hgetall(self.keys.quarantined))

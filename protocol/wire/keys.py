@@ -94,6 +94,12 @@ class Keys:
         return self._key("over")
 
     @property
+    def share(self) -> str:
+        """String: the run's share of a fleet that serves several runs (JSON `RunShare`:
+        weight and cap), set by its learner or the admin; absent: weight 1, no cap."""
+        return self._key("share")
+
+    @property
     def rewards(self) -> str:
         """String: the reward functions the learner scores its run with (JSON, canonical
         `module:function=weight` specs), against which a scoring worker checks its own."""
@@ -143,6 +149,7 @@ class Keys:
             self.quarantined,
             self.over,
             self.rewards,
+            self.share,
             self.audits,
             self.adapter_latest,
             self.adapter_events,

@@ -164,6 +164,10 @@ class PromptBatch(_Struct, frozen=True, tag="prompt_batch", tag_field="type", kw
     max_tool_calling_iterations: NonNegInt | None = None
     """Most tool-calling turns per episode (None: until `sampling.max_tokens`, which
     bounds the whole episode)."""
+    model: Annotated[str, msgspec.Meta(pattern=r"^[0-9a-f]{16,64}$")] | None = None
+    """`model_fingerprint` of the learner's base model: a worker serving several runs
+    generates only for those whose base model is its own (None: a learner that does not
+    say, taken as the worker's)."""
     scoring: Literal["actors", "trusted"] = "actors"
     """Who scores the groups. `actors`: the worker, with its reward functions. `trusted`:
     the scoring tier on the trusted side; the worker only generates, its prompts carry
@@ -414,10 +418,25 @@ class WorkerStatus(_Struct, frozen=True, tag="worker_status", tag_field="type", 
     last_error: Annotated[str, msgspec.Meta(max_length=500, pattern=SAFE_LINE)] | None = None
     """The latest refusal or error it met, in one line (`protocol.wire.text.printable`); None if none."""
     reported_at: Timestamp
+    share: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    """A worker serving several runs: the fraction of its sequences this run got lately
+    (`actors.runs.shares`); None: it serves this run alone."""
 
     def __post_init__(self) -> None:
         check_schema(self.schema)
         check_finite("tokens_per_s", self.tokens_per_s)
+
+
+class RunShare(_Struct, frozen=True):
+    """A run's part of a fleet that serves several runs (`actors.runs`): each worker claims
+    from the run furthest below `weight` (relative to the other runs it serves), and gives
+    it at most `cap` of its sequences at once (None: no cap)."""
+
+    weight: Annotated[float, msgspec.Meta(gt=0.0, le=1000.0)] = 1.0
+    cap: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+
+    def __post_init__(self) -> None:
+        check_finite("weight", self.weight)
 
 
 Message = PromptBatch | RolloutGroup | AdapterManifest | WorkerStatus
