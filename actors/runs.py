@@ -26,10 +26,11 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from actors.engine import Engine, GroupRequest, Sample
 from protocol import Queue, QueueError
+from protocol.util.retry import Backoff
 
 if TYPE_CHECKING:
     from actors.heartbeat import Heartbeat
@@ -39,6 +40,9 @@ log = logging.getLogger(__name__)
 
 SHARE_HALF_LIFE_S = 20.0
 """How long a claimed sequence counts fully against its run's share, halving after."""
+RUN_RETRY_S = 2.0
+"""Serving several runs: how long one call of a run retries an outage (or a full backlog)
+before the run backs off on its own (`RunLink.back_at`)."""
 EMPTY_PAUSE_S = 0.5
 """After an empty non-blocking claim, the run is not asked again for this long."""
 
@@ -131,6 +135,10 @@ class RunLink:
     """Sequences in the run's last lease: the room a claim needs (None: unknown, claim one)."""
     over: str | None = None
     """The run's learner finished it (`RunOver`): no more claims."""
+    back_at: float = 0.0
+    """While the run's queue is unavailable (an outage, or the run's backlog full: 503),
+    none of its calls before this time; the other runs' go on."""
+    backoff: Backoff = field(default_factory=lambda: Backoff(0.5, 30.0))
     tokens_generated: int = 0
     groups_submitted: int = 0
     rate_mark: tuple[float, int] = field(default_factory=lambda: (time.monotonic(), 0))
@@ -158,16 +166,12 @@ def _under_cap(link: RunLink, max_num_seqs: int) -> bool:
 
 def claim_order(links: Sequence[RunLink], now: float, max_num_seqs: int) -> list[RunLink]:
     """The runs that may claim now, the furthest below its weighted share first: not
-    over, not paused after an empty claim, not at its cap (a run holds one lease at
-    least, whatever its cap)."""
+    over, not paused after an empty claim or an unavailable queue, not at its cap (a run
+    holds one lease at least, whatever its cap)."""
     live = [
         link
         for link in links
-        if link.over is None
-        and now >= link.empty_until
-        and (
-            link.cap is None or not link.in_flight or link.in_flight + (link.lease_size or 1) <= link.cap * max_num_seqs
-        )
+        if link.over is None and now >= max(link.empty_until, link.back_at) and _under_cap(link, max_num_seqs)
     ]
     return sorted(live, key=lambda link: (link.used(now) / link.weight, link.run))
 
@@ -189,7 +193,10 @@ class RunOpener:
         self.links: list[RunLink] = []
 
     def open(self, run: str) -> RunLink:
-        queue = self.queue if run == self.queue.config.run else self.queue.for_run(run)  # type: ignore[attr-defined]
+        queue: Any = self.queue if run == self.queue.config.run else self.queue.for_run(run)  # type: ignore[attr-defined]
+        # a call refused for a while (the run's backlog full: 503) gives up soon, so that it
+        # holds up the other runs' calls no longer than this; the run's own backoff retries
+        queue.retry_s = min(queue.retry_s, RUN_RETRY_S)
         view = RunEngine(self.engine, run, self.slots)
         watcher = self.watcher_for(queue, view, self.cache_dir / run)
         try:

@@ -172,9 +172,6 @@ class Worker:
         """Generated groups being scored (by run, lease id, prompt): their samples and decoded texts."""
         self.batches_claimed = 0
         self.batches_done = 0
-        self._backoff = Backoff(0.5, max_backoff_s)
-        self._queue_back_at = 0.0
-        """While the queue is unreachable, no queue call before this time."""
         self._rotation = 0
         """Serving several runs, idle: the run the next long-poll waits on, in turn."""
         self.run_over: str | None = None
@@ -193,6 +190,7 @@ class Worker:
             status=lambda: self.status(link),
             report_every_s=self.report_every_s,
         )
+        link.backoff = Backoff(0.5, self.max_backoff_s)
         self.links.append(link)
         if self._beating:
             link.heartbeat.start()
@@ -263,7 +261,7 @@ class Worker:
                 self._queue_calls(max_batches)
                 if self.engine.in_flight or self.scoring:
                     self._advance(0.05)
-                elif self.flights or time.monotonic() < self._queue_back_at:
+                elif self.flights or self._backing_off():
                     self.abort.wait(0.05)  # groups wait for the queue: do not spin (abort ends the wait)
         except (QueueForbidden, QueueTLSError) as err:
             self._hand_back_all()
@@ -290,21 +288,31 @@ class Worker:
             log.info("could not say goodbye to run %s (the status ages out instead): %s", link.run, err)
 
     def _queue_calls(self, max_batches: int | None) -> None:
-        """Submit what is ready, then claim while there is room; an outage defers both."""
-        if time.monotonic() < self._queue_back_at:
-            return
-        try:
-            self._find_runs()
-            self._submit_ready()
-            if not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
-                self._fill(max_batches)
-            self._backoff.reset()
-        except QueueUnavailable as err:
-            self.metrics.connection_errors.inc()
-            delay = self._backoff.failed()  # the engine generates on meanwhile: no sleep here
-            log.warning("queue unavailable, retrying in %.1fs: %s", delay, err)
-            self._error(f"queue unavailable: {err}")
-            self._queue_back_at = time.monotonic() + delay
+        """Submit what is ready, then claim while there is room. A run whose queue is
+        unavailable (an outage; its backlog full) defers its own calls, not the others'."""
+        self._find_runs()
+        for link in self.links:
+            if time.monotonic() < link.back_at:
+                continue
+            try:
+                self._submit_ready(link)
+            except QueueUnavailable as err:
+                self._unavailable(link, err)
+        if not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
+            self._fill(max_batches)
+
+    def _unavailable(self, link: RunLink, err: QueueUnavailable) -> None:
+        self.metrics.connection_errors.inc()
+        delay = link.backoff.failed()  # the engine generates on meanwhile: no sleep here
+        named = f" (run {link.run})" if len(self.links) > 1 else ""
+        log.warning("queue unavailable%s, retrying in %.1fs: %s", named, delay, err)
+        self._error(f"queue unavailable: {err}")
+        link.back_at = time.monotonic() + delay
+
+    def _backing_off(self) -> bool:
+        """Every run still served waits for its queue."""
+        now = time.monotonic()
+        return all(now < k.back_at for k in self.links if k.over is None)
 
     def _fill(self, max_batches: int | None) -> None:
         """Claim leases while the engine has room for one more; long-poll only when idle.
@@ -318,7 +326,7 @@ class Worker:
                 (
                     k
                     for k in claim_order(self.links, time.monotonic(), self.max_num_seqs)
-                    if idle or (k.lease_size is not None and room >= k.lease_size)
+                    if idle or room >= (k.lease_size or 1)
                 ),
                 None,
             )
@@ -345,7 +353,9 @@ class Worker:
     def _long_poll(self) -> None:
         """Serving several runs with nothing in flight and no backlog anywhere: wait on
         each run in turn, for a share of `claim_block_s`."""
-        live = [k for k in self.links if k.over is None]
+        live = [k for k in self.links if k.over is None and time.monotonic() >= k.back_at]
+        if not live:
+            return
         link = live[self._rotation % len(live)]
         self._rotation += 1
         self._claim(link, 1, self.claim_block_s / len(live))
@@ -363,6 +373,10 @@ class Worker:
                 raise
             self._run_ended(link, f"run {link.run}: {err}")
             return False
+        except QueueUnavailable as err:
+            self._unavailable(link, err)
+            return False
+        link.backoff.reset()
         self.metrics.lease_wait.observe(time.monotonic() - started)
         if len(self.links) > 1:
             share = link.queue.run_share()
@@ -542,9 +556,12 @@ class Worker:
     def _ready_to_send(self) -> bool:
         return any(f.ready for f in self.flights.values())
 
-    def _submit_ready(self) -> None:
-        """One call per lease with groups ready: a partial submission unless it is the last."""
+    def _submit_ready(self, link: RunLink | None = None) -> None:
+        """One call per lease with groups ready (of `link`'s run; None: every run's): a
+        partial submission unless it is the last."""
         for key, flight in list(self.flights.items()):
+            if link is not None and flight.link is not link:
+                continue
             lease_id = key[1]
             if flight.lost and not flight.waiting:
                 self._forget(key)
@@ -563,6 +580,7 @@ class Worker:
                 flight.lost, flight.ready = True, []
                 continue
             del flight.ready[: len(groups)]
+            flight.link.backoff.reset()
             self.metrics.groups.inc(result.stored)
             self.groups_submitted += result.stored
             flight.link.groups_submitted += result.stored

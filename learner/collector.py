@@ -257,6 +257,6 @@ class Collector:
         self._stale_drops.clear()
         self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, float | None]:
         """The step row's figures of the fleet, as the last check saw it."""
-        return {"workers_live": self.fleet.live, "workers_lagging": self.fleet.lagging}
+        return {"workers_live": self.fleet.live, "workers_lagging": self.fleet.lagging, "fleet_share": self.fleet.share}

@@ -88,6 +88,9 @@ class FleetWatch:
         self.stalled: dict[str, str] = {}
         self.live = 0
         self.lagging = 0
+        self.share: float | None = None
+        """The fraction of its reporting workers' sequences this run got lately: 1 where they
+        serve it alone, less on a fleet shared with other runs (None: no worker reports)."""
 
     MAX_NAMED = 5
     """Workers named per check at most; the rest are counted in one line (a flood of
@@ -104,6 +107,8 @@ class FleetWatch:
         `stale_drops`: groups dropped as stale since the last update, by actor id."""
         found = problems(workers, stale_drops or {}, latest_version, max_staleness)
         self.live, self.lagging = len(workers), sum(1 for kind, _ in found.values() if kind == "stale")
+        shares = [1.0 if w.share is None else w.share for w in workers]
+        self.share = sum(shares) / len(shares) if shares else None
         kinds = {name: kind for name, (kind, _) in found.items()}
         new = [f"worker {name} {why}" for name, (kind, why) in sorted(found.items()) if self.named.get(name) != kind]
         lines = new[: self.MAX_NAMED]

@@ -110,7 +110,8 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
     `frac_reward_zero_std`, `loss`, `grad_norm`, `importance_sampling_ratio` for
     `sampling/importance_sampling_ratio/mean`); then what asynchrony adds: the groups'
     staleness (mean/max versions behind), the groups trained and dropped by reason, and the
-    step's wait, compute and publish times. A figure that is missing (None: it was not
+    step's wait, compute and publish times; on a fleet shared with other runs, the share
+    of its workers' sequences the run gets. A figure that is missing (None: it was not
     finite) shows as -."""
 
     def f(key: str, spec: str) -> str:
@@ -119,6 +120,8 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
 
     publish = "-" if row.get("publish_s") is None else f"{row['publish_s'] * 1000:.0f}"
     skipped = f"  SKIPPED {row['skipped_updates']} update(s)" if row.get("skipped_updates") else ""
+    share = row.get("fleet_share")
+    shared = f"  fleet share {share:.2f} of {row['workers_live']} workers" if share is not None and share < 1 else ""
     return (
         f"step {row['step']:>5}/{total_steps}  v{row['adapter_version']:<4} "
         f"reward {f('reward', '.3f')}  reward_std {f('reward_std', '.3f')}  "
@@ -128,7 +131,7 @@ def console_line(row: dict[str, Any], total_steps: int) -> str:
         f"staleness {f('staleness_mean', '.2f')}/{f('staleness_max', '')}  "
         f"groups {row['groups']} (dropped: {row['dropped_stale']} stale, {row['dropped_flat']} flat, "
         f"{row['rejected']} rejected)  wait {f('wait_s', '.2f')}s step {f('step_s', '.2f')}s "
-        f"publish {publish}ms{skipped}"
+        f"publish {publish}ms{shared}{skipped}"
     )
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from factories import batch
+from factories import batch, stored_manifest
 from scripted import ScriptedEngine
 
 from actors.engine import EngineError, GroupRequest
@@ -102,12 +102,13 @@ class _Fleet:
     def __init__(self, redis_url: str, runs: list[str], tokenizer, tmp_path: Path) -> None:
         self.engine = ScriptedEngine(tokenizer, lambda text, j: "5")
         self.queues = {r: RedisQueue.from_url(redis_url, QueueConfig(run=r, lease_timeout_s=30)) for r in runs}
-        source = StoreSource(open_store((tmp_path / "store").as_uri()))
+        self.stores = {r: open_store((tmp_path / "store" / r).as_uri()) for r in runs}  # a prefix per run
         slots = AdapterSlots()
         links = []
         for run, queue in self.queues.items():
             view = RunEngine(self.engine, run, slots)
-            links.append(RunLink(run, queue, AdapterWatcher(queue, source, view, tmp_path / run), view))
+            watcher = AdapterWatcher(queue, StoreSource(self.stores[run]), view, tmp_path / "cache" / run)
+            links.append(RunLink(run, queue, watcher, view))
         first = links[0]
         self.worker = Worker(
             first.queue,
@@ -175,3 +176,40 @@ def test_a_worker_serving_one_run_refuses_a_batch_for_another_model(
         fleet.worker.work(max_batches=1)
     assert len(fleet.queues[run_name].claim("another", 1)) == 1  # handed back for a worker that has its model
     fleet.close()
+
+
+def test_a_run_whose_adapter_is_broken_stops_alone(redis_server, run_name: str, tokenizer, tmp_path: Path) -> None:
+    """Run a announces a damaged adapter, run b a sound one: a's watcher refuses a's and a
+    generates on with what it had (the base model); b's groups are generated with b's v1
+    and carry its digest."""
+    from protocol.wire.files import adapter_digest, adapter_key
+
+    a, b = f"{run_name}-a", f"{run_name}-b"
+    fleet = _Fleet(redis_server.url, [a, b], tokenizer, tmp_path)
+    broken = stored_manifest(fleet.stores[a], 1)
+    fleet.stores[a].put(adapter_key(1, "adapter_model.safetensors"), b"not the bytes the manifest names")
+    sound = stored_manifest(fleet.stores[b], 1, weights=b"b's own weights")
+    fleet.queues[a].announce(broken)
+    fleet.queues[b].announce(sound)
+    for link in fleet.worker.links:
+        link.watcher.sync()
+    for run in (a, b):
+        fleet.queues[run].add_prompts(_batches(run, 3))
+    assert fleet.worker.work(max_batches=6) == 0
+    got = {run: [d.group for d in fleet.queues[run].read_rollouts("l", 10)] for run in (a, b)}
+    assert [g.adapter_version for g in got[a]] == [0, 0, 0] and 1 in fleet.worker.links[0].watcher.refused
+    assert {(g.adapter_version, g.adapter_digest) for g in got[b]} == {(1, adapter_digest(sound.files))}
+    fleet.close()
+
+
+def test_the_learner_sees_the_share_of_the_fleet_its_run_gets() -> None:
+    from learner.fleet import FleetWatch
+    from protocol import WorkerStatus
+
+    watch = FleetWatch()
+    watch.update([], 0, 2)
+    assert watch.share is None
+    alone = WorkerStatus(worker="t/alone", reported_at=time.time())
+    shared = WorkerStatus(worker="t/shared", share=0.2, reported_at=time.time())
+    watch.update([alone, shared], 0, 2)
+    assert watch.share == pytest.approx(0.6) and watch.live == 2

@@ -343,6 +343,10 @@ def test_the_console_line_copes_with_missing_figures() -> None:
     line = console_line(row, 10)
     assert "reward -  reward_std -  frac_reward_zero_std -  loss -  grad_norm -" in line, line
     assert "staleness 0.50/1  groups 4 (dropped: 0 stale, 1 flat, 0 rejected)" in line and "SKIPPED 1" in line
+    assert "fleet share" not in line  # serving this run alone, or no worker: nothing to say
+    shared = console_line({**row, "fleet_share": 0.25, "workers_live": 8}, 10)
+    assert "fleet share 0.25 of 8 workers" in shared, shared
+    assert "fleet share" not in console_line({**row, "fleet_share": 1.0, "workers_live": 8}, 10)
 
 
 # --------------------------------------------------------------- whole runs

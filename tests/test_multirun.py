@@ -3,6 +3,8 @@ and a token confined to the runs it names (`proxy.auth.Token.run_of`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 import time
@@ -407,3 +409,156 @@ def test_proxy_share_sets_a_runs_weight_in_one_line(multirun_proxy: ProxyProcess
     assert done.returncode == 2 and "proxy share: " in done.stderr
     assert fleet_a.claim("w", 1) == [] and fleet_a.run_share() == RunShare(weight=2.5, cap=0.4)
     fleet_a.close()
+
+
+def test_a_run_whose_learner_stopped_reading_does_not_hold_up_a_workers_other_runs(
+    redis_server, run_name: str, runs, tls_pair, tmp_path: Path
+) -> None:
+    """One worker loop serving runs a and b: a's learner reads nothing, so past
+    --backlog-limit a's submissions are refused (503) and a backs off; b's prompts are all
+    answered meanwhile, by the same engine."""
+    import threading
+
+    from scripted import ScriptedEngine
+
+    from actors.runs import AdapterSlots, RunEngine, RunLink
+    from actors.watcher import AdapterWatcher, ProxySource
+    from actors.worker import Worker
+    from learner.tiny import build_tokenizer
+    from protocol.usercode.rewards import Scorer, load_reward
+
+    a, b, c = runs
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_tokens_text(a, b, c))
+    store = (tmp_path / "store").as_uri() + "/{run}"
+    proxy = ProxyProcess(redis_server.url, store, run_name, tls_pair, tokens, extra=("--backlog-limit", "0")).start()
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (a, b)}
+    direct[a].add_prompts([batch("a-unread", prompts=1)])
+    (unread,) = direct[a].claim("before", 1)
+    direct[a].submit("before", unread.lease_id, groups(unread.batch))  # a's backlog is past its limit
+    direct[a].add_prompts([batch(f"a-{i}", prompts=1) for i in range(4)])
+    direct[b].add_prompts([batch(f"b-{i}", prompts=1) for i in range(12)])
+    engine = ScriptedEngine(build_tokenizer(), lambda text, j: "5")
+    slots, links = AdapterSlots(), []
+    for run in (a, b):
+        queue = _queue(proxy, "fleet-ab", run)
+        queue.retry_s = 1.0
+        view = RunEngine(engine, run, slots)
+        links.append(RunLink(run, queue, AdapterWatcher(queue, ProxySource(queue), view, tmp_path / run), view))
+    worker = Worker(
+        links[0].queue, engine, links[0].watcher, Scorer([load_reward("toy_rewards:digit_first")]), "w",
+        claim_block_s=0.2, max_num_seqs=4, more_runs=links[1:],
+    )  # fmt: skip
+    loop = threading.Thread(target=worker.work)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 20  # a worker backing off as a whole: a minute and more
+        while direct[b].stats().rollouts.length < 12:
+            assert loop.is_alive() and time.monotonic() < deadline, "run b was held up"
+            time.sleep(0.1)
+        assert direct[a].stats().rollouts.length == 1  # a's learner never read: a waits, alone
+        assert worker.links[0].run == a and worker.links[0].back_at > 0  # a is backing off
+    finally:
+        worker.stop()
+        loop.join(timeout=30)
+        proxy.kill()
+    for q in (*direct.values(), *(k.queue for k in links)):
+        q.close()
+
+
+def _scorer(redis_url: str, run: str, reward: str, model: Path, log: Path) -> subprocess.Popen:
+    """`learner score` for one run: its own trusted scoring tier, its own reward."""
+    cmd = [sys.executable, "-m", "learner.cli", "score", "--queue", redis_url, "--run", run, "--reward", reward,
+           "--model", str(model), "--name", f"scorer-{run}", "--maintenance-interval-s", "1",
+           "--monitoring-interval-s", "1", "--abandon-after-s", "2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _fleet_actor(proxy: ProxyProcess, model: Path, log: Path) -> subprocess.Popen:
+    """`actors run` without --run on the fleet token of runs a and b."""
+    cmd = proxy.actor_command(model, "shared", "--claim-block-s", "1", "--report-every-s", "1")
+    del cmd[cmd.index("--run") : cmd.index("--run") + 2]
+    env = {**proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["fleet-ab"]}
+    with log.open("wb") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.mark.slow
+def test_two_learners_train_at_once_on_one_fleet(
+    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Two runs with their own data, rewards, learning rates and scoring tiers, one actor
+    process serving both through one proxy: each learner completes its steps, trained on
+    its own groups (its adapters' digests checked, its prompts answered once)."""
+    from factories import write_dataset
+
+    a, b, _ = runs
+    store_root = (tmp_path / "store").as_uri()
+    procs = [
+        _scorer(redis_server.url, a, "toy_rewards:digit_first", tiny_model, tmp_path / "scorer-a.log"),
+        _scorer(redis_server.url, b, "toy_rewards:length_bonus", tiny_model, tmp_path / "scorer-b.log"),
+        _fleet_actor(multirun_proxy, tiny_model, tmp_path / "actor.log"),
+    ]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    learners = {}
+    try:
+        for run, reward, lr, seed in ((a, "digit_first", "1e-2", 0), (b, "length_bonus", "3e-3", 1)):
+            cmd = [sys.executable, "-m", "learner.cli", "run", "--run", run, "--queue", redis_server.url,
+                   "--store", f"{store_root}/{run}", "--model", str(tiny_model),
+                   "--dataset", str(write_dataset(tmp_path / f"data-{run}.jsonl", seed=seed)),
+                   "--reward", f"toy_rewards:{reward}", "--learning-rate", lr, "--run-dir", str(tmp_path / run),
+                   "--steps", "3", "--groups-per-step", "2", "--prompts-per-batch", "2", "--max-inflight", "4",
+                   "--num-generations", "4", "--max-tokens", "4", "--checkpoint-every", "2", "--no-tensorboard",
+                   "--fleet-weight", "2" if run == b else "1"]  # fmt: skip
+            learners[run] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        outputs = {run: proc.communicate(timeout=400)[0].decode()[-3000:] for run, proc in learners.items()}
+    finally:
+        for proc in [*procs, *learners.values()]:
+            kill_process(proc)
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
+    for run, proc in learners.items():
+        assert proc.returncode == 0, outputs[run] + logs
+        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
+        assert [r["step"] for r in rows if "wait_s" in r] == [1, 2, 3], outputs[run]
+        direct = RedisQueue.from_url(redis_server.url, QueueConfig(run=run))
+        assert direct.latest_adapter() is not None and direct.quarantined() == {}
+        direct.close()
+    share = RedisQueue.from_url(redis_server.url, QueueConfig(run=b))
+    assert share.run_share().weight == 2.0  # b's learner said so
+    share.close()
+    assert f"runs {a}, {b}" in (tmp_path / "actor.log").read_text()  # one process served both
+
+
+def test_a_run_whose_reward_hangs_stops_alone(
+    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path, tmp_path: Path
+) -> None:
+    """Run a's scoring tier hangs in its reward; the shared worker generates for both runs,
+    and run b's groups are scored and reach its learner while a's wait."""
+    from factories import trusted
+
+    a, b, _ = runs
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (a, b)}
+    for run in (a, b):
+        direct[run].add_prompts([trusted(batch(f"{run}-{i}", prompts=1), answer="5") for i in range(3)])
+    procs = [
+        _scorer(redis_server.url, a, "toy_rewards:hangs", tiny_model, tmp_path / "scorer-a.log"),
+        _scorer(redis_server.url, b, "toy_rewards:digit_first", tiny_model, tmp_path / "scorer-b.log"),
+        _fleet_actor(multirun_proxy, tiny_model, tmp_path / "actor.log"),
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while direct[b].stats().rollouts.length < 3:
+            logs = "".join(p.read_text()[-1500:] for p in sorted(tmp_path.glob("*.log")))
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), logs
+            time.sleep(0.2)
+        while direct[a].stats().unscored.length < 3:  # generated by the same worker: a's tier holds them
+            assert time.monotonic() < deadline, (tmp_path / "actor.log").read_text()[-2000:]
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            kill_process(proc)
+    assert direct[a].stats().rollouts.length == 0
+    for q in direct.values():
+        q.close()
