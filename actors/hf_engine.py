@@ -2,8 +2,10 @@
 
 For CPU machines, tests and the embedded default. Groups queued with `add` are run by
 `step` in batches of up to `max_batch_sequences` sequences that share an adapter
-version and sampling settings (so it batches per lease, not across a running batch as
-vLLM does). One lock orders generation and adapter changes: a load or eviction that
+version and sampling settings: the oldest group queued and those queued after it that
+share them, wherever they are in the queue, so that groups of several runs (each its own
+adapters) queued in turn still batch by adapter. It batches per call, not across a
+running batch as vLLM does. One lock orders generation and adapter changes: a load or eviction that
 arrives while a batch is generating waits for that batch (which finishes on the adapter
 it started with) and is in place for the next one. Adapters are loaded eagerly, so an
 evicted version's files are released at once.
@@ -17,6 +19,7 @@ weights need.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import threading
 import time
@@ -156,17 +159,16 @@ class TransformersEngine(Engine):
         with self._lock:
             if not self._queue:
                 chunk: list[GroupRequest] = []
-            else:  # the next groups that can share one generate call
+            else:  # the oldest group, and those queued after it that can share its generate call
                 first = self._queue[0]
-                chunk = [self._queue.popleft()]
-                while (
-                    self._queue
-                    and self._queue[0].version == first.version
-                    and self._queue[0].n == first.n
-                    and self._queue[0].sampling == first.sampling
-                    and (len(chunk) + 1) * first.n <= self.max_batch_sequences
-                ):
-                    chunk.append(self._queue.popleft())
+                alike = (
+                    g
+                    for g in self._queue
+                    if g.version == first.version and g.n == first.n and g.sampling == first.sampling
+                )
+                chunk = list(itertools.islice(alike, max(1, self.max_batch_sequences // first.n)))
+                taken = {id(g) for g in chunk}
+                self._queue = deque(g for g in self._queue if id(g) not in taken)
         if not chunk:
             time.sleep(min(timeout_s, 0.05))
             return []

@@ -88,7 +88,7 @@ def test_actors_with_a_wrong_token_stop_with_one_line(make_proxy, tiny_model: Pa
     _one_line(err, "actors run:", "401")
     rc, err, _ = _run(_actor(proxy.url, tiny_model, "--token", TOKENS["admin"]), SPOTGRPO_CA_CERT=proxy.ca)
     assert rc == 2
-    _one_line(err, "actors run:", "403")
+    _one_line(err, "actors run:", "has role admin", "role actor")
 
 
 @pytest.mark.redis

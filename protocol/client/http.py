@@ -323,13 +323,14 @@ class ErrorResponse(_Body, frozen=True, tag="error"):
 REQUESTS = (
     ClaimRequest, HeartbeatRequest, SubmitRequest, ReleaseRequest, ReportStatusRequest, LeaveRequest, AddPromptsRequest,
     ReadRolloutsRequest, AckRequest, AnnounceRequest, ExpireRunRequest, QuarantineRequest, LiftRequest,
-    ForgetLiftedRequest, RecordAuditsRequest, RunOverRequest, RunRewardsRequest,
+    ForgetLiftedRequest, RecordAuditsRequest, RunOverRequest, RunRewardsRequest, RunShareRequest,
 )  # fmt: skip
 RESPONSES = (
     ClaimResponse, HeartbeatResponse, SubmitResponse, ReleaseResponse, ReportStatusResponse, LeaveResponse,
     AdapterDownload, AddPromptsResponse, RolloutsResponse, AckResponse, AnnounceResponse, LatestAdapterResponse,
     AdapterEventsResponse, DeadLettersResponse, StatsResponse, WorkersResponse, ExpireRunResponse, ErrorResponse,
     WhoAmIResponse, QuarantineResponse, LiftResponse, AuditsResponse, RunOverResponse, RunRewardsResponse,
+    RunShareResponse,
 )  # fmt: skip
 
 _ENCODER = msgspec.msgpack.Encoder()
