@@ -103,6 +103,7 @@ bench: install
 	$(BIN)/python bench/learner.py
 	$(BIN)/python bench/learner.py --scaling
 	$(BIN)/python bench/actor.py
+	$(BIN)/python bench/multirun.py
 	$(BIN)/python bench/proxy.py
 	$(BIN)/python bench/chaos.py --minutes 5 --self-test
 	# side by side with TRL's AsyncGRPOTrainer + vllm serve (vLLM's CPU build, .venv-vllm)

@@ -48,12 +48,13 @@ EMPTY_PAUSE_S = 0.5
 
 
 class AdapterSlots:
-    """The engine's number of each (run, version), given once and kept (0 is the base)."""
+    """The engine's number of each (run, version), given once and kept (0 is the base),
+    counting from `first` (an engine that held versions by their own numbers before)."""
 
-    def __init__(self) -> None:
+    def __init__(self, first: int = 1) -> None:
         self._slots: dict[tuple[str, int], int] = {}
         self._owner: dict[int, tuple[str, int]] = {}
-        self._next = itertools.count(1)
+        self._next = itertools.count(first)
         self._lock = threading.Lock()
 
     def slot(self, run: str, version: int) -> int:

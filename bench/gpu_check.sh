@@ -43,4 +43,6 @@ GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
 WORLDS="1"; [ "$GPUS" -ge 2 ] && WORLDS="1 2"
 "$PY" bench/learner.py --scaling --device cuda --dtype bfloat16 --worlds $WORLDS --groups 16 --group-size 8 \
     --prompt-len 256 --completion-len 256 --steps 5
+echo "== one vLLM engine serving 2 and 4 runs, against one engine each ($(( $(date +%s) - started ))s)"
+"$PY" bench/multirun.py --engine vllm --runs 2,4 --seconds 20
 echo "gpu_check: $(( $(date +%s) - started ))s"

@@ -232,8 +232,12 @@ def main() -> None:
         rig = Rig(model, tmp)
         backlog = 2000
 
-        def engine(runs: int = 1) -> Engine:
-            options: dict[str, Any] = {} if args.engine == "transformers" else {"max_loras": 3 * runs}
+        def engine(runs: int = 1, of: int = 1) -> Engine:
+            """An engine for `runs` runs, one of `of` sharing the GPU at once."""
+            options: dict[str, Any] = {}
+            if args.engine == "vllm":
+                memory = 0.3 if of == 1 else 0.5 / of  # the shared engine stays loaded beside the separate ones
+                options = {"max_loras": 3 * runs, "gpu_memory_utilization": memory, "max_model_len": 512}
             return open_engine(args.engine, str(model), **options)
 
         print(
@@ -254,7 +258,7 @@ def main() -> None:
                 rig.open_run(run, weights[run], states[i], config, backlog)
             rig.open_run(f"n{n}-new", 1.0, states[n], config, 0)
             shared = serve(rig, [(shared_engine, runs)], args.seconds, new_run=f"n{n}-new")
-            engines = [engine() for _ in runs]
+            engines = [engine(1, n) for _ in runs]
             separate = serve(rig, [(e, [run]) for e, run in zip(engines, runs, strict=True)], args.seconds)
             memory = sum(base_bytes(e) for e in engines)
             for e in engines:
@@ -274,7 +278,8 @@ def main() -> None:
                 f"{'all':>10} {'':>6} {total_shared:>10.2f} {'':>6} {'':>6} {total_separate:>12.2f}\n"
                 f"shared/alone {total_shared / base:.2f}, shared/separate {total_shared / total_separate:.2f}, "
                 f"engine busy {shared['busy']:.0%} shared against {separate['busy']:.0%} separate; fairness error "
-                f"{error:.1%} (target <= 10 %); base model bytes {base_bytes(shared_engine) / 2**20:.1f} MiB shared "
+                f"{error:.1%} (target <= 10 %); engine weights (base and adapters) "
+                f"{base_bytes(shared_engine) / 2**20:.1f} MiB shared "
                 f"against {memory / 2**20:.1f} MiB separate; a new run's first group {shared['first_group_s']:.2f} s"
                 " after its first prompts, on the busy worker"
             )
