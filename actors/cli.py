@@ -71,6 +71,12 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
         help="run name: the learner's --run (default: every run the token names, on one engine, or the run the "
         "proxy serves; a --run the token may not touch is refused)",
     )
+    a(
+        "--find-runs-every-s",
+        type=float,
+        default=60.0,
+        help="without --run: how often to ask the proxy for runs newly given to the token (default 60)",
+    )
     a("--engine", choices=["transformers", "vllm"], default="transformers", help="inference engine")
     a("--model", required=True, help="base model: Hugging Face id or local path (the learner's --model)")
     a(
@@ -230,7 +236,7 @@ def serving_runs(queue: object, run: str | None) -> list[str]:
 
     if run is not None or not isinstance(queue, HttpQueue):
         return [run or queue.config.run]  # type: ignore[attr-defined]
-    runs = set(queue.whoami().runs)
+    runs = set(queue.whoami().runs) or {queue.config.run}  # a proxy that does not say: its run
     first = queue.config.run if queue.config.run in runs else min(runs)
     return [first, *sorted(runs - {first})]
 
@@ -370,7 +376,8 @@ def run(args: argparse.Namespace) -> int:
             node_cache=node_cache,
         )
 
-    opener = RunOpener(queue, engine, watcher_for, cache) if len(runs) > 1 else None
+    # without --run: every run the token names, now and as runs are added (the proxy asked again each minute)
+    opener = RunOpener(queue, engine, watcher_for, cache) if asked is None or len(runs) > 1 else None
     links = [opener.open(run) for run in runs] if opener is not None else []
     watcher = links[0].watcher if links else watcher_for(queue, engine, cache)
     worker = Worker(
@@ -387,6 +394,7 @@ def run(args: argparse.Namespace) -> int:
         more_runs=links[1:],
         fingerprint=our_fingerprint(args.model),
         find_runs=opener.new_runs if opener is not None and asked is None else None,
+        find_runs_every_s=args.find_runs_every_s,
     )
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()

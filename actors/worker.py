@@ -139,10 +139,11 @@ class Worker:
         find_runs_every_s: float = 60.0,
     ) -> None:
         """`queue`, `watcher`: the first run's; `more_runs`: the other runs served on the same
-        `engine` (then every run's watcher, the first's included, loads through its
-        `RunEngine`). `fingerprint`: the engine's base model (`model_fingerprint`); a batch
-        for another is refused. `find_runs`: every `find_runs_every_s`, the runs to serve
-        that are not among those named (runs added while the worker serves)."""
+        `engine`. Each run's groups are queued where its watcher loads its adapters (its
+        `RunEngine`, or `engine` itself for a worker of one run). `fingerprint`: the
+        engine's base model (`model_fingerprint`); a batch for another is refused.
+        `find_runs`: every `find_runs_every_s`, the runs to serve that are not among those
+        named (runs added while the worker serves)."""
         self.queue, self.engine, self.watcher, self.scorer = queue, engine, watcher, scorer
         self.worker_id = worker_id
         self.claim_block_s = claim_block_s
@@ -152,7 +153,7 @@ class Worker:
         """Sequences kept in the engine; leases are claimed while there is room for one more."""
         self.metrics = metrics or WorkerMetrics()
         self.report_every_s = report_every_s
-        first = RunLink(queue.config.run, queue, watcher, watcher.engine if more_runs else engine)
+        first = RunLink(queue.config.run, queue, watcher, watcher.engine)  # its RunEngine, or `engine` itself
         self.links: list[RunLink] = []
         self._beating = False
         for link in (first, *more_runs):
@@ -400,21 +401,16 @@ class Worker:
         for key in [k for k, f in self.flights.items() if f.link is link]:
             self._forget(key)
 
-    def _start(self, link: RunLink, lease: Lease) -> None:
+    def _cannot_serve(self, link: RunLink, lease: Lease) -> str | None:
+        """Why this worker cannot generate the lease's batch (None: it can)."""
         batch = lease.batch
         if self.fingerprint is not None and batch.model is not None and batch.model != self.fingerprint:
-            link.queue.release(self.worker_id, lease.lease_id)
-            why = (
+            return (
                 f"run {link.run} trains another base model (fingerprint {batch.model}; this worker's --model has "
-                f"{self.fingerprint})"
+                f"{self.fingerprint}): start it with the learner's --model"
             )
-            if len(self.links) > 1:
-                self._run_ended(link, why)
-                return
-            raise WorkerRefused(f"{why}: start it with the learner's --model")
         if batch.scoring == "actors" and self.scorer is None:
-            link.queue.release(self.worker_id, lease.lease_id)
-            raise WorkerRefused(
+            return (
                 f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
                 "start this worker with --reward"
             )
@@ -423,13 +419,23 @@ class Worker:
             missing = [t for t in batch.tools if box is None or t not in box.names]
             has = box.environment_name if box is not None else None
             if missing or has != batch.environment:
-                link.queue.release(self.worker_id, lease.lease_id)
                 of = f" of the environment {batch.environment}" if batch.environment else ""
                 lacks = f"lacks {', '.join(missing)}" if missing else f"has the environment {has}"
-                raise WorkerRefused(
+                return (
                     f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}{of}; "
                     f"this worker {lacks}: start it with the learner's --tools and --environment"
                 )
+        return None
+
+    def _start(self, link: RunLink, lease: Lease) -> None:
+        batch = lease.batch
+        why = self._cannot_serve(link, lease)
+        if why is not None:  # handed back at once, for a worker that can
+            link.queue.release(self.worker_id, lease.lease_id)
+            if sum(k.over is None for k in self.links) > 1:  # this run alone: the others go on
+                self._run_ended(link, f"run {link.run} not served: {why}")
+                return
+            raise WorkerRefused(why)
         prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
         # from choosing the version until the engine's queue names it, the watcher neither
         # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)

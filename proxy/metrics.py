@@ -62,6 +62,12 @@ class ProxyMetrics:
         self.worker_refused = Gauge(
             "spotgrpo_worker_adapters_refused", "Adapter versions a worker could not load", ["worker"], registry=r
         )
+        self.worker_share = Gauge(
+            "spotgrpo_worker_run_share",
+            "The fraction of a worker's sequences this run got lately, where it serves several runs",
+            ["worker"],
+            registry=r,
+        )
         self.worker_audits = Gauge(
             "spotgrpo_worker_audits",
             "The learner's audits of a live worker's groups, by outcome (passed, failed)",
@@ -111,12 +117,20 @@ class ProxyMetrics:
         """The live workers only, read at scrape time: a worker gone is no series left."""
         workers, audits = queue.workers(), queue.audits()
         self.workers_live.set(len(workers))
-        for gauge in (self.worker_version, self.worker_tokens, self.worker_refused, self.worker_audits):
+        for gauge in (
+            self.worker_version,
+            self.worker_tokens,
+            self.worker_refused,
+            self.worker_share,
+            self.worker_audits,
+        ):
             gauge.clear()
         for w in behind_first(workers)[: self.max_worker_series]:
             self.worker_version.labels(w.worker).set(w.adapter_version)
             self.worker_tokens.labels(w.worker).set(w.tokens_per_s)
             self.worker_refused.labels(w.worker).set(w.adapters_refused)
+            if w.share is not None:
+                self.worker_share.labels(w.worker).set(w.share)
             if w.worker in audits:
                 self.worker_audits.labels(w.worker, "passed").set(audits[w.worker].passed)
                 self.worker_audits.labels(w.worker, "failed").set(audits[w.worker].failed)

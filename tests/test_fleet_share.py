@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -102,13 +103,10 @@ class _Fleet:
     def __init__(self, redis_url: str, runs: list[str], tokenizer, tmp_path: Path) -> None:
         self.engine = ScriptedEngine(tokenizer, lambda text, j: "5")
         self.queues = {r: RedisQueue.from_url(redis_url, QueueConfig(run=r, lease_timeout_s=30)) for r in runs}
-        self.stores = {r: open_store((tmp_path / "store" / r).as_uri()) for r in runs}  # a prefix per run
-        slots = AdapterSlots()
-        links = []
-        for run, queue in self.queues.items():
-            view = RunEngine(self.engine, run, slots)
-            watcher = AdapterWatcher(queue, StoreSource(self.stores[run]), view, tmp_path / "cache" / run)
-            links.append(RunLink(run, queue, watcher, view))
+        self.redis_url, self.tmp = redis_url, tmp_path
+        self.stores: dict[str, Any] = {}
+        self.slots = AdapterSlots()
+        links = [self.link(run) for run in runs]
         first = links[0]
         self.worker = Worker(
             first.queue,
@@ -121,6 +119,14 @@ class _Fleet:
             more_runs=links[1:],
             fingerprint=OURS,
         )
+
+    def link(self, run: str) -> RunLink:
+        """The run's queue, store (a prefix of its own), `RunEngine` and watcher."""
+        queue = self.queues.get(run) or RedisQueue.from_url(self.redis_url, QueueConfig(run=run, lease_timeout_s=30))
+        self.queues[run] = queue
+        self.stores[run] = open_store((self.tmp / "store" / run).as_uri())
+        view = RunEngine(self.engine, run, self.slots)
+        return RunLink(run, queue, AdapterWatcher(queue, StoreSource(self.stores[run]), view, self.tmp / run), view)
 
     def stored(self, run: str) -> int:
         return self.queues[run].stats().rollouts.length
@@ -213,3 +219,47 @@ def test_the_learner_sees_the_share_of_the_fleet_its_run_gets() -> None:
     shared = WorkerStatus(worker="t/shared", share=0.2, reported_at=time.time())
     watch.update([alone, shared], 0, 2)
     assert watch.share == pytest.approx(0.6) and watch.live == 2
+
+
+def test_a_flood_of_one_runs_prompts_starves_no_other(redis_server, run_name: str, tokenizer, tmp_path: Path) -> None:
+    a, b = f"{run_name}-a", f"{run_name}-b"
+    fleet = _Fleet(redis_server.url, [a, b], tokenizer, tmp_path)
+    fleet.queues[a].add_prompts(_batches(a, 100))  # queued first, and many
+    fleet.queues[b].add_prompts(_batches(b, 3))
+    assert fleet.worker.work(max_batches=8) == 0
+    assert fleet.stored(b) == 3 and fleet.stored(a) == 5  # b took its turns from the start
+    fleet.close()
+
+
+def test_a_run_whose_batches_this_worker_cannot_serve_is_left_to_others(
+    redis_server, run_name: str, tokenizer, tmp_path: Path
+) -> None:
+    """Run b runs episodes with tools this worker lacks: b is handed back and no longer
+    claimed from; run a is served whole (serving b alone, the worker would stop, refused)."""
+    a, b = f"{run_name}-a", f"{run_name}-b"
+    fleet = _Fleet(redis_server.url, [a, b], tokenizer, tmp_path)
+    fleet.queues[a].add_prompts(_batches(a, 4))
+    fleet.queues[b].add_prompts([msgspec.structs.replace(x, tools=["add"]) for x in _batches(b, 2)])
+    assert fleet.worker.work(max_batches=4) == 0
+    assert fleet.stored(a) == 4 and fleet.stored(b) == 0
+    (link_b,) = [k for k in fleet.worker.links if k.run == b]
+    assert "runs episodes with the tools add" in (link_b.over or "")
+    assert len(fleet.queues[b].claim("another", 2)) == 2  # handed back
+    fleet.close()
+
+
+def test_a_worker_serves_a_run_added_while_it_works(redis_server, run_name: str, tokenizer, tmp_path: Path) -> None:
+    a, b = f"{run_name}-a", f"{run_name}-b"
+    fleet = _Fleet(redis_server.url, [a], tokenizer, tmp_path)
+    asked: list[set[str]] = []
+
+    def find_runs(serving: set[str]) -> list[RunLink]:
+        asked.append(serving)
+        return [] if b in serving else [fleet.link(b)]
+
+    fleet.worker.find_runs, fleet.worker.find_runs_every_s = find_runs, 0.2
+    fleet.queues[a].add_prompts(_batches(a, 2))
+    fleet.link(b).queue.add_prompts(_batches(b, 2))
+    assert fleet.worker.work(max_batches=4) == 0
+    assert fleet.stored(a) == 2 and fleet.stored(b) == 2 and {a} in asked
+    fleet.close()

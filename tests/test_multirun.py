@@ -381,6 +381,10 @@ def test_an_actor_without_run_serves_every_run_its_token_names(
             shares = {r: s for r, s in shares.items() if s}
             assert time.monotonic() < deadline, "the worker's shares never showed"
             time.sleep(0.2)
+        headers = {"Authorization": f"Bearer {SECRETS['ops-ab']}", "Spotgrpo-Run": a}
+        with httpx.Client(base_url=multirun_proxy.url, verify=multirun_proxy.ssl(), timeout=15) as admin:
+            text = admin.get("/metrics", headers=headers).text
+        assert 'spotgrpo_worker_run_share{worker="fleet-ab/spot"}' in text, text[-2000:]
     finally:
         kill_process(proc)
     assert sum(shares.values()) == pytest.approx(1.0, abs=0.05)
@@ -476,30 +480,37 @@ def _scorer(redis_url: str, run: str, reward: str, model: Path, log: Path) -> su
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _fleet_actor(proxy: ProxyProcess, model: Path, log: Path) -> subprocess.Popen:
+def _fleet_actor(proxy: ProxyProcess, model: Path, log: Path, engine: str = "transformers") -> subprocess.Popen:
     """`actors run` without --run on the fleet token of runs a and b."""
     cmd = proxy.actor_command(model, "shared", "--claim-block-s", "1", "--report-every-s", "1")
     del cmd[cmd.index("--run") : cmd.index("--run") + 2]
+    cmd[cmd.index("--engine") + 1] = engine
+    if engine == "vllm":
+        cmd += ["--max-model-len", "256", "--max-lora-rank", "16"]
     env = {**proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["fleet-ab"]}
     with log.open("wb") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_two_learners_train_at_once_on_one_fleet(
-    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path, tmp_path: Path
+    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path, tmp_path: Path, engine: str
 ) -> None:
     """Two runs with their own data, rewards, learning rates and scoring tiers, one actor
-    process serving both through one proxy: each learner completes its steps, trained on
-    its own groups (its adapters' digests checked, its prompts answered once)."""
+    process serving both through one proxy, on either engine: each learner completes its
+    steps, trained on its own groups (its adapters' digests checked, its prompts answered
+    once)."""
     from factories import write_dataset
 
+    if engine == "vllm":
+        pytest.importorskip("vllm", reason="the vllm engine is tested in .venv-vllm (make test-vllm)")
     a, b, _ = runs
     store_root = (tmp_path / "store").as_uri()
     procs = [
         _scorer(redis_server.url, a, "toy_rewards:digit_first", tiny_model, tmp_path / "scorer-a.log"),
         _scorer(redis_server.url, b, "toy_rewards:length_bonus", tiny_model, tmp_path / "scorer-b.log"),
-        _fleet_actor(multirun_proxy, tiny_model, tmp_path / "actor.log"),
+        _fleet_actor(multirun_proxy, tiny_model, tmp_path / "actor.log", engine),
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     learners = {}
@@ -560,5 +571,38 @@ def test_a_run_whose_reward_hangs_stops_alone(
         for proc in procs:
             kill_process(proc)
     assert direct[a].stats().rollouts.length == 0
+    for q in direct.values():
+        q.close()
+
+
+def test_an_actor_without_run_serves_the_runs_its_token_is_given_later(
+    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path, tmp_path: Path
+) -> None:
+    """`actors run` without --run on a token of one run serves it; the admin gives the token
+    another run (SIGHUP) and the worker serves that one too, without a restart."""
+    import signal
+
+    a, b, c = runs
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (a, c)}
+    direct[c].add_prompts([batch("c-0", prompts=1)])
+    cmd = multirun_proxy.actor_command(tiny_model, "one", "--reward", "toy_rewards:digit_first",
+                                       "--find-runs-every-s", "0.5", "--claim-block-s", "0.5")  # fmt: skip
+    del cmd[cmd.index("--run") : cmd.index("--run") + 2]
+    env = {**multirun_proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["fleet-c"]}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 90
+        while direct[c].stats().rollouts.length < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        tokens = tmp_path / "tokens.toml"
+        tokens.write_text(_tokens_text(a, b, c).replace(f'runs = ["{c}"]', f'runs = ["{c}", "{a}"]'))
+        multirun_proxy.proc.send_signal(signal.SIGHUP)
+        direct[a].add_prompts([batch("a-0", prompts=1)])
+        while direct[a].stats().rollouts.length < 1:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+    finally:
+        kill_process(proc)
     for q in direct.values():
         q.close()
