@@ -229,16 +229,20 @@ def say_lease_timeout(timeout_s: float, asked_s: float | None) -> None:
     log.info("lease timeout %g s: a heartbeat every %g s", timeout_s, heartbeat_period_s(timeout_s))
 
 
-def serving_runs(queue: object, run: str | None) -> list[str]:
+def serving_runs(queue: object, run: str | None) -> tuple[list[str], list[str]]:
     """The runs to serve: `run` when given, else every run the token may touch (the
-    proxy's answer), the one the queue names first where it is among them."""
+    proxy's answer), the one the queue names first where it is among them; and the
+    token's run patterns (runs matching them are served as their learners start them)."""
     from protocol.client.http_queue import HttpQueue
 
     if run is not None or not isinstance(queue, HttpQueue):
-        return [run or queue.config.run]  # type: ignore[attr-defined]
-    runs = set(queue.whoami().runs) or {queue.config.run}  # a proxy that does not say: its run
-    first = queue.config.run if queue.config.run in runs else min(runs)
-    return [first, *sorted(runs - {first})]
+        return [run or queue.config.run], []  # type: ignore[attr-defined]
+    who = queue.whoami()
+    runs = set(who.runs)
+    if not runs and not who.patterns:
+        runs = {queue.config.run}  # a proxy that does not say: its run
+    first = queue.config.run if queue.config.run in runs else min(runs, default="")
+    return [r for r in [first, *sorted(runs - {first})] if r], who.patterns
 
 
 def our_fingerprint(model: str) -> str | None:
@@ -329,7 +333,13 @@ def run(args: argparse.Namespace) -> int:
         queue = connect_queue(args.queue, config, args.token, args.startup_timeout_s, stopping)
         asked = args.run
         args.run = confirm_identity(queue, args.run)  # before the model loads: a wrong token costs nothing
-        runs = serving_runs(queue, asked)
+        runs, patterns = serving_runs(queue, asked)
+        if not runs:
+            log.info("no run matching %s has started yet: waiting for one", ", ".join(patterns))
+        while not runs and not stopping.wait(args.find_runs_every_s):
+            runs, patterns = serving_runs(queue, asked)
+        if not runs:
+            return 0  # stopped while waiting
         say_lease_timeout(queue.config.lease_timeout_s, args.lease_timeout_s)
         source = ProxySource(queue)  # presigned downloads: no bucket credentials here
     except (RewardError, ValueError, FileNotFoundError, QueueRefused) as err:
@@ -395,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
         fingerprint=our_fingerprint(args.model),
         find_runs=opener.new_runs if opener is not None and asked is None else None,
         find_runs_every_s=args.find_runs_every_s,
+        keep_serving=bool(patterns),
     )
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from actors.engine import Engine, GroupRequest, Sample
-from protocol import Queue, QueueError
+from protocol import Queue, QueueError, QueueUnavailable
 from protocol.util.retry import Backoff
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ class RunOpener:
         """Links to the runs the token may touch now that are not in `serving`."""
         try:
             runs = self.queue.whoami().runs  # type: ignore[attr-defined]
-        except QueueError as err:
+        except QueueUnavailable as err:  # a refusal (a token revoked) is the worker's to meet
             log.warning("could not ask the proxy for the token's runs (asking again later): %s", err)
             return []
         return [self.open(run) for run in sorted(set(runs) - serving)]

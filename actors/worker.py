@@ -137,13 +137,16 @@ class Worker:
         fingerprint: str | None = None,
         find_runs: Callable[[set[str]], list[RunLink]] | None = None,
         find_runs_every_s: float = 60.0,
+        keep_serving: bool = False,
     ) -> None:
         """`queue`, `watcher`: the first run's; `more_runs`: the other runs served on the same
         `engine`. Each run's groups are queued where its watcher loads its adapters (its
         `RunEngine`, or `engine` itself for a worker of one run). `fingerprint`: the
         engine's base model (`model_fingerprint`); a batch for another is refused.
         `find_runs`: every `find_runs_every_s`, the runs to serve that are not among those
-        named (runs added while the worker serves)."""
+        named (runs added while the worker serves). `keep_serving`: when every run served
+        has ended, wait for the next (a token whose run patterns match runs yet to start)
+        rather than stop."""
         self.queue, self.engine, self.watcher, self.scorer = queue, engine, watcher, scorer
         self.worker_id = worker_id
         self.claim_block_s = claim_block_s
@@ -180,10 +183,17 @@ class Worker:
         the worker stops, exit 0."""
         self.fingerprint = fingerprint
         self.find_runs, self.find_runs_every_s = find_runs, find_runs_every_s
+        self.keep_serving = keep_serving
         self._runs_found_at = time.monotonic()
 
     def add_run(self, link: RunLink) -> None:
-        """Serve one more run (its watcher loading through its `RunEngine` on this engine)."""
+        """Serve one more run (its watcher loading through its `RunEngine` on this engine), or
+        a run that ended here and is started again (a learner resuming it)."""
+        for old in [k for k in self.links if k.run == link.run and k.over is not None]:
+            self.links.remove(old)
+            if old.heartbeat is not None:
+                old.heartbeat.close()
+            old.watcher.close()
         link.heartbeat = Heartbeat(
             link.queue,
             self.worker_id,
@@ -347,7 +357,7 @@ class Worker:
         if self.find_runs is None or time.monotonic() - self._runs_found_at < self.find_runs_every_s:
             return
         self._runs_found_at = time.monotonic()
-        for link in self.find_runs({k.run for k in self.links}):
+        for link in self.find_runs({k.run for k in self.links if k.over is None}):
             log.info("serving run %s too (%d runs)", link.run, len(self.links) + 1)
             self.add_run(link)
 
@@ -369,8 +379,8 @@ class Worker:
         except RunOver as err:  # the learner finished: what is in flight is of no use to it
             self._run_ended(link, str(err))
             return False
-        except QueueForbidden as err:  # a run taken from the token: the others go on
-            if sum(k.over is None for k in self.links) < 2:
+        except QueueForbidden as err:  # a run taken from the token (or finished: patterns): the others go on
+            if sum(k.over is None for k in self.links) < 2 and not self.keep_serving:
                 raise
             self._run_ended(link, f"run {link.run}: {err}")
             return False
@@ -391,13 +401,13 @@ class Worker:
     def _run_ended(self, link: RunLink, why: str) -> None:
         """The run's learner finished it: drop its leases; stop once every run has ended."""
         link.over = why
-        if all(k.over is not None for k in self.links):
+        if all(k.over is not None for k in self.links) and not self.keep_serving:
             self.run_over = why
             log.info("%s; stopping", why)
             self.stop()
             self.abort.set()
             return
-        log.info("%s; serving the other runs", why)
+        log.info("%s; %s", why, "serving the other runs" if any(k.over is None for k in self.links) else "waiting")
         for key in [k for k, f in self.flights.items() if f.link is link]:
             self._forget(key)
 
@@ -432,7 +442,7 @@ class Worker:
         why = self._cannot_serve(link, lease)
         if why is not None:  # handed back at once, for a worker that can
             link.queue.release(self.worker_id, lease.lease_id)
-            if sum(k.over is None for k in self.links) > 1:  # this run alone: the others go on
+            if sum(k.over is None for k in self.links) > 1 or self.keep_serving:  # this run alone: the others go on
                 self._run_ended(link, f"run {link.run} not served: {why}")
                 return
             raise WorkerRefused(why)

@@ -38,7 +38,7 @@ import inspect
 import logging
 import re
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Collection, Iterator
 from functools import partial
 from typing import Any
 
@@ -141,7 +141,8 @@ def _endpoint(
         try:
             token = await _authorise(ctx, spec, request)
             if token is not None:
-                ctx = _run_context(ctx, token, request, spec)
+                registered = await ctx.registry.runs_async(ctx.queue) if token.patterns else ()
+                ctx = _run_context(ctx, token, request, spec, registered)
             if special is not None:
                 answer: Response = await special(ctx, token, request)
                 return answer
@@ -228,12 +229,15 @@ async def _authorise(ctx: Context, spec: Endpoint[Any, Any], request: Request) -
     return token
 
 
-def _run_context(ctx: Context, token: Token, request: Request, spec: Endpoint[Any, Any]) -> Context:
-    """The context of the run the request names (`RUN_HEADER`), or of the token's run. A
-    token of several runs may ask who it is without naming one (a worker serving them all)."""
+def _run_context(
+    ctx: Context, token: Token, request: Request, spec: Endpoint[Any, Any], registered: Collection[str]
+) -> Context:
+    """The context of the run the request names (`RUN_HEADER`), or of the token's run
+    (`registered`: the runs started, which its patterns match). A token of several runs
+    may ask who it is without naming one (a worker serving them all)."""
     asked = request.headers.get(RUN_HEADER)
     try:
-        run = token.run_of(asked, ctx.run)
+        run = token.run_of(asked, ctx.run, registered)
     except RunRefused as err:
         if spec is api.WHOAMI and asked is None:
             return ctx

@@ -6,12 +6,18 @@
     secret = "..."          # at least 32 characters
     workers = 1000          # optional, actors: a fleet of this many workers (sizes its caps)
     runs = ["exp-a", "exp-b"]  # optional: the runs it may touch (a learner's: one); none: --run's
+    # an actor's or admin's may end in *: "sweep-*" is every run so named that a learner started
 
 A proxy serves its `--run` and every run a token names, each with its own keys on Redis
 and, where `--store` holds `{run}`, its own prefix in the store. A request names its run
 in the `Spotgrpo-Run` header (`protocol.client.http.RUN_HEADER`); without one it is the token's run: `--run`
 where the token may touch it, else the one run the token names. SIGHUP reads the file
-again (`proxy.handlers.Context.reload_tokens`).
+again (`proxy.handlers.Context.reload_tokens`). A run pattern (`"sweep-*"`, `"*"`) matches
+the runs registered on the proxy's Redis (`protocol.wire.keys.RUNS_KEY`: each run whose
+learner started it and has not finished it), so a fleet serves a new run of its team
+from its learner's first call, with no edit of the tokens. A learner token names its one
+run; a name a pattern matches but no learner started is refused (the proxy keeps no
+context for runs nobody started).
 
 The variable `SPOTGRPO_TOKENS` holds the same TOML text. Secrets are compared in
 constant time against every known token and never logged.
@@ -23,6 +29,7 @@ import hashlib
 import hmac
 import re
 import tomllib
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -37,6 +44,7 @@ MAX_RUNS = 1000
 PLACEHOLDER = "REPLACE-"
 """How `proxy/tokens.example.toml`'s secrets begin: refused, so a copied example never serves."""
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_PATTERN = re.compile(r"^(?:[A-Za-z0-9][A-Za-z0-9._-]{0,62})?\*$")
 
 
 class TokenError(ValueError):
@@ -58,19 +66,38 @@ class Token:
     workers, requests/s, body bytes) are sized for them (`proxy.handlers.ProxyLimits.caps`)
     in place of the proxy's per-token flags, so a stolen copy holds no more than that fleet does."""
     runs: frozenset[str] | None = None
-    """The runs it may touch; None: the proxy's `--run` alone."""
+    """The runs it may touch, by name or pattern (`"sweep-*"`); None: the proxy's `--run` alone."""
 
-    def run_of(self, asked: str | None, default_run: str) -> str:
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The prefixes of its run patterns (`"sweep-*"`: `"sweep-"`; `"*"`: every run)."""
+        return tuple(sorted(r[:-1] for r in self.runs or () if r.endswith("*")))
+
+    def allowed(self, default_run: str, registered: Collection[str] = ()) -> frozenset[str]:
+        """The runs it may touch now: those it names, and the `registered` runs its patterns match."""
+        if self.runs is None:
+            return frozenset((default_run,))
+        named = {r for r in self.runs if not r.endswith("*")}
+        prefixes = self.patterns
+        return frozenset(named | {r for r in registered if prefixes and r.startswith(prefixes)})
+
+    def run_of(self, asked: str | None, default_run: str, registered: Collection[str] = ()) -> str:
         """The run a request of this token is for: `asked` (its header), or without one the
-        proxy's `default_run` if the token may touch it, else the token's only run. Raises
+        proxy's `default_run` if the token may touch it, else the token's only run.
+        `registered`: the runs started on the proxy's Redis, which its patterns match. Raises
         RunRefused with what to change."""
-        allowed = self.runs if self.runs is not None else frozenset((default_run,))
+        allowed = self.allowed(default_run, registered)
+        if asked is not None and asked not in allowed and self.patterns and asked.startswith(self.patterns):
+            raise RunRefused(
+                f"run {asked!r} is not started: the token {self.name!r} may touch it once its learner has started it"
+            )
         if asked is None:
             if default_run in allowed:
                 return default_run
-            if len(allowed) == 1:
+            if len(allowed) == 1 and not self.patterns:
                 return next(iter(allowed))
-            raise RunRefused(f"the token {self.name!r} may touch runs {', '.join(sorted(allowed))}: name one (--run)")
+            several = ", ".join(sorted(self.runs or allowed))
+            raise RunRefused(f"the token {self.name!r} may touch runs {several}: name one (--run)")
         if asked not in allowed:
             runs = ", ".join(repr(r) for r in sorted(allowed))
             raise RunRefused(
@@ -127,15 +154,17 @@ class Tokens:
             if runs is not None and (
                 not isinstance(runs, list)
                 or not 1 <= len(runs) <= MAX_RUNS
-                or not all(isinstance(r, str) and _NAME.match(r) for r in runs)
+                or not all(isinstance(r, str) and (_NAME.match(r) or _PATTERN.match(r)) for r in runs)
                 or len(set(runs)) != len(runs)
             ):
                 raise TokenError(
                     f"{where} ({name}): runs must be a list of 1-{MAX_RUNS} distinct run names "
-                    "(1-64 letters, digits, '.', '_' or '-')"
+                    "(1-64 letters, digits, '.', '_' or '-'), or patterns ending in * (\"sweep-*\")"
                 )
-            if runs is not None and role == "learner" and len(runs) != 1:
-                raise TokenError(f"{where} ({name}): a learner token belongs to one run; it names {len(runs)}")
+            if runs is not None and role == "learner" and (len(runs) != 1 or runs[0].endswith("*")):
+                raise TokenError(
+                    f"{where} ({name}): a learner token belongs to one run, by name; it names {', '.join(runs)}"
+                )
             if name in names or secret in secrets:
                 raise TokenError(f"{where} ({name}): names and secrets must be unique")
             names.add(name)
@@ -152,8 +181,12 @@ class Tokens:
             raise TokenError(f"{path}: {err}") from None
 
     def runs(self) -> set[str]:
-        """Every run some token names (the proxy's `--run` aside)."""
+        """Every run some token names or matches with a pattern (as the pattern)."""
         return {run for token in self.tokens for run in token.runs or ()}
+
+    def patterns(self) -> bool:
+        """Whether a token has run patterns (then the proxy reads which runs are started)."""
+        return any(token.patterns for token in self.tokens)
 
     def check(self, secret: str) -> Token | None:
         """The token with this secret, or None; the time taken does not depend on which."""

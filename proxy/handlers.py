@@ -148,6 +148,30 @@ class TokenCaps:
     body_bytes: int
 
 
+REGISTRY_READ_S = 2.0
+"""The runs started on the Redis, which tokens' run patterns match, are read at most this
+often: a run a learner starts is served to its fleet within seconds."""
+
+
+class RunRegistry:
+    """The runs started on the proxy's Redis (`RUNS_KEY`), read at most every
+    `REGISTRY_READ_S`; one for the proxy, whichever run's context asks."""
+
+    def __init__(self) -> None:
+        self._read: tuple[float, frozenset[str]] = (-REGISTRY_READ_S - 1, frozenset())
+
+    def runs(self, queue: RedisQueue) -> frozenset[str]:
+        at, runs = self._read
+        if time.monotonic() - at > REGISTRY_READ_S:
+            runs = frozenset(queue.registered_runs())
+            self._read = (time.monotonic(), runs)
+        return runs
+
+    async def runs_async(self, queue: RedisQueue) -> frozenset[str]:
+        at, runs = self._read
+        return runs if time.monotonic() - at <= REGISTRY_READ_S else await in_thread(self.runs, queue)
+
+
 SHARE_READ_S = 5.0
 """A run's share (weight and cap), carried by every claim's answer, is read from Redis at
 most this often: a change reaches the fleet within seconds, at one read per run."""
@@ -201,6 +225,8 @@ class Context:
     """Where the tokens came from (`--tokens`), read again on SIGHUP; None: SPOTGRPO_TOKENS."""
     runs: dict[str, Context] = field(init=False)
     """Every run served so far, this one included, by name: one dict shared by them all."""
+    registry: RunRegistry = field(init=False)
+    """The runs started on the Redis, for tokens with run patterns: one, shared by every run's context."""
     _backlog: tuple[float, int] = (0.0, 0)
     _share: tuple[float, RunShare] = (-SHARE_READ_S - 1, RunShare())
 
@@ -218,6 +244,7 @@ class Context:
         self.downloads = DownloadCache(partial(make_download, self), self.limits.presign_s)
         self.bodies = BodyBytes(self.limits.max_body_bytes_per_token, self.limits.max_body_bytes_in_flight)
         self.runs = {self.queue.config.run: self}
+        self.registry = RunRegistry()
         self.use_tokens(self.tokens)
         self.body_limits = msgspec.structs.replace(self.wire_limits, max_message_bytes=self.limits.max_body_bytes)
 
@@ -405,12 +432,14 @@ def list_workers(ctx: Context, token: Token, body: None, params: dict[str, str])
 
 def whoami(ctx: Context, token: Token, body: None, params: dict[str, str]) -> WhoAmIResponse:
     config = ctx.queue.config
+    allowed = token.allowed(ctx.default_run, ctx.registry.runs(ctx.queue) if token.patterns else ())
     return WhoAmIResponse(
         name=token.name,
         role=token.role,
-        run=config.run if token.runs is None or config.run in token.runs else "",
+        run=config.run if config.run in allowed else "",
         lease_timeout_s=config.lease_timeout_s,
-        runs=sorted(token.runs or (ctx.default_run,)),
+        runs=sorted(allowed),
+        patterns=[f"{p}*" for p in token.patterns],
     )
 
 

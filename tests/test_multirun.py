@@ -34,11 +34,14 @@ SECRETS = {
     "fleet-c": "fleet-c-secret-for-multirun-01234567890",
     "fleet-home": "fleet-home-secret-for-multirun-01234567",
     "ops-ab": "ops-ab-secret-for-multirun-0123456789012",
+    "fleet-sweep": "fleet-sweep-secret-for-multirun-01234567",
 }
 
 
-def _tokens_text(a: str, b: str, c: str) -> str:
+def _tokens_text(a: str, b: str, c: str, sweep: str | None = None) -> str:
+    """The test's tokens; `sweep`: a run pattern, for a fleet token of every run it matches."""
     entries = [
+        *([("fleet-sweep", "actor", [sweep])] if sweep else []),
         ("admin", "admin", None),
         ("learner-a", "learner", [a]),
         ("learner-b", "learner", [b]),
@@ -63,7 +66,7 @@ def runs(run_name: str) -> tuple[str, str, str]:
 @pytest.fixture
 def multirun_proxy(redis_server, run_name: str, runs, tls_pair, tmp_path: Path):
     tokens = tmp_path / "tokens.toml"
-    tokens.write_text(_tokens_text(*runs))
+    tokens.write_text(_tokens_text(*runs, sweep=f"{run_name}-p*"))
     store = (tmp_path / "store").as_uri() + "/{run}"
     proxy = ProxyProcess(redis_server.url, store, run_name, tls_pair, tokens).start()
     yield proxy
@@ -100,6 +103,28 @@ def test_a_token_names_its_runs_and_a_learner_token_one() -> None:
     ]:
         with pytest.raises(TokenError, match=msg):
             Tokens.from_toml(base % "learner" + extra)
+
+
+def test_a_tokens_run_patterns_match_the_runs_started_and_no_learner_has_one() -> None:
+    base = '[[tokens]]\nname = "t"\nrole = "%s"\nsecret = "' + "x" * 32 + '"\n'
+    (fleet,) = Tokens.from_toml(base % "actor" + 'runs = ["sweep-*", "home"]\n').tokens
+    assert fleet.patterns == ("sweep-",)
+    assert fleet.allowed("proxy-run", {"sweep-1", "other", "sweep-2"}) == {"home", "sweep-1", "sweep-2"}
+    assert fleet.run_of("sweep-1", "proxy-run", {"sweep-1"}) == "sweep-1"
+    with pytest.raises(RunRefused, match="is not started"):
+        fleet.run_of("sweep-9", "proxy-run", {"sweep-1"})
+    with pytest.raises(RunRefused, match="may not touch run 'other'"):
+        fleet.run_of("other", "proxy-run", {"other"})
+    with pytest.raises(RunRefused, match="name one"):  # a pattern's runs come and go: always name one
+        Tokens.from_toml(base % "actor" + 'runs = ["sweep-*"]\n').tokens[0].run_of(None, "p", {"sweep-1"})
+    (anything,) = Tokens.from_toml(base % "admin" + 'runs = ["*"]\n').tokens
+    assert anything.allowed("p", {"a", "b"}) == {"a", "b"}
+    for bad in ('runs = ["sweep-*"]', 'runs = ["*"]'):
+        with pytest.raises(TokenError, match="belongs to one run, by name"):
+            Tokens.from_toml(base % "learner" + bad + "\n")
+    for bad in ('runs = ["sw*ep"]', 'runs = ["**"]', 'runs = ["-x*"]'):
+        with pytest.raises(TokenError, match="patterns ending in"):
+            Tokens.from_toml(base % "actor" + bad + "\n")
 
 
 def test_one_proxy_serves_several_runs_each_confined_to_its_own_keys_and_store(
@@ -605,4 +630,43 @@ def test_an_actor_without_run_serves_the_runs_its_token_is_given_later(
     finally:
         kill_process(proc)
     for q in direct.values():
+        q.close()
+
+
+def test_run_patterns_name_the_runs_their_learners_start(
+    multirun_proxy: ProxyProcess, redis_server, run_name: str, tiny_model: Path
+) -> None:
+    """A fleet token of `<run>-p*`: a worker started before any such run waits; a run is
+    served from its learner's start (`open_run`: registered on Redis), and the worker goes
+    on to the next when one ends. A matching name nobody started is refused, as is any
+    other run."""
+    p1, p2 = f"{run_name}-p1", f"{run_name}-p2"
+    sweep = _queue(multirun_proxy, "fleet-sweep", p1)
+    with pytest.raises(QueueForbidden, match="is not started"):
+        sweep.claim("w", 1)  # no context made for a run nobody started
+    with pytest.raises(QueueForbidden, match="may not touch run"):
+        sweep.for_run(f"{run_name}-a").claim("w", 1)
+    cmd = multirun_proxy.actor_command(tiny_model, "sweeper", "--reward", "toy_rewards:digit_first",
+                                       "--find-runs-every-s", "0.5", "--claim-block-s", "0.5")  # fmt: skip
+    del cmd[cmd.index("--run") : cmd.index("--run") + 2]
+    env = {**multirun_proxy.actor_env(), "SPOTGRPO_TOKEN": SECRETS["fleet-sweep"]}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    direct = {r: RedisQueue.from_url(redis_server.url, QueueConfig(run=r)) for r in (p1, p2)}
+    try:
+        deadline = time.monotonic() + 90
+        for run in (p1, p2):
+            direct[run].set_run_over("")  # its learner starts it (`learner.lifecycle.open_run`)
+            direct[run].add_prompts([batch(f"{run}-0", prompts=1)])
+            while direct[run].stats().rollouts.length < 1:
+                assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+                time.sleep(0.2)
+            who = sweep.for_run("default").whoami()  # naming no run: the runs it may touch now
+            assert who.runs == [run] and who.patterns == [f"{run_name}-p*"]
+            direct[run].set_run_over(f"run {run} is over")  # its learner finishes it: the worker waits on
+        time.sleep(1.5)
+        assert proc.poll() is None
+    finally:
+        kill_process(proc)
+    assert sweep.for_run("default").whoami().runs == []  # both over: neither listed
+    for q in (*direct.values(), sweep):
         q.close()

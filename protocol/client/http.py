@@ -179,8 +179,10 @@ class WhoAmIResponse(_Body, frozen=True, tag="whoami"):
     """The proxy's `--lease-timeout-s`: a lease claimed through it lapses after this long
     without a heartbeat, whatever the client's own setting (None: a proxy that does not say)."""
     runs: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
-    """Every run the token may touch on this proxy, `run` among them (empty: a proxy that
-    does not say)."""
+    """Every run the token may touch on this proxy now, `run` among them (empty: a proxy
+    that does not say)."""
+    patterns: Annotated[list[str], msgspec.Meta(max_length=1000)] = []
+    """The token's run patterns (`"sweep-*"`): `runs` grows as learners start runs they match."""
 
 
 # --------------------------------------------------------------- learner routes

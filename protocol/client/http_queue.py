@@ -433,7 +433,7 @@ class HttpQueue(Queue):
         changes: dict[str, Any] = {}
         if who.lease_timeout_s is not None and who.lease_timeout_s != self.config.lease_timeout_s:
             changes["lease_timeout_s"] = who.lease_timeout_s
-        if who.run != self.config.run and (not who.runs or who.run in who.runs):
+        if who.run and who.run != self.config.run and (not who.runs or who.run in who.runs):
             changes["run"] = who.run
         if changes:
             self.config = dataclasses.replace(self.config, **changes)

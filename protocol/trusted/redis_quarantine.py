@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -21,6 +22,7 @@ from protocol.client.queue import AuditTally
 from protocol.trusted.redis_base import RedisBase
 from protocol.trusted.redis_fields import check_worker, text_of
 from protocol.wire.errors import ProtocolError, WorkerQuarantined
+from protocol.wire.keys import RUNS_KEY
 from protocol.wire.messages import RunShare
 from protocol.wire.text import printable
 
@@ -36,12 +38,21 @@ class RedisQuarantine(RedisBase):
         self._script("QUARANTINE", [self.keys.quarantined, self.keys.prompts], [worker, printable(reason, 500) or "-"])
 
     def set_run_over(self, why: str) -> None:
+        """Also the run's registration (`RUNS_KEY`): a run in progress is registered, one
+        over is not."""
         if not isinstance(why, str):
             raise ProtocolError(f"set_run_over: expected a str, got {type(why).__name__}")
+        run = self.config.run
         if why:
             self._call(lambda: self._r.set(self.keys.over, printable(why, 500)))
+            self._call(lambda: self._r.hdel(RUNS_KEY, run))
         else:
             self._call(lambda: self._r.delete(self.keys.over))
+            self._call(lambda: self._r.hset(RUNS_KEY, run, f"{time.time():.3f}"))
+
+    def registered_runs(self) -> set[str]:
+        """Every run in progress on this Redis, whichever this queue is for (`RUNS_KEY`)."""
+        return {text_of(run) for run in self._call(lambda: self._r.hkeys(RUNS_KEY))}
 
     def set_run_rewards(self, specs: Sequence[str]) -> None:
         if not isinstance(specs, list | tuple) or not all(isinstance(s, str) for s in specs):

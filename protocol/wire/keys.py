@@ -14,6 +14,10 @@ LEARNER_GROUP = "learner"
 """Consumer group on the rollouts stream."""
 SCORERS_GROUP = "scorers"
 """Consumer group on the unscored stream; consumers are the scoring tier's dispatchers."""
+RUNS_KEY = "spotgrpo:runs"
+"""Hash, one for every run on the Redis: run -> when its learner opened it (a run in
+progress; removed when the learner finishes it). What a proxy token's run patterns
+(`runs = ["sweep-*"]`) match: a run is served to them once its learner has started."""
 
 
 @dataclass(frozen=True)
