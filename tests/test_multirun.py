@@ -520,51 +520,78 @@ def _fleet_actor(proxy: ProxyProcess, model: Path, log: Path, engine: str = "tra
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["transformers", pytest.param("vllm", marks=pytest.mark.vllm)])
 def test_two_learners_train_at_once_on_one_fleet(
-    multirun_proxy: ProxyProcess, redis_server, runs, tiny_model: Path, tmp_path: Path, engine: str
+    redis_server, run_name: str, runs, tls_pair, tiny_model: Path, tmp_path: Path, engine: str
 ) -> None:
     """Two runs with their own data, rewards, learning rates and scoring tiers, one actor
-    process serving both through one proxy, on either engine: each learner completes its
-    steps, trained on its own groups (its adapters' digests checked, its prompts answered
-    once)."""
+    process serving both through one proxy, on either engine, SIGKILLed halfway and
+    replaced: each learner completes its steps, and each run's ledger is exact (every
+    issued prompt trained once, dropped with its reason, or still in the queue; none
+    trained twice), its adapters' digests checked, no worker quarantined."""
+    import importlib
+
     from factories import write_dataset
 
     if engine == "vllm":
         pytest.importorskip("vllm", reason="the vllm engine is tested in .venv-vllm (make test-vllm)")
-    a, b, _ = runs
+    saved = sys.path[0]  # bench/chaos.py puts the repository first on the path when imported
+    chaos = importlib.import_module("bench.chaos")
+    sys.path[0] = saved
+    a, b, c = runs
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(_tokens_text(a, b, c))
     store_root = (tmp_path / "store").as_uri()
+    proxy = ProxyProcess(
+        redis_server.url, store_root + "/{run}", run_name, tls_pair, tokens, extra=("--lease-timeout-s", "5")
+    ).start()
     procs = [
         _scorer(redis_server.url, a, "toy_rewards:digit_first", tiny_model, tmp_path / "scorer-a.log"),
         _scorer(redis_server.url, b, "toy_rewards:length_bonus", tiny_model, tmp_path / "scorer-b.log"),
-        _fleet_actor(multirun_proxy, tiny_model, tmp_path / "actor.log", engine),
+        _fleet_actor(proxy, tiny_model, tmp_path / "actor.log", engine),
     ]
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
     learners = {}
+
+    def steps(run: str) -> list[int]:
+        metrics = tmp_path / run / "run" / "metrics.jsonl"
+        lines = metrics.read_text().splitlines() if metrics.exists() else []
+        return [row["step"] for row in map(json.loads, lines) if "wait_s" in row]
+
     try:
         for run, reward, lr, seed in ((a, "digit_first", "1e-2", 0), (b, "length_bonus", "3e-3", 1)):
             cmd = [sys.executable, "-m", "learner.cli", "run", "--run", run, "--queue", redis_server.url,
                    "--store", f"{store_root}/{run}", "--model", str(tiny_model),
                    "--dataset", str(write_dataset(tmp_path / f"data-{run}.jsonl", seed=seed)),
-                   "--reward", f"toy_rewards:{reward}", "--learning-rate", lr, "--run-dir", str(tmp_path / run),
-                   "--steps", "3", "--groups-per-step", "2", "--prompts-per-batch", "2", "--max-inflight", "4",
+                   "--reward", f"toy_rewards:{reward}", "--learning-rate", lr,
+                   "--run-dir", str(tmp_path / run / "run"), "--no-active-sampling",
+                   "--steps", "6", "--groups-per-step", "2", "--prompts-per-batch", "2", "--max-inflight", "4",
                    "--num-generations", "4", "--max-tokens", "4", "--checkpoint-every", "2", "--no-tensorboard",
-                   "--fleet-weight", "2" if run == b else "1"]  # fmt: skip
+                   "--fleet-weight", "2" if run == b else "1", "--keep-queue"]  # fmt: skip
             learners[run] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while min(len(steps(a)), len(steps(b))) < 2:  # halfway: the shared worker dies, another comes
+            assert time.monotonic() < deadline and all(p.poll() is None for p in learners.values())
+            time.sleep(0.2)
+        procs[-1].kill()
+        procs.append(_fleet_actor(proxy, tiny_model, tmp_path / "actor-2.log", engine))
         outputs = {run: proc.communicate(timeout=400)[0].decode()[-3000:] for run, proc in learners.items()}
     finally:
         for proc in [*procs, *learners.values()]:
             kill_process(proc)
+        proxy.kill()
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in sorted(tmp_path.glob("*.log")))
     for run, proc in learners.items():
         assert proc.returncode == 0, outputs[run] + logs
-        rows = [json.loads(x) for x in (tmp_path / run / "metrics.jsonl").read_text().splitlines() if '"step"' in x]
-        assert [r["step"] for r in rows if "wait_s" in r] == [1, 2, 3], outputs[run]
+        assert steps(run) == [1, 2, 3, 4, 5, 6], outputs[run]
+        figures = chaos.ledger(tmp_path / run, redis_server.url, f"{store_root}/{run}", run=run, ppb=2)
+        assert figures["exact"] and figures["trained"] > 0, figures["problems"]
         direct = RedisQueue.from_url(redis_server.url, QueueConfig(run=run))
         assert direct.latest_adapter() is not None and direct.quarantined() == {}
         direct.close()
     share = RedisQueue.from_url(redis_server.url, QueueConfig(run=b))
     assert share.run_share().weight == 2.0  # b's learner said so
     share.close()
-    assert f"runs {a}, {b}" in (tmp_path / "actor.log").read_text()  # one process served both
+    for log in ("actor.log", "actor-2.log"):  # one process served both, and then its replacement
+        assert f"runs {a}, {b}" in (tmp_path / log).read_text()
 
 
 def test_a_run_whose_reward_hangs_stops_alone(
