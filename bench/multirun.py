@@ -202,9 +202,13 @@ def fairness_error(per_run: dict[str, float], weights: dict[str, float]) -> floa
     return max(abs(per_run[r] / total - w / wsum) / (w / wsum) for r, w in weights.items())
 
 
-def base_bytes(engine: Engine) -> int:
-    model = getattr(engine, "base", None)
-    return sum(p.numel() * p.element_size() for p in model.parameters()) if model is not None else 0
+def weights_mib(engines: list[Engine]) -> str:
+    """The engines' weights in memory, base and adapters (the transformers engine's; "-" for
+    vLLM's, whose weights live in its engine process)."""
+    models = [getattr(engine, "base", None) for engine in engines]
+    if any(model is None for model in models):
+        return "-"
+    return f"{sum(p.numel() * p.element_size() for m in models for p in m.parameters()) / 2**20:.1f}"
 
 
 def main() -> None:
@@ -238,6 +242,8 @@ def main() -> None:
             if args.engine == "vllm":
                 memory = 0.3 if of == 1 else 0.5 / of  # the shared engine stays loaded beside the separate ones
                 options = {"max_loras": 3 * runs, "gpu_memory_utilization": memory, "max_model_len": 512}
+                if not torch.cuda.is_available():  # vLLM's CPU build (.venv-vllm): bfloat16 needs CPU support
+                    options["dtype"] = "float32"
             return open_engine(args.engine, str(model), **options)
 
         print(
@@ -260,7 +266,7 @@ def main() -> None:
             shared = serve(rig, [(shared_engine, runs)], args.seconds, new_run=f"n{n}-new")
             engines = [engine(1, n) for _ in runs]
             separate = serve(rig, [(e, [run]) for e, run in zip(engines, runs, strict=True)], args.seconds)
-            memory = sum(base_bytes(e) for e in engines)
+            memory = weights_mib(engines)
             for e in engines:
                 e.close()
             total_shared = sum(shared["groups_per_s"][r] for r in runs)
@@ -279,8 +285,8 @@ def main() -> None:
                 f"shared/alone {total_shared / base:.2f}, shared/separate {total_shared / total_separate:.2f}, "
                 f"engine busy {shared['busy']:.0%} shared against {separate['busy']:.0%} separate; fairness error "
                 f"{error:.1%} (target <= 10 %); engine weights (base and adapters) "
-                f"{base_bytes(shared_engine) / 2**20:.1f} MiB shared "
-                f"against {memory / 2**20:.1f} MiB separate; a new run's first group {shared['first_group_s']:.2f} s"
+                f"{weights_mib([shared_engine])} MiB shared against {memory} MiB separate; "
+                f"a new run's first group {shared['first_group_s']:.2f} s"
                 " after its first prompts, on the busy worker"
             )
             figures[f"runs_{n}"] = {
