@@ -481,12 +481,14 @@ def test_a_run_whose_learner_stopped_reading_does_not_hold_up_a_workers_other_ru
     loop = threading.Thread(target=worker.work)
     loop.start()
     try:
-        deadline = time.monotonic() + 20  # a worker backing off as a whole: a minute and more
+        deadline = time.monotonic() + 60
         while direct[b].stats().rollouts.length < 12:
             assert loop.is_alive() and time.monotonic() < deadline, "run b was held up"
             time.sleep(0.1)
         assert direct[a].stats().rollouts.length == 1  # a's learner never read: a waits, alone
-        assert worker.links[0].run == a and worker.links[0].back_at > 0  # a is backing off
+        link_a, link_b = worker.links
+        assert link_a.run == a and link_a.back_at > 0  # a is backing off
+        assert link_b.back_at == 0.0  # and b never did
     finally:
         worker.stop()
         loop.join(timeout=30)
@@ -694,6 +696,9 @@ def test_run_patterns_name_the_runs_their_learners_start(
         assert proc.poll() is None
     finally:
         kill_process(proc)
-    assert sweep.for_run("default").whoami().runs == []  # both over: neither listed
+    deadline = time.monotonic() + 10  # the proxy reads the started runs again every 2 s
+    while sweep.for_run("default").whoami().runs:  # both over: neither listed
+        assert time.monotonic() < deadline, sweep.for_run("default").whoami().runs
+        time.sleep(0.2)
     for q in (*direct.values(), sweep):
         q.close()
