@@ -229,34 +229,6 @@ def say_lease_timeout(timeout_s: float, asked_s: float | None) -> None:
     log.info("lease timeout %g s: a heartbeat every %g s", timeout_s, heartbeat_period_s(timeout_s))
 
 
-def serving_runs(queue: object, run: str | None) -> tuple[list[str], list[str]]:
-    """The runs to serve: `run` when given, else every run the token may touch (the
-    proxy's answer), the one the queue names first where it is among them; and the
-    token's run patterns (runs matching them are served as their learners start them)."""
-    from protocol.client.http_queue import HttpQueue
-
-    if run is not None or not isinstance(queue, HttpQueue):
-        return [run or queue.config.run], []  # type: ignore[attr-defined]
-    who = queue.whoami()
-    runs = set(who.runs)
-    if not runs and not who.patterns:
-        runs = {queue.config.run}  # a proxy that does not say: its run
-    first = queue.config.run if queue.config.run in runs else min(runs, default="")
-    return [r for r in [first, *sorted(runs - {first})] if r], who.patterns
-
-
-def our_fingerprint(model: str) -> str | None:
-    """The base model's fingerprint, against which each batch's is checked (None, with a
-    warning, where it cannot be computed: batches are then taken on trust)."""
-    from protocol import fingerprint_of_model
-
-    try:
-        return fingerprint_of_model(model)
-    except (OSError, ValueError) as err:
-        log.warning("%s: no fingerprint (%s); batches for another base model will not be noticed", model, err)
-        return None
-
-
 def engine_options(args: argparse.Namespace, runs: int = 1) -> dict[str, object]:
     if args.engine == "transformers":
         return {"dtype": args.dtype or "float32", "max_batch_sequences": args.max_batch_sequences}
@@ -278,7 +250,7 @@ def run(args: argparse.Namespace) -> int:
     from actors.metrics import WorkerMetrics
     from actors.node_cache import NodeCache
     from actors.rewards import ScoringPool
-    from actors.runs import RunOpener
+    from actors.runs import RunOpener, our_fingerprint, serving_runs
     from actors.tools import Toolbox
     from actors.watcher import AdapterWatcher, ProxySource
     from actors.worker import Scoring, Worker, WorkerEngineDead, WorkerRefused
@@ -387,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
         )
 
     # without --run: every run the token names, now and as runs are added (the proxy asked again each minute)
-    opener = RunOpener(queue, engine, watcher_for, cache) if asked is None or len(runs) > 1 else None
+    opener = RunOpener(queue, engine, watcher_for, cache) if asked is None else None
     links = [opener.open(run) for run in runs] if opener is not None else []
     watcher = links[0].watcher if links else watcher_for(queue, engine, cache)
     worker = Worker(
@@ -403,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         report_every_s=args.report_every_s,
         more_runs=links[1:],
         fingerprint=our_fingerprint(args.model),
-        find_runs=opener.new_runs if opener is not None and asked is None else None,
+        find_runs=opener.new_runs if opener is not None else None,
         find_runs_every_s=args.find_runs_every_s,
         keep_serving=bool(patterns),
     )

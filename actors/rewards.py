@@ -13,11 +13,23 @@ from __future__ import annotations
 import multiprocessing
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Protocol
 
 import msgspec
 
 from protocol import Prompt
 from protocol.usercode.rewards import Group, Scorer, Scores, ToolMask, load_reward
+
+
+class Scoring(Protocol):
+    """`Scorer` (inline) or `ScoringPool` (processes beside the engine)."""
+
+    def submit(self, group: Group) -> Future[Scores]:
+        """Score a group (its prompt, the prompt's text, the completions' texts, ids and
+        tool mask)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 class ScoringPool:

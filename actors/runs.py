@@ -223,3 +223,25 @@ class RunOpener:
             link.watcher.close()
             if link.queue is not self.queue:
                 link.queue.close()
+
+
+def serving_runs(queue: Any, run: str | None) -> tuple[list[str], list[str]]:
+    """The runs a worker serves: `run` when given; else every run its token may touch now
+    (the proxy's answer), and the token's run patterns, whose runs are served as their
+    learners start them (a proxy that says neither: the queue's run)."""
+    if run is not None or not hasattr(queue, "whoami"):
+        return [run or queue.config.run], []
+    who = queue.whoami()
+    return sorted(who.runs) or ([] if who.patterns else [queue.config.run]), list(who.patterns)
+
+
+def our_fingerprint(model: str) -> str | None:
+    """The base model's fingerprint, against which each batch's is checked (None, with a
+    warning, where it cannot be computed: batches are then taken on trust)."""
+    from protocol import fingerprint_of_model
+
+    try:
+        return fingerprint_of_model(model)
+    except (OSError, ValueError) as err:
+        log.warning("%s: no fingerprint (%s); batches for another base model will not be noticed", model, err)
+        return None

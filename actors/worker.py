@@ -43,18 +43,17 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Protocol, cast
+from typing import cast
 
-from actors.engine import Engine, EngineDead, GroupRequest, Sample
-from actors.episodes import EpisodeEngine, episode_request
+from actors.claims import Claims, WorkerEngineDead, WorkerRefused
+from actors.engine import Engine, EngineDead, Sample
+from actors.flights import Flight, rollout_group
 from actors.heartbeat import Heartbeat, heartbeat_period_s
 from actors.metrics import WorkerMetrics
-from actors.runs import EMPTY_PAUSE_S, RunLink, claim_order, shares
+from actors.rewards import Scoring
+from actors.runs import RunLink, shares
 from actors.watcher import AdapterWatcher
 from protocol import (
-    Completion,
-    Lease,
     Queue,
     QueueError,
     QueueForbidden,
@@ -62,63 +61,17 @@ from protocol import (
     QueueTLSError,
     QueueUnavailable,
     RolloutGroup,
-    RunOver,
     WorkerStatus,
-    group_id_for,
-    pack_i32,
 )
-from protocol.usercode.rewards import Group, Scores, group_tool_mask, unscored
+from protocol.usercode.rewards import Scores, group_tool_mask, unscored
 from protocol.util.retry import Backoff
 from protocol.wire.text import printable
 
 log = logging.getLogger(__name__)
+__all__ = ["Scoring", "Worker", "WorkerEngineDead", "WorkerRefused"]  # the claiming half lives in actors.claims
 
 
-class WorkerRefused(RuntimeError):
-    """The queue refuses this worker itself (token, role, TLS): the worker must stop."""
-
-
-class WorkerEngineDead(RuntimeError):
-    """The inference engine died; the worker handed its leases back and must stop."""
-
-
-class Scoring(Protocol):
-    """`Scorer` (inline) or `ScoringPool` (processes beside the engine)."""
-
-    def submit(self, group: Group) -> Future[Scores]:
-        """Score a group (its prompt, the prompt's text, the completions' texts, ids and
-        tool mask)."""
-        ...
-
-    def close(self) -> None: ...
-
-
-@dataclass
-class Flight:
-    """One lease in flight: its groups queued, generating, scoring or ready to submit."""
-
-    lease: Lease
-    link: RunLink
-    """The run the lease is of."""
-    prompt_ids: list[list[int]]
-    version: int
-    """The adapter version every group of the lease is generated with (and tagged with)."""
-    queued_at: float
-    digest: str | None = None
-    """The digest of `version`'s files as the engine loaded them (None: the base model)."""
-    waiting: set[int] = field(default_factory=set)
-    """Prompt indexes whose group is not yet generated and scored."""
-    ready: list[RolloutGroup] = field(default_factory=list)
-    """Scored groups not yet submitted."""
-    lost: bool = False
-    """The heartbeat found the lease gone: its groups will be refused; stop sending them."""
-
-    @property
-    def done(self) -> bool:
-        return not self.waiting and not self.ready
-
-
-class Worker:
+class Worker(Claims):
     def __init__(
         self,
         queue: Queue,
@@ -312,179 +265,6 @@ class Worker:
         if not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
             self._fill(max_batches)
 
-    def _unavailable(self, link: RunLink, err: QueueUnavailable) -> None:
-        self.metrics.connection_errors.inc()
-        delay = link.backoff.failed()  # the engine generates on meanwhile: no sleep here
-        named = f" (run {link.run})" if len(self.links) > 1 else ""
-        log.warning("queue unavailable%s, retrying in %.1fs: %s", named, delay, err)
-        self._error(f"queue unavailable: {err}")
-        link.back_at = time.monotonic() + delay
-
-    def _backing_off(self) -> bool:
-        """Every run still served waits for its queue."""
-        now = time.monotonic()
-        return all(now < k.back_at for k in self.links if k.over is None)
-
-    def _fill(self, max_batches: int | None) -> None:
-        """Claim leases while the engine has room for one more; long-poll only when idle.
-        Serving one run, a claim asks for as many leases as there is room for; serving
-        several, one lease at a time from the run furthest below its share."""
-        several = len(self.links) > 1
-        while not self.stopping.is_set() and (max_batches is None or self.batches_claimed < max_batches):
-            room = self.max_num_seqs - self.engine.in_flight
-            idle = not self.flights
-            link = next(
-                (
-                    k
-                    for k in claim_order(self.links, time.monotonic(), self.max_num_seqs)
-                    if idle or room >= (k.lease_size or 1)
-                ),
-                None,
-            )
-            if link is None:
-                if several and idle and any(k.over is None for k in self.links):
-                    self._long_poll()
-                return
-            size = link.lease_size
-            count = 1 if size is None or several else max(1, room // size)
-            if max_batches is not None:
-                count = min(count, max_batches - self.batches_claimed)
-            if not self._claim(link, count, self.claim_block_s if idle and not several else 0.0) or not several:
-                return
-
-    def _find_runs(self) -> None:
-        """Serve the runs added since the last look (a token given a run, on SIGHUP)."""
-        if self.find_runs is None or time.monotonic() - self._runs_found_at < self.find_runs_every_s:
-            return
-        self._runs_found_at = time.monotonic()
-        for link in self.find_runs({k.run for k in self.links if k.over is None}):
-            log.info("serving run %s too (%d runs)", link.run, len(self.links) + 1)
-            self.add_run(link)
-
-    def _long_poll(self) -> None:
-        """Serving several runs with nothing in flight and no backlog anywhere: wait on
-        each run in turn, for a share of `claim_block_s`."""
-        live = [k for k in self.links if k.over is None and time.monotonic() >= k.back_at]
-        if not live:
-            return
-        link = live[self._rotation % len(live)]
-        self._rotation += 1
-        self._claim(link, 1, self.claim_block_s / len(live))
-
-    def _claim(self, link: RunLink, count: int, block_s: float) -> bool:
-        """Claim up to `count` leases of `link`'s run and queue their groups; True if any came."""
-        started = time.monotonic()
-        try:
-            leases = link.queue.claim(self.worker_id, count, block_s=block_s)
-        except RunOver as err:  # the learner finished: what is in flight is of no use to it
-            self._run_ended(link, str(err))
-            return False
-        except QueueForbidden as err:  # a run taken from the token (or finished: patterns): the others go on
-            if sum(k.over is None for k in self.links) < 2 and not self.keep_serving:
-                raise
-            self._run_ended(link, f"run {link.run}: {err}")
-            return False
-        except QueueUnavailable as err:
-            self._unavailable(link, err)
-            return False
-        link.backoff.reset()
-        self.metrics.lease_wait.observe(time.monotonic() - started)
-        if len(self.links) > 1:
-            share = link.queue.run_share()
-            link.weight, link.cap = share.weight, share.cap
-        if not leases:
-            link.empty_until = time.monotonic() + EMPTY_PAUSE_S
-        for lease in leases:
-            self._start(link, lease)
-        return bool(leases)
-
-    def _run_ended(self, link: RunLink, why: str) -> None:
-        """The run's learner finished it: drop its leases; stop once every run has ended."""
-        link.over = why
-        if all(k.over is not None for k in self.links) and not self.keep_serving:
-            self.run_over = why
-            log.info("%s; stopping", why)
-            self.stop()
-            self.abort.set()
-            return
-        log.info("%s; %s", why, "serving the other runs" if any(k.over is None for k in self.links) else "waiting")
-        for key in [k for k, f in self.flights.items() if f.link is link]:
-            self._forget(key)
-
-    def _cannot_serve(self, link: RunLink, lease: Lease) -> str | None:
-        """Why this worker cannot generate the lease's batch (None: it can)."""
-        batch = lease.batch
-        if self.fingerprint is not None and batch.model is not None and batch.model != self.fingerprint:
-            return (
-                f"run {link.run} trains another base model (fingerprint {batch.model}; this worker's --model has "
-                f"{self.fingerprint}): start it with the learner's --model"
-            )
-        if batch.scoring == "actors" and self.scorer is None:
-            return (
-                f"batch {batch.batch_id} is to be scored by the actors (the learner runs --scoring actors): "
-                "start this worker with --reward"
-            )
-        if batch.tools:
-            box = self.engine.toolbox if isinstance(self.engine, EpisodeEngine) else None
-            missing = [t for t in batch.tools if box is None or t not in box.names]
-            has = box.environment_name if box is not None else None
-            if missing or has != batch.environment:
-                of = f" of the environment {batch.environment}" if batch.environment else ""
-                lacks = f"lacks {', '.join(missing)}" if missing else f"has the environment {has}"
-                return (
-                    f"batch {batch.batch_id} runs episodes with the tools {', '.join(batch.tools)}{of}; "
-                    f"this worker {lacks}: start it with the learner's --tools and --environment"
-                )
-        return None
-
-    def _start(self, link: RunLink, lease: Lease) -> None:
-        batch = lease.batch
-        why = self._cannot_serve(link, lease)
-        if why is not None:  # handed back at once, for a worker that can
-            link.queue.release(self.worker_id, lease.lease_id)
-            if sum(k.over is None for k in self.links) > 1 or self.keep_serving:  # this run alone: the others go on
-                self._run_ended(link, f"run {link.run} not served: {why}")
-                return
-            raise WorkerRefused(why)
-        prompts = [self.engine.prompt_ids(p) for p in batch.prompts]
-        # from choosing the version until the engine's queue names it, the watcher neither
-        # installs nor evicts (a newer version arriving meanwhile would evict a pinned one)
-        watcher = link.watcher
-        with watcher.holding():
-            version = watcher.current if batch.pinned_version is None else batch.pinned_version
-            if batch.pinned_version is not None and not watcher.ensure(version):
-                # an evaluation of a version this worker cannot load: let the lease expire, so
-                # that it is tried elsewhere and, failing that, dead-lettered and counted
-                log.error("lease %s: cannot load adapter v%d for its evaluation; leaving it", lease.lease_id, version)
-                self._error(f"cannot load adapter v{version} for an evaluation")
-                self.batches_claimed += 1
-                return
-            seed = batch.sampling.seed
-            groups = [
-                GroupRequest(
-                    (link.run, lease.lease_id, i),
-                    prompt,
-                    batch.num_generations,
-                    batch.sampling,
-                    version,
-                    None if seed is None else seed + i * batch.num_generations,
-                    columns=batch.prompts[i].columns if batch.tools else None,
-                )
-                for i, prompt in enumerate(prompts)
-            ]
-            link.engine.add(
-                [episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools else groups
-            )
-            digest = watcher.digests.get(version) if version else None
-        flight = Flight(lease, link, prompts, version, time.monotonic(), digest, waiting=set(range(len(prompts))))
-        self.flights[(link.run, lease.lease_id)] = flight
-        assert link.heartbeat is not None
-        link.heartbeat.hold(lease.lease_id)
-        self.batches_claimed += 1
-        link.lease_size = len(prompts) * batch.num_generations
-        link.in_flight += link.lease_size
-        link.claimed(link.lease_size, time.monotonic())
-
     def _advance(self, timeout_s: float) -> None:
         """Step the engine; send finished groups to scoring; collect finished scores."""
         for key, samples in self.engine.step(timeout_s, self.abort):
@@ -523,51 +303,16 @@ class Worker:
                 flight.waiting.discard(key[2])
 
     def _group(self, flight: Flight, i: int, samples: list[Sample], texts: list[str], scores: Scores) -> RolloutGroup:
-        batch = flight.lease.batch
-        prompt = batch.prompts[i]
         if scores.error is not None:
+            batch = flight.lease.batch
             self.metrics.reward_errors.inc()
-            log.warning("batch %s prompt %s: %s", batch.batch_id, prompt.id, scores.error)
+            log.warning("batch %s prompt %s: %s", batch.batch_id, batch.prompts[i].id, scores.error)
             self._error(f"reward: {scores.error}")
         model_tokens = sum(len(s.token_ids) if s.mask is None else sum(s.mask) for s in samples)
         self.metrics.tokens.inc(model_tokens)
         self.tokens_generated += model_tokens
         flight.link.tokens_generated += model_tokens
-        timings = {"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()}
-        if batch.tools:
-            timings["tool_s"] = sum(s.tool_s for s in samples)
-        return RolloutGroup(
-            group_id=group_id_for(batch.batch_id, prompt.id),
-            batch_id=batch.batch_id,
-            prompt_id=prompt.id,
-            adapter_version=flight.version,
-            adapter_digest=flight.digest,
-            actor_id=self.worker_id,
-            prompt_token_ids=pack_i32(flight.prompt_ids[i]),
-            completions=[
-                Completion.of(
-                    s.token_ids,
-                    s.logprobs,
-                    s.mask,
-                    finish_reason=s.finish_reason,
-                    text=t,
-                    reward=r,
-                    reward_components=c,
-                    error=scores.error,
-                    extra=x,
-                    turns=s.turns,
-                    tool_calls=s.tool_calls,
-                    tool_errors=s.tool_errors,
-                    turn_limit=s.turn_limit,
-                )
-                for s, t, r, c, x in zip(
-                    samples, texts, scores.rewards, scores.components, scores.extras or [{}] * len(texts), strict=True
-                )
-            ],
-            error=scores.error,
-            timings=timings,
-            metrics=scores.metrics,
-        )
+        return rollout_group(flight, i, samples, texts, scores, self.worker_id)
 
     def _ready_to_send(self) -> bool:
         return any(f.ready for f in self.flights.values())

@@ -11,7 +11,6 @@ object; any other unknown key is refused with the nearest known name.
 
 from __future__ import annotations
 
-import difflib
 import math
 import tomllib
 from pathlib import Path
@@ -19,8 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from learner.grpoconfig import TRL_BATCH_KEYS, TRL_NAMES, TRL_NO_OPS, TRL_VALUES, translate_trl, trl_batch
 from learner.grpoconfig import ConfigError as ConfigError  # callers import it from here
+from learner.grpoconfig import translate_trl, trl_batch, unknown_settings
 from protocol.util.config_file import learner_part, reward_specs
 
 SECTIONS = {
@@ -181,19 +180,13 @@ class LearnerConfig(BaseModel):
         None,
         gt=0,
         le=1000,
-        description=(
-            "On a fleet that serves several runs: this run's weight, relative to the others', in each worker's claims "
-            "(default: leave what the admin set, else 1)."
-        ),
+        description="Shared fleet: the run's weight in workers' claims (default: the admin's, else 1).",
     )
     fleet_cap: float | None = Field(
         None,
         gt=0,
         le=1,
-        description=(
-            "On a fleet that serves several runs: the most of each worker's sequences this run holds at once "
-            "(default: no cap; given alone, the run's weight is 1)."
-        ),
+        description="Shared fleet: most of a worker's sequences it holds at once (default: no cap).",
     )
     queue_ttl_s: float = Field(
         86400.0,
@@ -472,15 +465,6 @@ class LearnerConfig(BaseModel):
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
 
 
-def _unknown(keys: list[str]) -> str:
-    known = [*LearnerConfig.model_fields, *TRL_NAMES, *TRL_VALUES, *TRL_NO_OPS, *TRL_BATCH_KEYS]
-    parts = []
-    for key in keys:
-        near = difflib.get_close_matches(key, known, n=1)
-        parts.append(f"{key}: unknown setting" + (f" (did you mean {near[0]}?)" if near else ""))
-    return "; ".join(parts)
-
-
 def load_config(
     toml_path: Path | None,
     overrides: dict[str, object],
@@ -504,7 +488,7 @@ def load_config(
     values = {**defaults, **trl_batch(user, user.get("num_generations", default_generations), notes)}
     unknown = [k for k in values if k not in LearnerConfig.model_fields]
     if unknown:
-        raise ConfigError(f"invalid configuration: {_unknown(unknown)}")
+        raise ConfigError(f"invalid configuration: {unknown_settings(unknown, LearnerConfig.model_fields)}")
     try:
         return LearnerConfig.model_validate(values)
     except ValidationError as err:

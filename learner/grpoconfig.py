@@ -11,8 +11,9 @@ instead (`TRL_ONLY`).
 
 from __future__ import annotations
 
+import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -332,3 +333,13 @@ def translate_trl(values: dict[str, Any], notes: list[str] | None = None) -> dic
             raise ConfigError("warmup_ratio and a fractional warmup_steps are the same setting: give one of them")
         out["warmup_ratio"] = out.pop("warmup_steps")
     return out
+
+
+def unknown_settings(keys: list[str], ours: Iterable[str]) -> str:
+    """One line for the unknown `keys`, each with the nearest of `ours` and TRL's names."""
+    known = [*ours, *TRL_NAMES, *TRL_VALUES, *TRL_NO_OPS, *TRL_BATCH_KEYS]
+    parts = []
+    for key in keys:
+        near = difflib.get_close_matches(key, known, n=1)
+        parts.append(f"{key}: unknown setting" + (f" (did you mean {near[0]}?)" if near else ""))
+    return "; ".join(parts)

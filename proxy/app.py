@@ -75,16 +75,9 @@ from protocol.trusted.store import FileStore
 from protocol.wire.errors import LeaseLost, status_of
 from protocol.wire.files import StoreError, StoreMissing, adapter_key
 from proxy.auth import RunRefused, Token
+from proxy.context import OFF_LOOP_BYTES, ApiError, Context, error_response
 from proxy.fairness import OverCap
-from proxy.handlers import (
-    HANDLERS,
-    OFF_LOOP_BYTES,
-    ApiError,
-    Context,
-    error_response,
-    parse_version,
-    worker_name,
-)
+from proxy.handlers import HANDLERS, parse_version, worker_name
 from proxy.metrics import MetricsMiddleware
 from proxy.threads import in_thread
 

@@ -12,7 +12,7 @@ A proxy serves its `--run` and every run a token names, each with its own keys o
 and, where `--store` holds `{run}`, its own prefix in the store. A request names its run
 in the `Spotgrpo-Run` header (`protocol.client.http.RUN_HEADER`); without one it is the token's run: `--run`
 where the token may touch it, else the one run the token names. SIGHUP reads the file
-again (`proxy.handlers.Context.reload_tokens`). A run pattern (`"sweep-*"`, `"*"`) matches
+again (`proxy.context.Context.reload_tokens`). A run pattern (`"sweep-*"`, `"*"`) matches
 the runs registered on the proxy's Redis (`protocol.wire.keys.RUNS_KEY`: each run whose
 learner started it and has not finished it), so a fleet serves a new run of its team
 from its learner's first call, with no edit of the tokens. A learner token names its one
@@ -63,7 +63,7 @@ class Token:
     """sha256 of the secret: what is compared, so secrets of any length compare in the same time."""
     workers: int | None = None
     """A fleet's token: the workers it is for. Its caps (event streams, long-polls, live
-    workers, requests/s, body bytes) are sized for them (`proxy.handlers.ProxyLimits.caps`)
+    workers, requests/s, body bytes) are sized for them (`proxy.context.ProxyLimits.caps`)
     in place of the proxy's per-token flags, so a stolen copy holds no more than that fleet does."""
     runs: frozenset[str] | None = None
     """The runs it may touch, by name or pattern (`"sweep-*"`); None: the proxy's `--run` alone."""

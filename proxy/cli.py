@@ -272,8 +272,8 @@ def serve(args: argparse.Namespace) -> int:
     from protocol.wire.files import StoreError
     from proxy.app import build_app
     from proxy.auth import TokenError, Tokens
+    from proxy.context import Context, ProxyLimits
     from proxy.fairness import HeaderTimeoutProtocol
-    from proxy.handlers import Context, ProxyLimits
     from proxy.metrics import ProxyMetrics
     from proxy.server import ProxyServer, raise_open_files_limit
     from proxy.threads import THREADS

@@ -18,7 +18,7 @@ from protocol.trusted import RedisQueue
 from protocol.trusted.store import FileStore
 from proxy.app import build_app
 from proxy.auth import Tokens
-from proxy.handlers import Context, ProxyLimits
+from proxy.context import Context, ProxyLimits
 from proxy.metrics import ProxyMetrics
 
 

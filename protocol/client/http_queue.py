@@ -155,6 +155,8 @@ class HttpQueue(Queue):
         self._share = RunShare()
         """The run's share as the last claim's answer carried it."""
         self._owns_pools = True
+        self.identity: WhoAmIResponse | None = None
+        """The last `whoami` answer (`connect_queue` asks first: `confirm_identity` reads it)."""
 
     def stop_retrying(self) -> None:
         self._stopping.set()
@@ -167,7 +169,7 @@ class HttpQueue(Queue):
         other.config = dataclasses.replace(self.config, run=run)
         other._name_run(run)
         other._received, other._resync, other._subscriptions = {}, set(), []
-        other._share, other._owns_pools = RunShare(), False
+        other._share, other._owns_pools, other.identity = RunShare(), False, None
         return other
 
     def _name_run(self, run: str) -> None:
@@ -429,7 +431,7 @@ class HttpQueue(Queue):
         gives a queue of each).
         Adopts the proxy's lease timeout into `config`: that one counts, so a heartbeat (a
         third of it) follows it."""
-        who = self._call(api.WHOAMI)
+        who = self.identity = self._call(api.WHOAMI)
         changes: dict[str, Any] = {}
         if who.lease_timeout_s is not None and who.lease_timeout_s != self.config.lease_timeout_s:
             changes["lease_timeout_s"] = who.lease_timeout_s
@@ -461,7 +463,7 @@ def confirm_identity(queue: object, role: str, run: str | None, what: str) -> st
     or QueueForbidden. Any other queue is the caller's to trust."""
     if not isinstance(queue, HttpQueue):
         return run or "default"
-    who = queue.whoami()  # QueueForbidden: a token that may not touch the run named
+    who = queue.identity or queue.whoami()  # QueueForbidden: a token that may not touch the run named
     if who.role != role:
         raise ValueError(
             f"the token {who.name!r} has role {who.role}; {what} needs a token with role {role} "

@@ -1,0 +1,81 @@
+"""A lease in flight on a worker, and the rollout group each of its prompts becomes
+(`actors.worker`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from actors.engine import Sample
+from actors.runs import RunLink
+from protocol import Completion, Lease, RolloutGroup, group_id_for, pack_i32
+from protocol.usercode.rewards import Scores
+
+
+@dataclass
+class Flight:
+    """One lease in flight: its groups queued, generating, scoring or ready to submit."""
+
+    lease: Lease
+    link: RunLink
+    """The run the lease is of."""
+    prompt_ids: list[list[int]]
+    version: int
+    """The adapter version every group of the lease is generated with (and tagged with)."""
+    queued_at: float
+    digest: str | None = None
+    """The digest of `version`'s files as the engine loaded them (None: the base model)."""
+    waiting: set[int] = field(default_factory=set)
+    """Prompt indexes whose group is not yet generated and scored."""
+    ready: list[RolloutGroup] = field(default_factory=list)
+    """Scored groups not yet submitted."""
+    lost: bool = False
+    """The heartbeat found the lease gone: its groups will be refused; stop sending them."""
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting and not self.ready
+
+
+def rollout_group(
+    flight: Flight, i: int, samples: list[Sample], texts: list[str], scores: Scores, actor_id: str
+) -> RolloutGroup:
+    """Prompt `i`'s group as the worker `actor_id` submits it: its completions with their
+    texts and scores, tagged with the lease's adapter version and digest."""
+    batch = flight.lease.batch
+    prompt = batch.prompts[i]
+    timings = {"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()}
+    if batch.tools:
+        timings["tool_s"] = sum(s.tool_s for s in samples)
+    return RolloutGroup(
+        group_id=group_id_for(batch.batch_id, prompt.id),
+        batch_id=batch.batch_id,
+        prompt_id=prompt.id,
+        adapter_version=flight.version,
+        adapter_digest=flight.digest,
+        actor_id=actor_id,
+        prompt_token_ids=pack_i32(flight.prompt_ids[i]),
+        completions=[
+            Completion.of(
+                s.token_ids,
+                s.logprobs,
+                s.mask,
+                finish_reason=s.finish_reason,
+                text=t,
+                reward=r,
+                reward_components=c,
+                error=scores.error,
+                extra=x,
+                turns=s.turns,
+                tool_calls=s.tool_calls,
+                tool_errors=s.tool_errors,
+                turn_limit=s.turn_limit,
+            )
+            for s, t, r, c, x in zip(
+                samples, texts, scores.rewards, scores.components, scores.extras or [{}] * len(texts), strict=True
+            )
+        ],
+        error=scores.error,
+        timings=timings,
+        metrics=scores.metrics,
+    )
