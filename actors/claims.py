@@ -16,7 +16,7 @@ from actors.flights import Flight
 from actors.metrics import WorkerMetrics
 from actors.rewards import Scoring
 from actors.runs import EMPTY_PAUSE_S, RunLink, claim_order
-from protocol import Lease, QueueForbidden, QueueUnavailable, RunOver
+from protocol import Lease, PromptBatch, QueueForbidden, QueueUnavailable, RunOver
 
 log = logging.getLogger("actors.worker")
 
@@ -46,6 +46,7 @@ class Claims:
     run_over: str | None
     fingerprint: str | None
     keep_serving: bool
+    in_flight_updates: bool
     find_runs: Callable[[set[str]], list[RunLink]] | None
     find_runs_every_s: float
     _runs_found_at: float
@@ -54,6 +55,11 @@ class Claims:
     stop: Callable[[], None]
     _error: Callable[[str], None]
     _forget: Callable[[tuple[str, str]], None]
+
+    def follows(self, batch: PromptBatch) -> bool:
+        """Whether the batch's groups follow the newest adapter as they generate: unless
+        it is pinned to a version (an evaluation), or in-flight updates are off."""
+        return self.in_flight_updates and batch.pinned_version is None
 
     def _unavailable(self, link: RunLink, err: QueueUnavailable) -> None:
         self.metrics.connection_errors.inc()
@@ -217,6 +223,7 @@ class Claims:
                     version,
                     None if seed is None else seed + i * batch.num_generations,
                     columns=batch.prompts[i].columns if batch.tools else None,
+                    follow=link.engine.newest_version if self.follows(batch) else None,
                 )
                 for i, prompt in enumerate(prompts)
             ]

@@ -138,6 +138,14 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
     )
     a("--worker-id", default=None, help="consumer name (default host-pid-random)")
     a("--keep-adapters", type=int, default=2, help="adapter versions kept loaded (default 2)")
+    a(
+        "--in-flight-updates",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a generation still running when a newer adapter is loaded goes on with it from its prefix, each token "
+        "keeping its version and log-probability (default); --no-in-flight-updates: each group on the version it "
+        "started with",
+    )
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
     a(
         "--adapter-cache",
@@ -378,6 +386,7 @@ def run(args: argparse.Namespace) -> int:
         find_runs=opener.new_runs if opener is not None else None,
         find_runs_every_s=args.find_runs_every_s,
         keep_serving=bool(patterns),
+        in_flight_updates=args.in_flight_updates,
     )
     if stopping.is_set():  # a signal came while the engine loaded
         worker.stop()

@@ -16,9 +16,17 @@ in and a batch out (tests, benchmarks).
 Adapters are loaded from a local directory holding `adapter_model.safetensors` and
 `adapter_config.json`, already verified against their manifest by the watcher.
 `load_adapter` and `evict_adapter` may be called from another thread while the engine
-runs: a group in progress finishes on the version it started with, and an evicted
-version's files are released (`on_released`) only once no queued or running request
-names it.
+runs, and an evicted version's files are released (`on_released`) only once no queued or
+running request names it.
+
+In-flight updates: a group queued with `follow` starts on the newest version `follow`
+names when the engine takes it up (not the one it was queued with), and a sequence still
+generating when a newer version is loaded goes on with it from its prefix (the
+transformers engine stops its batch and continues it; vLLM aborts the request and adds
+it again with the tokens so far as its prompt). Each token keeps the log-probability it
+was sampled with and its version (`Sample.versions`); a sequence with fewer than
+`MOVE_MIN_TOKENS_LEFT` tokens left finishes where it is. A group without `follow` (an
+evaluation pinned to a version) finishes on the version it names.
 """
 
 from __future__ import annotations
@@ -34,6 +42,10 @@ import msgspec
 
 from protocol import Prompt, SamplingParams, unpack_i32
 from protocol.usercode.chat import END_OF_TURN_PROBE, stop_token_ids  # noqa: F401 - re-exported: the engines import them here
+
+MOVE_MIN_TOKENS_LEFT = 16
+"""In-flight updates: a running sequence moves to a newer version only while it may still
+generate this many tokens; nearer its end, the prefill a move costs buys little."""
 
 
 class EngineError(RuntimeError):
@@ -59,6 +71,13 @@ class Sample:
     """Seconds its tool calls took."""
     turn_limit: bool = False
     """Its last turn called tools past the turn limit (unanswered)."""
+    versions: list[int] | None = None
+    """In-flight updates: the adapter version each token was sampled with (never
+    decreasing); None: every token is its group's `version`'s."""
+
+    def token_versions(self, version: int) -> list[int]:
+        """Each token's adapter version, in a group queued on `version`."""
+        return self.versions if self.versions is not None else [version] * len(self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -79,6 +98,10 @@ class GroupRequest:
     None: one completion per sample."""
     columns: dict[str, Any] | None = None
     """Episodes: the prompt's public columns, for its environment's `reset`."""
+    follow: Callable[[], int] | None = None
+    """In-flight updates: the version the group should generate with now (the newest
+    loaded: `Engine.newest_version`), asked when it starts and when a version is loaded
+    while it runs; None: the whole group is generated with `version`."""
 
 
 class Engine(abc.ABC):
@@ -133,6 +156,10 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def loaded_versions(self) -> list[int]:
         """Adapter versions ready for new groups, oldest first (0, the base, is implicit)."""
+
+    def newest_version(self) -> int:
+        """The version new work should use: the newest loaded (0: the base model)."""
+        return max(self.loaded_versions(), default=0)
 
     @abc.abstractmethod
     def add(self, groups: Sequence[GroupRequest]) -> None:

@@ -15,8 +15,10 @@ tools `tool_turns` times (the last turn is still the model's), or when its next 
 not fit: `sampling.max_tokens` bounds the whole episode (TRL's `max_completion_length`) and
 the model's context bounds prompt and episode. An episode cut at a limit ends `length`.
 
-Every turn of an episode runs on the adapter version it started with: an eviction that
-arrives while an episode waits on a tool is held until the episode ends. A group queued
+A pinned episode (`GroupRequest.follow` None) runs every turn on the adapter version it
+started with: an eviction that arrives while it waits on a tool is held until it ends.
+A following one takes the newest version at each turn (and the engine may switch within
+a turn); its tokens keep their versions, an environment token its model turn's. A group queued
 without `tool_turns` passes straight through to the engine.
 """
 
@@ -47,6 +49,9 @@ class _Episode:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    turn_version: int = 0
+    """The version its running (or last) model turn was queued with."""
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -56,7 +61,8 @@ class _Episode:
     finish: Literal["stop", "length", "abort"] | None = None
     turn_limit: bool = False
 
-    def sample(self) -> Sample:
+    def sample(self, version: int) -> Sample:
+        """The episode as one sample of a group queued on `version`."""
         assert self.finish is not None
         return Sample(
             self.tokens,
@@ -68,6 +74,7 @@ class _Episode:
             self.tool_errors,
             self.tool_s,
             self.turn_limit,
+            None if all(v == version for v in self.versions) else self.versions,
         )
 
 
@@ -140,7 +147,8 @@ class EpisodeEngine(Engine):
         with self._lock:
             for g in groups:
                 if g.tool_turns is not None:
-                    self._groups[g.key] = group = _Group(g, [_Episode(list(g.prompt)) for _ in range(g.n)])
+                    episodes = [_Episode(list(g.prompt), turn_version=g.version) for _ in range(g.n)]
+                    self._groups[g.key] = group = _Group(g, episodes)
                     for episode in group.episodes:  # made while its first turn generates
                         self.toolbox.start(episode.id, dict(g.columns or {}))
 
@@ -174,7 +182,7 @@ class EpisodeEngine(Engine):
             if group.done:
                 with self._lock:
                     del self._groups[group_key]
-                out.append((group_key, [e.sample() for e in group.episodes]))
+                out.append((group_key, [e.sample(group.request.version) for e in group.episodes]))
         self._release_held()
         return out
 
@@ -184,6 +192,7 @@ class EpisodeEngine(Engine):
         episode.tokens += sample.token_ids
         episode.logprobs += sample.logprobs
         episode.mask += [1] * len(sample.token_ids)
+        episode.versions += sample.token_versions(episode.turn_version)
         episode.turns += 1
         if sample.finish_reason != "stop":
             self._end(episode, sample.finish_reason)
@@ -223,10 +232,12 @@ class EpisodeEngine(Engine):
         episode.tokens += glue
         episode.logprobs += [0.0] * len(glue)
         episode.mask += [0] * len(glue)
+        episode.versions += episode.versions[-1:] * len(glue)
         if any(r.done for r in results):  # its environment ended it: the results are the last word
             self._end(episode, "stop")
             return
         seed = None if request.seed is None else request.seed + j + 7919 * episode.turns
+        episode.turn_version = request.version if request.follow is None else request.follow()
         self.inner.add(
             [
                 GroupRequest(
@@ -234,8 +245,9 @@ class EpisodeEngine(Engine):
                     episode.prompt + episode.tokens,
                     1,
                     msgspec.structs.replace(request.sampling, max_tokens=room),
-                    request.version,
+                    episode.turn_version,
                     seed,
+                    follow=request.follow,
                 )
             ]
         )

@@ -21,7 +21,8 @@ class Flight:
     """The run the lease is of."""
     prompt_ids: list[list[int]]
     version: int
-    """The adapter version every group of the lease is generated with (and tagged with)."""
+    """The adapter version the lease's groups were queued with (they start on the newest
+    when the engine takes them up, and follow newer ones: `actors.engine`)."""
     queued_at: float
     digest: str | None = None
     """The digest of `version`'s files as the engine loaded them (None: the base model)."""
@@ -41,8 +42,13 @@ def rollout_group(
     flight: Flight, i: int, samples: list[Sample], texts: list[str], scores: Scores, actor_id: str
 ) -> RolloutGroup:
     """Prompt `i`'s group as the worker `actor_id` submits it: its completions with their
-    texts and scores, tagged with the lease's adapter version and digest."""
+    texts and scores, tagged with its oldest token's adapter version and digest, and the
+    digests of the newer versions its tokens name (in-flight updates)."""
     batch = flight.lease.batch
+    per_token = [s.token_versions(flight.version) for s in samples]
+    oldest = min((v[0] for v in per_token if v), default=flight.version)
+    later = sorted({x for v in per_token for x in v} - {oldest})
+    digests = {flight.version: flight.digest, **flight.link.watcher.digests}
     prompt = batch.prompts[i]
     timings = {"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()}
     if batch.tools:
@@ -51,8 +57,9 @@ def rollout_group(
         group_id=group_id_for(batch.batch_id, prompt.id),
         batch_id=batch.batch_id,
         prompt_id=prompt.id,
-        adapter_version=flight.version,
-        adapter_digest=flight.digest,
+        adapter_version=oldest,
+        adapter_digest=digests.get(oldest) if oldest else None,
+        later_digests={v: digest for v in later if (digest := digests.get(v)) is not None},
         actor_id=actor_id,
         prompt_token_ids=pack_i32(flight.prompt_ids[i]),
         completions=[
@@ -60,6 +67,7 @@ def rollout_group(
                 s.token_ids,
                 s.logprobs,
                 s.mask,
+                None if all(x == oldest for x in v) else v,
                 finish_reason=s.finish_reason,
                 text=t,
                 reward=r,
@@ -71,8 +79,14 @@ def rollout_group(
                 tool_errors=s.tool_errors,
                 turn_limit=s.turn_limit,
             )
-            for s, t, r, c, x in zip(
-                samples, texts, scores.rewards, scores.components, scores.extras or [{}] * len(texts), strict=True
+            for s, v, t, r, c, x in zip(
+                samples,
+                per_token,
+                texts,
+                scores.rewards,
+                scores.components,
+                scores.extras or [{}] * len(texts),
+                strict=True,
             )
         ],
         error=scores.error,

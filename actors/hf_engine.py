@@ -5,9 +5,11 @@ For CPU machines, tests and the embedded default. Groups queued with `add` are r
 version and sampling settings: the oldest group queued and those queued after it that
 share them, wherever they are in the queue, so that groups of several runs (each its own
 adapters) queued in turn still batch by adapter. It batches per call, not across a
-running batch as vLLM does. One lock orders generation and adapter changes: a load or eviction that
-arrives while a batch is generating waits for that batch (which finishes on the adapter
-it started with) and is in place for the next one. Adapters are loaded eagerly, so an
+running batch as vLLM does. One lock orders generation and adapter changes: an eviction that arrives
+while a batch is generating waits for that batch, and a load too, except that a batch of
+following groups (`GroupRequest.follow`) stops at its next token for it: its samples
+still generating go on as a batch of their own, each from its prompt and tokens so far,
+on the newest version (one prefill more per switch, none when no version arrives). Adapters are loaded eagerly, so an
 evicted version's files are released at once.
 
 Log-probabilities come from the scores `generate` returns, which are the logits after
@@ -19,20 +21,20 @@ weights need.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import threading
 import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import torch
 
-from actors.engine import Engine, EngineError, GroupRequest, Sample
+from actors.engine import MOVE_MIN_TOKENS_LEFT, Engine, EngineError, GroupRequest, Sample
 from protocol import SamplingParams
 from protocol.usercode.chat import stop_token_ids
 
@@ -55,11 +57,14 @@ class TransformersEngine(Engine):
         self.base: Any = loaded.to(self.device).eval()
         self.model: Any = self.base  # a PeftModel once the first adapter is loaded
         self.max_batch_sequences = self.max_num_seqs = max_batch_sequences
-        self._queue: deque[GroupRequest] = deque()
+        self._queue: deque[_Job] = deque()
+        self._loading = 0
+        """Loads waiting for the running batch: a following batch stops for them."""
         self._queued_seqs = 0
         self._versions: list[int] = []
         self._evicting: dict[int, Callable[[], None] | None] = {}
         self._lock = threading.RLock()
+        self._loading_lock = threading.Lock()
         self._vocab = int(self.base.config.vocab_size)
         self.context = getattr(self.base.config, "max_position_embeddings", None)
         self.stop_ids = stop_token_ids(self.tokenizer, getattr(self.base, "generation_config", None))
@@ -70,6 +75,15 @@ class TransformersEngine(Engine):
 
     # ------------------------------------------------------------------ adapters
     def load_adapter(self, version: int, path: Path) -> None:
+        with self._loading_lock:
+            self._loading += 1
+        try:
+            self._load(version, path)
+        finally:
+            with self._loading_lock:
+                self._loading -= 1
+
+    def _load(self, version: int, path: Path) -> None:
         from peft import PeftModel
 
         name = f"v{version}"
@@ -115,8 +129,8 @@ class TransformersEngine(Engine):
                 callback()
 
     def loaded_versions(self) -> list[int]:
-        with self._lock:
-            return list(self._versions)
+        # without the lock: a load asks first, and must not wait for the running batch
+        return list(self._versions)
 
     @contextlib.contextmanager
     def _using(self, version: int) -> Iterator[torch.nn.Module]:
@@ -148,42 +162,68 @@ class TransformersEngine(Engine):
             if missing:
                 raise EngineError(f"adapter v{missing[0]} is not loaded (loaded: {self._versions})")
             fitted = [self.fit(g) for g in groups]  # all or none
-            self._queue.extend(fitted)
+            self._queue.extend(_Job(g, [list(g.prompt)], g.n, g.sampling, g.version) for g in fitted)
             self._queued_seqs += sum(g.n for g in groups)
+
+    def _take_chunk(self) -> list[_Job]:
+        """The oldest job, and those queued after it that can share its generate call (the
+        same version, samples per prompt and settings); a following job takes the newest
+        version now."""
+        with self._lock:
+            for job in self._queue:
+                if job.group.follow is not None:
+                    job.version = job.group.follow()
+            if not self._queue:
+                return []
+            first = self._queue[0]
+            chunk: list[_Job] = []
+            seqs = 0
+            for job in self._queue:
+                if job.alike(first) and (not chunk or seqs + job.sequences <= self.max_batch_sequences):
+                    chunk.append(job)
+                    seqs += job.sequences
+            taken = {id(j) for j in chunk}
+            self._queue = deque(j for j in self._queue if id(j) not in taken)
+            return chunk
 
     @torch.no_grad()
     def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
         if abort is not None and abort.is_set():
             self._drop_all()
             return []
-        with self._lock:
-            if not self._queue:
-                chunk: list[GroupRequest] = []
-            else:  # the oldest group, and those queued after it that can share its generate call
-                first = self._queue[0]
-                alike = (
-                    g
-                    for g in self._queue
-                    if g.version == first.version and g.n == first.n and g.sampling == first.sampling
-                )
-                chunk = list(itertools.islice(alike, max(1, self.max_batch_sequences // first.n)))
-                taken = {id(g) for g in chunk}
-                self._queue = deque(g for g in self._queue if id(g) not in taken)
+        with self._lock:  # the version chosen stays the newest until the batch starts
+            chunk = self._take_chunk()
+            if chunk:
+                first = chunk[0]
+                with self._using(first.version) as model:
+                    rows, stopped = self._generate_chunk(
+                        model,
+                        [p for j in chunk for p in j.prompts],
+                        first.n,
+                        _seeded(first.sampling, first.seed),
+                        abort,
+                        first.group.follow is not None,
+                    )
         if not chunk:
             time.sleep(min(timeout_s, 0.05))
             return []
-        first = chunk[0]
-        with self._using(first.version) as model:
-            samples = self._generate_chunk(
-                model, [g.prompt for g in chunk], first.n, _seeded(first.sampling, first.seed), abort
-            )
         with self._lock:
-            self._queued_seqs -= sum(g.n for g in chunk)
+            self._queued_seqs -= sum(j.sequences for j in chunk)
         if abort is not None and abort.is_set():
             self._drop_all()
             return []
+        done: list[tuple[Hashable, list[Sample]]] = []
+        for job in chunk:
+            mine, rows = rows[: job.sequences], rows[job.sequences :]
+            finished = job.absorb(mine, stopped, self._trim)
+            if finished is not None:
+                done.append((job.group.key, finished))
+            else:  # a newer version was loaded: the rest goes on with it, from where it is
+                with self._lock:
+                    self._queue.appendleft(job.continuation())
+                    self._queued_seqs += self._queue[0].sequences
         self._release_evicted()
-        return [(g.key, group) for g, group in zip(chunk, samples, strict=True)]
+        return done
 
     def _drop_all(self) -> None:
         with self._lock:
@@ -198,12 +238,24 @@ class TransformersEngine(Engine):
         n: int,
         s: SamplingParams,
         abort: threading.Event | None,
-    ) -> list[list[Sample]]:
+        follows: bool = False,
+    ) -> tuple[list[tuple[list[int], list[float]]], bool]:
+        """`n` sequences per prompt, each its new tokens (padding included) and their
+        log-probabilities; and whether a version being loaded stopped them (`follows`)."""
         from transformers import StoppingCriteria, StoppingCriteriaList
 
-        class Aborted(StoppingCriteria):
+        engine = self
+
+        class Stop(StoppingCriteria):
+            """Every row stops on an abort, and (following groups) when a version is loaded."""
+
+            switched = False
+
             def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kw: object) -> torch.Tensor:
                 stop = abort is not None and abort.is_set()
+                left = s.max_tokens - (input_ids.shape[1] - width)
+                if follows and engine._loading and not stop and left >= MOVE_MIN_TOKENS_LEFT:
+                    stop = Stop.switched = True
                 return torch.full((input_ids.shape[0],), stop, dtype=torch.bool, device=input_ids.device)
 
         pad = self.tokenizer.pad_token_id
@@ -235,22 +287,22 @@ class TransformersEngine(Engine):
             return_dict_in_generate=True,
             pad_token_id=pad,
             eos_token_id=list(self.stop_ids),
-            stopping_criteria=StoppingCriteriaList([Aborted()]),
+            stopping_criteria=StoppingCriteriaList([Stop()]),
             **kwargs,
         )
         if abort is not None and abort.is_set():
-            return [[Sample([], [], "abort")] * n for _ in prompts]
+            return [([], [])] * (len(prompts) * n), False
         new = result.sequences[:, width:].cpu()
         if result.scores:
             logps = torch.stack([torch.log_softmax(sc.float(), -1) for sc in result.scores], 1).cpu()
             picked = logps.gather(-1, new[:, : logps.shape[1]].unsqueeze(-1)).squeeze(-1)
         else:
             picked = torch.zeros(new.shape)
-        samples = [self._trim(new[r].tolist(), picked[r].tolist(), s) for r in range(new.shape[0])]
-        return [samples[i * n : (i + 1) * n] for i in range(len(prompts))]
+        return [(new[r].tolist(), picked[r].tolist()) for r in range(new.shape[0])], Stop.switched
 
     def _trim(self, tokens: list[int], logps: list[float], s: SamplingParams) -> Sample:
-        """Cut padding after the end: at the first stop token (kept), or where a stop string ends."""
+        """Cut padding after the end: at the first stop token (kept), or where a stop string
+        ends; else `length` (at `s.max_tokens`, or short of it where generation was stopped)."""
         end = next((i + 1 for i, t in enumerate(tokens) if t in self.stop_ids), 0)
         if end:
             return Sample(tokens[:end], logps[:end], "stop")
@@ -260,6 +312,87 @@ class TransformersEngine(Engine):
                 if any(stop in text for stop in s.stop):
                     return Sample(tokens[:end], logps[:end], "stop")
         return Sample(tokens[: s.max_tokens], logps[: s.max_tokens], "length")
+
+
+@dataclass
+class _Job:
+    """A group on its way: its prompt rows (one, `n` samples; or, continued after a
+    version switch, one row per sample still generating) and what each sample has so far."""
+
+    group: GroupRequest
+    prompts: list[list[int]]
+    n: int
+    sampling: SamplingParams
+    """The group's settings, with the tokens left (`max_tokens`) once continued."""
+    version: int
+    parts: list[Sample] | None = None
+    """Continued: each sample so far (the finished ones whole); None before."""
+    open_rows: list[int] = field(default_factory=list)
+    """Continued: the samples the prompt rows continue."""
+
+    @property
+    def sequences(self) -> int:
+        return len(self.prompts) * self.n
+
+    @property
+    def seed(self) -> int | None:
+        return self.group.seed if self.parts is None else None
+
+    def alike(self, other: _Job) -> bool:
+        follows = self.group.follow is not None
+        return (self.version, self.n, self.sampling, follows) == (
+            other.version,
+            other.n,
+            other.sampling,
+            other.group.follow is not None,
+        )
+
+    def absorb(
+        self,
+        rows: list[tuple[list[int], list[float]]],
+        stopped: bool,
+        trim: Callable[[list[int], list[float], SamplingParams], Sample],
+    ) -> list[Sample] | None:
+        """Take one generate call's rows; the samples if all are finished, else None (the
+        generation was stopped for a newer version: `continuation`)."""
+        full = self.group.sampling
+        before = self.parts or [Sample([], [], "length", versions=[])] * self.n
+        index = self.open_rows or list(range(self.n))
+        parts = list(before)
+        for j, (tokens, logps) in zip(index, rows, strict=True):
+            prior = before[j]
+            sample = trim(prior.token_ids + tokens, prior.logprobs + logps, full)
+            versions = (prior.versions or []) + [self.version] * (len(sample.token_ids) - len(prior.token_ids))
+            parts[j] = Sample(sample.token_ids, sample.logprobs, sample.finish_reason, versions=versions)
+        self.parts = parts
+        self.open_rows = [
+            j
+            for j in index
+            if stopped and parts[j].finish_reason == "length" and len(parts[j].token_ids) < full.max_tokens
+        ]
+        return None if self.open_rows else [self._plain(p) for p in parts]
+
+    def _plain(self, sample: Sample) -> Sample:
+        """A sample of one version says so by `versions` None."""
+        one = sample.versions is not None and len(set(sample.versions)) <= 1
+        if one and (not sample.versions or sample.versions[0] == self.group.version):
+            return replace(sample, versions=None)
+        return sample
+
+    def continuation(self) -> _Job:
+        """The samples still generating, each its own prompt row (prompt and tokens so far)."""
+        assert self.parts is not None
+        made = len(self.parts[self.open_rows[0]].token_ids)  # they ran in step: one length
+        left = self.group.sampling.max_tokens - made
+        return _Job(
+            self.group,
+            [list(self.group.prompt) + self.parts[j].token_ids for j in self.open_rows],
+            1,
+            msgspec.structs.replace(self.group.sampling, max_tokens=left, seed=None),
+            self.version,
+            self.parts,
+            self.open_rows,
+        )
 
 
 def _seeded(sampling: SamplingParams, seed: int | None) -> SamplingParams:

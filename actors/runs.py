@@ -92,8 +92,20 @@ class RunEngine(Engine):
         owners = (self.slots.owner(slot) for slot in self.base.loaded_versions())
         return [owner[1] for owner in owners if owner is not None and owner[0] == self.run]
 
+    def newest_version(self) -> int:
+        """The engine's number of the run's newest version (a following group's `follow`)."""
+        return self.slots.slot(self.run, max(self.loaded_versions(), default=0))
+
     def add(self, groups: Sequence[GroupRequest]) -> None:
         self.base.add([replace(g, version=self.slots.slot(self.run, g.version)) for g in groups])
+
+    def own(self, samples: list[Sample]) -> list[Sample]:
+        """Samples the shared engine made for this run, their versions in the run's numbers."""
+        return [s if s.versions is None else replace(s, versions=self._own(s.versions)) for s in samples]
+
+    def _own(self, slots: list[int]) -> list[int]:
+        owners = {slot: self.slots.owner(slot) for slot in set(slots)}
+        return [owner[1] if (owner := owners[slot]) is not None else 0 for slot in slots]
 
     def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
         return self.base.step(timeout_s, abort)

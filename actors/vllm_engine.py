@@ -9,9 +9,12 @@ with no asyncio event loop in the worker; the scheduler batches whatever is queu
 Each adapter version is a `LoRARequest` with its own name and a fresh integer id:
 vLLM caches adapters by that id, and reusing an id would serve the old weights.
 Loading a version only registers its request; vLLM loads the weights into a LoRA slot
-when the first request names it (milliseconds), so a sync never pauses generation:
-requests already running finish on the adapter they were started with, requests added
-after the sync use the new one. Because that load is lazy, an evicted version's files
+when the first request names it (milliseconds), so a sync never pauses generation.
+Requests of following groups (`GroupRequest.follow`) still running at the next step are
+aborted and added again on the new version, their prompt the old one and the tokens so
+far (vLLM's prefix cache is per LoRA: the prefix is prefilled again, as it must be), with
+the tokens left and no seed; the tokens keep the log-probabilities they were sampled
+with. Pinned requests finish on the version they started with. Because that load is lazy, an evicted version's files
 must outlive every queued or running request that names it: eviction is deferred until
 the version's last sequence finishes, then the LoRA is removed and `on_released` runs
 (the watcher deletes the files). An engine that dies anyway raises `EngineDead`.
@@ -41,11 +44,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from actors.engine import Engine, EngineDead, EngineError, GroupRequest, Sample
+import msgspec
+
+from actors.engine import MOVE_MIN_TOKENS_LEFT, Engine, EngineDead, EngineError, GroupRequest, Sample
 from protocol import SamplingParams
 from protocol.usercode.chat import stop_token_ids
 from protocol.util.machine import usable_cores
@@ -59,6 +64,11 @@ class _Group:
     version: int
     samples: list[Sample | None]
     left: int
+    request: GroupRequest | None = None
+    running: list[int] = field(default_factory=list)
+    """Each sample's version now (in-flight updates move it on)."""
+    before: list[Sample] = field(default_factory=list)
+    """Each sample's tokens from versions it left (empty until it switches)."""
 
 
 @dataclass
@@ -138,6 +148,8 @@ class VLLMEngine(Engine):
         self._evicting: dict[int, _Eviction] = {}  # version -> its LoRA, removed when unused
         self._groups: dict[Hashable, _Group] = {}
         self._sequences: dict[str, tuple[Hashable, int]] = {}  # request id -> (group key, sample index)
+        self._latest: dict[str, Any] = {}  # request id -> its output so far (following groups)
+        self._loaded = False  # a version was loaded since the last step: following groups move
         self._uses: Counter[int] = Counter()  # version -> sequences queued or running
 
     @property
@@ -160,6 +172,7 @@ class VLLMEngine(Engine):
                 lora_int_id=eviction.lora_int_id if eviction else next(self._ids),
                 lora_path=str(path),
             )
+            self._loaded = True
 
     def evict_adapter(self, version: int, on_released: Callable[[], None] | None = None) -> None:
         with self._lock:
@@ -210,33 +223,75 @@ class VLLMEngine(Engine):
         return len(self._sequences)
 
     def add(self, groups: Sequence[GroupRequest]) -> None:
+        groups = [g if g.follow is None else replace(g, version=g.follow()) for g in groups]
         with self._lock:
             missing = sorted({g.version for g in groups if g.version and g.version not in self._adapters})
             if missing:
                 raise EngineError(f"adapter v{missing[0]} is not loaded (loaded: {sorted(self._adapters)})")
-            loras = {g.version: self._adapters.get(g.version) for g in groups}
         groups = [self.fit(g) for g in groups]  # all or none
         try:
             for g in groups:
-                self._groups[g.key] = _Group(g.key, g.version, [None] * g.n, g.n)
+                self._groups[g.key] = group = _Group(g.key, g.version, [None] * g.n, g.n, g, [g.version] * g.n)
                 for j in range(g.n):
-                    request_id = str(next(self._request_ids))
-                    seed = None if g.seed is None else g.seed + j
-                    self.engine.add_request(
-                        request_id,
-                        {"prompt_token_ids": list(g.prompt)},
-                        self._sampling(g.sampling, seed),
-                        lora_request=loras[g.version],
-                    )
-                    self._sequences[request_id] = (g.key, j)
-                    with self._lock:
-                        self._uses[g.version] += 1
+                    self._submit(group, j, list(g.prompt), g.sampling, None if g.seed is None else g.seed + j)
         except Exception as err:
             if _is_engine_dead(err):
                 raise EngineDead(f"the vLLM engine died: {err}") from err
             raise
 
+    def _submit(self, group: _Group, j: int, prompt: list[int], sampling: SamplingParams, seed: int | None) -> None:
+        """Sample `j` of `group` as one request, on its version now."""
+        version = group.running[j]
+        with self._lock:
+            lora = self._adapters.get(version) if version else None
+        if version and lora is None:
+            raise EngineError(f"adapter v{version} is not loaded (loaded: {sorted(self._adapters)})")
+        request_id = str(next(self._request_ids))
+        self.engine.add_request(
+            request_id, {"prompt_token_ids": prompt}, self._sampling(sampling, seed), lora_request=lora
+        )
+        self._sequences[request_id] = (group.key, j)
+        with self._lock:
+            self._uses[version] += 1
+
+    def _move_on(self) -> None:
+        """A version was loaded: the following groups' requests not on their newest are
+        aborted and added again on it, from their tokens so far."""
+        self._loaded = False
+        moving: list[tuple[str, _Group, int, int]] = []
+        for request_id, (key, j) in self._sequences.items():
+            group = self._groups[key]
+            if group.request is not None and group.request.follow is not None:
+                newest = group.request.follow()
+                made = self._latest.get(request_id)
+                room = (
+                    group.request.sampling.max_tokens
+                    - len(made.token_ids if made else [])
+                    - len(group.before[j].token_ids if group.before else [])
+                )
+                if newest != group.running[j] and room >= MOVE_MIN_TOKENS_LEFT:
+                    moving.append((request_id, group, j, newest))
+        if not moving:
+            return
+        self.engine.abort_request([m[0] for m in moving])
+        for request_id, group, j, newest in moving:
+            del self._sequences[request_id]
+            so_far = self._sample_of(self._latest.pop(request_id, None), group.running[j], "abort")
+            with self._lock:
+                self._uses[group.running[j]] -= 1
+            if not group.before:
+                group.before = [Sample([], [], "abort", versions=[]) for _ in group.samples]
+            group.before[j] = _joined(group.before[j], so_far)
+            group.running[j] = newest
+            assert group.request is not None
+            full = group.request.sampling
+            left = full.max_tokens - len(group.before[j].token_ids)
+            sampling = msgspec.structs.replace(full, max_tokens=left)
+            self._submit(group, j, list(group.request.prompt) + group.before[j].token_ids, sampling, None)
+
     def step(self, timeout_s: float, abort: threading.Event | None = None) -> list[tuple[Hashable, list[Sample]]]:
+        if self._loaded:
+            self._move_on()
         self._release_evicted()
         if abort is not None and abort.is_set():
             self._drop_all()
@@ -252,10 +307,15 @@ class VLLMEngine(Engine):
                     self._drop_all()
                     return []
                 for result in self.engine.step():
-                    if result.finished and result.request_id in self._sequences:
-                        finished = self._finish(result)
-                        if finished is not None:
-                            done.append(finished)
+                    if result.request_id not in self._sequences:
+                        continue
+                    if not result.finished:
+                        self._latest[result.request_id] = result.outputs[0]
+                        continue
+                    self._latest.pop(result.request_id, None)
+                    finished = self._finish(result)
+                    if finished is not None:
+                        done.append(finished)
         except Exception as err:
             if _is_engine_dead(err):
                 raise EngineDead(f"the vLLM engine died: {err}") from err
@@ -263,19 +323,29 @@ class VLLMEngine(Engine):
         self._release_evicted()
         return done
 
-    def _finish(self, result: Any) -> tuple[Hashable, list[Sample]] | None:
-        key, j = self._sequences.pop(result.request_id)
-        group = self._groups[key]
-        completion = result.outputs[0]
+    def _sample_of(self, completion: Any, version: int, default: str) -> Sample:
+        """One request's output as a sample of `version` (none yet: no tokens)."""
+        if completion is None:
+            return Sample([], [], default, versions=[])  # type: ignore[arg-type]
         ids = list(completion.token_ids)
         logps = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [], strict=False)]
         if len(logps) != len(ids):
             raise EngineError(f"vLLM returned {len(logps)} log-probabilities for {len(ids)} tokens")
-        reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
-        group.samples[j] = Sample(ids, logps, reason)  # type: ignore[arg-type]
+        reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else default
+        return Sample(ids, logps, reason, versions=[version] * len(ids))  # type: ignore[arg-type]
+
+    def _finish(self, result: Any) -> tuple[Hashable, list[Sample]] | None:
+        key, j = self._sequences.pop(result.request_id)
+        group = self._groups[key]
+        version = group.running[j]
+        sample = self._sample_of(result.outputs[0], version, "abort")
+        if group.before:
+            sample = _joined(group.before[j], sample)
+        one = sample.versions is not None and all(v == group.version for v in sample.versions)
+        group.samples[j] = replace(sample, versions=None) if one else sample
         group.left -= 1
         with self._lock:
-            self._uses[group.version] -= 1
+            self._uses[version] -= 1
         if group.left:
             return None
         del self._groups[key]
@@ -285,6 +355,7 @@ class VLLMEngine(Engine):
         if self._sequences:
             self.engine.abort_request(list(self._sequences))
         self._sequences.clear()
+        self._latest.clear()
         self._groups.clear()
         with self._lock:
             self._uses.clear()
@@ -293,3 +364,14 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         del self.engine
         del self.llm
+
+
+def _joined(before: Sample, after: Sample) -> Sample:
+    """A sample continued on a newer version: its tokens, log-probabilities and versions
+    before, then after; it ends as the part after ends."""
+    return Sample(
+        before.token_ids + after.token_ids,
+        before.logprobs + after.logprobs,
+        after.finish_reason,
+        versions=before.token_versions(0) + after.token_versions(0),
+    )

@@ -97,8 +97,9 @@ class AdapterWatcher:
         self.retry_soon = False
         """A download failed for want of the store or the network: read the latest within `poll_s`."""
         self.digests: dict[int, str] = {}
-        """`folder_digest` of each loaded version's files, as the engine loads them (equal to
-        the manifest's): the proof each group carries of the adapter it was generated with."""
+        """`folder_digest` of each version's files, as the engine loaded them (equal to the
+        manifest's): the proof each group carries of the adapters it was generated with. Kept
+        after an eviction (a group in flight may have tokens of it): 64 characters a version."""
         self.load_s: dict[int, float] = {}
         """Seconds from the start of the download to loaded, per version."""
         self._stop = threading.Event()
@@ -247,5 +248,4 @@ class AdapterWatcher:
             # the files go only when no queued or running request names the version any
             # more: vLLM loads a LoRA lazily, when its first request is scheduled
             folder = self.cache_dir / f"v{old}"
-            self.digests.pop(old, None)  # its groups in flight hold theirs (`actors.worker.Flight`)
             self.engine.evict_adapter(old, on_released=functools.partial(shutil.rmtree, folder, ignore_errors=True))

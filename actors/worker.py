@@ -9,8 +9,9 @@ leases in flight.
 The engine is kept at its sequence limit (`Engine.max_num_seqs`, counting a lease as its
 prompts x `num_generations`), whatever the batch size: a lease's groups are queued as
 soon as it is claimed and new leases are claimed as groups finish. Each group is
-generated with one adapter version and tagged with it; an adapter loaded mid-flight is
-used by groups queued after it. Rewards run beside the engine (`ScoringPool`).
+started on the newest adapter version when the engine takes it up, and goes on with a
+newer one loaded while it generates (in-flight updates, `actors.engine`): each token is
+tagged with its version, and the group with the oldest. Rewards run beside the engine (`ScoringPool`).
 
 Connection errors back off exponentially (capped) while the engine keeps generating
 what it has; finished groups wait and are submitted when the queue is back. A
@@ -51,7 +52,7 @@ from actors.flights import Flight, rollout_group
 from actors.heartbeat import Heartbeat, heartbeat_period_s
 from actors.metrics import WorkerMetrics
 from actors.rewards import Scoring
-from actors.runs import RunLink, shares
+from actors.runs import RunEngine, RunLink, shares
 from actors.watcher import AdapterWatcher
 from protocol import (
     Queue,
@@ -91,6 +92,7 @@ class Worker(Claims):
         find_runs: Callable[[set[str]], list[RunLink]] | None = None,
         find_runs_every_s: float = 60.0,
         keep_serving: bool = False,
+        in_flight_updates: bool = True,
     ) -> None:
         """`queue`, `watcher`: the first run's; `more_runs`: the other runs served on the same
         `engine`. Each run's groups are queued where its watcher loads its adapters (its
@@ -99,7 +101,8 @@ class Worker(Claims):
         `find_runs`: every `find_runs_every_s`, the runs to serve that are not among those
         named (runs added while the worker serves). `keep_serving`: when every run served
         has ended, wait for the next (a token whose run patterns match runs yet to start)
-        rather than stop."""
+        rather than stop. `in_flight_updates`: unpinned groups follow the newest adapter
+        (`GroupRequest.follow`); False: each on the version it started with."""
         self.queue, self.engine, self.watcher, self.scorer = queue, engine, watcher, scorer
         self.worker_id = worker_id
         self.claim_block_s = claim_block_s
@@ -109,6 +112,7 @@ class Worker(Claims):
         """Sequences kept in the engine; leases are claimed while there is room for one more."""
         self.metrics = metrics or WorkerMetrics()
         self.report_every_s = report_every_s
+        self.in_flight_updates = in_flight_updates
         first = RunLink(queue.config.run, queue, watcher, watcher.engine)  # its RunEngine, or `engine` itself
         self.links: list[RunLink] = []
         self._beating = False
@@ -273,6 +277,8 @@ class Worker(Claims):
             flight = self.flights.get((run, lease_id))
             if flight is None:
                 continue
+            if isinstance(flight.link.engine, RunEngine):
+                samples = flight.link.engine.own(samples)  # versions in the run's own numbers
             prompt = flight.lease.batch.prompts[i]
             texts = [self.engine.decode(s.token_ids) for s in samples]
             self.samples[key] = samples, texts

@@ -5,8 +5,9 @@ the log-probability of every token it sampled. Neither proves the tokens were sa
 from that adapter: a worker could send another model's text, or the base model's under
 the newest version's name, or log-probabilities of its choosing (they decide what the
 importance weights keep). So the learner audits a random share of the groups it is
-about to train on. It recomputes, under the adapter of the version the group names (the
-learner keeps the last `max_staleness + 1`), for every model token:
+about to train on. It recomputes, under the adapter of the version each token names (the
+group's, or a newer one where an in-flight update moved it on; the learner keeps the last
+`max_staleness + 1`), for every model token:
 
 - the log-probability: the worker's must agree (`mean_abs_diff`, and `tail_frac`, the share
   of tokens off by more than `tail_nats`);
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
 from torch import Tensor
 
 from learner.config import LearnerConfig
@@ -237,10 +239,12 @@ class Auditor:
         return on_probation or self.draw() < self.rate
 
     def audit(self, group: RolloutGroup) -> Findings | None:
-        """The group's figures under the adapter of its version; None when that adapter is
-        not at hand (too old, or its files unreadable): the group is not audited."""
-        state = self._state_of(group.adapter_version)
-        if state is None and group.adapter_version != self.live_version:
+        """The group's figures, each token under the adapter of the version it names (a
+        group that met in-flight updates costs a forward pass per version); None when one
+        of those adapters is not at hand (too old, or its files unreadable): the group is
+        not audited."""
+        states = {version: self._state_of(version) for version in group.versions}
+        if any(state is None and version != self.live_version for version, state in states.items()):
             return None
         seqs = pack_sequences(
             [group.prompt_tokens] * len(group.completions),
@@ -253,9 +257,20 @@ class Auditor:
         model = scatter_completion_values([c.model_mask for c in group.completions], prompt_lens, width)
         device = self.policy.device
         seqs = type(seqs)(*(t.to(device) for t in (seqs.input_ids_BL, seqs.attention_mask_BL, seqs.mask_BT)))
-        version = group.adapter_version
-        mode = LIVE if version == self.live_version else BASE if version == 0 else SWAPPED
-        logp, mean, var = (t.float().cpu() for t in self.moments(seqs, mode, state if mode == SWAPPED else None))
+        moments: list[Tensor] | None = None
+        if len(states) > 1:
+            named = [c.token_versions(group.adapter_version).astype("float32") for c in group.completions]
+            versions_BT = scatter_completion_values(named, prompt_lens, width)
+        for version, state in states.items():
+            mode = LIVE if version == self.live_version else BASE if version == 0 else SWAPPED
+            mine = [t.float().cpu() for t in self.moments(seqs, mode, state if mode == SWAPPED else None)]
+            if moments is None:
+                moments = mine
+            else:  # this version's tokens take its figures
+                here = versions_BT == version
+                moments = [torch.where(here, new, old) for new, old in zip(mine, moments, strict=True)]
+        assert moments is not None
+        logp, mean, var = moments
         result = findings(claimed, logp, mean, var, model * seqs.mask_BT.cpu(), self.limits.tail_nats)
         passed = result.failed(self.limits) is None
         if passed:
@@ -308,6 +323,7 @@ def moments_as(
         policy.model.train()
 
 
-def quarantine_reason(check: str, found: Findings, version: int) -> str:
+def quarantine_reason(check: str, found: Findings, versions: list[int]) -> str:
     """Why a worker is quarantined, in one line."""
-    return f"failed the {check} audit of a group it said adapter v{version} generated ({found.describe()})"
+    named = "/".join(f"v{v}" for v in versions)
+    return f"failed the {check} audit of a group it said adapter {named} generated ({found.describe()})"

@@ -153,7 +153,7 @@ class Collector:
         elif reason is Reason.ADAPTER_DIGEST:
             self.quarantine(
                 group.actor_id,
-                f"its group named adapter v{group.adapter_version} and carried the digest of other files",
+                f"its group named adapter v{'/'.join(map(str, group.versions))} and carried the digest of other files",
             )
         self.step.add(group, reason)
         if reason in (None, Reason.FLAT, Reason.STALE):  # a rejected group says nothing of its prompt
@@ -168,10 +168,13 @@ class Collector:
         """`learner.judge.judge` with what this learner knows; a rejection is logged."""
         if group.actor_id in self.state.quarantined:
             return Reason.QUARANTINED
-        version, newest = group.adapter_version, self.state.policy_version
-        checked = 0 < version <= newest and newest - version <= self.cfg.max_staleness
-        digest = self.publisher.digest_of(version) if checked else None
-        reason = judge(group, self.bounds, newest, self.feeder.issued_tokens(group), digest)
+        newest = self.state.policy_version
+
+        def digest_of(version: int) -> str | None:  # versions the learner can still vouch for
+            checked = 0 < version <= newest and newest - version <= self.cfg.max_staleness
+            return self.publisher.digest_of(version) if checked else None
+
+        reason = judge(group, self.bounds, newest, self.feeder.issued_tokens(group), digest_of)
         if reason is not None and reason.rejected:
             self._rejections.warn(
                 reason,
@@ -190,7 +193,7 @@ class Collector:
         if check is None:
             return None
         assert found is not None
-        self.quarantine(group.actor_id, quarantine_reason(check, found, group.adapter_version))
+        self.quarantine(group.actor_id, quarantine_reason(check, found, group.versions))
         return Reason.AUDIT
 
     def quarantine(self, worker: str, why: str) -> None:

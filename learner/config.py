@@ -335,6 +335,13 @@ class LearnerConfig(BaseModel):
         "transformers",
         description="The embedded default's actors' engine (vllm needs the vllm package: vLLM's CPU build runs here).",
     )
+    actor_in_flight_updates: bool = Field(
+        True,
+        description=(
+            "The embedded default's actors: a generation still running when a newer adapter arrives goes on with it "
+            "from its prefix, each token keeping its version and log-probability (actors run --in-flight-updates)."
+        ),
+    )
     embedded_redis: Literal["auto", "server", "memory"] = Field(
         "auto",
         description=(

@@ -100,13 +100,14 @@ def judge(
     bounds: Bounds,
     policy_version: int,
     issued: dict[str, bytes | None] | None,
-    digest: str | None = None,
+    digest_of: Callable[[int], str | None] | None = None,
 ) -> Reason | None:
     """Why `group` is not trained on, or None to train on it. `issued`:
     prompt id -> the prompt tokens issued, for the group's batch if this learner has it
     outstanding (None: a batch issued before a restart, which the queue checked).
-    `digest`: the published digest of the group's adapter version (None: the base model,
-    or a version whose manifest cannot be read now)."""
+    `digest_of`: the published digest of an adapter version (None: one whose manifest
+    cannot be read now, or one not checked); every version the group's tokens name is
+    checked, its oldest (`adapter_digest`) and the newer ones (`later_digests`)."""
     prompt = group.prompt_tokens
     lengths = [c.tokens.size for c in group.completions]
     rewards = group.rewards
@@ -135,10 +136,14 @@ def judge(
         group.prompt_id not in issued or issued[group.prompt_id] not in (None, group.prompt_token_ids)
     ):
         return Reason.BAD_SHAPE  # not the prompt, or not the tokens, this learner issued
-    if group.adapter_version > policy_version:
+    if group.newest_version > policy_version:
         return Reason.FUTURE_VERSION
-    if group.adapter_version and digest is not None and group.adapter_digest != digest:
-        return Reason.ADAPTER_DIGEST  # generated with other files than the version it names, or none
+    if digest_of is not None:
+        named = ((group.adapter_version, group.adapter_digest), *group.later_digests.items())
+        for version, claimed in named:
+            published = digest_of(version) if version else None
+            if published is not None and claimed != published:
+                return Reason.ADAPTER_DIGEST  # generated with other files than the version it names, or none
     if policy_version - group.adapter_version > bounds.max_staleness:
         return Reason.STALE
     if len(set(rewards)) == 1:

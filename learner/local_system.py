@@ -180,6 +180,8 @@ class LocalSystem:
             "--claim-block-s",
             "2",
         ]
+        if not self.cfg.actor_in_flight_updates:
+            cmd.append("--no-in-flight-updates")
         for spec in [] if self.trusted else self.cfg.reward_specs:
             cmd += ["--reward", spec]
         for spec in self.cfg.tools:

@@ -244,7 +244,7 @@ class Learner:
         (`stats`: the loss figures; `times`: the wait, step and publish seconds)."""
         step_groups = self.collector.end_step()
         self.feeder.reissue(step_groups)
-        count_step(self.state, step_groups, self.cfg.mask_truncated_completions)
+        count_step(self.state, step_groups, self.cfg.mask_truncated_completions, trained_with)
         self.state.count("num_tokens", sequence_tokens(groups))  # TRL's, run-long
         parts = {**self.feeder.metrics(), **self.collector.metrics(), **self.evals.metrics()}
         tail = {**stats, "num_tokens": self.state.totals["num_tokens"], **times, **parts}

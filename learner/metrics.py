@@ -26,7 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from learner.judge import Reason, StepGroups
+from learner.token_use import token_staleness
 from learner.trackers import Sample, Tracker
 from protocol import RolloutGroup
 from protocol.usercode.rewards import reward_name
@@ -218,6 +221,7 @@ def group_figures(
             if logged is not None and logged.keep(key, source_of(g.actor_id)):
                 by_name.setdefault(key, []).append(figure)
     staleness = [trained_with - g.adapter_version for g in groups]
+    behind = np.concatenate([token_staleness(g, c, trained_with) for g in groups for c in g.completions])
     completions = [c for g in groups for c in g.completions]
     lengths = [c.tokens.size for c in completions]
     ended = [c.tokens.size for c in completions if c.finish_reason != "length"] or [0]
@@ -243,6 +247,9 @@ def group_figures(
         "groups": len(groups),
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(staleness),
+        # by token: an in-flight update moves a generation onto newer adapters as it goes
+        "staleness_token_mean": float(behind.mean()) if behind.size else 0.0,
+        "staleness_token_p95": float(np.percentile(behind, 95)) if behind.size else 0.0,
         "dropped_stale": step.count(Reason.STALE),
         "dropped_flat": step.count(Reason.FLAT),
         "rejected": sum(1 for _, r in step.dropped if r.rejected),

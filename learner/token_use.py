@@ -10,6 +10,10 @@ not: `Completion.mask`) of every group the learner consumed lands in one place:
 - `rejected`: a group that broke a rule, a duplicate or a quarantined worker's included;
 - `evaluated`: held-out evaluations, generated to be measured, never trained.
 
+Of the trained tokens, those sampled within one version of the policy they trained
+(`staleness/tokens_within_one`: an in-flight update moves a long generation onto each new
+adapter, so most of its tokens are) give `trained_within_one_version`.
+
 The counts are run-long totals in the checkpointed state (`tokens/<where>`), counted when a
 step's verdicts are final (`count_step`), so a collection a stop abandons counts nothing:
 its groups stay pending and are judged again by the next run. `summary.json` and the
@@ -27,6 +31,7 @@ from protocol import Completion, RolloutGroup
 
 WHERE = ("trained", "truncated", "flat", "stale", "rejected", "evaluated")
 PREFIX = "tokens/"
+WITHIN_ONE = "staleness/tokens_within_one"
 
 
 def model_tokens(c: Completion) -> int:
@@ -43,12 +48,21 @@ def sequence_tokens(groups: list[RolloutGroup]) -> int:
     return sum(g.prompt_tokens.size + c.tokens.size for g in groups for c in g.completions)
 
 
-def count_step(state: Any, step: StepGroups, mask_truncated: bool) -> None:
-    """Count one step's groups, trained and dropped, into `state.totals`."""
+def token_staleness(g: RolloutGroup, c: Completion, trained_with: int) -> np.ndarray:
+    """Versions behind the policy `trained_with` of each of `c`'s model tokens."""
+    behind = trained_with - c.token_versions(g.adapter_version)
+    return behind if c.mask is None else behind[np.frombuffer(c.mask, np.uint8) == 1]
+
+
+def count_step(state: Any, step: StepGroups, mask_truncated: bool, trained_with: int = 0) -> None:
+    """Count one step's groups, trained and dropped, into `state.totals` (`trained_with`:
+    the policy version the step trained)."""
     for g in step.kept:
         for c in g.completions:
             masked = mask_truncated and c.finish_reason == "length"
             state.count(PREFIX + ("truncated" if masked else "trained"), model_tokens(c))
+            if not masked:
+                state.count(WITHIN_ONE, int(np.count_nonzero(token_staleness(g, c, trained_with) <= 1)))
     for g, reason in step.dropped:
         state.count(PREFIX + (reason.removeprefix("dropped_") if reason.dropped else "rejected"), group_tokens(g))
 
@@ -58,7 +72,8 @@ def token_accounting(totals: dict[str, int]) -> dict[str, Any]:
     where = {w: totals.get(PREFIX + w, 0) for w in WHERE}
     generated = sum(where.values())
     share = round(where["trained"] / generated, 4) if generated else None
-    return {"generated": generated, **where, "trained_share": share}
+    within = round(totals.get(WITHIN_ONE, 0) / where["trained"], 4) if where["trained"] else None
+    return {"generated": generated, **where, "trained_share": share, "trained_within_one_version": within}
 
 
 def token_line(tokens: dict[str, Any]) -> str:
@@ -68,4 +83,6 @@ def token_line(tokens: dict[str, Any]) -> str:
         return ""
     rest = ", ".join(f"{w} {tokens[w] / generated:.0%}" for w in WHERE[1:] if tokens.get(w))
     line = f"trained {tokens['trained'] / generated:.0%} of {generated:,} generated tokens"
-    return f"{line} ({rest})" if rest else line
+    line = f"{line} ({rest})" if rest else line
+    within = tokens.get("trained_within_one_version")
+    return line if within is None else f"{line}; {within:.0%} of them within one version of the policy"

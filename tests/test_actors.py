@@ -13,6 +13,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 import toy_rewards
@@ -37,7 +38,7 @@ from protocol import (
 from protocol.trusted import RedisQueue, open_store
 from protocol.trusted.store import Store, StoreSource
 from protocol.usercode.rewards import RewardError, RewardFn, Scorer, load_reward
-from protocol.wire.files import StoreError, adapter_key
+from protocol.wire.files import StoreError, adapter_digest, adapter_key
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -307,8 +308,12 @@ class GatedEngine(TransformersEngine):
 @pytest.mark.redis
 @pytest.mark.slow
 def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_server, run_name: str) -> None:
-    """v2 is announced while a batch generates on v1: that batch finishes on v1 (its
-    log-probabilities are v1's), the next uses v2, and each group says which."""
+    """v2 is announced while a batch generates on v1: the samples still generating go on
+    with v2 from their prefix (in-flight update), each token's log-probability its own
+    version's; the group says v1 (its oldest token) and carries v2's digest too, which the
+    learner's judge checks against what it published; the next batch is v2's alone."""
+    from learner.judge import Bounds, judge
+
     make = lambda: RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name))  # noqa: E731
     queue, store = make(), open_store((tmp_path / "store").as_uri())
     v1, v2 = learner_policy(tiny_model, 1), learner_policy(tiny_model, 2)
@@ -337,12 +342,31 @@ def test_hot_swap_during_a_generation(tmp_path: Path, tiny_model: Path, redis_se
     assert first_span[0] == 1 and first_span[1] < announced_at < first_span[2], "the swap did not overlap a generation"
     groups = [d.group for d in queue.read_rollouts("t", 100)]
     assert {(g.batch_id, g.adapter_version) for g in groups} == {("first", 1), ("second", 2)}
+    assert any(g.versions == [1, 2] for g in groups if g.batch_id == "first"), "no group went on with v2"
+    assert all(g.versions == [2] for g in groups if g.batch_id == "second")
+    published = {v: store.read_manifest(v) for v in (1, 2)}
+    digest_of = {v: adapter_digest(m.files) for v, m in published.items()}.get
+    bounds = Bounds("actor", 10.0, 10_000, 4096, 8, 160, 2)
+    first = [g for g in groups if g.batch_id == "first"]
+    assert all(
+        not judge(g, bounds, 2, None, digest_of) or judge(g, bounds, 2, None, digest_of) == "dropped_flat"
+        for g in first
+    )
+    spanning = next(g for g in first if g.versions == [1, 2])
+    forged = msgspec.structs.replace(spanning, later_digests={2: digest_of(1)})
+    assert judge(forged, bounds, 2, None, digest_of) == "rejected_adapter_digest"
+    policies = {1: v1, 2: v2}
+    wrong = []
     for g in groups:
-        right, wrong = (v1, v2) if g.adapter_version == 1 else (v2, v1)
-        c = max(g.completions, key=lambda c: len(c.tokens))
-        prompt = g.prompt_tokens.tolist()
-        assert (learner_logps(right, prompt, c.tokens.tolist(), 1.0) - torch.tensor(c.logps)).abs().max() < 1e-3
-        assert (learner_logps(wrong, prompt, c.tokens.tolist(), 1.0) - torch.tensor(c.logps)).abs().max() > 1e-2
+        for c in g.completions:
+            versions = torch.tensor(c.token_versions(g.adapter_version))
+            ours = {v: learner_logps(p, g.prompt_tokens.tolist(), c.tokens.tolist(), 1.0) for v, p in policies.items()}
+            for v in versions.unique().tolist():
+                mine = versions == v
+                got = torch.tensor(c.logps)[mine]
+                assert (ours[v][mine] - got).abs().max() < 1e-3
+                wrong.append((ours[3 - v][mine] - got).abs())
+    assert torch.cat(wrong).mean() > 1e-2  # and not the other version's
     queue.close()
 
 

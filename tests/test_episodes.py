@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +204,27 @@ def test_an_episode_keeps_its_adapter_version_through_an_eviction(tokenizer, too
     assert released.is_set() and inner.evicted == [1]
 
 
+def test_a_following_episode_takes_the_newest_adapter_at_its_next_turn(tokenizer, toolbox, tmp_path: Path) -> None:
+    """In-flight updates: v2 is loaded while the episode's tool runs; its next turn is
+    queued on v2, and its tokens say so (the environment's carry the turn before's)."""
+    engine, inner = episodes(tokenizer, toolbox, until_result(tool_call("slow_add", a=2, b=3)))
+    engine.load_adapter(1, tmp_path)
+    group = episode("g", prompt(tokenizer), version=1)
+    engine.add([dataclasses.replace(group, follow=engine.newest_version)])
+    while not inner.requests or engine.inner.in_flight:  # its first turn is generated
+        engine.step(0.01)
+    engine.load_adapter(2, tmp_path)  # while its tool runs
+    done: dict = {}
+    while not done:
+        done.update(engine.step(0.02))
+    assert [r.version for r in inner.requests] == [1, 2]
+    [s] = done["g"]
+    assert s.versions is not None and s.mask is not None
+    first_turn = s.mask.index(0)  # the first environment token
+    second_turn = first_turn + s.mask[first_turn:].index(1)
+    assert s.versions == [1] * second_turn + [2] * (len(s.token_ids) - second_turn)
+
+
 def test_groups_without_tools_pass_straight_through(tokenizer, toolbox) -> None:
     engine, inner = episodes(tokenizer, toolbox, lambda text, j: tool_call("add", a=1, b=1))
     plain = GroupRequest("plain", prompt(tokenizer), 3, SamplingParams(max_tokens=200), 0)
@@ -282,11 +304,11 @@ def test_a_message_of_the_old_schema_is_refused_with_what_to_do() -> None:
 
     from protocol import SCHEMA_VERSION
 
-    assert SCHEMA_VERSION == 3  # 3: groups carry their adapter's digest
-    for schema in (1, 2):
+    assert SCHEMA_VERSION == 4  # 4: tokens carry the adapter version they were sampled with
+    for schema in (1, 2, 3):
         old = msgspec.msgpack.encode({"type": "prompt_batch", "schema": schema, "batch_id": "b"})
         with pytest.raises(
-            ProtocolError, match=rf"unknown schema version {schema}; this build speaks 3 .*same spotgrpo release"
+            ProtocolError, match=rf"unknown schema version {schema}; this build speaks 4 .*same spotgrpo release"
         ):
             decode(old)
 

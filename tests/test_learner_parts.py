@@ -215,7 +215,7 @@ def test_every_generated_token_of_a_consumed_group_is_counted_once_where_it_went
         collector.take(Delivery(f"2-{i}", g))
     state.policy_version = 3  # max_staleness 2: a group of the base model is stale now
     collector.take(Delivery("2-4", answer(b2, 0)))  # stale: 4 x 2
-    count_step(state, collector.end_step(), mask_truncated=True)
+    count_step(state, collector.end_step(), mask_truncated=True, trained_with=1)
     tokens = accounting(state, learner.cfg, None)["tokens"]
     assert tokens == {
         "generated": 6 + 3 + 8 + 8 + 9 + 8,
@@ -226,9 +226,11 @@ def test_every_generated_token_of_a_consumed_group_is_counted_once_where_it_went
         "rejected": 17,
         "evaluated": 0,
         "trained_share": round(6 / 42, 4),
+        "trained_within_one_version": 1.0,  # v0's tokens, trained by the policy of v1
     }
     assert token_line(tokens) == (
-        "trained 14% of 42 generated tokens (truncated 7%, flat 19%, stale 19%, rejected 40%)"
+        "trained 14% of 42 generated tokens (truncated 7%, flat 19%, stale 19%, rejected 40%); "
+        "100% of them within one version of the policy"
     )
     episode = completion(6, reward=1.0, mask=[1, 1, 0, 0, 1, 0])
     assert model_tokens(episode) == 3 and model_tokens(completion(6)) == 6

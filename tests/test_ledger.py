@@ -227,14 +227,15 @@ def test_judge(group_, version: int, issued, reason: str | None) -> None:
 def test_a_group_naming_a_version_must_carry_that_version_s_digest() -> None:
     published = "a" * 64
     proven = _with(GOOD, adapter_digest=published)
-    assert judge(proven, BOUNDS, 5, ISSUED, published) is None
-    assert judge(_with(GOOD, adapter_digest="b" * 64), BOUNDS, 5, ISSUED, published) == "rejected_adapter_digest"
-    assert judge(GOOD, BOUNDS, 5, ISSUED, published) == "rejected_adapter_digest"  # none at all
+    digest_of = {v: published for v in range(1, 6)}.get
+    assert judge(proven, BOUNDS, 5, ISSUED, digest_of) is None
+    assert judge(_with(GOOD, adapter_digest="b" * 64), BOUNDS, 5, ISSUED, digest_of) == "rejected_adapter_digest"
+    assert judge(GOOD, BOUNDS, 5, ISSUED, digest_of) == "rejected_adapter_digest"  # none at all
     # unknown to the learner now (a pruned manifest): not checked, judged by the rest
-    assert judge(_with(GOOD, adapter_digest="b" * 64), BOUNDS, 5, ISSUED, None) is None
+    assert judge(_with(GOOD, adapter_digest="b" * 64), BOUNDS, 5, ISSUED, {}.get) is None
     # a rejection: it comes before staleness, so a worker serving the wrong files is named
     stale = _with(GOOD, adapter_version=1, adapter_digest="b" * 64)
-    assert judge(stale, BOUNDS, 5, ISSUED, published) == "rejected_adapter_digest"
+    assert judge(stale, BOUNDS, 5, ISSUED, digest_of) == "rejected_adapter_digest"
     # the base model has no adapter: a group of version 0 carries no digest (the wire says so)
     with pytest.raises(ProtocolError, match="adapter_digest: the base model"):
         _with(GOOD, adapter_version=0, adapter_digest=published)

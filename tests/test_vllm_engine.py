@@ -272,3 +272,44 @@ def test_two_runs_adapters_batch_together_each_group_on_its_own(
         samples = [done[(run, i)] for i in range(len(PROMPTS))]
         assert _mean_delta(policies[run], samples, 0.7, base=False) < 1e-3
         assert _mean_delta(policies[other], samples, 0.7, base=False) > 1e-2
+
+
+def test_a_following_group_goes_on_with_the_adapter_loaded_while_it_runs(
+    engine: VLLMEngine, tiny_model: Path, tmp_path: Path
+) -> None:
+    """In-flight update: v7 is loaded while following groups generate on v6; their requests
+    still running are aborted and added again on v7 with the tokens so far, and each token
+    keeps the version and log-probability it was sampled with."""
+    from actors.engine import GroupRequest
+
+    policies = {6: _adapter(tiny_model, tmp_path / "v6", seed=6), 7: _adapter(tiny_model, tmp_path / "v7", seed=7)}
+    engine.load_adapter(6, tmp_path / "v6")
+    sampling = SamplingParams(temperature=1.0, max_tokens=120)
+    follow = lambda: max(v for v in engine.loaded_versions() if v in (6, 7))  # noqa: E731 - this test's lineage
+    engine.add([GroupRequest(("f", i), p, 4, sampling, 6, follow=follow) for i, p in enumerate(PROMPTS)])
+    done: dict = {}
+    while not engine._latest:  # some tokens generated on v6
+        done.update(engine.step(0.05))
+    engine.load_adapter(7, tmp_path / "v7")
+    while engine.in_flight:
+        done.update(engine.step(1.0))
+    assert len(done) == 3
+    right, wrong, spans = [], [], 0
+    for i, prompt in enumerate(PROMPTS):
+        for s in done[("f", i)]:
+            versions = s.token_versions(6)
+            assert len(versions) == len(s.token_ids) == len(s.logprobs) and versions == sorted(versions)
+            spans += versions[0] == 6 and versions[-1] == 7
+            assert len(s.token_ids) <= 120 and s.finish_reason in ("stop", "length")
+            seqs = pack_sequences([prompt], [s.token_ids], policies[6].pad_id)
+            mine = torch.tensor(versions)
+            for v, policy in policies.items():
+                with torch.no_grad():
+                    logps, _ = policy.forward_logps(seqs, 1.0)
+                delta = (logps[0][seqs.mask_BT[0].bool()] - torch.tensor(s.logprobs)).abs()
+                (right if v == 6 else wrong).append(delta[mine == 6])
+                (right if v == 7 else wrong).append(delta[mine == 7])
+    assert spans > 0, "no sample was generating when v7 was loaded"
+    assert torch.cat(right).mean() < 1e-3 and torch.cat(wrong).mean() > 1e-2
+    engine.evict_adapter(6)
+    engine.evict_adapter(7)

@@ -33,10 +33,14 @@ from protocol.wire.packing import (
 )
 from protocol.wire.text import SAFE_LINE, SAFE_NAME
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """Bumped on any incompatible change; decoders refuse versions they do not know.
 2: episodes (a completion's `mask`, `turns`, `tool_calls`, `tool_errors`; a batch's `tools`).
-3: a group's `adapter_digest`, the proof of the adapter it was generated with."""
+3: a group's `adapter_digest`, the proof of the adapter it was generated with.
+4: in-flight adapter updates (a completion's `versions`, a group's `later_digests`)."""
+
+MAX_GROUP_VERSIONS = 64
+"""Most adapter versions one group may span (its `later_digests`)."""
 
 MAX_LOGGED_METRICS = 16
 """Most `log_metric` names one group may carry."""
@@ -231,6 +235,11 @@ class Completion(_Struct, frozen=True):
     """What the reward functions logged for this completion with TRL's `log_extra(column,
     values)`: columns of the learner's completions table (set by whoever scored it; the
     tier replaces an actor's)."""
+    versions: bytes | None = None
+    """In-flight adapter updates: packed <i4, the adapter version each token was sampled
+    with (never decreasing: a generation that met a newer adapter went on with it from its
+    prefix); an environment token has its model turn's. None: every token is the group's
+    `adapter_version`'s. Checked against the group (`RolloutGroup.later_digests`)."""
 
     def __post_init__(self) -> None:
         """Shapes here; the values of the arrays (no negative id, every log-probability
@@ -239,7 +248,13 @@ class Completion(_Struct, frozen=True):
         plain completion has is tested in one expression (a group decodes eight or more of
         these), each problem named on a path of its own."""
         n = len(self.token_ids)
-        if n & 3 or len(self.logprobs) != n or self.mask is not None or self.tool_errors > self.tool_calls:
+        if (
+            n & 3
+            or len(self.logprobs) != n
+            or self.mask is not None
+            or self.tool_errors > self.tool_calls
+            or (self.versions is not None and len(self.versions) != n)
+        ):
             self._check_shapes()
         if not (self.reward is None or -F32_MAX <= self.reward <= F32_MAX):
             check_f32("reward", self.reward)
@@ -262,6 +277,8 @@ class Completion(_Struct, frozen=True):
             raise ProtocolError(f"logprobs: {len(self.logprobs)} bytes is not a whole number of float32 values")
         if len(self.logprobs) // 4 != n:
             raise ProtocolError(f"logprobs: {len(self.logprobs) // 4} values for {n} token ids")
+        if self.versions is not None and len(self.versions) != 4 * n:
+            raise ProtocolError(f"versions: {len(self.versions)} bytes for {n} token ids (one <i4 each)")
 
     def check_arrays(self) -> None:
         """The values `__post_init__` leaves to the group, for this completion alone."""
@@ -292,12 +309,22 @@ class Completion(_Struct, frozen=True):
     def model_tokens(self) -> int:
         return len(self.token_ids) // 4 if self.mask is None else self.mask.count(1)
 
+    def token_versions(self, adapter_version: int) -> np.ndarray:
+        """The adapter version of each token (int32), in a group of `adapter_version`."""
+        if self.versions is None:
+            return np.full(len(self.token_ids) // 4, adapter_version, dtype=np.int32)
+        return unpack_i32(self.versions)
+
     @classmethod
-    def of(cls, token_ids: Any, logprobs: Any, mask: Any = None, **fields: Any) -> Completion:
-        """Build from sequences or arrays of token ids, log-probabilities and (episodes) the
-        model-token mask; a mask of all ones is sent as none."""
+    def of(cls, token_ids: Any, logprobs: Any, mask: Any = None, versions: Any = None, **fields: Any) -> Completion:
+        """Build from sequences or arrays of token ids, log-probabilities, (episodes) the
+        model-token mask and (in-flight updates) each token's adapter version (None: all
+        the group's); a mask of all ones is sent as none."""
         packed = None if mask is None or all(mask) else bytes(int(bool(m)) for m in mask)
-        completion = cls(token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), mask=packed, **fields)
+        spans = None if versions is None else pack_i32(versions)
+        completion = cls(
+            token_ids=pack_i32(token_ids), logprobs=pack_f32(logprobs), mask=packed, versions=spans, **fields
+        )
         completion.check_arrays()  # where the values were made, not only in the group
         return completion
 
@@ -310,7 +337,8 @@ def group_id_for(batch_id: str, prompt_id: str) -> str:
 
 
 class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", kw_only=True):
-    """All completions of one prompt, scored, from one adapter version."""
+    """All completions of one prompt, scored; generated with one adapter version, or (an
+    in-flight update) with several in turn, each token's named (`Completion.versions`)."""
 
     schema: int = SCHEMA_VERSION
     group_id: Ident
@@ -318,12 +346,17 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
     batch_id: Ident
     prompt_id: Ident
     adapter_version: NonNegInt
-    """The adapter that generated every completion here; 0 is the base model."""
+    """The adapter that generated the group's oldest token (every token, unless a
+    completion says otherwise in its `versions`); 0 is the base model. Staleness is
+    measured on it."""
     adapter_digest: Sha256Hex | None = None
     """`protocol.wire.files.adapter_digest` of the adapter files the worker loaded into
     its engine for `adapter_version`; None for the base model (version 0). The learner
     compares it with the digest of the version it published (`learner.judge`): a worker
     serving the wrong adapter, or none, is found at its first group."""
+    later_digests: Annotated[dict[PosInt, Sha256Hex], msgspec.Meta(max_length=MAX_GROUP_VERSIONS)] = {}
+    """In-flight updates: the digest of each newer version a completion's `versions`
+    names, checked like `adapter_digest`; exactly those versions, no other."""
     actor_id: Ident
     prompt_token_ids: bytes
     """Packed <i4 prompt tokens exactly as the actor fed them to the model."""
@@ -351,10 +384,44 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
             check_whole_i32("prompt_token_ids", self.prompt_token_ids)
         else:
             check_group_arrays(self.prompt_token_ids, self.completions)
+        if self.later_digests or any(c.versions is not None for c in self.completions):
+            self._check_versions()
         for field, values in (("timings", self.timings), ("metrics", self.metrics)):
             if values and not all_finite(values.values()):
                 for name, value in values.items():
                     check_finite(f"{field}[{name!r}]", value)
+
+    def _check_versions(self) -> None:
+        """Each completion's versions never decrease and start no older than the group's;
+        the oldest token is the group's `adapter_version`; every newer version named has its
+        digest in `later_digests`, and no other has."""
+        named: set[int] = set()
+        oldest: int | None = None
+        for i, c in enumerate(self.completions):
+            v = c.token_versions(self.adapter_version)
+            if not v.size:
+                continue
+            if c.versions is not None and (np.diff(v) < 0).any():
+                raise ProtocolError(f"completions[{i}].versions: a token older than the one before it")
+            oldest = int(v[0]) if oldest is None else min(oldest, int(v[0]))
+            named.update(int(x) for x in np.unique(v))
+        if oldest is not None and oldest != self.adapter_version:
+            raise ProtocolError(f"adapter_version: v{self.adapter_version}, but the oldest token is v{oldest}")
+        later = named - {self.adapter_version}
+        if later != set(self.later_digests):
+            raise ProtocolError(
+                f"later_digests: names v{sorted(self.later_digests)}; "
+                f"the completions' newer versions are v{sorted(later)}"
+            )
+
+    @property
+    def versions(self) -> list[int]:
+        """Every adapter version the group's tokens name, oldest first."""
+        return [self.adapter_version, *sorted(self.later_digests)]
+
+    @property
+    def newest_version(self) -> int:
+        return max(self.later_digests, default=self.adapter_version)
 
     @property
     def prompt_tokens(self) -> np.ndarray:
