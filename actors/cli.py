@@ -142,9 +142,8 @@ def add_worker_flags(run: argparse.ArgumentParser) -> None:
         "--in-flight-updates",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a generation still running when a newer adapter is loaded goes on with it from its prefix, each token "
-        "keeping its version and log-probability (default); --no-in-flight-updates: each group on the version it "
-        "started with",
+        help="a generation running when a newer adapter is loaded goes on with it from its prefix, each token keeping "
+        "its version and log-probability (default); --no-in-flight-updates: each group on the version it started with",
     )
     a("--cache-dir", type=Path, default=None, help="where downloaded adapters go (default a temp dir)")
     a(

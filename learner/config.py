@@ -37,6 +37,8 @@ SECTIONS = {
 """The first setting of each section of `LearnerConfig` and its title: `--help` groups the
 flags by them."""
 
+IN_FLIGHT = "a generation running when a newer adapter arrives goes on with it from its prefix (--in-flight-updates)."
+
 
 class LearnerConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
@@ -335,13 +337,7 @@ class LearnerConfig(BaseModel):
         "transformers",
         description="The embedded default's actors' engine (vllm needs the vllm package: vLLM's CPU build runs here).",
     )
-    actor_in_flight_updates: bool = Field(
-        True,
-        description=(
-            "The embedded default's actors: a generation still running when a newer adapter arrives goes on with it "
-            "from its prefix, each token keeping its version and log-probability (actors run --in-flight-updates)."
-        ),
-    )
+    actor_in_flight_updates: bool = Field(True, description="The embedded default's actors: " + IN_FLIGHT)
     embedded_redis: Literal["auto", "server", "memory"] = Field(
         "auto",
         description=(

@@ -34,6 +34,29 @@ def check_group_arrays(prompt_token_ids: bytes, completions: list[Completion]) -
                 raise ProtocolError(f"completions[{i}].{err}") from None
 
 
+def check_group_versions(adapter_version: int, later_digests: dict[int, str], completions: list[Completion]) -> None:
+    """In-flight updates: each completion's versions never decrease and start no older than
+    the group's; the oldest token is the group's `adapter_version`; every newer version named
+    has its digest in `later_digests`, and no other has."""
+    named: set[int] = set()
+    oldest: int | None = None
+    for i, c in enumerate(completions):
+        v = c.token_versions(adapter_version)
+        if not v.size:
+            continue
+        if c.versions is not None and (np.diff(v) < 0).any():
+            raise ProtocolError(f"completions[{i}].versions: a token older than the one before it")
+        oldest = int(v[0]) if oldest is None else min(oldest, int(v[0]))
+        named.update(int(x) for x in np.unique(v))
+    if oldest is not None and oldest != adapter_version:
+        raise ProtocolError(f"adapter_version: v{adapter_version}, but the oldest token is v{oldest}")
+    later = named - {adapter_version}
+    if later != set(later_digests):
+        raise ProtocolError(
+            f"later_digests: names v{sorted(later_digests)}; the completions' newer versions are v{sorted(later)}"
+        )
+
+
 _SCRATCH = threading.local()
 _SCRATCH_MOST = 4 << 20
 """Bytes a thread keeps for `_bad_arrays`: more than this are joined anew."""

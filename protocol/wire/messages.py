@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from protocol.wire.arrays import check_group_arrays, deferred_group_arrays
+from protocol.wire.arrays import check_group_arrays, check_group_versions, deferred_group_arrays
 from protocol.wire.errors import ProtocolError
 from protocol.wire.packing import (
     F32_MAX,
@@ -39,8 +39,7 @@ SCHEMA_VERSION = 4
 3: a group's `adapter_digest`, the proof of the adapter it was generated with.
 4: in-flight adapter updates (a completion's `versions`, a group's `later_digests`)."""
 
-MAX_GROUP_VERSIONS = 64
-"""Most adapter versions one group may span (its `later_digests`)."""
+MAX_GROUP_VERSIONS = 64  # most adapter versions one group may span (its `later_digests`)
 
 MAX_LOGGED_METRICS = 16
 """Most `log_metric` names one group may carry."""
@@ -385,34 +384,11 @@ class RolloutGroup(_Struct, frozen=True, tag="rollout_group", tag_field="type", 
         else:
             check_group_arrays(self.prompt_token_ids, self.completions)
         if self.later_digests or any(c.versions is not None for c in self.completions):
-            self._check_versions()
+            check_group_versions(self.adapter_version, self.later_digests, self.completions)
         for field, values in (("timings", self.timings), ("metrics", self.metrics)):
             if values and not all_finite(values.values()):
                 for name, value in values.items():
                     check_finite(f"{field}[{name!r}]", value)
-
-    def _check_versions(self) -> None:
-        """Each completion's versions never decrease and start no older than the group's;
-        the oldest token is the group's `adapter_version`; every newer version named has its
-        digest in `later_digests`, and no other has."""
-        named: set[int] = set()
-        oldest: int | None = None
-        for i, c in enumerate(self.completions):
-            v = c.token_versions(self.adapter_version)
-            if not v.size:
-                continue
-            if c.versions is not None and (np.diff(v) < 0).any():
-                raise ProtocolError(f"completions[{i}].versions: a token older than the one before it")
-            oldest = int(v[0]) if oldest is None else min(oldest, int(v[0]))
-            named.update(int(x) for x in np.unique(v))
-        if oldest is not None and oldest != self.adapter_version:
-            raise ProtocolError(f"adapter_version: v{self.adapter_version}, but the oldest token is v{oldest}")
-        later = named - {self.adapter_version}
-        if later != set(self.later_digests):
-            raise ProtocolError(
-                f"later_digests: names v{sorted(self.later_digests)}; "
-                f"the completions' newer versions are v{sorted(later)}"
-            )
 
     @property
     def versions(self) -> list[int]:
