@@ -16,6 +16,10 @@ and changes, so here it is measured, in the staleness of what arrives:
   is measured is what goes stale first);
 - a group dropped as stale halves it (down to one step's groups), and ends the doubling;
 - a group at the bound takes one lease off it, and ends the doubling;
+- so does a step the learner did not wait for at all (`IDLE`) while what it trained was
+  two or more versions old: its groups were ready before it wanted them, and only aged
+  (the real model, learner the slower side: 33 % of trained tokens within one version of
+  the policy with the window held, see docs/benchmarks.md);
 - after that, a step the learner waited with room under the bound widens it by a quarter
   (at least a lease). A lease a step would take 984 steps to open the window from 64 to
   the 4,000 prompts 1,000 workers hold (`bench/fleet.py` measured 160 in flight, the
@@ -38,6 +42,8 @@ if TYPE_CHECKING:
 
 WAITING = 0.1
 """The share of a step the learner spent waiting for rollouts above which more may be in flight."""
+IDLE = 0.02
+"""The share at or below which the learner did not wait: what is in flight beyond need only ages."""
 
 
 @dataclass
@@ -78,7 +84,7 @@ class Admission:
         oldest = max(staleness, default=0)
         if dropped_stale:
             self.limit, self.slow_start = max(self.floor, self.limit // 2), False
-        elif oldest >= self.max_staleness:
+        elif oldest >= self.max_staleness or (waited_frac <= IDLE and oldest >= 2):
             self.limit, self.slow_start = max(self.floor, self.limit - self.lease), False
         elif waited_frac > WAITING and oldest <= self.max_staleness - 2:
             wider = self.limit * 2 if self.slow_start else self.limit + max(self.lease, self.limit // 4)

@@ -157,8 +157,8 @@ class LearnerConfig(BaseModel):
         True,
         description=(
             "Open the prompts in flight at groups_per_step and widen them (up to max_inflight) while the learner "
-            "waits, narrow them while groups arrive at or past max_staleness (learner/admission.py); false: always "
-            "max_inflight."
+            "waits, narrow them while groups arrive at max_staleness, or aged while the learner did not wait "
+            "(learner/admission.py); false: always max_inflight."
         ),
     )
     max_staleness: int = Field(4, ge=0, description="Drop groups generated more than this many adapter versions ago.")

@@ -53,6 +53,10 @@ def test_the_window_moves_with_the_staleness_of_what_arrives() -> None:
     for _ in range(40):
         a.update([1, 2], 0, waited_frac=0.5)
     assert a.limit == 32
+    a.update([1], 0, waited_frac=0.0)
+    assert a.limit == 32  # the learner did not wait, but what it trained was fresh: held
+    a.update([1, 2], 0, waited_frac=0.01)
+    assert a.limit == 30  # it did not wait and what it trained had aged two versions: a lease less
     fixed = Admission(ceiling=32, floor=4, lease=2, max_staleness=4, adaptive=False)
     assert fixed.limit == 32
     fixed.update([9], 5, waited_frac=0.0)
