@@ -141,7 +141,7 @@ class Claims:
         if len(self.links) > 1:
             share = link.queue.run_share()
             link.weight, link.cap = share.weight, share.cap
-        if not leases:
+        if not leases and len(self.links) > 1:  # one run alone is asked again at its next chance
             link.empty_until = time.monotonic() + EMPTY_PAUSE_S
         for lease in leases:
             self._start(link, lease)
