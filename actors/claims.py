@@ -230,8 +230,7 @@ class Claims:
             link.engine.add(
                 [episode_request(g, batch.max_tool_calling_iterations) for g in groups] if batch.tools else groups
             )
-            digest = watcher.digests.get(version) if version else None
-        flight = Flight(lease, link, prompts, version, time.monotonic(), digest, waiting=set(range(len(prompts))))
+        flight = Flight(lease, link, prompts, version, time.monotonic(), waiting=set(range(len(prompts))))
         self.flights[(link.run, lease.lease_id)] = flight
         assert link.heartbeat is not None
         link.heartbeat.hold(lease.lease_id)

@@ -79,6 +79,23 @@ class Sample:
         """Each token's adapter version, in a group queued on `version`."""
         return self.versions if self.versions is not None else [version] * len(self.token_ids)
 
+    def of_group(self, version: int) -> Sample:
+        """This sample in a group queued on `version`: `versions` None where every token is
+        that version's."""
+        if self.versions is not None and self.versions.count(version) == len(self.versions):
+            return replace(self, versions=None)
+        return self
+
+    def then(self, after: Sample) -> Sample:
+        """This sample continued by `after` (on a newer version): tokens, log-probabilities
+        and versions of both; it ends as `after` ends."""
+        return Sample(
+            self.token_ids + after.token_ids,
+            self.logprobs + after.logprobs,
+            after.finish_reason,
+            versions=self.token_versions(0) + after.token_versions(0),
+        )
+
 
 @dataclass(frozen=True)
 class GroupRequest:

@@ -74,8 +74,8 @@ class _Episode:
             self.tool_errors,
             self.tool_s,
             self.turn_limit,
-            None if all(v == version for v in self.versions) else self.versions,
-        )
+            self.versions,
+        ).of_group(version)
 
 
 @dataclass

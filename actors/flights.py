@@ -24,8 +24,6 @@ class Flight:
     """The adapter version the lease's groups were queued with (they start on the newest
     when the engine takes them up, and follow newer ones: `actors.engine`)."""
     queued_at: float
-    digest: str | None = None
-    """The digest of `version`'s files as the engine loaded them (None: the base model)."""
     waiting: set[int] = field(default_factory=set)
     """Prompt indexes whose group is not yet generated and scored."""
     ready: list[RolloutGroup] = field(default_factory=list)
@@ -48,7 +46,7 @@ def rollout_group(
     per_token = [s.token_versions(flight.version) for s in samples]
     oldest = min((v[0] for v in per_token if v), default=flight.version)
     later = sorted({x for v in per_token for x in v} - {oldest})
-    digests = {flight.version: flight.digest, **flight.link.watcher.digests}
+    digests = flight.link.watcher.digests  # every version's, as the engine loaded them
     prompt = batch.prompts[i]
     timings = {"in_flight_s": time.monotonic() - flight.queued_at, "generated_at": time.time()}
     if batch.tools:

@@ -27,7 +27,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -179,7 +179,7 @@ class TransformersEngine(Engine):
             chunk: list[_Job] = []
             seqs = 0
             for job in self._queue:
-                if job.alike(first) and (not chunk or seqs + job.sequences <= self.max_batch_sequences):
+                if job.batching == first.batching and (not chunk or seqs + job.sequences <= self.max_batch_sequences):
                     chunk.append(job)
                     seqs += job.sequences
             taken = {id(j) for j in chunk}
@@ -338,14 +338,10 @@ class _Job:
     def seed(self) -> int | None:
         return self.group.seed if self.parts is None else None
 
-    def alike(self, other: _Job) -> bool:
-        follows = self.group.follow is not None
-        return (self.version, self.n, self.sampling, follows) == (
-            other.version,
-            other.n,
-            other.sampling,
-            other.group.follow is not None,
-        )
+    @property
+    def batching(self) -> tuple[object, ...]:
+        """What jobs sharing one generate call have in common."""
+        return self.version, self.n, self.sampling, self.group.follow is not None
 
     def absorb(
         self,
@@ -370,14 +366,7 @@ class _Job:
             for j in index
             if stopped and parts[j].finish_reason == "length" and len(parts[j].token_ids) < full.max_tokens
         ]
-        return None if self.open_rows else [self._plain(p) for p in parts]
-
-    def _plain(self, sample: Sample) -> Sample:
-        """A sample of one version says so by `versions` None."""
-        one = sample.versions is not None and len(set(sample.versions)) <= 1
-        if one and (not sample.versions or sample.versions[0] == self.group.version):
-            return replace(sample, versions=None)
-        return sample
+        return None if self.open_rows else [p.of_group(self.group.version) for p in parts]
 
     def continuation(self) -> _Job:
         """The samples still generating, each its own prompt row (prompt and tokens so far)."""

@@ -44,7 +44,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,15 +60,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Group:
-    key: Hashable
-    version: int
+    request: GroupRequest
+    """As queued, its version the one it started on."""
     samples: list[Sample | None]
     left: int
-    request: GroupRequest | None = None
-    running: list[int] = field(default_factory=list)
+    running: list[int]
     """Each sample's version now (in-flight updates move it on)."""
-    before: list[Sample] = field(default_factory=list)
-    """Each sample's tokens from versions it left (empty until it switches)."""
+    before: list[Sample]
+    """Each sample's tokens from the versions it left (none until it moves)."""
 
 
 @dataclass
@@ -231,7 +230,8 @@ class VLLMEngine(Engine):
         groups = [self.fit(g) for g in groups]  # all or none
         try:
             for g in groups:
-                self._groups[g.key] = group = _Group(g.key, g.version, [None] * g.n, g.n, g, [g.version] * g.n)
+                nothing = Sample([], [], "abort", versions=[])
+                self._groups[g.key] = group = _Group(g, [None] * g.n, g.n, [g.version] * g.n, [nothing] * g.n)
                 for j in range(g.n):
                     self._submit(group, j, list(g.prompt), g.sampling, None if g.seed is None else g.seed + j)
         except Exception as err:
@@ -250,7 +250,7 @@ class VLLMEngine(Engine):
         self.engine.add_request(
             request_id, {"prompt_token_ids": prompt}, self._sampling(sampling, seed), lora_request=lora
         )
-        self._sequences[request_id] = (group.key, j)
+        self._sequences[request_id] = (group.request.key, j)
         with self._lock:
             self._uses[version] += 1
 
@@ -261,29 +261,22 @@ class VLLMEngine(Engine):
         moving: list[tuple[str, _Group, int, int]] = []
         for request_id, (key, j) in self._sequences.items():
             group = self._groups[key]
-            if group.request is not None and group.request.follow is not None:
-                newest = group.request.follow()
-                made = self._latest.get(request_id)
-                room = (
-                    group.request.sampling.max_tokens
-                    - len(made.token_ids if made else [])
-                    - len(group.before[j].token_ids if group.before else [])
-                )
-                if newest != group.running[j] and room >= MOVE_MIN_TOKENS_LEFT:
-                    moving.append((request_id, group, j, newest))
+            if group.request.follow is None:
+                continue
+            newest = group.request.follow()
+            made = len(group.before[j].token_ids) + len(getattr(self._latest.get(request_id), "token_ids", ()))
+            if newest != group.running[j] and group.request.sampling.max_tokens - made >= MOVE_MIN_TOKENS_LEFT:
+                moving.append((request_id, group, j, newest))
         if not moving:
             return
         self.engine.abort_request([m[0] for m in moving])
         for request_id, group, j, newest in moving:
             del self._sequences[request_id]
-            so_far = self._sample_of(self._latest.pop(request_id, None), group.running[j], "abort")
+            so_far = self._sample_of(self._latest.pop(request_id, None), group.running[j])
             with self._lock:
                 self._uses[group.running[j]] -= 1
-            if not group.before:
-                group.before = [Sample([], [], "abort", versions=[]) for _ in group.samples]
-            group.before[j] = _joined(group.before[j], so_far)
+            group.before[j] = group.before[j].then(so_far)
             group.running[j] = newest
-            assert group.request is not None
             full = group.request.sampling
             left = full.max_tokens - len(group.before[j].token_ids)
             sampling = msgspec.structs.replace(full, max_tokens=left)
@@ -323,26 +316,25 @@ class VLLMEngine(Engine):
         self._release_evicted()
         return done
 
-    def _sample_of(self, completion: Any, version: int, default: str) -> Sample:
+    def _sample_of(self, completion: Any, version: int) -> Sample:
         """One request's output as a sample of `version` (none yet: no tokens)."""
         if completion is None:
-            return Sample([], [], default, versions=[])  # type: ignore[arg-type]
+            return Sample([], [], "abort", versions=[])
         ids = list(completion.token_ids)
         logps = [entry[token].logprob for token, entry in zip(ids, completion.logprobs or [], strict=False)]
         if len(logps) != len(ids):
             raise EngineError(f"vLLM returned {len(logps)} log-probabilities for {len(ids)} tokens")
-        reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else default
+        reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
         return Sample(ids, logps, reason, versions=[version] * len(ids))  # type: ignore[arg-type]
 
     def _finish(self, result: Any) -> tuple[Hashable, list[Sample]] | None:
         key, j = self._sequences.pop(result.request_id)
         group = self._groups[key]
         version = group.running[j]
-        sample = self._sample_of(result.outputs[0], version, "abort")
-        if group.before:
-            sample = _joined(group.before[j], sample)
-        one = sample.versions is not None and all(v == group.version for v in sample.versions)
-        group.samples[j] = replace(sample, versions=None) if one else sample
+        sample = self._sample_of(result.outputs[0], version)
+        if group.before[j].token_ids:  # it moved on: the tokens of the versions it left first
+            sample = group.before[j].then(sample)
+        group.samples[j] = sample.of_group(group.request.version)
         group.left -= 1
         with self._lock:
             self._uses[version] -= 1
@@ -364,14 +356,3 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         del self.engine
         del self.llm
-
-
-def _joined(before: Sample, after: Sample) -> Sample:
-    """A sample continued on a newer version: its tokens, log-probabilities and versions
-    before, then after; it ends as the part after ends."""
-    return Sample(
-        before.token_ids + after.token_ids,
-        before.logprobs + after.logprobs,
-        after.finish_reason,
-        versions=before.token_versions(0) + after.token_versions(0),
-    )

@@ -323,7 +323,11 @@ def moments_as(
         policy.model.train()
 
 
-def quarantine_reason(check: str, found: Findings, versions: list[int]) -> str:
+def quarantine_reason(check: str, found: Findings, group: RolloutGroup) -> str:
     """Why a worker is quarantined, in one line."""
-    named = "/".join(f"v{v}" for v in versions)
-    return f"failed the {check} audit of a group it said adapter {named} generated ({found.describe()})"
+    return f"failed the {check} audit of a group it said adapter {named_versions(group)} generated ({found.describe()})"
+
+
+def named_versions(group: RolloutGroup) -> str:
+    """The adapter versions a group's tokens name: `v3`, or `v3/v4` across an in-flight update."""
+    return "/".join(f"v{v}" for v in group.versions)

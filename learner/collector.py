@@ -23,7 +23,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from learner.audit import Auditor, quarantine_reason, record_audits, sync_quarantine
+from learner.audit import Auditor, named_versions, quarantine_reason, record_audits, sync_quarantine
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
 from learner.evaluate import EvalSink
@@ -153,7 +153,7 @@ class Collector:
         elif reason is Reason.ADAPTER_DIGEST:
             self.quarantine(
                 group.actor_id,
-                f"its group named adapter v{'/'.join(map(str, group.versions))} and carried the digest of other files",
+                f"its group named adapter {named_versions(group)} and carried the digest of other files",
             )
         self.step.add(group, reason)
         if reason in (None, Reason.FLAT, Reason.STALE):  # a rejected group says nothing of its prompt
@@ -193,7 +193,7 @@ class Collector:
         if check is None:
             return None
         assert found is not None
-        self.quarantine(group.actor_id, quarantine_reason(check, found, group.versions))
+        self.quarantine(group.actor_id, quarantine_reason(check, found, group))
         return Reason.AUDIT
 
     def quarantine(self, worker: str, why: str) -> None:

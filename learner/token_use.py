@@ -54,7 +54,7 @@ def token_staleness(g: RolloutGroup, c: Completion, trained_with: int) -> np.nda
     return behind if c.mask is None else behind[np.frombuffer(c.mask, np.uint8) == 1]
 
 
-def count_step(state: Any, step: StepGroups, mask_truncated: bool, trained_with: int = 0) -> None:
+def count_step(state: Any, step: StepGroups, mask_truncated: bool, trained_with: int) -> None:
     """Count one step's groups, trained and dropped, into `state.totals` (`trained_with`:
     the policy version the step trained)."""
     for g in step.kept:

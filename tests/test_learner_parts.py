@@ -208,7 +208,7 @@ def test_every_generated_token_of_a_consumed_group_is_counted_once_where_it_went
     collector.take(Delivery("1-2", answer(b1, 0, version=7)))  # rejected (a future version): 4 x 2
     collector.take(Delivery("1-3", trained))  # the same prompt again: rejected as a duplicate, 9
     collector.abandon()  # a stop: none of it is consumed, so none of it is counted
-    count_step(state, collector.end_step(), mask_truncated=True)
+    count_step(state, collector.end_step(), mask_truncated=True, trained_with=0)
     assert not any(k.startswith("tokens/") for k in state.totals)
 
     for i, g in enumerate([trained, answer(b0, 1, rewards=(1, 1, 1, 1)), answer(b1, 0, version=7), trained]):
