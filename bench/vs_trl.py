@@ -307,7 +307,7 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
         ]
         if args.prompts_per_batch:
             learner_argv += ["--prompts-per-batch", str(args.prompts_per_batch)]
-        profiler, profiled = None, (0, 0.0)
+        profiler, profiled, profile_ended = None, (0, 0.0), False
         with (work / "learner.log").open("wb") as log:
             learner = subprocess.Popen(
                 pinned(LEARNER_CORE, learner_argv),
@@ -345,12 +345,17 @@ def run_spotgrpo(args: argparse.Namespace, work: Path, model: Path, data: Path) 
                         stdout=subprocess.DEVNULL,
                         stderr=subprocess.STDOUT,
                     )
+                if profiler is not None and not profile_ended and steps_done(run_dir) >= args.steps:
+                    # stopped at the last step: the actor's shutdown after the run is no step's cost
+                    profiler.send_signal(signal.SIGINT)
+                    profile_ended = True
                 time.sleep(0.2)
             if learner.returncode != 0:
                 raise SystemExit(f"the learner failed (rc {learner.returncode}): see {work / 'learner.log'}")
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         if profiler is not None:  # what the profile saw: the steps after it started, up to the last
-            profiler.send_signal(signal.SIGINT)
+            if not profile_ended:
+                profiler.send_signal(signal.SIGINT)
             profiler.wait(timeout=120)
             show_profile(work / "actor.pyspy", len(rows) - profiled[0], rows[-1]["time"] - profiled[1])
         rows = [r for r in rows if "step_s" in r]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -16,12 +17,12 @@ from scripted import ScriptedEngine
 from actors.engine import EngineError, GroupRequest
 from actors.runs import EMPTY_PAUSE_S, SHARE_HALF_LIFE_S, AdapterSlots, RunEngine, RunLink, claim_order, shares
 from actors.watcher import AdapterWatcher
-from actors.worker import Worker
+from actors.worker import SCORING_STEP_S, STEP_S, Worker
 from learner.tiny import build_tokenizer
 from protocol import PromptBatch, ProtocolError, QueueConfig, RunShare, SamplingParams
 from protocol.trusted import RedisQueue
 from protocol.trusted.store import StoreSource, open_store
-from protocol.usercode.rewards import Scorer, load_reward
+from protocol.usercode.rewards import Scorer, Scores, load_reward
 
 OURS, OTHER = "ab" * 8, "cd" * 8
 
@@ -281,3 +282,55 @@ def test_a_worker_of_one_run_asks_again_at_once_after_an_empty_claim(
     assert a.empty_until > time.monotonic() and a not in claim_order(two.worker.links, time.monotonic(), 4)
     fleet.close()
     two.close()
+
+
+class _Busy(ScriptedEngine):
+    """Finishes one group a step (the others keep it busy) and records, for each step,
+    the time it was given and whether a score was pending then."""
+
+    worker: Worker
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer, lambda text, j: "5")
+        self.turns: list[tuple[float, bool]] = []
+
+    def step(self, timeout_s: float, abort: threading.Event | None = None):
+        self.turns.append((timeout_s, bool(self.worker.scoring)))
+        with self._lock:
+            first, self._queue = self._queue[:1], self._queue[1:]
+        return [(g.key, [self._sample(g, j) for j in range(g.n)]) for g in first]
+
+
+class _LateScorer:
+    """The real scorer, its answer 30 ms after it is asked (a reward process's round trip)."""
+
+    def __init__(self) -> None:
+        self.inner = Scorer([load_reward("toy_rewards:digit_first")])
+
+    def submit(self, group: Any) -> Future[Scores]:
+        late: Future[Scores] = Future()
+        scores = self.inner.submit(group).result()
+        threading.Timer(0.03, late.set_result, (scores,)).start()
+        return late
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_scored_group_is_sent_without_waiting_out_the_engines_turn(
+    redis_server, run_name: str, tokenizer, tmp_path: Path
+) -> None:
+    """While a group is being scored the engine is stepped one iteration a turn, and with
+    nothing to generate the worker waits on the score itself: a lease's last group is
+    submitted as its score comes in, not up to `STEP_S` later."""
+    queue = RedisQueue.from_url(redis_server.url, QueueConfig(run=run_name, lease_timeout_s=30))
+    engine = _Busy(tokenizer)
+    watcher = AdapterWatcher(queue, StoreSource(open_store((tmp_path / "store").as_uri())), engine, tmp_path / "a")
+    engine.worker = Worker(queue, engine, watcher, _LateScorer(), "w", claim_block_s=0.2, max_num_seqs=64)
+    queue.add_prompts([*_batches(run_name, 3), msgspec.structs.replace(batch(f"{run_name}-4", prompts=4), model=OURS)])
+    assert engine.worker.work(max_batches=4) == 0
+    assert queue.stats().rollouts.length == 7
+    scoring = [t for t, pending in engine.turns if pending]
+    assert scoring, "no step was taken while a score was pending: the test saw nothing"
+    assert max(scoring) <= SCORING_STEP_S < STEP_S
+    queue.close()
