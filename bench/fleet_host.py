@@ -199,6 +199,7 @@ class Recorder:
         self.tokens_stored = 0
         self.groups_stored = 0
         self.engines: list[SimEngine] = []
+        self.workers: list[Worker] = []
 
     def call(self, name: str, seconds: float, retried: bool) -> None:
         with self.lock:
@@ -209,6 +210,11 @@ class Recorder:
     def flush(self, running: int) -> None:
         now = time.monotonic()
         generated = sum(e.tokens_so_far(now) for e in self.engines)
+        # generated, not stored yet: running, or finished and waiting to be submitted (a
+        # snapshot read across threads: an estimate, as the running share is)
+        ready = [g for w in list(self.workers) for f in list(w.flights.values()) for g in list(f.ready)]
+        unsent = generated - sum(e.tokens_done for e in self.engines)
+        unsent += sum(c.tokens.size for g in ready for c in g.completions)
         with self.lock:
             line = {
                 "t": time.time(),
@@ -220,6 +226,7 @@ class Recorder:
                 "fetched": self.fetched,
                 "tokens_generated": generated,
                 "tokens_stored": self.tokens_stored,
+                "tokens_unsent": unsent,
                 "groups_stored": self.groups_stored,
             }
             self.latencies, self.retried, self.failed = defaultdict(list), defaultdict(int), defaultdict(int)
@@ -358,6 +365,8 @@ def main() -> None:
             if stop.is_set():
                 return
             workers.append(worker)
+        with recorder.lock:
+            recorder.workers.append(worker)
         try:
             queue.whoami()  # what `actors run` asks first
             watcher.sync()
