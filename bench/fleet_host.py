@@ -311,6 +311,7 @@ def main() -> None:
     recorder = Recorder(args.stats)
     stop = threading.Event()
     workers: list[Worker] = []
+    recorder.workers = workers  # one list: the signal handler stops them, the recorder reads their flights
     workers_lock = threading.Lock()
     cache = Path(tempfile.mkdtemp(prefix=f"fleet-{args.name}-"))
 
@@ -365,8 +366,6 @@ def main() -> None:
             if stop.is_set():
                 return
             workers.append(worker)
-        with recorder.lock:
-            recorder.workers.append(worker)
         try:
             queue.whoami()  # what `actors run` asks first
             watcher.sync()
