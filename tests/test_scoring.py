@@ -141,6 +141,15 @@ def test_a_hung_reward_is_killed_at_its_timeout_and_its_group_rejected(
     assert len(attempts.read_text().splitlines()) == 1
 
 
+def test_a_groups_time_limit_does_not_count_the_reward_hosts_imports(queue: RedisQueue, scorers) -> None:
+    """The reward module takes 3 s to import, the limit is 1 s: the first group's clock
+    starts when the host is ready, so it is scored, not rejected."""
+    submit_unscored(queue, [trusted_batch(0, prompts=1)])
+    scorers("--reward-timeout-s", "1", "--retries", "0", reward="slow_import_rewards:digit_first")
+    (group,) = read_all(queue, 1)
+    assert group.error is None and group.rewards == [1.0] * 4, group.error  # each starts with a digit
+
+
 def test_a_reward_module_keeps_its_state_across_jobs_and_a_hang_costs_only_that_state(
     queue: RedisQueue, scorers, tmp_path: Path
 ) -> None:

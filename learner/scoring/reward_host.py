@@ -19,6 +19,10 @@ its read sees end-of-file.
 Only one horse runs at a time per worker, so the host serves one request at a time. A
 reply that arrives for an earlier request (a horse killed while it waited) is told apart by
 its id and dropped.
+
+A host says it is ready (an empty reply) once its rewards are imported, and `start` waits
+for that: a group's time limit counts the rewards' work, not a fresh interpreter's imports
+on a busy machine.
 """
 
 from __future__ import annotations
@@ -79,6 +83,10 @@ class _Reply(msgspec.Struct, frozen=True):
     """A reward raised: the job is retried by RQ."""
 
 
+_READY = ""
+"""The id of the reply a host sends once its rewards are loaded."""
+
+
 class RewardRaised(RuntimeError):
     """A reward function raised in the host (the horse raises it so RQ retries the job)."""
 
@@ -93,13 +101,23 @@ class RewardHost:
         self._process: Any = None
 
     def start(self) -> None:
+        """A new host, returned once it has loaded its rewards (RuntimeError if it ends first)."""
         ctx = multiprocessing.get_context("spawn")
         ours, theirs = ctx.Pipe()
         self._process = ctx.Process(target=serve, args=(theirs, self.specs), name="reward-host", daemon=True)
         self._process.start()
         theirs.close()
         self._conn, self.pid = ours, self._process.pid
-        log.info("reward host %d started: %s", self.pid, ", ".join(self.specs))
+        began = time.monotonic()
+        try:
+            ready = msgspec.msgpack.decode(ours.recv_bytes(), type=_Reply)
+        except (EOFError, OSError):
+            self._process.join(5)
+            raise RuntimeError(
+                f"the reward host ended while loading {', '.join(self.specs)} (exit {self._process.exitcode})"
+            ) from None
+        assert ready.id == _READY, ready
+        log.info("reward host %d ready in %.1fs: %s", self.pid, time.monotonic() - began, ", ".join(self.specs))
 
     def ensure(self) -> None:
         """In the worker, before it forks a horse: a host killed by an earlier horse (a
@@ -216,6 +234,7 @@ def serve(conn: Connection, specs: list[str]) -> None:
     scorer = Scorer([load_reward(spec) for spec in specs], timeout_s=None, reraise=True)
     decoder = msgspec.msgpack.Decoder(_Request)
     encoder = msgspec.msgpack.Encoder()
+    conn.send_bytes(encoder.encode(_Reply(_READY)))
     while True:
         try:
             request = decoder.decode(conn.recv_bytes())
