@@ -6,7 +6,11 @@ machine.
 The share is given for the whole run and for its second half (the cold start, when the
 untrained model gets every prompt wrong, drops the same groups either way).
 
-Usage: python bench/active_sampling.py [--pairs 3] [--steps 150] [--floor 0.05] [-- extra learner flags]
+`--baseline no-revisit` compares active sampling with its revisits (`--active-sampling-revisit`)
+against active sampling without them, rather than against none.
+
+Usage: python bench/active_sampling.py [--pairs 3] [--steps 150] [--floor 0.05] [--revisit 0.5]
+       [--baseline none|no-revisit] [-- extra learner flags]
 """
 
 from __future__ import annotations
@@ -52,12 +56,17 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--floor", type=float, default=0.05)
+    parser.add_argument("--revisit", type=float, default=0.5, help="--active-sampling-revisit of the active arm")
+    parser.add_argument("--baseline", choices=["none", "no-revisit"], default="none")
     parser.add_argument("extra", nargs="*", help="more `learner run` flags (after --)")
     args = parser.parse_args()
     learner = str(Path(sys.executable).with_name("learner"))
+    active = ["--active-sampling", "--active-sampling-floor", str(args.floor)]
     arms = {
-        "none": ["--no-active-sampling"],
-        "active": ["--active-sampling", "--active-sampling-floor", str(args.floor)],
+        args.baseline: ["--no-active-sampling"]
+        if args.baseline == "none"
+        else [*active, "--active-sampling-revisit", "0"],
+        "active": [*active, "--active-sampling-revisit", str(args.revisit)],
     }
     results: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="active-sampling-") as tmp:
@@ -66,7 +75,7 @@ def main() -> None:
                 results[arm].append(run(learner, Path(tmp) / f"{arm}-{pair}", args.steps, [*flags, *args.extra]))
                 r = results[arm][-1]
                 print(
-                    f"pair {pair + 1} {arm:6s}  groups trained {r['groups_trained']:.3f} "
+                    f"pair {pair + 1} {arm:9s}  groups trained {r['groups_trained']:.3f} "
                     f"(second half {r['second_half']:.3f})  tokens trained {r['tokens_trained']:.3f}  "
                     f"reward {r['reward_last_5']:.3f}  pass@1 {r['pass@1']:.3f}  skipped {r['skipped']}  "
                     f"{r['wall_s']:.1f}s",
@@ -74,7 +83,7 @@ def main() -> None:
                 )
     for key in ("groups_trained", "second_half", "tokens_trained", "reward_last_5", "pass@1"):
         base, active = (statistics.mean(r[key] for r in results[arm]) for arm in arms)
-        print(f"{key:15s} none {base:.3f}  active {active:.3f}  ratio {active / base:.3f}x")
+        print(f"{key:15s} {args.baseline} {base:.3f}  active {active:.3f}  ratio {active / base:.3f}x")
 
 
 if __name__ == "__main__":

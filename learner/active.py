@@ -15,6 +15,18 @@ embedded default, setting prompts aside for 20 versions after two flat versions,
 wrong ones with the mastered ones, left the held-out pass@1 at 0.27-0.31 where the run
 without reached 0.88: what the policy has not yet learnt is what it must train on.
 
+Where a group taught (its rewards spread), its prompt is likely to teach again soon: the
+policy is neither sure of it nor lost on it. With the chance `active_sampling_revisit` the
+prompt goes out again (`revisits`), in a batch of revisits, before new prompts (Kimi k1.5's
+prioritized sampling, which draws a problem by how often it is failed; here, by whether it
+last showed a spread). It matters where a run reads its data once, so that every new
+prompt is a first sight no record can pass over: the arithmetic example (where it is on;
+80 % of the groups read trained against 56-77 % without). Once: a revisit's group is not
+revisited, so about a quarter of the prompts issued are revisits and a run does not
+narrow to the few it keeps asking (revisited until flat, one arithmetic run did not
+learn). Off by default: on the embedded default, whose 40 prompts come round every few
+steps anyway, it did worse (docs/benchmarks.md).
+
 A prompt is known by its row's content (`PromptSource.row_key`: the first row with the
 same columns), so a data set that repeats a question shares its history. Outcomes are
 recorded when a group is judged (a stale group too: it still shows a spread or none; a
@@ -25,6 +37,7 @@ position, so a feeder asked again with the same state issues the same prompts.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +54,16 @@ def passes_over(flat_rate: float, position: int, seed: int, floor: float) -> boo
     is `flat_rate`: with that chance, at most `1 - floor`, drawn from `seed` and the position."""
     chance = min(flat_rate, 1.0 - floor)
     return chance > 0 and float(np.random.default_rng([seed, position]).random()) < chance
+
+
+def revisits(rewards: list[float], group_id: str, seed: int, chance: float) -> bool:
+    """Whether a group's prompt goes out again: its rewards spread, and a draw from `seed`
+    and the group's id (so a resumed learner that reads the group again decides the same)
+    fell under `chance`."""
+    if chance <= 0 or len(set(rewards)) == 1:
+        return False
+    draw = np.random.default_rng([seed, int.from_bytes(hashlib.blake2b(group_id.encode(), digest_size=8).digest())])
+    return float(draw.random()) < chance
 
 
 @dataclass

@@ -302,6 +302,14 @@ class LearnerConfig(BaseModel):
     active_sampling_floor: float = Field(
         0.05, ge=0, le=1, description="Active sampling: the least chance a prompt met is issued (it is retried)."
     )
+    active_sampling_revisit: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="Active sampling: the chance a prompt whose group taught (its rewards spread) is issued again, "
+        "once, before new prompts (learner/active.py); for a data set a run reads once "
+        "(0.5 in the arithmetic example).",
+    )
     active_sampling_hard: bool = Field(
         False, description="Active sampling: pass over prompts flat below the best reward (too hard) as well."
     )

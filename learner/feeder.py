@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from learner.active import passes_over
+from learner.active import passes_over, revisits
 from learner.admission import Admission
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
@@ -94,6 +94,11 @@ class Feeder:
             again = self._batch(f"{cfg.run}-r{ledger.batches_issued}", ledger.to_reissue[:n])
             self.queue.add_prompts([again])
             ledger.issue_again(again.batch_id, n)
+        while cfg.lag_versions is None and len(ledger.to_revisit) >= size > 0 and ledger.room(limit) >= size:
+            # prompts whose groups taught, before new ones (`learner.active.revisits`), in whole batches
+            again = self._batch(f"{cfg.run}-t{ledger.revisit_batches}", ledger.to_revisit[:size])
+            self.queue.add_prompts([again])
+            ledger.issue_revisit(again.batch_id, size)
         batches: list[tuple[PromptBatch, list[int]]] = []
         room, cursor = ledger.room(limit), ledger.cursor
         while size > 0 and size <= room - size * len(batches):
@@ -143,8 +148,16 @@ class Feeder:
     def outcome(self, group: RolloutGroup) -> None:
         """A group of a training prompt was judged: flat or with a spread (`learner.active`)."""
         rewards = [float(r or 0.0) for r in group.rewards]  # judged: every one is a number
-        key = self.source.row_key(position_of(group.prompt_id))
-        self.state.outcomes.record(key, rewards, hard=self.cfg.active_sampling_hard)
+        cfg, position = self.cfg, position_of(group.prompt_id)
+        self.state.outcomes.record(self.source.row_key(position), rewards, hard=cfg.active_sampling_hard)
+        if (
+            cfg.active_sampling
+            and cfg.lag_versions is None  # a forced lag issues no revisits
+            and not group.batch_id.startswith(f"{cfg.run}-t")  # once: a revisit's group is not revisited
+            and position not in self.ledger.to_revisit
+            and revisits(rewards, group.group_id, cfg.seed, cfg.active_sampling_revisit)
+        ):
+            self.ledger.to_revisit.append(position)
 
     def issued_tokens(self, group: RolloutGroup) -> dict[str, bytes | None] | None:
         """prompt id -> the prompt tokens issued, for the group's batch if it is outstanding
@@ -197,4 +210,5 @@ class Feeder:
             "epoch": self.source.epochs(self.ledger.cursor),
             **self.state.outcomes.metrics(self.source.distinct),
             "sampling/skipped_prompts": self.ledger.skipped,
+            "sampling/revisited_prompts": self.ledger.revisited,
         }

@@ -7,10 +7,12 @@ letter (its batch dead-lettered, or its group dead-lettered by the scoring tier;
 whose every prompt is consumed is finished (`purge_completed`): it waits in `finished`
 until the queue has been told (`finished_batches`, with a checkpoint's acknowledgement),
 which then forgets its deduplication records. A step that never runs gives its prompts
-back (`undo`), so the next run consumes them. A prompt whose group was rejected for its
-worker's dishonesty (`learner.judge.Reason.reissued`: a failed audit or digest, a quarantined worker) waits in
-`to_reissue` and goes out again in a batch of its own (`issue_again`): the data row is
-issued twice, its first group dropped and counted, its second trained.
+back (`undo`), so the next run consumes them. A prompt whose group taught (a spread of
+rewards) may wait in `to_revisit` and go out again (`issue_revisit`; `learner.active`).
+A prompt whose group was rejected for its worker's dishonesty (`learner.judge.Reason.reissued`:
+a failed audit or digest, a quarantined worker) waits in `to_reissue` and goes out again
+in a batch of its own (`issue_again`): the data row is issued twice, its first group
+dropped and counted, its second trained.
 
 The guarantee (`tests/test_ledger.py`, and the chaos soak's exact count): every issued
 prompt is in exactly one of trained, dropped, dead-lettered, or in flight.
@@ -87,10 +89,15 @@ class PromptLedger:
     """Positions the cursor passed over, never issued: their prompts were set aside (`learner.active`)."""
     to_reissue: list[int] = field(default_factory=list)
     """Positions of prompts to issue again (`learner.judge.Reason.reissued`), in the order their groups were dropped."""
+    revisited: int = 0
+    """Prompts issued again because their group taught (`issue_revisit`)."""
+    revisit_batches: int = 0
+    to_revisit: list[int] = field(default_factory=list)
+    """Positions of the prompts to revisit (`learner.active.revisits`), in the order their groups were read."""
 
     @property
     def issued(self) -> int:
-        return self.cursor + self.reissued - self.skipped
+        return self.cursor + self.reissued + self.revisited - self.skipped
 
     @property
     def inflight(self) -> int:
@@ -121,6 +128,17 @@ class PromptLedger:
         self.outstanding.setdefault(batch_id, Outstanding(positions[0], len(positions), positions=positions))
         self.reissued += len(positions)
         self.batches_issued += 1
+        return positions
+
+    def issue_revisit(self, batch_id: str, n: int) -> list[int]:
+        """A batch of the first `n` revisits waiting; returns their positions. Batches are
+        whole chunks of `to_revisit`, numbered apart from the others (`revisit_batches`):
+        the order groups are read in is the stream's, so a resumed learner that reads them
+        again makes the same batches under the same ids."""
+        positions, self.to_revisit = self.to_revisit[:n], self.to_revisit[n:]
+        self.outstanding.setdefault(batch_id, Outstanding(positions[0], n, positions=positions))
+        self.revisited += n
+        self.revisit_batches += 1
         return positions
 
     def is_consumed(self, batch_id: str, prompt: str) -> bool:
@@ -218,4 +236,7 @@ class PromptLedger:
             reissued=int(raw.get("reissued", 0)),
             skipped=int(raw.get("skipped", 0)),
             to_reissue=[int(p) for p in raw.get("to_reissue") or []],
+            revisited=int(raw.get("revisited", 0)),
+            revisit_batches=int(raw.get("revisit_batches", 0)),
+            to_revisit=[int(p) for p in raw.get("to_revisit") or []],
         )

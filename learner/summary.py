@@ -34,6 +34,7 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         "audited": totals.get("audited_groups", 0),
         "quarantined_workers": sorted(state.quarantined),
         "reissued": state.ledger.reissued,
+        "revisited": state.ledger.revisited,  # prompts whose groups taught, issued again (`learner.active`)
         # every group the learner read, by verdict, those of a collection a stop cut short too
         # (they stay pending in the queue, so `dropped` leaves them out)
         "read": {k.removeprefix("read/"): v for k, v in sorted(totals.items()) if k.startswith("read/")},

@@ -16,7 +16,7 @@ import msgspec
 import pytest
 from factories import NO_AUDITS, completion, group, write_dataset
 
-from learner.active import PromptOutcomes, passes_over
+from learner.active import PromptOutcomes, passes_over, revisits
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
 from learner.judge import Reason
@@ -88,6 +88,7 @@ def learner(tmp_path: Path, tiny_model: Path) -> Iterator[Learner]:
         tensorboard=False,
         seed=4,  # position 0's question comes again at positions 4-7
         active_sampling_floor=0.0,  # a mastered prompt is never issued again here
+        active_sampling_revisit=0.0,  # revisits: their own tests
         **NO_AUDITS,
     )
     queue = RedisQueue(fakeredis.FakeRedis(version=(7, 0)), QueueConfig(run=cfg.run))
@@ -184,3 +185,63 @@ def test_a_batch_issued_after_a_checkpoint_holds_the_same_prompts_when_a_resumed
         cursor = positions[-1][-1] + 1
     assert [[f"p{p}" for p in ps] for ps in positions] == [ids for _, ids in before]
     assert learner.state.outcomes.flat_rate[source.row_key(1)] == 1.0
+
+
+def test_a_group_that_taught_revisits_its_prompt_with_the_chance_drawn_from_the_seed_and_its_id() -> None:
+    ids = [f"g{i}" for i in range(10_000)]
+    half = [revisits([0.0, 1.0], g, seed=3, chance=0.5) for g in ids]
+    assert 4_850 < sum(half) < 5_150  # within 3 sigma of 50 %
+    assert half == [revisits([0.0, 1.0], g, seed=3, chance=0.5) for g in ids]  # a resumed learner decides the same
+    assert half != [revisits([0.0, 1.0], g, seed=4, chance=0.5) for g in ids]
+    assert all(revisits([0.0, 0.5, 0.0], g, seed=3, chance=1.0) for g in ids[:100])
+    assert not any(revisits([1.0, 1.0], g, seed=3, chance=1.0) for g in ids[:100])  # flat: it taught nothing
+    assert not any(revisits([0.0, 1.0], g, seed=3, chance=0.0) for g in ids[:100])
+
+
+def test_prompts_that_taught_go_out_again_in_whole_batches_before_new_ones_and_a_resume_makes_the_same(
+    learner: Learner,
+) -> None:
+    """Three groups taught, one did not: two revisits make a batch (2 prompts), issued before
+    the new prompts under its own numbering; the third waits for a partner. A revisit's
+    group that taught is not revisited again. The ledger
+    counts them as issued, and a learner resumed from before, reading the same groups in
+    the stream's order, issues the same batch under the same id."""
+    feeder, collector, state = learner.feeder, learner.collector, learner.state
+    learner.cfg.active_sampling_revisit = 1.0
+    saved = json.loads(json.dumps(asdict(state)))  # the checkpoint
+    feeder.feed(kept=0)
+    first = [lease.batch for lease in learner.queue.claim("w", 10)]
+    assert [p.id for b in first for p in b.prompts] == ["p0", "p1", "p2", "p3"]
+    read = [
+        answer(first[0], 0, (0, 1, 0, 1)),
+        answer(first[0], 1, (1, 1, 1, 1)),  # flat: not revisited
+        answer(first[1], 0, (0, 0, 0.5, 0)),
+        answer(first[1], 1, (1, 0, 1, 1)),
+    ]
+
+    def take_all() -> list[PromptBatch]:
+        for i, g in enumerate(read):
+            learner.collector.take(Delivery(f"1-{i}", g))
+        assert learner.state.ledger.to_revisit == [0, 2, 3]
+        learner.feeder.reissue(learner.collector.end_step())
+        learner.feeder.purge_completed()
+        learner.feeder.feed(kept=0)
+        return [lease.batch for lease in learner.queue.claim("w", 10)]
+
+    second = take_all()
+    assert [(b.batch_id, [p.id for p in b.prompts]) for b in second] == [
+        ("active-t0", ["p0", "p2"]),
+        ("active-b2", ["p4", "p5"]),
+    ]
+    assert state.ledger.to_revisit == [3] and state.ledger.revisited == 2 and state.ledger.issued == 8
+    assert accounting(state, learner.cfg, None)["revisited"] == 2
+    # the revisit's groups answer the prompt as issued (its tokens), and are judged like any other
+    assert collector.judge(answer(second[0], 1, (0, 1, 0, 1))) is None
+    collector.take(Delivery("2-0", answer(second[0], 0, (0, 1, 0, 1))))
+    assert len(collector.step.kept) == 1 and state.ledger.to_revisit == [3]  # once: not revisited again
+    # in the checkpoint, all of it
+    assert LearnerState.from_json(json.loads(json.dumps(asdict(state)))).ledger == state.ledger
+
+    learner.state = LearnerState.from_json(saved)  # resumed from before: the same groups again
+    learner.queue._r.flushall()
+    assert [(b.batch_id, [p.id for p in b.prompts]) for b in take_all()[:1]] == [("active-t0", ["p0", "p2"])]

@@ -172,7 +172,8 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
     import psutil
 
     run_dir = tmp_path / "run"
-    cmd = [_learner_exe(), "run", "--run-dir", str(run_dir)]
+    # prompts that taught go out again (`learner.active`): their batches too, through the kill and the resume
+    cmd = [_learner_exe(), "run", "--run-dir", str(run_dir), "--active-sampling-revisit", "0.5"]
     proc = subprocess.Popen(
         [*cmd, "--steps", "1000"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path
     )
@@ -213,7 +214,7 @@ def test_killed_actor_then_ctrl_c_then_resume_loses_no_prompt_and_trains_once(tm
     trained = [g for c in consumed for g in c["trained"]]
     assert len(trained) == len(set(trained)) == total * 16
     second = json.loads((run_dir / "summary.json").read_text())["accounting"]
-    assert second["balanced"] and second["dead_lettered"] == 0, second
+    assert second["balanced"] and second["dead_lettered"] == 0 and second["revisited"] > 0, second
     assert "Traceback" not in (run_dir / "logs" / "proxy.log").read_text()
 
 

@@ -82,6 +82,7 @@ def test_the_feeder_fills_the_window_with_whole_batches_and_no_more(learner: Lea
         "sampling/flat_prompt_frac": 0.0,
         "sampling/skip_chance_mean": 0.0,
         "sampling/skipped_prompts": 0,
+        "sampling/revisited_prompts": 0,
     }
     g = answer(batches[0], 0)
     assert feeder.issued_tokens(g) == {p.id: p.token_ids for p in batches[0].prompts}

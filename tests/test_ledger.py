@@ -98,6 +98,8 @@ def test_the_ledger_round_trips_through_a_checkpoint_and_reads_the_old_layout() 
     state.ledger.finish("e0", 100, 4)
     state.ledger.to_reissue = [1, 0]
     state.ledger.issue_again("r2", 1)
+    state.ledger.to_revisit = [0, 1, 5]
+    state.ledger.issue_revisit("t0", 2)
     state.quarantined = {"fleet/w": "failed the sampling shape audit"}
     again = LearnerState.from_json(json.loads(json.dumps(asdict(state))))
     assert again == state
@@ -135,6 +137,22 @@ def test_a_dishonest_worker_s_prompts_go_out_again_and_are_counted_once_each() -
     finished = {f.batch_id: f.group_ids for f in ledger.finished_batches()}
     assert finished["r1"] == [group_id_for("r1", "p2")]  # the queue forgets the new batch's group, by its own id
     assert ledger.issue_again("r2", 5) == [0] and ledger.to_reissue == [] and ledger.inflight == 1
+
+
+def test_revisits_go_out_in_whole_batches_and_are_counted_as_issued_apart_from_the_others() -> None:
+    ledger = PromptLedger()
+    ledger.issue("b0", 4)
+    for p in ("p0", "p1", "p2", "p3"):
+        ledger.consume("b0", p)
+    ledger.to_revisit = [3, 1, 2]  # their groups taught (`learner.active.revisits`)
+    assert ledger.issue_revisit("t0", 2) == [3, 1] and ledger.to_revisit == [2]
+    assert ledger.outstanding["t0"].prompt_ids() == ["p3", "p1"]
+    assert (ledger.issued, ledger.inflight, ledger.revisited, ledger.reissued) == (6, 2, 2, 0)
+    assert (ledger.batches_issued, ledger.revisit_batches) == (1, 1)  # the others' numbering is not moved
+    ledger.consume("t0", "p3")
+    ledger.consume("t0", "p1")
+    assert sorted(ledger.purge_completed()) == ["b0", "t0"] and ledger.inflight == 0
+    assert ledger.consumed_prompts == ledger.issued == 6
 
 
 BOUNDS = Bounds(
