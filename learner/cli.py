@@ -21,8 +21,9 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from learner.config import SECTIONS, ConfigError, LearnerConfig, load_config
+from learner.config import SECTIONS, ConfigError, LearnerConfig
 from learner.grpoconfig import _LOSS_TYPES, TRL_BATCH_KEYS, TRL_NAMES
+from learner.load_config import load_config
 from protocol.util.config_file import apply_config_file, subcommand
 from protocol.util.logs import add_logging_flags, setup_logging
 

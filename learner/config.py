@@ -1,7 +1,7 @@
 """The learner's configuration: declared once, typed, bounded, one line of doc per field.
 
 Parsed once at the entry point, from a TOML file (`--config`) and then command-line
-flags, which override the file. The flags are generated from this class, so a field
+flags, which override the file (`learner.load_config`). The flags are generated from this class, so a field
 added here is a flag at once.
 
 TRL's vocabulary (`learner.grpoconfig`): every setting with a `GRPOConfig` counterpart
@@ -12,15 +12,13 @@ object; any other unknown key is refused with the nearest known name.
 from __future__ import annotations
 
 import math
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from learner.grpoconfig import ConfigError as ConfigError  # callers import it from here
-from learner.grpoconfig import translate_trl, trl_batch, unknown_settings
-from protocol.util.config_file import learner_part, reward_specs
+from protocol.util.config_file import reward_specs
 
 SECTIONS = {
     "run": "where things are",
@@ -474,34 +472,3 @@ class LearnerConfig(BaseModel):
     @property
     def resolved_run_dir(self) -> Path:
         return self.run_dir if self.run_dir is not None else Path("runs") / self.run
-
-
-def load_config(
-    toml_path: Path | None,
-    overrides: dict[str, object],
-    defaults: dict[str, object] | None = None,
-    notes: list[str] | None = None,
-) -> LearnerConfig:
-    """`defaults`, then the TOML file's values, then `overrides` (flags the user gave);
-    GRPOConfig names are read as ours in each (what that took without a change, or
-    translated, is added to `notes`)."""
-    values: dict[str, Any] = {}
-    if toml_path is not None:
-        try:
-            values = tomllib.loads(toml_path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as err:
-            raise ConfigError(f"--config {toml_path}: {err}") from err
-        values = learner_part(values)  # a [learner] table, or top-level keys less the other roles' tables
-    notes = notes if notes is not None else []
-    user = {**translate_trl(values, notes), **translate_trl(dict(overrides), notes)}
-    defaults = defaults or {}
-    default_generations = defaults.get("num_generations", LearnerConfig.model_fields["num_generations"].default)
-    values = {**defaults, **trl_batch(user, user.get("num_generations", default_generations), notes)}
-    unknown = [k for k in values if k not in LearnerConfig.model_fields]
-    if unknown:
-        raise ConfigError(f"invalid configuration: {unknown_settings(unknown, LearnerConfig.model_fields)}")
-    try:
-        return LearnerConfig.model_validate(values)
-    except ValidationError as err:
-        lines = [f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in err.errors()]
-        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None

@@ -48,6 +48,8 @@ class Feeder:
         self.cfg, self.queue, self.source = cfg, queue, source
         self.admission, self.publisher, self.evals, self.sampling = admission, publisher, evals, sampling
         self.state = LearnerState()
+        self._revisit_prefix = f"{cfg.run}-t"
+        """The ids of batches of revisits (`learner.active.revisits`): this, then their number."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
 
@@ -96,7 +98,7 @@ class Feeder:
             ledger.issue_again(again.batch_id, n)
         while cfg.lag_versions is None and len(ledger.to_revisit) >= size > 0 and ledger.room(limit) >= size:
             # prompts whose groups taught, before new ones (`learner.active.revisits`), in whole batches
-            again = self._batch(f"{cfg.run}-t{ledger.revisit_batches}", ledger.to_revisit[:size])
+            again = self._batch(f"{self._revisit_prefix}{ledger.revisit_batches}", ledger.to_revisit[:size])
             self.queue.add_prompts([again])
             ledger.issue_revisit(again.batch_id, size)
         batches: list[tuple[PromptBatch, list[int]]] = []
@@ -153,7 +155,7 @@ class Feeder:
         if (
             cfg.active_sampling
             and cfg.lag_versions is None  # a forced lag issues no revisits
-            and not group.batch_id.startswith(f"{cfg.run}-t")  # once: a revisit's group is not revisited
+            and not group.batch_id.startswith(self._revisit_prefix)  # once: a revisit's group is not revisited
             and position not in self.ledger.to_revisit
             and revisits(rewards, group.group_id, cfg.seed, cfg.active_sampling_revisit)
         ):

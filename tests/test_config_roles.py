@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from learner.config import load_config
+from learner.load_config import load_config
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -24,8 +24,9 @@ from rollouts import SyntheticActor, raw_submit
 from servers import kill_process
 
 from learner.cli import main as learner_main
-from learner.config import ConfigError, LearnerConfig, load_config
+from learner.config import ConfigError, LearnerConfig
 from learner.data import DataError, PromptSource, load_rows
+from learner.load_config import load_config
 from learner.loop import CONSUMER, Learner, LearnerError
 from learner.policy import pack_sequences, scatter_completion_values
 from protocol import (

@@ -15,7 +15,8 @@ import pytest
 from factories import write_dataset
 from rollouts import SyntheticActor
 
-from learner.config import ConfigError, load_config
+from learner.config import ConfigError
+from learner.load_config import load_config
 from learner.trackers import TrackerError, check_trackers
 from protocol import QueueConfig
 from protocol.trusted import RedisQueue, open_store

@@ -12,9 +12,10 @@ import torch
 from factories import write_dataset
 
 from learner.cli import build_parser
-from learner.config import ConfigError, load_config
+from learner.config import ConfigError
 from learner.data import load_rows
 from learner.grpoconfig import TRL_NAMES, TRL_ONLY
+from learner.load_config import load_config
 from learner.loss import policy_loss
 
 REPO = Path(__file__).resolve().parents[1]
