@@ -4,7 +4,9 @@ pass@1, in pairs run one after the other (off, then on) so both see the same min
 machine.
 
 The share is given for the whole run and for its second half (the cold start, when the
-untrained model gets every prompt wrong, drops the same groups either way).
+untrained model gets every prompt wrong, drops the same groups either way), and the flat
+groups split into unsolved (all below the best reward: the cold start) and mastered (all
+at it), as shares of the scored groups.
 
 `--baseline no-revisit` compares active sampling with its revisits (`--active-sampling-revisit`)
 against active sampling without them, rather than against none.
@@ -38,11 +40,17 @@ def run(learner: str, run_dir: Path, steps: int, flags: list[str]) -> dict[str, 
         trained = sum(r["groups"] for r in rs)
         return trained / (trained + sum(r["dropped_flat"] + r["dropped_stale"] for r in rs))
 
+    scored = sum(r["groups"] + r["dropped_flat"] + r["dropped_stale"] for r in rows)
+    unsolved = sum(r["dropped_flat_unsolved"] for r in rows)
+
     evals = summary["evaluations"]
     last = max(evals, key=int) if evals else None
     return {
         "groups_trained": share(rows),
         "second_half": share(rows[len(rows) // 2 :]),
+        # of the scored groups: flat below the best reward (the cold start), flat at it (mastery)
+        "flat_unsolved": unsolved / scored,
+        "flat_mastered": sum(r["dropped_flat"] for r in rows) / scored - unsolved / scored,
         "tokens_trained": acc["tokens"]["trained_share"],
         "reward_last_5": summary["reward_last_5"],
         "pass@1": evals[last]["pass@1"] if last else float("nan"),
@@ -76,12 +84,21 @@ def main() -> None:
                 r = results[arm][-1]
                 print(
                     f"pair {pair + 1} {arm:9s}  groups trained {r['groups_trained']:.3f} "
-                    f"(second half {r['second_half']:.3f})  tokens trained {r['tokens_trained']:.3f}  "
+                    f"(second half {r['second_half']:.3f}; flat unsolved {r['flat_unsolved']:.3f}, "
+                    f"mastered {r['flat_mastered']:.3f})  tokens trained {r['tokens_trained']:.3f}  "
                     f"reward {r['reward_last_5']:.3f}  pass@1 {r['pass@1']:.3f}  skipped {r['skipped']}  "
                     f"{r['wall_s']:.1f}s",
                     flush=True,
                 )
-    for key in ("groups_trained", "second_half", "tokens_trained", "reward_last_5", "pass@1"):
+    for key in (
+        "groups_trained",
+        "second_half",
+        "flat_unsolved",
+        "flat_mastered",
+        "tokens_trained",
+        "reward_last_5",
+        "pass@1",
+    ):
         base, active = (statistics.mean(r[key] for r in results[arm]) for arm in arms)
         print(f"{key:15s} {args.baseline} {base:.3f}  active {active:.3f}  ratio {active / base:.3f}x")
 

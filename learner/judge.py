@@ -172,6 +172,14 @@ class StepGroups:
     def count(self, reason: Reason) -> int:
         return sum(1 for _, r in self.dropped if r == reason)
 
+    def flat_unsolved(self, best: float | None) -> list[RolloutGroup]:
+        """The flat groups whose completions all fell below `best`, the best reward the run
+        has read (`learner.active.PromptOutcomes.best`): too hard for the policy so far,
+        where the other flat groups are mastered."""
+        return [
+            g for g, r in self.dropped if r == Reason.FLAT and best is not None and float(g.rewards[0] or 0.0) < best
+        ]
+
     def reasons(self) -> list[tuple[str, str]]:
         """(group id, reason) of the dropped groups."""
         return [(g.group_id, reason) for g, reason in self.dropped]

@@ -247,6 +247,7 @@ class Learner:
         count_step(self.state, step_groups, self.cfg.mask_truncated_completions, trained_with)
         self.state.count("num_tokens", sequence_tokens(groups))  # TRL's, run-long
         parts = {**self.feeder.metrics(), **self.collector.metrics(), **self.evals.metrics()}
+        parts["dropped_flat_unsolved"] = len(step_groups.flat_unsolved(self.state.outcomes.best))
         tail = {**stats, "num_tokens": self.state.totals["num_tokens"], **times, **parts}
         tail |= {"publish_failures": self.publisher.failures, "memory_peak_mb": peak_memory_mb(self.dist.device)}
         head = {"step": self.state.step, "adapter_version": self.state.policy_version}

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from learner.config import LearnerConfig
 from learner.progress import plot, summarise
-from learner.token_use import token_accounting, token_line
+from learner.token_use import UNSOLVED, token_accounting, token_line
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         "quarantined_workers": sorted(state.quarantined),
         "reissued": state.ledger.reissued,
         "revisited": state.ledger.revisited,  # prompts whose groups taught, issued again (`learner.active`)
+        # of `dropped.dropped_flat`: all below the best reward read (too hard so far), not mastered
+        "flat_unsolved": totals.get(UNSOLVED, 0),
         # every group the learner read, by verdict, those of a collection a stop cut short too
         # (they stay pending in the queue, so `dropped` leaves them out)
         "read": {k.removeprefix("read/"): v for k, v in sorted(totals.items()) if k.startswith("read/")},

@@ -99,8 +99,14 @@ def test_learner_run_with_no_arguments_learns_the_built_in_task(tmp_path: Path, 
     tokens = accounting["tokens"]
     assert tokens["trained"] == pytest.approx(sum(r["completions/mean_length"] * r["groups"] * 8 for r in rows))
     assert tokens["generated"] == sum(
-        v for k, v in tokens.items() if k not in ("generated", "trained_share", "trained_within_one_version")
+        v
+        for k, v in tokens.items()
+        if k not in ("generated", "flat_unsolved", "trained_share", "trained_within_one_version")
     )
+    # of the flat groups, those all below the best reward (the untrained model's cold start)
+    assert 0 < tokens["flat_unsolved"] <= tokens["flat"]
+    assert 0 < accounting["flat_unsolved"] == sum(r["dropped_flat_unsolved"] for r in rows)
+    assert accounting["flat_unsolved"] <= accounting["dropped"]["dropped_flat"]
     assert tokens["evaluated"] > 0
     assert f"trained {tokens['trained_share']:.0%} of {tokens['generated']:,} generated tokens" in proc.stderr
     assert all(r["score_s_mean"] >= 0 and r["scoring_latency_s_mean"] > 0 for r in rows)

@@ -398,6 +398,7 @@ def test_reward_goes_up_on_a_toy_task(tmp_path: Path, tiny_model: Path, redis_se
         assert r["clip_ratio/low_mean"] + r["clip_ratio/high_mean"] == pytest.approx(r["clip_ratio/region_mean"])
         ratio = [r[f"sampling/importance_sampling_ratio/{k}"] for k in ("min", "mean", "max")]
         assert ratio == sorted(ratio) and r["frac_reward_zero_std"] == r["dropped_flat_rate"]
+        assert 0 <= r["dropped_flat_unsolved"] <= r["dropped_flat"]
     assert [r["num_tokens"] for r in rows] == sorted(r["num_tokens"] for r in rows) and rows[0]["num_tokens"] > 0
     assert all(1 <= r["completions/mean_length"] <= r["completions/max_length"] <= cfg.max_tokens for r in rows)
     assert all(0 <= r["completions/clipped_ratio"] <= 1 and 0 <= r["dropped_flat_rate"] <= 1 for r in rows)

@@ -216,22 +216,26 @@ def test_every_generated_token_of_a_consumed_group_is_counted_once_where_it_went
         collector.take(Delivery(f"2-{i}", g))
     state.policy_version = 3  # max_staleness 2: a group of the base model is stale now
     collector.take(Delivery("2-4", answer(b2, 0)))  # stale: 4 x 2
+    collector.take(Delivery("2-5", answer(b1, 1, version=1, rewards=(0, 0, 0, 0))))  # flat, below the best: unsolved
     count_step(state, collector.end_step(), mask_truncated=True, trained_with=1)
-    tokens = accounting(state, learner.cfg, None)["tokens"]
+    summary = accounting(state, learner.cfg, None)
+    tokens = summary["tokens"]
     assert tokens == {
-        "generated": 6 + 3 + 8 + 8 + 9 + 8,
+        "generated": 6 + 3 + 16 + 8 + 9 + 8,
         "trained": 6,
         "truncated": 3,
-        "flat": 8,
+        "flat": 16,
         "stale": 8,
         "rejected": 17,
         "evaluated": 0,
-        "trained_share": round(6 / 42, 4),
+        "flat_unsolved": 8,  # of flat: the all-wrong group; the all-right one was mastered
+        "trained_share": round(6 / 50, 4),
         "trained_within_one_version": 1.0,  # v0's tokens, trained by the policy of v1
     }
+    assert summary["flat_unsolved"] == 1 and summary["dropped"]["dropped_flat"] == 2
     assert token_line(tokens) == (
-        "trained 14% of 42 generated tokens (truncated 7%, flat 19%, stale 19%, rejected 40%); "
-        "100% of them within one version of the policy"
+        "trained 12% of 50 generated tokens (truncated 6%, flat 32% = 16% unsolved + 16% mastered, stale 16%, "
+        "rejected 34%); 100% of them within one version of the policy"
     )
     episode = completion(6, reward=1.0, mask=[1, 1, 0, 0, 1, 0])
     assert model_tokens(episode) == 3 and model_tokens(completion(6)) == 6
