@@ -50,6 +50,9 @@ class Feeder:
         self.state = LearnerState()
         self._revisit_prefix = f"{cfg.run}-t"
         """The ids of batches of revisits (`learner.active.revisits`): this, then their number."""
+        self._reissue_prefix = f"{cfg.run}-a"
+        """The ids of a dishonest worker's prompts issued again: this, then the count before it
+        (`PromptLedger.issue_again`)."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
 
@@ -87,15 +90,11 @@ class Feeder:
             size = min(size, ledger.room(limit))
             if size > 0:
                 self.publisher.flush()  # the versions the batches are pinned to must be out first
-        if (
-            ledger.to_reissue
-            and cfg.lag_versions is None
-            and (n := min(len(ledger.to_reissue), size, ledger.room(limit))) > 0
-        ):
+        while ledger.to_reissue and cfg.lag_versions is None and ledger.room(limit) > 0:
             # the prompts of a dishonest worker's dropped groups, first (`Reason.reissued`)
-            again = self._batch(f"{cfg.run}-r{ledger.batches_issued}", ledger.to_reissue[:n])
+            again = self._batch(f"{self._reissue_prefix}{ledger.reissued}", ledger.to_reissue[:1])
             self.queue.add_prompts([again])
-            ledger.issue_again(again.batch_id, n)
+            ledger.issue_again(again.batch_id)
         while cfg.lag_versions is None and len(ledger.to_revisit) >= size > 0 and ledger.room(limit) >= size:
             # prompts whose groups taught, before new ones (`learner.active.revisits`), in whole batches
             again = self._batch(f"{self._revisit_prefix}{ledger.revisit_batches}", ledger.to_revisit[:size])

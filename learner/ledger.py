@@ -11,7 +11,7 @@ back (`undo`), so the next run consumes them. A prompt whose group taught (a spr
 rewards) may wait in `to_revisit` and go out again (`issue_revisit`; `learner.active`).
 A prompt whose group was rejected for its worker's dishonesty (`learner.judge.Reason.reissued`:
 a failed audit or digest, a quarantined worker) waits in `to_reissue` and goes out again
-in a batch of its own (`issue_again`): the data row is issued twice, its first group
+alone in a batch (`issue_again`): the data row is issued twice, its first group
 dropped and counted, its second trained.
 
 The guarantee (`tests/test_ledger.py`, and the chaos soak's exact count): every issued
@@ -122,13 +122,16 @@ class PromptLedger:
         self.batches_issued += 1
         return start
 
-    def issue_again(self, batch_id: str, n: int) -> list[int]:
-        """A batch of the first `n` prompts waiting in `to_reissue`; returns their positions."""
-        positions, self.to_reissue = self.to_reissue[:n], self.to_reissue[n:]
-        self.outstanding.setdefault(batch_id, Outstanding(positions[0], len(positions), positions=positions))
-        self.reissued += len(positions)
-        self.batches_issued += 1
-        return positions
+    def issue_again(self, batch_id: str) -> int:
+        """A batch of the first prompt waiting in `to_reissue` alone; returns its position.
+        One prompt a batch, numbered apart from the others (by `reissued`): the batch a
+        count names then holds the same prompt however the window opened, so a resumed
+        learner that issues it again under that id issues what the queue kept, and the
+        others' numbering does not move with it."""
+        position, self.to_reissue = self.to_reissue[0], self.to_reissue[1:]
+        self.outstanding.setdefault(batch_id, Outstanding(position, 1, positions=[position]))
+        self.reissued += 1
+        return position
 
     def issue_revisit(self, batch_id: str, n: int) -> list[int]:
         """A batch of the first `n` revisits waiting; returns their positions. Batches are

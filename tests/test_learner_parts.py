@@ -5,7 +5,9 @@ on an in-memory Redis (the paths through a real one are `test_learner.py`'s runs
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import fakeredis
@@ -13,6 +15,7 @@ import msgspec
 import pytest
 from factories import NO_AUDITS, completion, group, write_dataset
 
+from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
 from learner.judge import Reason
 from learner.loop import Learner
@@ -164,8 +167,39 @@ def test_the_feeder_issues_a_dishonest_worker_s_prompts_again_first(learner: Lea
     assert state.ledger.to_reissue == [1] and state.totals["reissued_prompts"] == 1
     learner.feeder.feed(kept=0)  # one slot free: the prompt goes out alone, before any new batch
     (again,) = issued(learner)
-    assert again.batch_id == "parts-r4" and [p.id for p in again.prompts] == ["p1"]
+    assert again.batch_id == "parts-a0" and [p.id for p in again.prompts] == ["p1"]
     assert state.ledger.to_reissue == [] and state.ledger.inflight == 8
+
+
+def test_a_resumed_learner_issues_what_the_crashed_one_did_under_the_same_ids(learner: Learner) -> None:
+    """The window opens in another order after a restart (the groups read since the
+    checkpoint come back at once): the batches issued again must be the ones the queue
+    kept, id for id, or a prompt goes out under two ids and is trained twice."""
+    collector, feeder = learner.collector, learner.feeder
+    learner.state.quarantined["mallory"] = "caught"
+    feeder.feed(kept=0)
+    b = issued(learner)
+    checkpoint = json.loads(json.dumps(asdict(learner.state)))
+    reads = [answer(b[0], 0), answer(b[1], 0), answer(b[0], 1, actor="mallory")]
+    # before the crash: two groups read, a new batch out, then the dishonest worker's group
+    collector.take(Delivery("1-0", reads[0]))
+    collector.take(Delivery("1-1", reads[1]))
+    feeder.feed(kept=len(collector.step.kept))
+    collector.take(Delivery("1-2", reads[2]))
+    feeder.reissue(collector.end_step())
+    feeder.feed(kept=0)
+    before = {x.batch_id: [p.id for p in x.prompts] for x in issued(learner)}
+    assert sorted(before.values()) == [["p1"], ["p8", "p9"]]  # mallory's prompt again, and a new batch
+    # resumed from the checkpoint: the three groups come back before anything is issued
+    learner.state = LearnerState.from_json(checkpoint)
+    feeder.reissue_outstanding(lambda f: f())
+    for i, g in enumerate(reads):
+        collector.take(Delivery(f"2-{i}", g))
+    feeder.reissue(collector.end_step())
+    feeder.feed(kept=0)
+    assert issued(learner) == []  # nothing new: every id issued again names what the queue kept
+    outstanding = learner.state.ledger.outstanding
+    assert {k: outstanding[k].prompt_ids() for k in before} == before
 
 
 def test_the_eval_sink_keeps_eval_groups_out_of_training_and_writes_the_version_s_figures(learner: Learner) -> None:

@@ -97,7 +97,7 @@ def test_the_ledger_round_trips_through_a_checkpoint_and_reads_the_old_layout() 
     state.ledger.consume("b0", "p0")
     state.ledger.finish("e0", 100, 4)
     state.ledger.to_reissue = [1, 0]
-    state.ledger.issue_again("r2", 1)
+    state.ledger.issue_again("a0")
     state.ledger.to_revisit = [0, 1, 5]
     state.ledger.issue_revisit("t0", 2)
     state.quarantined = {"fleet/w": "failed the sampling shape audit"}
@@ -129,14 +129,16 @@ def test_a_dishonest_worker_s_prompts_go_out_again_and_are_counted_once_each() -
         ledger.consume("b0", p)
     ledger.to_reissue = [2, 0]  # p2 and p0: their groups failed an audit
     assert ledger.inflight == 0 and ledger.issued == 3
-    assert ledger.issue_again("r1", 1) == [2] and ledger.to_reissue == [0]
-    assert ledger.outstanding["r1"].prompt_ids() == ["p2"] and ledger.issued == 4 and ledger.inflight == 1
+    assert ledger.issue_again("a0") == 2 and ledger.to_reissue == [0]
+    assert ledger.outstanding["a0"].prompt_ids() == ["p2"] and ledger.issued == 4 and ledger.inflight == 1
     assert ledger.room(1) == 0  # a prompt issued again takes a place in flight like any other
-    ledger.consume("r1", "p2")
-    assert sorted(ledger.purge_completed()) == ["b0", "r1"] and ledger.inflight == 0
+    assert ledger.batches_issued == 1  # numbered apart: the next new batch is b1 whatever was issued again
+    ledger.consume("a0", "p2")
+    assert sorted(ledger.purge_completed()) == ["a0", "b0"] and ledger.inflight == 0
     finished = {f.batch_id: f.group_ids for f in ledger.finished_batches()}
-    assert finished["r1"] == [group_id_for("r1", "p2")]  # the queue forgets the new batch's group, by its own id
-    assert ledger.issue_again("r2", 5) == [0] and ledger.to_reissue == [] and ledger.inflight == 1
+    assert finished["a0"] == [group_id_for("a0", "p2")]  # the queue forgets the new batch's group, by its own id
+    assert ledger.issue_again("a1") == 0 and ledger.to_reissue == [] and ledger.inflight == 1
+    assert ledger.outstanding["a1"].prompt_ids() == ["p0"] and ledger.reissued == 2
 
 
 def test_revisits_go_out_in_whole_batches_and_are_counted_as_issued_apart_from_the_others() -> None:
