@@ -3,6 +3,7 @@ where every issued prompt went, `summary.json`, `curve.png` and one `done:` line
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -50,9 +51,10 @@ def accounting(state: Any, cfg: LearnerConfig, stats: Any | None, eval_in_queue:
         in_scoring = stats.unscored.length if stats.unscored is not None else 0
         if cfg.scoring_mode == "trusted":
             out["in_scoring"] = in_scoring
-        out["in_queue"] = (
-            (stats.prompts.length * cfg.prompts_per_batch) + stats.rollouts.length + in_scoring - eval_in_queue
-        )
+        waiting = stats.prompts_waiting
+        if waiting is None:  # batches of prompts_per_batch: a batch partly submitted counts whole
+            waiting = stats.prompts.length * cfg.prompts_per_batch
+        out["in_queue"] = waiting + stats.rollouts.length + in_scoring - eval_in_queue
         out["eval_in_queue"] = eval_in_queue
         out["leases_at_end"] = dict(stats.leases_by_worker)
         out["balanced"] = out["issued"] == out["trained"] + sum(dropped.values()) + dead + out["in_queue"]
@@ -113,7 +115,7 @@ def done_line(summary: dict[str, Any], path: Any) -> str:
 def final_stats(queue: Any) -> Any | None:
     """The queue's figures for the summary's accounting; the summary can do without them."""
     try:
-        return queue.stats()
+        return dataclasses.replace(queue.stats(), prompts_waiting=queue.prompts_waiting())
     except Exception as err:
         log.warning("no final queue statistics: %s", err)
         return None

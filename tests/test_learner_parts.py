@@ -202,6 +202,17 @@ def test_a_resumed_learner_issues_what_the_crashed_one_did_under_the_same_ids(le
     assert {k: outstanding[k].prompt_ids() for k in before} == before
 
 
+def test_the_summary_counts_the_prompts_in_the_queue_one_by_one(learner: Learner) -> None:
+    from learner.summary import accounting, final_stats
+
+    learner.feeder.feed(kept=0)
+    lease = learner.queue.claim("w", 1)[0]
+    learner.queue.submit("w", lease.lease_id, [answer(lease.batch, 0)])  # one of the lease's two groups
+    book = accounting(learner.state, learner.cfg, final_stats(learner.queue))
+    # 7 prompts still to generate (the lease's entry stays until its last group) and 1 group in
+    assert book["in_queue"] == learner.state.ledger.inflight == 8 and book["balanced"], book
+
+
 def test_the_eval_sink_keeps_eval_groups_out_of_training_and_writes_the_version_s_figures(learner: Learner) -> None:
     from learner.metrics import MetricsLog
     from learner.progress import read_evals

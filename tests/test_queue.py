@@ -86,6 +86,21 @@ def test_prompts_flow_to_rollouts_and_back(make_queue) -> None:
     assert stats.prompts.pending == 1 and stats.prompts.waiting == 1
 
 
+def test_prompts_waiting_counts_each_prompt_whose_group_is_not_in(make_queue) -> None:
+    q = make_queue()
+    q.add_prompts([batch(0), batch(1)])
+    if isinstance(q, ProxiedQueue):
+        assert q.prompts_waiting() is None  # the learner counts on Redis; a worker's view cannot
+        return
+    assert q.prompts_waiting() == 4
+    (lease,) = q.claim("w1", count=1)
+    first, second = groups(lease.batch, actor="w1")
+    q.submit("w1", lease.lease_id, [first])  # one group of two: the batch's entry stays
+    assert q.stats().prompts.length == 2 and q.prompts_waiting() == 3
+    q.submit("w1", lease.lease_id, [second])
+    assert q.stats().prompts.length == 1 and q.prompts_waiting() == 2
+
+
 def test_add_prompts_is_idempotent_by_batch_id(make_queue) -> None:
     q = make_queue()
     assert q.add_prompts([batch(0), batch(1)]) == 2

@@ -230,6 +230,8 @@ class QueueStats:
     latest_adapter_version: int = 0
     unscored: StreamStats | None = None
     """Groups submitted for trusted scoring and not yet scored (None: not reported)."""
+    prompts_waiting: int | None = None
+    """Prompts issued whose groups are not in the queue yet (`Queue.prompts_waiting`; None: not counted)."""
 
 
 class AdapterSubscription(abc.ABC):
@@ -399,6 +401,11 @@ class Queue(abc.ABC):
     # -- everyone
     @abc.abstractmethod
     def stats(self) -> QueueStats: ...
+
+    def prompts_waiting(self) -> int | None:
+        """The prompts issued whose groups are not in the queue yet, counted one by one
+        (None: this transport cannot tell; `stats` counts batches)."""
+        return None
 
     def stop_retrying(self) -> None:
         """From now on, fail fast instead of retrying through an outage (a process on

@@ -49,6 +49,7 @@ class RedisBase:
                 "RELEASE",
                 "ANNOUNCE",
                 "COUNT_AFTER",
+                "PROMPTS_WAITING",
                 "REPORT_STATUS",
                 "LEAVE",
                 "QUARANTINE",

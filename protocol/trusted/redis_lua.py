@@ -393,6 +393,22 @@ redis.call('PUBLISH', ARGV[3], ARGV[2])
 return id
 """
 
+PROMPTS_WAITING = (
+    _HELPERS
+    + r"""
+-- KEYS: prompts, groups_seen   The prompts of the batches in the stream whose groups are
+-- not stored yet: what is still to be generated. A batch's entry leaves the stream once all
+-- of its groups are in, and groups go in one by one, so its size alone over-counts.
+local n, after = 0, '-'
+while true do
+  local entries = redis.call('XRANGE', KEYS[1], after, '+', 'COUNT', 256)
+  if #entries == 0 then return n end
+  for _, e in ipairs(entries) do n = n + #missing_groups(field(e[2], 'g'), KEYS[2]) end
+  after = '(' .. entries[#entries][1]
+end
+"""
+)
+
 COUNT_AFTER = r"""
 -- KEYS: stream   ARGV: id   The number of entries after id (the waiting ones).
 return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+')

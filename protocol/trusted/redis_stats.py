@@ -56,3 +56,8 @@ class RedisStats(RedisBase):
             latest_adapter_version=int(version or 0),
             unscored=unscored,
         )
+
+    def prompts_waiting(self) -> int:
+        """The prompts issued whose groups are not in the queue yet, counted prompt by prompt
+        (every batch entry read: for the end of a run, not for a loop)."""
+        return int(self._script("PROMPTS_WAITING", [self.keys.prompts, self.keys.groups_seen], []))
