@@ -59,6 +59,8 @@ class Collector:
         self.step = StepGroups()
         """The groups judged since the last step: kept for the next, or consumed and dropped."""
         self._replay: list[Delivery] = []
+        self._ahead: list[Delivery] = []
+        """Groups of batches this learner has not issued yet (`Feeder.ahead`), read before it did."""
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
         self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
@@ -113,7 +115,10 @@ class Collector:
                 self.check_fleet()
                 self.feeder.feed(len(self.step.kept))
                 self.evals.issue()
+                self.take_issued()
                 wanted = n - len(self.step.kept)
+                if wanted <= 0:
+                    continue
                 if self._replay:
                     deliveries, self._replay = self._replay[:wanted], self._replay[wanted:]
                 else:
@@ -132,8 +137,14 @@ class Collector:
 
     def take(self, d: Delivery) -> None:
         """Route one delivery: an eval group to the sink; a training group consumed once,
-        judged, audited if picked, and counted by its verdict."""
+        judged, audited if picked, and counted by its verdict; a group of a batch this
+        learner has not issued yet waits for it (`take_issued`)."""
         group, state, ledger = d.group, self.state, self.state.ledger
+        if self.feeder.ahead(group.batch_id):
+            # a batch issued past the checkpoint before a restart: consumed now, it would be
+            # neither checked against the prompts issued nor counted in its batch's entry
+            self._ahead.append(d)
+            return
         state.unacked[group.group_id] = d.delivery_id
         if self.evals.is_eval(group.batch_id):
             self.evals.take(group)  # never trained on, never counted as a training prompt
@@ -163,6 +174,13 @@ class Collector:
             state.count(reason)
             if reason is Reason.STALE:
                 self._stale_drops[group.actor_id] += 1
+
+    def take_issued(self) -> None:
+        """The groups that came before their batch was issued here, once it is (`feed`)."""
+        if self._ahead:
+            waiting, self._ahead = self._ahead, []
+            for d in waiting:
+                self.take(d)
 
     def judge(self, group: RolloutGroup) -> Reason | None:
         """`learner.judge.judge` with what this learner knows; a rejection is logged."""

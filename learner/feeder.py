@@ -50,6 +50,8 @@ class Feeder:
         self.state = LearnerState()
         self._revisit_prefix = f"{cfg.run}-t"
         """The ids of batches of revisits (`learner.active.revisits`): this, then their number."""
+        self._new_prefix = f"{cfg.run}-b"
+        """The ids of batches of new prompts: this, then their number (`PromptLedger.batches_issued`)."""
         self._reissue_prefix = f"{cfg.run}-a"
         """The ids of a dishonest worker's prompts issued again: this, then the count before it
         (`PromptLedger.issue_again`)."""
@@ -105,7 +107,8 @@ class Feeder:
         while size > 0 and size <= room - size * len(batches):
             positions = self.next_positions(cursor, size)
             cursor = positions[-1] + 1
-            batches.append((self._batch(f"{cfg.run}-b{ledger.batches_issued + len(batches)}", positions), positions))
+            batch_id = f"{self._new_prefix}{ledger.batches_issued + len(batches)}"
+            batches.append((self._batch(batch_id, positions), positions))
         if batches:
             self.queue.add_prompts([b for b, _ in batches])  # batch ids are deterministic: a re-issue is skipped
             for b, positions in batches:
@@ -159,6 +162,21 @@ class Feeder:
             and revisits(rewards, group.group_id, cfg.seed, cfg.active_sampling_revisit)
         ):
             self.ledger.to_revisit.append(position)
+
+    def ahead(self, batch_id: str) -> bool:
+        """Whether `batch_id` names a training batch this learner has not issued yet: one a
+        learner issued after its last checkpoint, before a restart. Its number says so (each
+        kind is numbered on its own), and this learner issues it again under that id, with
+        the same prompts, once its window reaches it (`feed`); its groups wait till then."""
+        ledger = self.ledger
+        for prefix, issued in (
+            (self._new_prefix, ledger.batches_issued),
+            (self._reissue_prefix, ledger.reissued),
+            (self._revisit_prefix, ledger.revisit_batches),
+        ):
+            if batch_id.startswith(prefix) and (number := batch_id[len(prefix) :]).isdigit():
+                return int(number) >= issued
+        return False
 
     def issued_tokens(self, group: RolloutGroup) -> dict[str, bytes | None] | None:
         """prompt id -> the prompt tokens issued, for the group's batch if it is outstanding

@@ -202,6 +202,36 @@ def test_a_resumed_learner_issues_what_the_crashed_one_did_under_the_same_ids(le
     assert {k: outstanding[k].prompt_ids() for k in before} == before
 
 
+def test_a_group_of_a_batch_issued_before_the_restart_waits_until_the_resumed_learner_issues_it(
+    learner: Learner,
+) -> None:
+    """The crashed learner issued b4 past its checkpoint and a worker answered it; the
+    resumed one reads that group back before its window reaches b4. Consumed then, it would
+    be checked against nothing and missing from b4's entry, which would never complete."""
+    collector, feeder = learner.collector, learner.feeder
+    feeder.feed(kept=0)
+    b = issued(learner)
+    checkpoint = json.loads(json.dumps(asdict(learner.state)))
+    collector.take(Delivery("1-0", answer(b[0], 0)))
+    collector.take(Delivery("1-1", answer(b[0], 1)))
+    feeder.feed(kept=len(collector.step.kept))
+    (b4,) = issued(learner)
+    collector.end_step()  # the crash: the step in memory is gone
+    learner.state = LearnerState.from_json(checkpoint)  # and the resume
+    early = Delivery("2-2", answer(b4, 0))
+    for d in (Delivery("2-0", answer(b[0], 0)), Delivery("2-1", answer(b[0], 1)), early):
+        collector.take(d)
+    ledger = learner.state.ledger
+    assert early.group.group_id not in learner.state.unacked and ledger.consumed_prompts == 2
+    assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1"]
+    feeder.feed(kept=len(collector.step.kept))  # b4 again, under its id
+    collector.take_issued()
+    assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1", "p8"]
+    collector.take(Delivery("2-3", answer(b4, 1)))
+    feeder.purge_completed()
+    assert b4.batch_id not in ledger.outstanding and ledger.inflight == 6  # b1..b3 out, b0 and b4 done
+
+
 def test_the_summary_counts_the_prompts_in_the_queue_one_by_one(learner: Learner) -> None:
     from learner.summary import accounting, final_stats
 
