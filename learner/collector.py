@@ -115,7 +115,7 @@ class Collector:
                 self.check_fleet()
                 self.feeder.feed(len(self.step.kept))
                 self.evals.issue()
-                self.take_issued()
+                self.take_issued(n)
                 wanted = n - len(self.step.kept)
                 if wanted <= 0:
                     continue
@@ -175,12 +175,15 @@ class Collector:
             if reason is Reason.STALE:
                 self._stale_drops[group.actor_id] += 1
 
-    def take_issued(self) -> None:
-        """The groups that came before their batch was issued here, once it is (`feed`)."""
-        if self._ahead:
-            waiting, self._ahead = self._ahead, []
-            for d in waiting:
-                self.take(d)
+    def take_issued(self, n: int) -> None:
+        """The groups that came before their batch was issued here, once it is (`feed`),
+        while the step holds fewer than `n`: the rest wait for the next."""
+        waiting, self._ahead = self._ahead, []
+        for d in waiting:
+            if len(self.step.kept) >= n:
+                self._ahead.append(d)
+            else:
+                self.take(d)  # back in the list if its batch is still ahead
 
     def judge(self, group: RolloutGroup) -> Reason | None:
         """`learner.judge.judge` with what this learner knows; a rejection is logged."""

@@ -458,8 +458,11 @@ def _learner_cmd(tmp_path: Path, tiny_model: Path, redis_url: str, run: str, *ex
 
 @pytest.mark.slow
 @pytest.mark.redis
+@pytest.mark.parametrize(
+    "extra", [(), ("--active-sampling-revisit", "1.0")], ids=["default", "revisits"]
+)  # revisits: batches of a second kind, issued from what was read, numbered on their own
 def test_sigkill_then_resume_trains_every_group_exactly_once(
-    tmp_path: Path, tiny_model: Path, redis_server, run_name: str
+    tmp_path: Path, tiny_model: Path, redis_server, run_name: str, extra: tuple[str, ...]
 ) -> None:
     write_dataset(tmp_path / "data.jsonl")
     store = open_store((tmp_path / "store").as_uri())
@@ -470,7 +473,7 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     log1 = (tmp_path / "first.log").open("w")
     first = subprocess.Popen(
-        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name),
+        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name, *extra),
         cwd=REPO,
         env=env,
         stdout=log1,
@@ -494,7 +497,7 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(
     version_at_kill = queue.latest_adapter().version
 
     second = subprocess.run(
-        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name, "--resume"),
+        _learner_cmd(tmp_path, tiny_model, redis_server.url, run_name, *extra, "--resume"),
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -510,6 +513,8 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(
     # exactly once: every consumed group id once, all of them really submitted
     consumed = [json.loads(x) for x in (tmp_path / "run" / "consumed.jsonl").read_text().splitlines()]
     assert [c["step"] for c in consumed] == list(range(1, 17))
+    if extra:
+        assert json.loads((tmp_path / "run" / "summary.json").read_text())["accounting"]["revisited"] > 0
     trained = [g for c in consumed for g in c["trained"]]
     dropped = [g for c in consumed for g, _ in c["dropped"]]
     assert len(trained) == 16 * 8 and len(set(trained)) == len(trained)

@@ -225,7 +225,9 @@ def test_a_group_of_a_batch_issued_before_the_restart_waits_until_the_resumed_le
     assert early.group.group_id not in learner.state.unacked and ledger.consumed_prompts == 2
     assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1"]
     feeder.feed(kept=len(collector.step.kept))  # b4 again, under its id
-    collector.take_issued()
+    collector.take_issued(2)  # a step of 2 is full: the group waits for the next
+    assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1"]
+    collector.take_issued(4)
     assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1", "p8"]
     collector.take(Delivery("2-3", answer(b4, 1)))
     feeder.purge_completed()
