@@ -178,6 +178,8 @@ class Collector:
     def take_issued(self, n: int) -> None:
         """The groups that came before their batch was issued here, once it is (`feed`),
         while the step holds fewer than `n`: the rest wait for the next."""
+        if not self._ahead:  # after a restart only: every pass of the read loop asks
+            return
         waiting, self._ahead = self._ahead, []
         for d in waiting:
             if len(self.step.kept) >= n:

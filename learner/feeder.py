@@ -180,7 +180,8 @@ class Feeder:
 
     def issued_tokens(self, group: RolloutGroup) -> dict[str, bytes | None] | None:
         """prompt id -> the prompt tokens issued, for the group's batch if it is outstanding
-        here (None: a batch issued before a restart, which the queue checked)."""
+        here (None: a batch it does not hold and `ahead` cannot place, an id of an older layout
+        issued before a restart, which the queue checked)."""
         if group.batch_id not in self.ledger.outstanding:
             return None
         return self._issued_tokens.get(group.batch_id, {})

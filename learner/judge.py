@@ -104,7 +104,7 @@ def judge(
 ) -> Reason | None:
     """Why `group` is not trained on, or None to train on it. `issued`:
     prompt id -> the prompt tokens issued, for the group's batch if this learner has it
-    outstanding (None: a batch issued before a restart, which the queue checked).
+    outstanding (None: one it does not hold, which the queue checked; `Feeder.issued_tokens`).
     `digest_of`: the published digest of an adapter version (None: one whose manifest
     cannot be read now, or one not checked); every version the group's tokens name is
     checked, its oldest (`adapter_digest`) and the newer ones (`later_digests`)."""
