@@ -10,9 +10,13 @@ shuffled round over the kinds: an actor SIGKILLed (a new one starts), an actor S
 Redis SIGKILLed and restarted on its AOF, the scoring worker SIGKILLed and restarted, and
 the learner SIGKILLed and resumed (`--resume`). A process that exits on its own is
 restarted too and counted. Then it lets the run recover, stops the learner with SIGTERM
-(a checkpoint), stops the workers, and checks the ledger from the checkpoint, the queue and
-`consumed.jsonl`:
+(a checkpoint), stops the workers, and checks the ledger from the checkpoint, the queue,
+`issued.jsonl` and `consumed.jsonl`. The learner runs with active sampling (the default:
+mastered prompts passed over) and revisits, so its batches are of three kinds and hold
+the prompts it chose, which `issued.jsonl` names:
 
+- a batch issued again after a crash holds the same prompts as when first issued, and
+  the trail names as many prompts as the checkpoint counts issued;
 - every issued prompt is trained once, dropped with its reason, dead-lettered, or still
   in flight (found in the queue: a batch not yet finished, a group not yet scored or read);
 - no group is trained or dropped twice, and no consumed group waits in the queue again;
@@ -51,7 +55,7 @@ import redis
 REPO = Path(__file__).resolve().parents[1]
 RUN = "chaos"
 PPB = 4
-"""Prompts per batch (fixed, so batch i holds data positions 4i .. 4i+3)."""
+"""Prompts per batch."""
 KINDS = ("actor_sigkill", "actor_sigterm", "proxy_sigkill", "redis_sigkill", "scorer_sigkill", "learner_sigkill")
 ACTORS = 3
 LEASE_S = 5
@@ -271,9 +275,9 @@ class Soak:
                 "--startup-timeout-s",
                 "600",
                 "--no-tensorboard",
-                # the check below names every issued prompt from its batch's number (batch i
-                # holds positions PPB*i on); active sampling passes positions over
-                "--no-active-sampling",
+                # active sampling is on (the default), with revisits: batches of three kinds
+                "--active-sampling-revisit",
+                "0.5",
             ],
             {**base, "SPOTGRPO_TOKEN": self.secrets["learner"], "SPOTGRPO_CA_CERT": str(self.cert)},
             self.logs / "learner.log",
@@ -475,11 +479,11 @@ def ledger(
     store_url: str,
     rows: list[dict[str, Any]] | None = None,
     run: str = RUN,
-    ppb: int = PPB,
+    trail: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The exact ledger of run `run` (`ppb` prompts a batch; see the module docstring);
-    `problems` lists every breach. `rows` replaces consumed.jsonl (the self-test plants
-    breaches in a copy)."""
+    """The exact ledger of run `run` (see the module docstring);
+    `problems` lists every breach. `rows` replaces consumed.jsonl and `trail` issued.jsonl
+    (the self-test plants breaches in copies)."""
     from protocol import QueueConfig, group_id_for
     from protocol.trusted import RedisQueue, open_store
     from protocol.wire.files import CHECKPOINT_POINTER, checkpoint_key
@@ -492,15 +496,26 @@ def ledger(
     r = queue._r
     keys = queue.keys
 
-    # issued: batch i holds data positions ppb*i .. ppb*i + ppb - 1
+    # issued: what the learner's trail names (`issued.jsonl`), up to the checkpoint's counts of
+    # each kind of batch; a batch a crashed learner issued past them and the last one never
+    # reached is not the run's (the old layout's check left them out the same way)
     ledger = state["ledger"]
-    if ledger["cursor"] != ledger["batches_issued"] * ppb:
-        problems.append(f"cursor {ledger['cursor']} is not {ledger['batches_issued']} batches of {ppb}")
-    issued = {
-        group_id_for(f"{run}-b{i}", f"p{ppb * i + j}"): f"{run}-b{i}"
-        for i in range(ledger["batches_issued"])
-        for j in range(ppb)
-    }
+    counts = {"b": ledger["batches_issued"], "t": ledger["revisit_batches"], "a": ledger["reissued"]}
+    named: dict[str, list[str]] = {}
+    for entry in trail if trail is not None else issued_rows(work):
+        if named.setdefault(entry["batch"], entry["prompts"]) != entry["prompts"]:
+            problems.append(f"batch {entry['batch']} issued twice with different prompts")
+    issued = {}
+    for kind, count in counts.items():
+        for i in range(count):
+            batch = f"{run}-{kind}{i}"
+            if batch not in named:
+                problems.append(f"issued.jsonl does not name batch {batch}")
+                continue
+            issued |= {group_id_for(batch, p): batch for p in named[batch]}
+    issued_n = ledger["cursor"] + ledger["reissued"] + ledger["revisited"] - ledger["skipped"]
+    if len(issued) != issued_n:
+        problems.append(f"the checkpoint counts {issued_n} prompts issued; issued.jsonl names {len(issued)}")
 
     if rows is None:
         rows = consumed_rows(work)
@@ -577,7 +592,7 @@ def ledger(
             accounted[name] += 1
     if unaccounted:
         problems.append(f"{len(unaccounted)} issued prompts are not in exactly one place, e.g. {unaccounted[:3]}")
-    inflight = state["ledger"]["cursor"] - state["ledger"]["consumed_prompts"]
+    inflight = issued_n - ledger["consumed_prompts"]
     if inflight != accounted["in_queue"] + accounted["waiting_batch"]:
         problems.append(
             f"the checkpoint counts {inflight} prompts in flight; the queue holds "
@@ -599,6 +614,7 @@ def ledger(
     trained = sum(1 for f in fates.values() if f == ["trained"])
     return {
         "issued_prompts": len(issued),
+        "batches_issued": counts,
         "trained": trained,
         "dropped": dict(reasons),
         "dead_lettered": len(dead),
@@ -618,17 +634,27 @@ def consumed_rows(work: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (work / "run" / "consumed.jsonl").read_text().splitlines()]
 
 
+def issued_rows(work: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (work / "run" / "issued.jsonl").read_text().splitlines()]
+
+
 def self_test(work: Path, redis_url: str, store_url: str) -> dict[str, bool]:
     """The ledger on planted breaches of the same run: each must be caught."""
-    rows = consumed_rows(work)
+    rows, trail = consumed_rows(work), issued_rows(work)
     donor = next(row for row in rows if row["trained"])
     twice = [*rows[:-1], {**rows[-1], "trained": [*rows[-1]["trained"], donor["trained"][0]]}]
     lost = [{**row, "trained": row["trained"][1:]} if row is donor else row for row in rows]
     repeated = [*rows, {**rows[-1]}]
-    return {
+    # a batch issued again after a crash with other prompts than the first time; a batch unnamed
+    changed = [*trail, {**trail[0], "prompts": [f"p{int(trail[-1]['prompts'][-1][1:]) + 1}", *trail[0]["prompts"][1:]]}]
+    unnamed = [entry for entry in trail if entry["batch"] != trail[0]["batch"]]
+    caught = {
         name: not ledger(work, redis_url, store_url, planted)["exact"]
         for name, planted in (("trained_twice", twice), ("group_lost", lost), ("step_repeated", repeated))
     }
+    for name, planted_trail in (("issued_otherwise", changed), ("issued_unnamed", unnamed)):
+        caught[name] = not ledger(work, redis_url, store_url, trail=planted_trail)["exact"]
+    return caught
 
 
 def main() -> None:

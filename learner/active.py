@@ -17,7 +17,9 @@ without reached 0.88: what the policy has not yet learnt is what it must train o
 
 Where a group taught (its rewards spread), its prompt is likely to teach again soon: the
 policy is neither sure of it nor lost on it. With the chance `active_sampling_revisit` the
-prompt goes out again (`revisits`), in a batch of revisits, before new prompts (Kimi k1.5's
+prompt goes out again (`revisits`), in a batch of revisits, before new prompts, once a
+checkpoint holds it waiting (so that a resumed learner issues the same batches: see
+`learner.feeder.Feeder.checkpointed`) (Kimi k1.5's
 prioritized sampling, which draws a problem by how often it is failed; here, by whether it
 last showed a spread). It matters where a run reads its data once, so that every new
 prompt is a first sight no record can pass over: the arithmetic example (where it is on;

@@ -264,7 +264,7 @@ class Collector:
         except (QueueError, ProtocolError):
             stats = None
         names = [reward_name(spec) for spec in self.cfg.reward]
-        log.warning("%s", self.watch.explain(self.step, wanted, names, stats))
+        log.warning("%s", self.watch.explain(self.step, wanted, names, stats, held=len(self._ahead)))
 
     def check_fleet(self, every_s: float = 15.0) -> None:
         """Every `every_s`: name the workers that lag or refuse adapters, and the streams

@@ -305,7 +305,7 @@ class LearnerConfig(BaseModel):
         ge=0,
         le=1,
         description="Active sampling: the chance a prompt whose group taught (its rewards spread) is issued again, "
-        "once, before new prompts (learner/active.py); for a data set a run reads once "
+        "once, before new prompts, from the next checkpoint on (learner/active.py); for a data set a run reads once "
         "(0.5 in the arithmetic example).",
     )
     active_sampling_hard: bool = Field(

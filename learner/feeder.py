@@ -27,6 +27,7 @@ from learner.data import PromptSource
 from learner.evaluate import EvalSink
 from learner.judge import StepGroups
 from learner.ledger import PromptLedger, position_of
+from learner.metrics import MetricsLog
 from learner.publish import Publisher
 from protocol import Progress, PromptBatch, Queue, RolloutGroup, SamplingParams
 from protocol.wire.text import printable
@@ -56,6 +57,8 @@ class Feeder:
         """The ids of a dishonest worker's prompts issued again: this, then the count before it
         (`PromptLedger.issue_again`)."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
+        self.out: MetricsLog | None = None
+        """Where the batches issued are named (`issued.jsonl`), once the run's report is open."""
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""
 
     @property
@@ -69,11 +72,18 @@ class Feeder:
         self.checkpointed()
 
     def checkpointed(self) -> None:
-        """The state was written to a checkpoint (or restored from one). Active sampling
-        decides from the prompts' flat rates as they were then: a batch issued after it and
-        issued again by a resumed learner (the same id, which the queue keeps the first of)
-        then holds the same prompts."""
+        """The state was written to a checkpoint (or restored from one). What is issued
+        until the next one is decided from the state as it was then: new prompts from the
+        prompts' flat rates (active sampling), revisits and a dishonest worker's prompts from
+        those the checkpoint holds waiting. A batch issued after it and issued again by a
+        resumed learner (the same id, which the queue keeps the first of) then holds the same
+        prompts, whatever order the groups read since come back in (the groups read before
+        a crash are read again first, and those of batches ahead of the resumed learner's
+        window wait for it: `Feeder.ahead`). Revisits and re-issues found since wait for the
+        next checkpoint."""
         self._flat_rate = dict(self._state.outcomes.flat_rate)
+        ledger = self._state.ledger
+        self._revisits_ready, self._reissues_ready = len(ledger.to_revisit), len(ledger.to_reissue)
 
     @property
     def ledger(self) -> PromptLedger:
@@ -92,16 +102,18 @@ class Feeder:
             size = min(size, ledger.room(limit))
             if size > 0:
                 self.publisher.flush()  # the versions the batches are pinned to must be out first
-        while ledger.to_reissue and cfg.lag_versions is None and ledger.room(limit) > 0:
+        while self._reissues_ready > 0 and cfg.lag_versions is None and ledger.room(limit) > 0:
             # the prompts of a dishonest worker's dropped groups, first (`Reason.reissued`)
             again = self._batch(f"{self._reissue_prefix}{ledger.reissued}", ledger.to_reissue[:1])
-            self.queue.add_prompts([again])
+            self._add([again])
             ledger.issue_again(again.batch_id)
-        while cfg.lag_versions is None and len(ledger.to_revisit) >= size > 0 and ledger.room(limit) >= size:
+            self._reissues_ready -= 1
+        while cfg.lag_versions is None and self._revisits_ready >= size > 0 and ledger.room(limit) >= size:
             # prompts whose groups taught, before new ones (`learner.active.revisits`), in whole batches
             again = self._batch(f"{self._revisit_prefix}{ledger.revisit_batches}", ledger.to_revisit[:size])
-            self.queue.add_prompts([again])
+            self._add([again])
             ledger.issue_revisit(again.batch_id, size)
+            self._revisits_ready -= size
         batches: list[tuple[PromptBatch, list[int]]] = []
         room, cursor = ledger.room(limit), ledger.cursor
         while size > 0 and size <= room - size * len(batches):
@@ -110,9 +122,18 @@ class Feeder:
             batch_id = f"{self._new_prefix}{ledger.batches_issued + len(batches)}"
             batches.append((self._batch(batch_id, positions), positions))
         if batches:
-            self.queue.add_prompts([b for b, _ in batches])  # batch ids are deterministic: a re-issue is skipped
+            self._add([b for b, _ in batches])  # batch ids are deterministic: a re-issue is skipped
             for b, positions in batches:
                 ledger.issue(b.batch_id, len(positions), positions)
+
+    def _add(self, batches: list[PromptBatch]) -> None:
+        """To the queue, each named in `issued.jsonl` first (`MetricsLog.issued`): a batch
+        the queue holds is always in the trail, and one a crash kept from the queue is issued
+        again by the resumed learner under its id, with the same prompts."""
+        if self.out is not None:
+            for b in batches:
+                self.out.issued(b.batch_id, [p.id for p in b.prompts], self.state.step)
+        self.queue.add_prompts(batches)
 
     def next_positions(self, cursor: int, n: int) -> list[int]:
         """The next `n` data set positions from `cursor` whose prompts active sampling does

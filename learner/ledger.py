@@ -127,7 +127,8 @@ class PromptLedger:
         One prompt a batch, numbered apart from the others (by `reissued`): the batch a
         count names then holds the same prompt however the window opened, so a resumed
         learner that issues it again under that id issues what the queue kept, and the
-        others' numbering does not move with it."""
+        others' numbering does not move with it. (Only prompts the last checkpoint held
+        waiting go out: `learner.feeder.Feeder.checkpointed`.)"""
         position, self.to_reissue = self.to_reissue[0], self.to_reissue[1:]
         self.outstanding.setdefault(batch_id, Outstanding(position, 1, positions=[position]))
         self.reissued += 1
@@ -135,9 +136,10 @@ class PromptLedger:
 
     def issue_revisit(self, batch_id: str, n: int) -> list[int]:
         """A batch of the first `n` revisits waiting; returns their positions. Batches are
-        whole chunks of `to_revisit`, numbered apart from the others (`revisit_batches`):
-        the order groups are read in is the stream's, so a resumed learner that reads them
-        again makes the same batches under the same ids."""
+        whole chunks of `to_revisit`, numbered apart from the others (`revisit_batches`),
+        and only of the revisits the last checkpoint held (`learner.feeder.Feeder.checkpointed`):
+        a resumed learner reads the groups read since in another order, but starts from the
+        same list, and so makes the same batches under the same ids."""
         positions, self.to_revisit = self.to_revisit[:n], self.to_revisit[n:]
         self.outstanding.setdefault(batch_id, Outstanding(positions[0], n, positions=positions))
         self.revisited += n

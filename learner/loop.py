@@ -97,7 +97,7 @@ class Learner:
             resume_step = self.start()
             if self.complete:
                 return self.state
-            self.evals.out = self.report.open(resume_step)
+            self.evals.out = self.feeder.out = self.report.open(resume_step)
             while self.state.step < cfg.steps and not self.stop_requested.is_set():
                 waited = time.monotonic()
                 groups = self.collector.collect(cfg.groups_per_step, self.stop_requested)  # feeds prompts meanwhile

@@ -4,7 +4,12 @@ console line, and the trackers.
 
 Also `consumed.jsonl`: per step, the ids of the rollout groups trained on and of those
 dropped (with the reason), the audit trail of exactly-once training. On resume both
-files are cut back to the checkpoint's step, because the steps after it are redone.
+files are cut back to the checkpoint's step, because the steps after it are redone. And
+`issued.jsonl`: every training batch as it goes to the queue, its id and prompt ids (the
+data set positions, `p<position>`) and the step it was issued at. It is not cut back: a
+resumed learner issues a batch the crashed one issued after its checkpoint again, under
+the same id with the same prompts, and names it again (`bench/chaos.py` checks that both
+lines agree).
 
 Names follow TRL's GRPOTrainer where TRL has one (`reward`, `reward_std`,
 `rewards/<fn>/mean`, `kl`, `entropy`, `clip_ratio/region_mean`, `completions/mean_length`,
@@ -38,6 +43,7 @@ log = logging.getLogger(__name__)
 
 METRICS = "metrics.jsonl"
 CONSUMED = "consumed.jsonl"
+ISSUED = "issued.jsonl"
 EVALS = "evals.jsonl"
 
 
@@ -69,7 +75,17 @@ class MetricsLog:
         self._metrics = self.metrics_path.open("a")
         self._consumed = self.consumed_path.open("a")
         self._evals = self.evals_path.open("a")
+        self.issued_path = run_dir / ISSUED
+        if resume_step is None:
+            self.issued_path.unlink(missing_ok=True)
+        self._issued = self.issued_path.open("a")
         self.trackers = trackers
+
+    def issued(self, batch_id: str, prompts: list[str], step: int) -> None:
+        """A training batch goes to the queue (written first, and flushed: a batch in the
+        queue is in the trail even after a SIGKILL)."""
+        self._issued.write(json.dumps({"batch": batch_id, "prompts": prompts, "step": step}) + "\n")
+        self._issued.flush()
 
     def write(self, row: dict[str, Any], trained: list[str], dropped: list[tuple[str, str]]) -> None:
         self._metrics.write(json.dumps(row, allow_nan=False) + "\n")
@@ -99,6 +115,7 @@ class MetricsLog:
         self._metrics.close()
         self._consumed.close()
         self._evals.close()
+        self._issued.close()
         for tracker in self.trackers:
             tracker.close()
 

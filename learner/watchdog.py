@@ -39,11 +39,18 @@ class ProgressWatch:
     def due(self) -> bool:
         return self.clock() - self._since >= self._next
 
-    def explain(self, step: StepGroups, wanted: int, reward_names: Sequence[str], stats: Any | None) -> str:
-        """The line for a wait that is due (and the next one is due twice as late)."""
+    def explain(
+        self, step: StepGroups, wanted: int, reward_names: Sequence[str], stats: Any | None, held: int = 0
+    ) -> str:
+        """The line for a wait that is due (and the next one is due twice as late). `held`:
+        groups read that wait for their batch to be issued again after a restart
+        (`learner.feeder.Feeder.ahead`)."""
         waited = self.clock() - self._since
         self._next = min(self._next * 2, self.max_s) if self._next < self.max_s else self._next + self.max_s
-        head = f"no step for {waited:.0f}s ({len(step.kept)} of {wanted} groups that teach so far)"
+        head = f"no step for {waited:.0f}s ({len(step.kept)} of {wanted} groups that teach so far"
+        if held:
+            head += f"; {held} more read, of batches issued before the restart, wait till they are issued again"
+        head += ")"
         if step.dropped:
             return f"{head}: {why_dropped(step, reward_names)}"
         return f"{head}: no group has arrived; {queue_picture(stats)}"

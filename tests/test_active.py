@@ -201,8 +201,9 @@ def test_a_group_that_taught_revisits_its_prompt_with_the_chance_drawn_from_the_
 def test_prompts_that_taught_go_out_again_in_whole_batches_before_new_ones_and_a_resume_makes_the_same(
     learner: Learner,
 ) -> None:
-    """Three groups taught, one did not: two revisits make a batch (2 prompts), issued before
-    the new prompts under its own numbering; the third waits for a partner. A revisit's
+    """Three groups taught, one did not: two revisits make a batch (2 prompts), issued once a
+    checkpoint holds them, before the new prompts, under its own numbering; the third waits
+    for a partner. A revisit's
     group that taught is not revisited again. The ledger
     counts them as issued, and a learner resumed from before, reading the same groups in
     the stream's order, issues the same batch under the same id."""
@@ -225,6 +226,7 @@ def test_prompts_that_taught_go_out_again_in_whole_batches_before_new_ones_and_a
         assert learner.state.ledger.to_revisit == [0, 2, 3]
         learner.feeder.reissue(learner.collector.end_step())
         learner.feeder.purge_completed()
+        learner.checkpoint()  # the step's: revisits go out once a checkpoint holds them
         learner.feeder.feed(kept=0)
         return [lease.batch for lease in learner.queue.claim("w", 10)]
 

@@ -63,5 +63,13 @@ def test_two_minutes_of_chaos_keep_the_ledger_exact(tmp_path: Path) -> None:
     )
     assert accounted == figures["issued_prompts"] > 0
     assert figures["versions_announced"] >= figures["steps"]
+    # with active sampling's revisits (the learner chose what each batch held)
+    assert figures["batches_issued"]["t"] >= 1, figures["batches_issued"]
     # and the ledger is not a rubber stamp: breaches planted in a copy are each caught
-    assert figures["self_test_caught"] == {"trained_twice": True, "group_lost": True, "step_repeated": True}
+    assert figures["self_test_caught"] == {
+        "trained_twice": True,
+        "group_lost": True,
+        "step_repeated": True,
+        "issued_otherwise": True,
+        "issued_unnamed": True,
+    }

@@ -521,6 +521,14 @@ def test_sigkill_then_resume_trains_every_group_exactly_once(
     assert not set(trained) & set(dropped) and len(set(dropped)) == len(dropped)
     submitted = {g.group_id for g in actor.submitted}
     assert set(trained) | set(dropped) <= submitted
+    # the trail of what was issued: a batch the resumed learner issued again (it was
+    # issued after the checkpoint) holds the same prompts, and every group answers one
+    trail = [json.loads(x) for x in (tmp_path / "run" / "issued.jsonl").read_text().splitlines()]
+    named: dict[str, list[str]] = {}
+    for entry in trail:
+        assert named.setdefault(entry["batch"], entry["prompts"]) == entry["prompts"], entry
+    assert len(trail) > len(named)  # some were issued again after the resume
+    assert set(trained) | set(dropped) <= {group_id_for(b, p) for b, prompts in named.items() for p in prompts}
     stats = queue.stats()
     assert stats.rollouts.pending == 0
     assert stats.rollouts.waiting == len(submitted) - len(trained) - len(dropped)  # nothing lost either

@@ -6,6 +6,7 @@ on an in-memory Redis (the paths through a real one are `test_learner.py`'s runs
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +20,7 @@ from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
 from learner.judge import Reason
 from learner.loop import Learner
+from learner.watchdog import ProgressWatch
 from protocol import Delivery, PromptBatch, QueueConfig, RolloutGroup, pack_i32
 from protocol.trusted import RedisQueue, open_store
 
@@ -165,6 +167,9 @@ def test_the_feeder_issues_a_dishonest_worker_s_prompts_again_first(learner: Lea
     collector.quarantine("a", "failed an audit")
     learner.feeder.reissue(collector.end_step())
     assert state.ledger.to_reissue == [1] and state.totals["reissued_prompts"] == 1
+    learner.feeder.feed(kept=0)
+    assert issued(learner) == []  # it waits for a checkpoint to hold it (`Feeder.checkpointed`)
+    learner.checkpoint()
     learner.feeder.feed(kept=0)  # one slot free: the prompt goes out alone, before any new batch
     (again,) = issued(learner)
     assert again.batch_id == "parts-a0" and [p.id for p in again.prompts] == ["p1"]
@@ -172,38 +177,50 @@ def test_the_feeder_issues_a_dishonest_worker_s_prompts_again_first(learner: Lea
 
 
 def test_a_resumed_learner_issues_what_the_crashed_one_did_under_the_same_ids(learner: Learner) -> None:
-    """The window opens in another order after a restart (the groups read since the
-    checkpoint come back at once): the batches issued again must be the ones the queue
-    kept, id for id, or a prompt goes out under two ids and is trained twice."""
-    collector, feeder = learner.collector, learner.feeder
+    """The groups read since the checkpoint come back in another order after a restart
+    (those read before the crash first, those of batches ahead of the window later), and
+    the window opens in another order too: the batches issued again must be the ones the
+    queue kept, id for id, or a prompt goes out under two ids and is trained twice (a new
+    batch), or a group is rejected and its prompt's revisit lost (a revisit; the chaos soak
+    found one). A dishonest worker's prompt and the revisits go out from what the
+    checkpoint held waiting."""
+    collector, feeder, ledger = learner.collector, learner.feeder, learner.state.ledger
+    learner.cfg.active_sampling_revisit = 1.0  # every group that teaches is revisited
     learner.state.quarantined["mallory"] = "caught"
     feeder.feed(kept=0)
     b = issued(learner)
-    checkpoint = json.loads(json.dumps(asdict(learner.state)))
-    reads = [answer(b[0], 0), answer(b[1], 0), answer(b[0], 1, actor="mallory")]
-    # before the crash: two groups read, a new batch out, then the dishonest worker's group
-    collector.take(Delivery("1-0", reads[0]))
-    collector.take(Delivery("1-1", reads[1]))
-    feeder.feed(kept=len(collector.step.kept))
-    collector.take(Delivery("1-2", reads[2]))
+    flat = (1.0, 1.0, 1.0, 1.0)
+    step1 = [answer(b[0], 0), answer(b[0], 1, actor="mallory"), answer(b[1], 0), answer(b[1], 1, rewards=flat)]
+    for i, g in enumerate(step1):
+        collector.take(Delivery(f"1-{i}", g))
     feeder.reissue(collector.end_step())
     feeder.feed(kept=0)
-    before = {x.batch_id: [p.id for p in x.prompts] for x in issued(learner)}
-    assert sorted(before.values()) == [["p1"], ["p8", "p9"]]  # mallory's prompt again, and a new batch
-    # resumed from the checkpoint: the three groups come back before anything is issued
-    learner.state = LearnerState.from_json(checkpoint)
-    feeder.reissue_outstanding(lambda f: f())
+    b4, _ = issued(learner)
+    assert [p.id for p in b4.prompts] == ["p8", "p9"]
+    assert (ledger.to_reissue, ledger.to_revisit) == ([1], [0, 2])  # found since the checkpoint: they wait
+    learner.checkpoint()
+    checkpoint = json.loads(json.dumps(asdict(learner.state)))
+    # before the crash: b2, b3 and b4 read, and the window opens wide
+    reads = [answer(x, i) for x in (b[2], b[3], b4) for i in (0, 1)]
     for i, g in enumerate(reads):
         collector.take(Delivery(f"2-{i}", g))
-    feeder.reissue(collector.end_step())
     feeder.feed(kept=0)
-    assert issued(learner) == []  # nothing new: every id issued again names what the queue kept
+    before = {x.batch_id: [p.id for p in x.prompts] for x in issued(learner)}
+    assert before == {"parts-a0": ["p1"], "parts-t0": ["p0", "p2"], "parts-b6": ["p12", "p13"]}
+    assert ledger.to_revisit[:2] == [4, 5]  # read since the checkpoint: not issued till the next
+    # resumed from the checkpoint: the groups come back, last first
+    learner.state = LearnerState.from_json(checkpoint)
+    feeder.reissue_outstanding(lambda f: f())
+    for i, g in enumerate(reversed(reads)):
+        collector.take(Delivery(f"3-{i}", g))
+    feeder.feed(kept=0)
     outstanding = learner.state.ledger.outstanding
     assert {k: outstanding[k].prompt_ids() for k in before} == before
+    assert issued(learner) == []  # nothing new: every id issued again names what the queue kept
 
 
 def test_a_group_of_a_batch_issued_before_the_restart_waits_until_the_resumed_learner_issues_it(
-    learner: Learner,
+    learner: Learner, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The crashed learner issued b4 past its checkpoint and a worker answered it; the
     resumed one reads that group back before its window reaches b4. Consumed then, it would
@@ -224,6 +241,10 @@ def test_a_group_of_a_batch_issued_before_the_restart_waits_until_the_resumed_le
     ledger = learner.state.ledger
     assert early.group.group_id not in learner.state.unacked and ledger.consumed_prompts == 2
     assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1"]
+    collector.watch = ProgressWatch(first_s=0.0)
+    with caplog.at_level(logging.WARNING, logger="learner.collector"):
+        collector.explain_wait(4)  # a stall names what is held
+    assert "1 more read, of batches issued before the restart" in caplog.text
     feeder.feed(kept=len(collector.step.kept))  # b4 again, under its id
     collector.take_issued(2)  # a step of 2 is full: the group waits for the next
     assert [g.prompt_id for g in collector.step.kept] == ["p0", "p1"]
