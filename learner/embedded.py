@@ -80,6 +80,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "run": "arithmetic",
         "steps": 30,
         "active_sampling_revisit": 0.5,  # a run reads 80 of 2,000 rows: each a first sight (learner/active.py)
+        "checkpoint_every": 2,  # revisits go out once a checkpoint holds them; one takes under a second here
         "max_tokens": 32,
         "temperature": 0.8,
         "eval_max_prompts": 48,

@@ -57,6 +57,19 @@ class Feeder:
         """The ids of a dishonest worker's prompts issued again: this, then the count before it
         (`PromptLedger.issue_again`)."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
+        if (
+            cfg.active_sampling
+            and cfg.active_sampling_revisit
+            and cfg.lag_versions is None
+            and cfg.checkpoint_every >= cfg.steps
+        ):
+            log.warning(
+                "--active-sampling-revisit %g: revisits go out once a checkpoint holds them, and with "
+                "--checkpoint-every %d and --steps %d none will; lower --checkpoint-every for them",
+                cfg.active_sampling_revisit,
+                cfg.checkpoint_every,
+                cfg.steps,
+            )
         self.out: MetricsLog | None = None
         """Where the batches issued are named (`issued.jsonl`), once the run's report is open."""
         """batch id -> prompt id -> token ids issued, for the batches outstanding."""

@@ -7,6 +7,7 @@ again after a resume) is driven as the learner wires it, on an in-memory Redis."
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -19,6 +20,7 @@ from factories import NO_AUDITS, completion, group, write_dataset
 from learner.active import PromptOutcomes, passes_over, revisits
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
+from learner.feeder import Feeder
 from learner.judge import Reason
 from learner.loop import Learner
 from learner.summary import accounting
@@ -247,3 +249,23 @@ def test_prompts_that_taught_go_out_again_in_whole_batches_before_new_ones_and_a
     learner.feeder.feed(kept=0)  # its first batches, before it reads their groups (`Feeder.ahead`)
     assert [b.batch_id for b in [lease.batch for lease in learner.queue.claim("w", 10)]] == ["active-b0", "active-b1"]
     assert [(b.batch_id, [p.id for p in b.prompts]) for b in take_all()] == second_as_issued
+
+
+@pytest.mark.parametrize("every", [4, 10])
+def test_revisits_that_no_checkpoint_would_let_out_are_named_at_start(
+    learner: Learner, caplog: pytest.LogCaptureFixture, every: int
+) -> None:
+    """Revisits go out once a checkpoint holds them: a run with none before its end would
+    ask for them in vain, so its start says so (a warning: a short trial run is no error)."""
+    cfg = learner.cfg.model_copy(update={"active_sampling_revisit": 0.5, "steps": 10, "checkpoint_every": every})
+    with caplog.at_level(logging.WARNING, logger="learner.feeder"):
+        Feeder(
+            cfg,
+            learner.queue,
+            learner.source,
+            learner.admission,
+            learner.publisher,
+            learner.evals,
+            learner.feeder.sampling,
+        )
+    assert ("lower --checkpoint-every" in caplog.text) == (every >= 10)
