@@ -145,6 +145,12 @@ class Collector:
             # neither checked against the prompts issued nor counted in its batch's entry
             self._ahead.append(d)
             return
+        if group.group_id in state.unacked:
+            # taken since the last checkpoint and handed out again (a client's recovery of a
+            # lost answer); its first delivery's record stays, to be acknowledged
+            self.step.add(group, Reason.DUPLICATE)
+            state.count(Reason.DUPLICATE)
+            return
         state.unacked[group.group_id] = d.delivery_id
         if self.evals.is_eval(group.batch_id):
             self.evals.take(group)  # never trained on, never counted as a training prompt
@@ -246,8 +252,8 @@ class Collector:
             del state.unacked[g.group_id]
             state.ledger.undo(g.batch_id, g.prompt_id)
         for g, reason in self.step.dropped:
-            state.unacked.pop(g.group_id, None)
-            if reason is not Reason.DUPLICATE:  # a duplicate was never counted as consumed
+            if reason is not Reason.DUPLICATE:  # a duplicate was never counted as consumed, and
+                state.unacked.pop(g.group_id, None)  # the record is its first delivery's
                 state.ledger.undo(g.batch_id, g.prompt_id)
             state.count(reason, -1)
         self.step = StepGroups()

@@ -131,6 +131,26 @@ def test_the_collector_consumes_each_group_once_and_counts_its_verdict(
     assert state.ledger.inflight == 7
 
 
+def test_a_group_handed_out_again_after_its_batch_finished_is_a_duplicate(learner: Learner) -> None:
+    """The same delivery twice, the second after its batch was finished and purged (the
+    chaos soak: a client's recovery of a lost answer handed out groups the learner had
+    read back after a restart, and 4 were trained twice). Taken since the last checkpoint,
+    it is a duplicate however its batch stands; a stop keeps its first delivery's record."""
+    collector, state = learner.collector, learner.state
+    learner.feeder.feed(kept=0)
+    b = issued(learner)[0]
+    first = [Delivery(f"1-{i}", answer(b, i)) for i in range(2)]
+    for d in first:
+        collector.take(d)
+    collector.end_step()
+    learner.feeder.purge_completed()
+    assert b.batch_id not in state.ledger.outstanding and state.ledger.consumed_prompts == 2
+    collector.take(first[0])
+    assert collector.step.dropped == [(first[0].group, Reason.DUPLICATE)] and state.ledger.consumed_prompts == 2
+    collector.abandon()
+    assert state.unacked == {d.group.group_id: d.delivery_id for d in first}
+
+
 def test_a_stale_group_is_dropped_and_named_against_its_worker(learner: Learner) -> None:
     learner.feeder.feed(kept=0)
     batches = issued(learner)

@@ -999,3 +999,44 @@ def test_a_read_whose_answer_was_lost_is_recovered(make_proxy) -> None:
     assert learner.read_rollouts("learner-0", 10) == []
     learner.close()
     actor.close()
+
+
+def test_groups_read_back_as_pending_are_not_recovered_again(make_proxy) -> None:
+    """After a restart the learner reads its pending groups back (`pending_rollouts`) and
+    consumes them; a later read that recovers a lost answer must not hand them out again
+    (the chaos soak trained 4 groups twice that way, after a Redis restart)."""
+    proxy = make_proxy()
+    first, actor = proxy.queue("learner"), proxy.queue("actor")
+    b = batch(6, prompts=3)
+    first.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    actor.submit("w", lease.lease_id, [group(b, i) for i in range(3)])
+    assert len(first.read_rollouts("learner-0", 2)) == 2
+    first.close()  # the learner dies with two groups read and not acknowledged
+    learner = proxy.queue("learner")  # and starts again
+    replayed = learner.pending_rollouts("learner-0", 10)
+    assert sorted(d.group.prompt_id for d in replayed) == ["p0", "p1"]
+    learner._resync.add("learner-0")  # a read failed or was retried (the proxy lost Redis)
+    assert [d.group.prompt_id for d in learner.read_rollouts("learner-0", 10)] == ["p2"]
+    learner.close()
+    actor.close()
+
+
+def test_a_lost_answer_behind_groups_still_pending_is_recovered_a_read_at_a_time(make_proxy) -> None:
+    """The groups a lost answer held sit behind older pending ones (read, not yet
+    acknowledged): the recovery looks past those, and hands out `count` at a time."""
+    proxy = make_proxy()
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    b = batch(7, prompts=5)
+    learner.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    actor.submit("w", lease.lease_id, [group(b, i) for i in range(5)])
+    assert len(learner.read_rollouts("learner-0", 2)) == 2  # consumed, not yet acknowledged
+    with _client(proxy, "learner") as raw:  # a read whose answer is thrown away
+        body = encode_body(ReadRolloutsRequest(consumer="learner-0", count=10))
+        assert raw.post("/v1/rollouts/read", content=body, headers={"Content-Type": CONTENT_TYPE}).status_code == 200
+    learner._resync.add("learner-0")
+    recovered = [[d.group.prompt_id for d in learner.read_rollouts("learner-0", 2)] for _ in range(3)]
+    assert recovered == [["p2", "p3"], ["p4"], []]
+    learner.close()
+    actor.close()

@@ -274,11 +274,15 @@ class HttpQueue(Queue):
     def read_rollouts(self, consumer: str, count: int, block_s: float = 0.0) -> list[Delivery]:
         received = self._received.setdefault(consumer, set())
         if consumer in self._resync:  # an earlier answer may have been lost on the way
-            missed = [d for d in self.pending_rollouts(consumer, count) if d.delivery_id not in received]
-            self._resync.discard(consumer)
+            missed, after = [], "0"
+            while page := self._pending(consumer, CHUNK_ITEMS, after):  # all of it: the newest are the likeliest lost
+                missed += [d for d in page if d.delivery_id not in received]
+                after = page[-1].delivery_id
+            if len(missed) <= count:
+                self._resync.discard(consumer)
             if missed:
-                received.update(d.delivery_id for d in missed)
-                return missed
+                received.update(d.delivery_id for d in missed[:count])
+                return missed[:count]
         body = ReadRolloutsRequest(consumer=consumer, count=count, block_s=block_s)
         try:
             deliveries = self._call(api.READ_ROLLOUTS, body).deliveries
@@ -291,6 +295,13 @@ class HttpQueue(Queue):
         return deliveries
 
     def pending_rollouts(self, consumer: str, count: int, after: str = "0") -> list[Delivery]:
+        """The consumer's pending groups; from now on received here, so that a read that
+        recovers a lost answer (`read_rollouts`) does not hand them out a second time."""
+        deliveries = self._pending(consumer, count, after)
+        self._received.setdefault(consumer, set()).update(d.delivery_id for d in deliveries)
+        return deliveries
+
+    def _pending(self, consumer: str, count: int, after: str) -> list[Delivery]:
         body = ReadRolloutsRequest(consumer=consumer, count=count, pending=True, after=after)
         return self._call(api.READ_ROLLOUTS, body).deliveries
 
