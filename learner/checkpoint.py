@@ -47,7 +47,8 @@ class LearnerState:
     totals: dict[str, int] = field(default_factory=dict)
     """Run-long counters: trained groups, drops and rejections by reason."""
     unacked: dict[str, str] = field(default_factory=dict)
-    """group id -> delivery id of groups consumed and not yet acknowledged."""
+    """group id -> delivery id of groups consumed and not yet acknowledged (a second
+    delivery of one, a duplicate: `<group id>@<delivery id>`)."""
     rng: dict[str, Any] = field(default_factory=dict)
     quarantined: dict[str, str] = field(default_factory=dict)
     """worker -> why: the workers whose groups are no longer trained on (`learner.audit`)."""

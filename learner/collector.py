@@ -145,9 +145,12 @@ class Collector:
             # neither checked against the prompts issued nor counted in its batch's entry
             self._ahead.append(d)
             return
-        if group.group_id in state.unacked:
+        if (first := state.unacked.get(group.group_id)) is not None:
             # taken since the last checkpoint and handed out again (a client's recovery of a
-            # lost answer); its first delivery's record stays, to be acknowledged
+            # lost answer, or a queue that lost its dedup records, under another delivery id):
+            # its first delivery's record stays, and another delivery is acknowledged with it
+            if first != d.delivery_id:
+                state.unacked[f"{group.group_id}@{d.delivery_id}"] = d.delivery_id
             self.step.add(group, Reason.DUPLICATE)
             state.count(Reason.DUPLICATE)
             return

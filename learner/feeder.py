@@ -57,6 +57,7 @@ class Feeder:
         """The ids of a dishonest worker's prompts issued again: this, then the count before it
         (`PromptLedger.issue_again`)."""
         self._issued_tokens: dict[str, dict[str, bytes | None]] = {}
+        """batch id -> prompt id -> token ids issued, for the batches outstanding."""
         if (
             cfg.active_sampling
             and cfg.active_sampling_revisit
@@ -72,7 +73,6 @@ class Feeder:
             )
         self.out: MetricsLog | None = None
         """Where the batches issued are named (`issued.jsonl`), once the run's report is open."""
-        """batch id -> prompt id -> token ids issued, for the batches outstanding."""
 
     @property
     def state(self) -> LearnerState:

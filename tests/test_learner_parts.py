@@ -147,8 +147,10 @@ def test_a_group_handed_out_again_after_its_batch_finished_is_a_duplicate(learne
     assert b.batch_id not in state.ledger.outstanding and state.ledger.consumed_prompts == 2
     collector.take(first[0])
     assert collector.step.dropped == [(first[0].group, Reason.DUPLICATE)] and state.ledger.consumed_prompts == 2
+    collector.take(Delivery("9-0", first[0].group))  # again, under another delivery id
     collector.abandon()
-    assert state.unacked == {d.group.group_id: d.delivery_id for d in first}
+    taken = {d.group.group_id: d.delivery_id for d in first}
+    assert state.unacked == {**taken, f"{first[0].group.group_id}@9-0": "9-0"}  # both acknowledged
 
 
 def test_a_stale_group_is_dropped_and_named_against_its_worker(learner: Learner) -> None:
