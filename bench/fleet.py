@@ -433,7 +433,7 @@ class Rig:
         except subprocess.TimeoutExpired:
             self.learner.kill()
         try:
-            return ledger(self.work, self.redis_url, self.store, run=RUN, ppb=PPB)
+            return ledger(self.work, self.redis_url, self.store, run=RUN)
         finally:
             self.close()
 

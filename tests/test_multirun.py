@@ -564,7 +564,7 @@ def test_two_learners_train_at_once_on_one_fleet(
                    "--store", f"{store_root}/{run}", "--model", str(tiny_model),
                    "--dataset", str(write_dataset(tmp_path / f"data-{run}.jsonl", seed=seed)),
                    "--reward", f"toy_rewards:{reward}", "--learning-rate", lr,
-                   "--run-dir", str(tmp_path / run / "run"), "--no-active-sampling",
+                   "--run-dir", str(tmp_path / run / "run"),
                    "--steps", "6", "--groups-per-step", "2", "--prompts-per-batch", "2", "--max-inflight", "4",
                    "--num-generations", "4", "--max-tokens", "4", "--checkpoint-every", "2", "--no-tensorboard",
                    "--fleet-weight", "2" if run == b else "1", "--keep-queue"]  # fmt: skip
@@ -584,7 +584,7 @@ def test_two_learners_train_at_once_on_one_fleet(
     for run, proc in learners.items():
         assert proc.returncode == 0, outputs[run] + logs
         assert steps(run) == [1, 2, 3, 4, 5, 6], outputs[run]
-        figures = chaos.ledger(tmp_path / run, redis_server.url, f"{store_root}/{run}", run=run, ppb=2)
+        figures = chaos.ledger(tmp_path / run, redis_server.url, f"{store_root}/{run}", run=run)
         assert figures["exact"] and figures["trained"] > 0, figures["problems"]
         direct = RedisQueue.from_url(redis_server.url, QueueConfig(run=run))
         assert direct.latest_adapter() is not None and direct.quarantined() == {}
