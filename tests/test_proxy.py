@@ -15,7 +15,7 @@ import pytest
 from factories import batch, group, groups
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from servers import TOKENS, kill_process
+from servers import TOKENS, ProxyProcess, kill_process
 
 from protocol import (
     SCHEMA_VERSION,
@@ -38,7 +38,7 @@ from protocol.client.http import (
     SubmitRequest,
     encode_body,
 )
-from protocol.client.http_queue import QueueForbidden
+from protocol.client.http_queue import HttpQueue, QueueForbidden
 from protocol.trusted import RedisQueue
 from protocol.trusted.store import open_store
 from protocol.wire.files import StoreMissing
@@ -981,19 +981,29 @@ def test_a_client_that_dies_mid_body_is_logged_in_one_line(make_proxy) -> None:
     assert "Traceback" not in proxy.log.read_text()
 
 
+def _groups_stored(proxy: ProxyProcess, batch_no: int, n: int) -> tuple[HttpQueue, HttpQueue]:
+    """A learner's and an actor's clients, with the `n` groups of a batch stored."""
+    learner, actor = proxy.queue("learner"), proxy.queue("actor")
+    b = batch(batch_no, prompts=n)
+    learner.add_prompts([b])
+    lease = actor.claim("w", 1)[0]
+    actor.submit("w", lease.lease_id, [group(b, i) for i in range(n)])
+    return learner, actor
+
+
+def _a_read_whose_answer_is_lost(proxy: ProxyProcess, client: HttpQueue) -> None:
+    with _client(proxy, "learner") as raw:  # the proxy serves it, the answer is thrown away
+        body = encode_body(ReadRolloutsRequest(consumer="learner-0", count=10))
+        assert raw.post("/v1/rollouts/read", content=body, headers={"Content-Type": CONTENT_TYPE}).status_code == 200
+    client._resync.add("learner-0")  # what the client records after a failed or retried read
+
+
 def test_a_read_whose_answer_was_lost_is_recovered(make_proxy) -> None:
     """The proxy serves a read but the answer never arrives (the connection drops): the
     client's next read returns those groups from the pending list instead of losing them."""
     proxy = make_proxy()
-    learner, actor = proxy.queue("learner"), proxy.queue("actor")
-    b = batch(5, prompts=3)
-    learner.add_prompts([b])
-    lease = actor.claim("w", 1)[0]
-    actor.submit("w", lease.lease_id, [group(b, i) for i in range(3)])
-    with _client(proxy, "learner") as raw:  # a read whose answer is thrown away
-        body = encode_body(ReadRolloutsRequest(consumer="learner-0", count=10))
-        assert raw.post("/v1/rollouts/read", content=body, headers={"Content-Type": CONTENT_TYPE}).status_code == 200
-    learner._resync.add("learner-0")  # what the client records after a failed or retried read
+    learner, actor = _groups_stored(proxy, 5, 3)
+    _a_read_whose_answer_is_lost(proxy, learner)
     recovered = learner.read_rollouts("learner-0", 10)
     assert sorted(d.group.prompt_id for d in recovered) == ["p0", "p1", "p2"]
     assert learner.read_rollouts("learner-0", 10) == []
@@ -1006,11 +1016,7 @@ def test_groups_read_back_as_pending_are_not_recovered_again(make_proxy) -> None
     consumes them; a later read that recovers a lost answer must not hand them out again
     (the chaos soak trained 4 groups twice that way, after a Redis restart)."""
     proxy = make_proxy()
-    first, actor = proxy.queue("learner"), proxy.queue("actor")
-    b = batch(6, prompts=3)
-    first.add_prompts([b])
-    lease = actor.claim("w", 1)[0]
-    actor.submit("w", lease.lease_id, [group(b, i) for i in range(3)])
+    first, actor = _groups_stored(proxy, 6, 3)
     assert len(first.read_rollouts("learner-0", 2)) == 2
     first.close()  # the learner dies with two groups read and not acknowledged
     learner = proxy.queue("learner")  # and starts again
@@ -1026,16 +1032,9 @@ def test_a_lost_answer_behind_groups_still_pending_is_recovered_a_read_at_a_time
     """The groups a lost answer held sit behind older pending ones (read, not yet
     acknowledged): the recovery looks past those, and hands out `count` at a time."""
     proxy = make_proxy()
-    learner, actor = proxy.queue("learner"), proxy.queue("actor")
-    b = batch(7, prompts=5)
-    learner.add_prompts([b])
-    lease = actor.claim("w", 1)[0]
-    actor.submit("w", lease.lease_id, [group(b, i) for i in range(5)])
+    learner, actor = _groups_stored(proxy, 7, 5)
     assert len(learner.read_rollouts("learner-0", 2)) == 2  # consumed, not yet acknowledged
-    with _client(proxy, "learner") as raw:  # a read whose answer is thrown away
-        body = encode_body(ReadRolloutsRequest(consumer="learner-0", count=10))
-        assert raw.post("/v1/rollouts/read", content=body, headers={"Content-Type": CONTENT_TYPE}).status_code == 200
-    learner._resync.add("learner-0")
+    _a_read_whose_answer_is_lost(proxy, learner)
     recovered = [[d.group.prompt_id for d in learner.read_rollouts("learner-0", 2)] for _ in range(3)]
     assert recovered == [["p2", "p3"], ["p4"], []]
     learner.close()
