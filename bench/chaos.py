@@ -12,8 +12,9 @@ the learner SIGKILLed and resumed (`--resume`). A process that exits on its own 
 restarted too and counted. Then it lets the run recover, stops the learner with SIGTERM
 (a checkpoint), stops the workers, and checks the ledger from the checkpoint, the queue,
 `issued.jsonl` and `consumed.jsonl`. The learner runs with active sampling (the default:
-mastered prompts passed over) and revisits, so its batches are of three kinds and hold
-the prompts it chose, which `issued.jsonl` names:
+mastered prompts passed over) and revisits, so its batches are new prompts or revisits
+(the third kind, a dishonest worker's prompts issued again, needs one: see
+tests/test_audit.py) and hold the prompts it chose, which `issued.jsonl` names:
 
 - a batch issued again after a crash holds the same prompts as when first issued, and
   the trail names as many prompts as the checkpoint counts issued;
@@ -275,7 +276,7 @@ class Soak:
                 "--startup-timeout-s",
                 "600",
                 "--no-tensorboard",
-                # active sampling is on (the default), with revisits: batches of three kinds
+                # active sampling is on (the default), with revisits: new batches and revisits
                 "--active-sampling-revisit",
                 "0.5",
             ],
@@ -484,6 +485,7 @@ def ledger(
     """The exact ledger of run `run` (see the module docstring);
     `problems` lists every breach. `rows` replaces consumed.jsonl and `trail` issued.jsonl
     (the self-test plants breaches in copies)."""
+    from learner.ledger import PromptLedger
     from protocol import QueueConfig, group_id_for
     from protocol.trusted import RedisQueue, open_store
     from protocol.wire.files import CHECKPOINT_POINTER, checkpoint_key
@@ -502,7 +504,7 @@ def ledger(
     ledger = state["ledger"]
     counts = {"b": ledger["batches_issued"], "t": ledger["revisit_batches"], "a": ledger["reissued"]}
     named: dict[str, list[str]] = {}
-    for entry in trail if trail is not None else issued_rows(work):
+    for entry in trail if trail is not None else run_rows(work, "issued.jsonl"):
         if named.setdefault(entry["batch"], entry["prompts"]) != entry["prompts"]:
             problems.append(f"batch {entry['batch']} issued twice with different prompts")
     issued = {}
@@ -513,12 +515,13 @@ def ledger(
                 problems.append(f"issued.jsonl does not name batch {batch}")
                 continue
             issued |= {group_id_for(batch, p): batch for p in named[batch]}
-    issued_n = ledger["cursor"] + ledger["reissued"] + ledger["revisited"] - ledger["skipped"]
+    counted = PromptLedger.from_json(ledger)
+    issued_n = counted.issued
     if len(issued) != issued_n:
         problems.append(f"the checkpoint counts {issued_n} prompts issued; issued.jsonl names {len(issued)}")
 
     if rows is None:
-        rows = consumed_rows(work)
+        rows = run_rows(work, "consumed.jsonl")
     steps = [row["step"] for row in rows]
     if steps != list(range(1, state["step"] + 1)):
         problems.append(f"steps in consumed.jsonl are not 1..{state['step']}: {steps[:5]}...{steps[-5:]}")
@@ -592,7 +595,7 @@ def ledger(
             accounted[name] += 1
     if unaccounted:
         problems.append(f"{len(unaccounted)} issued prompts are not in exactly one place, e.g. {unaccounted[:3]}")
-    inflight = issued_n - ledger["consumed_prompts"]
+    inflight = counted.inflight
     if inflight != accounted["in_queue"] + accounted["waiting_batch"]:
         problems.append(
             f"the checkpoint counts {inflight} prompts in flight; the queue holds "
@@ -630,17 +633,14 @@ def ledger(
     }
 
 
-def consumed_rows(work: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (work / "run" / "consumed.jsonl").read_text().splitlines()]
-
-
-def issued_rows(work: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in (work / "run" / "issued.jsonl").read_text().splitlines()]
+def run_rows(work: Path, name: str) -> list[dict[str, Any]]:
+    """The rows of one of the run directory's JSON-lines trails (consumed.jsonl, issued.jsonl)."""
+    return [json.loads(line) for line in (work / "run" / name).read_text().splitlines()]
 
 
 def self_test(work: Path, redis_url: str, store_url: str) -> dict[str, bool]:
     """The ledger on planted breaches of the same run: each must be caught."""
-    rows, trail = consumed_rows(work), issued_rows(work)
+    rows, trail = run_rows(work, "consumed.jsonl"), run_rows(work, "issued.jsonl")
     donor = next(row for row in rows if row["trained"])
     twice = [*rows[:-1], {**rows[-1], "trained": [*rows[-1]["trained"], donor["trained"][0]]}]
     lost = [{**row, "trained": row["trained"][1:]} if row is donor else row for row in rows]
