@@ -130,6 +130,9 @@ class Collector:
                 continue
             if self.watch.due():
                 self.explain_wait(n)
+                # batches a queue lost with its last writes (a failover) would never come:
+                # issued again where it lacks them, a no-op where it kept them
+                self.feeder.reissue_outstanding(_once)
             for d in deliveries:
                 self.take(d)
         self.watch.stepped()
@@ -158,9 +161,10 @@ class Collector:
         if self.evals.is_eval(group.batch_id):
             self.evals.take(group)  # never trained on, never counted as a training prompt
             return
-        if ledger.is_consumed(group.batch_id, group.prompt_id):
-            # only a queue that lost its dedup record (a fresh in-process Redis after
-            # --resume) can hand out a consumed prompt's group again
+        if ledger.is_consumed(group.batch_id, group.prompt_id) or self.feeder.behind(group.batch_id):
+            # only a queue that lost its records can hand out a consumed prompt's group again:
+            # its dedup record (a fresh in-process Redis after --resume), or its last writes,
+            # the acknowledgement among them (a failover to a replica behind the primary)
             self.step.add(group, Reason.DUPLICATE)
             state.count(Reason.DUPLICATE)
             return
@@ -295,3 +299,11 @@ class Collector:
     def metrics(self) -> dict[str, float | None]:
         """The step row's figures of the fleet, as the last check saw it."""
         return {"workers_live": self.fleet.live, "workers_lagging": self.fleet.lagging, "fleet_share": self.fleet.share}
+
+
+def _once(call: Callable[[], int]) -> int:
+    """`call`, and 0 where the queue is unavailable (the next wait tries again)."""
+    try:
+        return call()
+    except QueueUnavailable:
+        return 0

@@ -202,6 +202,21 @@ class Feeder:
         learner issued after its last checkpoint, before a restart. Its number says so (each
         kind is numbered on its own), and this learner issues it again under that id, with
         the same prompts, once its window reaches it (`feed`); its groups wait till then."""
+        numbered = self._numbered(batch_id)
+        return numbered is not None and numbered[0] >= numbered[1]
+
+    def behind(self, batch_id: str) -> bool:
+        """Whether `batch_id` names a training batch this learner issued and finished: every
+        prompt of it consumed (its group read, or lost with a dead letter), so a group of it
+        was read before. Only a queue that lost its last writes hands one out again: a Redis
+        failover to a replica that had not yet received the acknowledgement, a crash of
+        Redis's host under `appendfsync everysec`."""
+        numbered = self._numbered(batch_id)
+        return numbered is not None and numbered[0] < numbered[1] and batch_id not in self.ledger.outstanding
+
+    def _numbered(self, batch_id: str) -> tuple[int, int] | None:
+        """(its number, how many batches of its kind this learner issued) for an id of this
+        run's training batches (new, a dishonest worker's prompts again, revisits); else None."""
         ledger = self.ledger
         for prefix, issued in (
             (self._new_prefix, ledger.batches_issued),
@@ -209,8 +224,8 @@ class Feeder:
             (self._revisit_prefix, ledger.revisit_batches),
         ):
             if batch_id.startswith(prefix) and (number := batch_id[len(prefix) :]).isdigit():
-                return int(number) >= issued
-        return False
+                return int(number), issued
+        return None
 
     def issued_tokens(self, group: RolloutGroup) -> dict[str, bytes | None] | None:
         """prompt id -> the prompt tokens issued, for the group's batch if it is outstanding
@@ -247,9 +262,9 @@ class Feeder:
             if dl.batch is not None and self.evals.is_eval(dl.batch.batch_id):
                 self.evals.lost(dl.batch.batch_id, len(dl.batch.prompts), dl.reason)
                 continue
-            if dl.batch is not None:
-                self._issued_tokens.pop(dl.batch.batch_id, None)
             lost = self.ledger.dead_letter(dl)
+            if dl.batch is not None and dl.batch.batch_id not in self.ledger.outstanding:
+                self._issued_tokens.pop(dl.batch.batch_id, None)  # else its stored groups are still to come
             self.state.count(f"dead_letter_entries_{dl.source}")
             self.state.count("dead_lettered_prompts", lost)
             log.warning(

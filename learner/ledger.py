@@ -167,13 +167,17 @@ class PromptLedger:
 
     def dead_letter(self, dl: DeadLetter) -> int:
         """Account for a dead letter of the training stream; returns the prompts it lost.
-        A batch's letter finishes the batch (its stored groups still reach the learner as
-        groups); a group's letter (the tier could not score or store it) consumes its
-        prompt, so that its batch can finish."""
+        A batch's letter that names the groups it lacks consumes their prompts, and the
+        batch stays outstanding until its stored groups have come as groups, so that it
+        is finished only when every prompt of it is consumed (`Feeder.behind` relies on
+        it); one that does not name them finishes the batch. A group's letter (the tier
+        could not score or store it) consumes its prompt, so that its batch can finish."""
         if dl.source in ("rollouts", "unscored"):
             if dl.group_id and dl.batch_id:
                 self._consume_group(dl.batch_id, dl.group_id)
             lost = 1
+        elif dl.batch is not None and dl.missing_groups is not None and dl.batch.batch_id in self.outstanding:
+            lost = sum(self._consume_group(dl.batch.batch_id, g) for g in dl.missing_groups)
         else:
             entry = self.outstanding.pop(dl.batch.batch_id, None) if dl.batch else None
             if entry is not None and dl.batch is not None:
@@ -187,14 +191,16 @@ class PromptLedger:
         self.consumed_prompts += lost
         return lost
 
-    def _consume_group(self, batch_id: str, group_id: str) -> None:
+    def _consume_group(self, batch_id: str, group_id: str) -> bool:
+        """Mark the prompt of `group_id` consumed in its outstanding batch; whether it was not yet."""
         entry = self.outstanding.get(batch_id)
         if entry is None:
-            return
+            return False
         for prompt in entry.prompt_ids():
             if group_id_for(batch_id, prompt) == group_id and prompt not in entry.consumed:
                 entry.consumed.append(prompt)
-                return
+                return True
+        return False
 
     def purge_completed(self) -> list[str]:
         """Move the batches consumed to their end to `finished`; returns their ids."""

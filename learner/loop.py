@@ -167,8 +167,10 @@ class Learner:
         elif self.cfg.resume:
             log.warning("--resume: no checkpoint in %s yet, starting the run from step 0", self.store.url)
         open_run(self.queue, self.cfg, self._retry)
-        # a version number names one adapter forever: continue above any ever announced
-        self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0)
+        # a version number names one adapter forever: continue above any ever announced, and
+        # any the store holds (a Redis failover can lose an announcement; the files outlive it)
+        stored = max(self.store.adapter_files(), default=0)
+        self.state.policy_version = max(self.state.policy_version, latest.version if latest else 0, stored)
         self.collector.replay_pending(self._retry)
         if ckpt is not None:
             self.feeder.purge_completed()

@@ -1,12 +1,15 @@
 """The learner's parts as the learner wires them, driven one call at a time: the `Feeder`
 issues within the window, the `Collector` routes and judges each delivery and undoes an
 abandoned collection, the `EvalSink` keeps eval groups out of training. A table per part,
-on an in-memory Redis (the paths through a real one are `test_learner.py`'s runs)."""
+on an in-memory Redis (the paths through a real one are `test_learner.py`'s runs), and
+a failover on a real redis-server."""
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -14,7 +17,10 @@ from pathlib import Path
 import fakeredis
 import msgspec
 import pytest
+import redis
 from factories import NO_AUDITS, completion, group, write_dataset
+from servers import RedisServer
+from waiting import wait_until
 
 from learner.checkpoint import LearnerState
 from learner.config import LearnerConfig
@@ -25,31 +31,38 @@ from protocol import Delivery, PromptBatch, QueueConfig, RolloutGroup, pack_i32
 from protocol.trusted import RedisQueue, open_store
 
 
+def parts_config(tmp_path: Path, tiny_model: Path, **changes: object) -> LearnerConfig:
+    """The parts' run: scripted groups of 4 for batches of 2 prompts, a window of 8;
+    `changes` override any of it."""
+    data = write_dataset(tmp_path / "data.jsonl")
+    values: dict[str, object] = {
+        "run": "parts",
+        "queue": "redis://unused",
+        "store": (tmp_path / "store").as_uri(),
+        "model": str(tiny_model),
+        "dataset": str(data),
+        "eval_dataset": str(data),
+        "eval_every": 2,
+        "eval_max_prompts": 2,
+        "eval_generations": 4,
+        "run_dir": tmp_path / "run",
+        "groups_per_step": 4,
+        "num_generations": 4,
+        "prompts_per_batch": 2,
+        "max_inflight": 8,
+        "adaptive_inflight": False,
+        "max_tokens": 4,
+        "max_staleness": 2,
+        "lora_rank": 8,
+        "tensorboard": False,
+        **NO_AUDITS,  # the groups here are scripted, their log-probabilities made up
+    }
+    return LearnerConfig.model_validate({**values, **changes})
+
+
 @pytest.fixture
 def learner(tmp_path: Path, tiny_model: Path) -> Iterator[Learner]:
-    data = write_dataset(tmp_path / "data.jsonl")
-    cfg = LearnerConfig(
-        run="parts",
-        queue="redis://unused",
-        store=(tmp_path / "store").as_uri(),
-        model=str(tiny_model),
-        dataset=str(data),
-        eval_dataset=str(data),
-        eval_every=2,
-        eval_max_prompts=2,
-        eval_generations=4,
-        run_dir=tmp_path / "run",
-        groups_per_step=4,
-        num_generations=4,
-        prompts_per_batch=2,
-        max_inflight=8,
-        adaptive_inflight=False,
-        max_tokens=4,
-        max_staleness=2,
-        lora_rank=8,
-        tensorboard=False,
-        **NO_AUDITS,  # the groups here are scripted, their log-probabilities made up
-    )
+    cfg = parts_config(tmp_path, tiny_model)
     queue = RedisQueue(fakeredis.FakeRedis(version=(7, 0)), QueueConfig(run=cfg.run))
     learner = Learner(cfg, queue, open_store(cfg.store))
     yield learner
@@ -151,6 +164,164 @@ def test_a_group_handed_out_again_after_its_batch_finished_is_a_duplicate(learne
     collector.abandon()
     taken = {d.group.group_id: d.delivery_id for d in first}
     assert state.unacked == {**taken, f"{first[0].group.group_id}@9-0": "9-0"}  # both acknowledged
+
+
+def test_a_group_of_a_finished_batch_is_a_duplicate_after_the_checkpoint_too(tmp_path: Path, tiny_model: Path) -> None:
+    """Acknowledged at a checkpoint, then handed out again by a queue that lost the
+    acknowledgement (a failover): not in `unacked` any more, its batch finished, it is a
+    duplicate. A dead-lettered batch's stored group still comes as a group, once."""
+    cfg = parts_config(tmp_path, tiny_model)
+    leases_of_one_try = QueueConfig(run=cfg.run, lease_timeout_s=0.2, max_deliveries=1)
+    queue = RedisQueue(fakeredis.FakeRedis(version=(7, 0)), leases_of_one_try)
+    learner = Learner(cfg, queue, open_store(cfg.store))
+    try:
+        collector, state, feeder = learner.collector, learner.state, learner.feeder
+        feeder.feed(kept=0)
+        leases = queue.claim("w", 2)
+        b0, b1 = (lease.batch for lease in leases)
+        queue.submit("w", leases[0].lease_id, [answer(b0, i) for i in range(2)])
+        first = queue.read_rollouts(collector.consumer, 10)
+        for d in first:
+            collector.take(d)
+        collector.end_step()
+        feeder.purge_completed()
+        collector.acknowledge()  # what a checkpoint does next
+        assert state.unacked == {} and feeder.behind(b0.batch_id) and not feeder.behind(b1.batch_id)
+        assert not feeder.behind("parts-b99") and not feeder.behind("other-b0")  # ahead; another numbering
+        collector.take(Delivery("7-0", first[1].group))
+        assert collector.step.dropped == [(first[1].group, Reason.DUPLICATE)] and state.ledger.consumed_prompts == 2
+        assert collector.step.kept == [] and state.unacked == {first[1].group.group_id: "7-0"}  # acknowledged again
+
+        # b1's worker stores prompt 0's group and dies; its lease, out of deliveries, is dead-lettered
+        queue.submit("w", leases[1].lease_id, [answer(b1, 0)])
+        time.sleep(0.3)
+        queue.claim("w2", 1)
+        feeder.poll_dead_letters()
+        assert not feeder.behind(b1.batch_id) and state.ledger.consumed_prompts == 3  # prompt 1 lost
+        (late,) = queue.read_rollouts(collector.consumer, 10)
+        collector.take(late)
+        assert collector.step.kept == [late.group] and state.ledger.consumed_prompts == 4
+        feeder.purge_completed()
+        assert feeder.behind(b1.batch_id) and b1.batch_id in state.ledger.finished
+    finally:
+        learner.publisher.close()
+
+
+@pytest.mark.redis
+def test_groups_a_failover_hands_out_again_after_their_checkpoint_are_not_trained_twice(
+    tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer]
+) -> None:
+    """Redis replicates asynchronously, so a replica promoted by a failover (or a host
+    restarted under `appendfsync everysec`) can lack the last writes: here the
+    acknowledgement of the groups a checkpoint holds. A real redis-server, restarted from
+    a snapshot taken before it: the groups are pending again. The learner checkpoints
+    again (its checkpoint no longer names them) and is resumed from there: it reads them
+    back, and they are duplicates (their batch finished), acknowledged, not trained."""
+    server = make_server()  # no append-only file: a restart loads the snapshot
+    server.start()
+    cfg = parts_config(tmp_path, tiny_model, queue=server.url)
+    first = Learner(cfg, RedisQueue.from_url(server.url, QueueConfig(run=cfg.run)), open_store(cfg.store))
+    consumer = first.collector.consumer
+    try:
+        first.start()
+        first.feeder.feed(kept=0)
+        (lease,) = first.queue.claim("w", 1)
+        first.queue.submit("w", lease.lease_id, [answer(lease.batch, i) for i in range(2)])
+        assert len(first.collector.collect(2, threading.Event()) or []) == 2
+        first.collector.end_step()
+        first.state.step = 1
+        redis.Redis(port=server.port).save()  # the replica: the groups read, not acknowledged
+        first.checkpoint()
+        assert first.queue.pending_rollouts(consumer, 10) == []
+        server.kill()
+        server.start()  # the failover
+        assert len(first.queue.pending_rollouts(consumer, 10)) == 2
+        first.state.step = 2
+        first.checkpoint()
+    finally:
+        first.publisher.close()  # and it stops (a crash, a new node): resumed from step 2
+    queue = RedisQueue.from_url(server.url, QueueConfig(run=cfg.run))
+    resumed = Learner(cfg.model_copy(update={"resume": True}), queue, open_store(cfg.store))
+    try:
+        resumed.start()
+        collector = resumed.collector
+        for d in collector._replay:  # what its first collection reads first
+            collector.take(d)
+        assert collector.step.kept == [] and resumed.state.ledger.consumed_prompts == 2
+        assert [reason for _, reason in collector.step.dropped] == [Reason.DUPLICATE] * 2
+        collector.end_step()
+        resumed.checkpoint()
+        assert queue.pending_rollouts(consumer, 10) == []  # acknowledged for good
+    finally:
+        resumed.publisher.close()
+
+
+@pytest.mark.redis
+def test_a_version_a_failover_lost_the_announcement_of_is_not_numbered_again(
+    tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer]
+) -> None:
+    """The adapter's files reached the store, its announcement was lost with the last
+    writes: a resumed learner numbers its next version above the store's too, so no worker
+    that loaded the lost one takes another adapter for it."""
+    server = make_server()
+    server.start()
+    cfg = parts_config(tmp_path, tiny_model, queue=server.url)
+    store = open_store(cfg.store)
+    first = Learner(cfg, RedisQueue.from_url(server.url, QueueConfig(run=cfg.run)), store)
+    try:
+        first.start()
+        first.state.step = 1
+        first.checkpoint()
+        redis.Redis(port=server.port).save()  # the replica, before the announcement
+        first.publish()
+        first.publisher.flush()
+        lost = store.read_manifest(1)
+        assert first.queue.latest_adapter() == lost
+    finally:
+        first.publisher.close()
+    server.kill()
+    server.start()  # the failover
+    queue = RedisQueue.from_url(server.url, QueueConfig(run=cfg.run))
+    assert queue.latest_adapter() is None
+    resumed = Learner(cfg.model_copy(update={"resume": True}), queue, store)
+    try:
+        resumed.start()  # publishes the restored policy under a new number
+        resumed.publisher.flush()
+        assert resumed.state.policy_version == 2 and queue.latest_adapter().version == 2
+        assert store.read_manifest(1) == lost
+    finally:
+        resumed.publisher.close()
+
+
+@pytest.mark.redis
+def test_batches_a_failover_lost_are_issued_again_when_nothing_comes(
+    tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer]
+) -> None:
+    """The learner issued its window, and the replica promoted by a failover had not yet
+    received those batches: no worker can claim them, so no group would ever come. At
+    the stall warning the learner issues its outstanding batches again (a no-op for those
+    the queue kept), and the run goes on."""
+    server = make_server()
+    server.start()
+    cfg = parts_config(tmp_path, tiny_model, queue=server.url, stall_warning_s=0.5, eval_every=0)
+    learner = Learner(cfg, RedisQueue.from_url(server.url, QueueConfig(run=cfg.run)), open_store(cfg.store))
+    try:
+        learner.start()
+        redis.Redis(port=server.port).save()  # the replica, before the batches
+        learner.feeder.feed(kept=0)
+        server.kill()
+        server.start()  # the failover
+        assert learner.queue.claim("w", 1) == []
+        got: list[RolloutGroup] = []
+        collecting = threading.Thread(target=lambda: got.extend(learner.collector.collect(2, threading.Event()) or []))
+        collecting.start()
+        leases = wait_until(lambda: learner.queue.claim("w", 1), timeout_s=20, what="a batch to claim")
+        learner.queue.submit("w", leases[0].lease_id, [answer(leases[0].batch, i) for i in range(2)])
+        collecting.join(timeout=20)
+        assert [g.batch_id for g in got] == [leases[0].batch.batch_id] * 2
+        assert len(learner.queue.claim("w", 10)) == 3  # the rest of the window, issued once
+    finally:
+        learner.publisher.close()
 
 
 def test_a_stale_group_is_dropped_and_named_against_its_worker(learner: Learner) -> None:

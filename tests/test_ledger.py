@@ -39,9 +39,10 @@ def test_undo_gives_a_prompt_back() -> None:
 
 
 @pytest.mark.parametrize(
-    ("letter", "lost", "still_out"),
+    ("letter", "lost", "consumed"),
     [
-        # a batch lost with two prompts it lacked; its stored group came as a group
+        # a batch lost with the group it lacked (p2); its stored group (p1) comes later, as a
+        # group: the batch stays outstanding until it has
         (
             DeadLetter(
                 "1-0",
@@ -51,13 +52,13 @@ def test_undo_gives_a_prompt_back() -> None:
                 3,
                 "w",
                 batch(0, prompts=3),
-                missing_groups=[group_id_for("batch-0", "p1"), group_id_for("batch-0", "p2")],
+                missing_groups=[group_id_for("batch-0", "p2")],
             ),
-            2,
-            False,
+            1,
+            ["p0", "p2"],
         ),
-        # a batch lost, nothing known of its groups: what the ledger had not consumed
-        (DeadLetter("1-0", "prompts", "1-0", "missing", 0, "", batch(0, prompts=3)), 2, False),
+        # a batch lost, nothing known of its groups: what the ledger had not consumed, and it is finished
+        (DeadLetter("1-0", "prompts", "1-0", "missing", 0, "", batch(0, prompts=3)), 2, None),
         # one group the scoring tier could not store: its prompt is consumed, the batch goes on
         (
             DeadLetter(
@@ -72,23 +73,22 @@ def test_undo_gives_a_prompt_back() -> None:
                 batch_id="batch-0",
             ),
             1,
-            True,
+            ["p0", "p2"],
         ),
     ],
 )
-def test_a_dead_letter_loses_exactly_its_prompts(letter: DeadLetter, lost: int, still_out: bool) -> None:
+def test_a_dead_letter_loses_exactly_its_prompts(letter: DeadLetter, lost: int, consumed: list[str] | None) -> None:
     ledger = PromptLedger()
     ledger.issue("batch-0", 3)
     ledger.consume("batch-0", "p0")
     assert ledger.dead_letter(letter) == lost
     assert ledger.consumed_prompts == 1 + lost
-    assert ("batch-0" in ledger.outstanding) is still_out
-    if still_out:
-        assert ledger.outstanding["batch-0"].consumed == ["p0", "p2"]
-        ledger.consume("batch-0", "p1")
-        assert ledger.purge_completed() == ["batch-0"] and ledger.inflight == 0
-    else:
-        assert ledger.finished == {"batch-0": Span(0, 3)}
+    if consumed is None:
+        assert "batch-0" not in ledger.outstanding and ledger.finished == {"batch-0": Span(0, 3)}
+        return
+    assert ledger.outstanding["batch-0"].consumed == consumed and ledger.purge_completed() == []
+    ledger.consume("batch-0", "p1")
+    assert ledger.purge_completed() == ["batch-0"] and ledger.inflight == 0
 
 
 def test_the_ledger_round_trips_through_a_checkpoint_and_reads_the_old_layout() -> None:
