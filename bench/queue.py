@@ -14,7 +14,7 @@ drifts within seconds: two phases one after the other measured read ratios of 0.
 0.50 for the same code); the figures are the rounds' medians, and the ratios the median of
 each round's ratio.
 
-Usage: python bench/queue.py [--groups 2000] [--read-batch 16] [--rounds 5]
+Usage: python bench/queue.py [--groups 2000] [--read-batch 16] [--rounds 5] [--appendfsync always]
 """
 
 from __future__ import annotations
@@ -266,12 +266,23 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=2000)
     parser.add_argument("--read-batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--appendfsync",
+        choices=("off", "everysec", "always"),
+        default="off",
+        help="the server's append-only file: none (off), or one written with this fsync policy",
+    )
     args = parser.parse_args()
     payload = encode(make_group("b0"))
     proc, port = start_redis()
     raws, transports = [], []
     try:
         client = redis.Redis(port=port)
+        if args.appendfsync != "off":
+            client.config_set("appendfsync", args.appendfsync)
+            client.config_set("appendonly", "yes")
+            while client.info("persistence")["aof_rewrite_in_progress"]:
+                time.sleep(0.05)
         for _ in range(args.rounds):
             row = bench_round(client, payload, args.groups, args.read_batch)
             raws.append(row["raw"])
@@ -289,7 +300,8 @@ def main() -> None:
 
     print(
         f"groups: {args.groups} x {len(payload) / 1024:.1f} KiB (8 completions x 512 tokens), "
-        f"read batch {args.read_batch}, redis-server on loopback, one client, median of {args.rounds} rounds"
+        f"read batch {args.read_batch}, redis-server on loopback (append-only file: {args.appendfsync}), "
+        f"one client, median of {args.rounds} rounds"
     )
     print(f"{'':12}{'submit/s':>10}{'read+ack/s':>12}{'both/s':>10}{'p50 ms':>9}{'p99 ms':>9}")
     for name, rows in (("raw XADD", raws), ("RedisQueue", transports)):

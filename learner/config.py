@@ -169,7 +169,8 @@ class LearnerConfig(BaseModel):
         gt=0,
         description=(
             "With no step for this long, one line says why (groups read and all flat, with their rewards; nothing "
-            "arriving, with the queue's depths), again at doubling intervals."
+            "arriving, with the queue's depths), again at doubling intervals; each time, the batches still out "
+            "are issued again where the queue lost them (a Redis failover; a no-op where it kept them)."
         ),
     )
     keep_checkpoints: int = Field(2, ge=1, description="Checkpoints kept in the store.")
