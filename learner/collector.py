@@ -105,12 +105,17 @@ class Collector:
         """Block until `n` groups pass the filters, feeding prompts while it waits; None if
         `stop` was set (the collection is abandoned)."""
         self.feeder.purge_completed()
-        backoff = Backoff(0.5, 10.0)
+        backoff, outage = Backoff(0.5, 10.0), False
         while len(self.step.kept) < n:
             if stop.is_set():
                 self.abandon()
                 return None
             try:
+                if outage:
+                    # batches a queue lost with its last writes (a Redis failover) would never
+                    # come: issued again where it lacks them (a no-op where it kept them)
+                    self.feeder.reissue_outstanding(_call)
+                    outage = False
                 self.feeder.poll_dead_letters()
                 self.check_fleet()
                 self.feeder.feed(len(self.step.kept))
@@ -123,16 +128,16 @@ class Collector:
                     deliveries, self._replay = self._replay[:wanted], self._replay[wanted:]
                 else:
                     deliveries = self.queue.read_rollouts(self.consumer, wanted, block_s=1.0)
+                    outage = self.queue.retried
                 backoff.reset()
             except QueueUnavailable as err:
                 log.warning("queue unavailable, retrying in %.1fs: %s", backoff.next, err)
+                outage = True
                 backoff.wait(stop)
                 continue
             if self.watch.due():
                 self.explain_wait(n)
-                # batches a queue lost with its last writes (a failover) would never come:
-                # issued again where it lacks them, a no-op where it kept them
-                self.feeder.reissue_outstanding(_once)
+                outage = True  # an outage this learner did not see may have lost batches too
             for d in deliveries:
                 self.take(d)
         self.watch.stepped()
@@ -301,9 +306,6 @@ class Collector:
         return {"workers_live": self.fleet.live, "workers_lagging": self.fleet.lagging, "fleet_share": self.fleet.share}
 
 
-def _once(call: Callable[[], int]) -> int:
-    """`call`, and 0 where the queue is unavailable (the next wait tries again)."""
-    try:
-        return call()
-    except QueueUnavailable:
-        return 0
+def _call(call: Callable[[], Any]) -> Any:
+    """A queue call made once: an outage raises (the read loop's backoff retries it)."""
+    return call()

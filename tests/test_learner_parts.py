@@ -294,34 +294,42 @@ def test_a_version_a_failover_lost_the_announcement_of_is_not_numbered_again(
 
 
 @pytest.mark.redis
-def test_batches_a_failover_lost_are_issued_again_when_nothing_comes(
-    tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer]
+@pytest.mark.parametrize("seen", [True, False], ids=["outage seen", "outage unseen"])
+def test_batches_a_failover_lost_are_issued_again(
+    tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer], seen: bool
 ) -> None:
     """The learner issued its window, and the replica promoted by a failover had not yet
-    received those batches: no worker can claim them, so no group would ever come. At
-    the stall warning the learner issues its outstanding batches again (a no-op for those
-    the queue kept), and the run goes on."""
+    received those batches: no worker could claim them, and no group would ever come. The
+    learner issues its outstanding batches again (a no-op for those the queue kept) once
+    its read loop has met the outage, or else at the stall warning."""
     server = make_server()
     server.start()
-    cfg = parts_config(tmp_path, tiny_model, queue=server.url, stall_warning_s=0.5, eval_every=0)
+    cfg = parts_config(tmp_path, tiny_model, queue=server.url, stall_warning_s=60 if seen else 1, eval_every=0)
     learner = Learner(cfg, RedisQueue.from_url(server.url, QueueConfig(run=cfg.run)), open_store(cfg.store))
+    worker = RedisQueue.from_url(server.url, QueueConfig(run=cfg.run))
+    stop = threading.Event()
+    got: list[RolloutGroup] = []
+    collecting = threading.Thread(target=lambda: got.extend(learner.collector.collect(2, stop) or []), daemon=True)
     try:
         learner.start()
         redis.Redis(port=server.port).save()  # the replica, before the batches
         learner.feeder.feed(kept=0)
         server.kill()
+        if seen:  # the learner reads while the failover takes its time
+            collecting.start()
+            time.sleep(1.5)
         server.start()  # the failover
-        assert learner.queue.claim("w", 1) == []
-        got: list[RolloutGroup] = []
-        collecting = threading.Thread(target=lambda: got.extend(learner.collector.collect(2, threading.Event()) or []))
-        collecting.start()
-        leases = wait_until(lambda: learner.queue.claim("w", 1), timeout_s=20, what="a batch to claim")
-        learner.queue.submit("w", leases[0].lease_id, [answer(leases[0].batch, i) for i in range(2)])
+        if not seen:  # the learner's next call finds Redis answering again
+            collecting.start()
+        leases = wait_until(lambda: worker.claim("w", 1), timeout_s=20, what="a batch to claim")
+        worker.submit("w", leases[0].lease_id, [answer(leases[0].batch, i) for i in range(2)])
         collecting.join(timeout=20)
         assert [g.batch_id for g in got] == [leases[0].batch.batch_id] * 2
-        assert len(learner.queue.claim("w", 10)) == 3  # the rest of the window, issued once
+        assert len(worker.claim("w", 10)) == 3  # the rest of the window, issued once
     finally:
+        stop.set()
         learner.publisher.close()
+        worker.close()
 
 
 def test_a_stale_group_is_dropped_and_named_against_its_worker(learner: Learner) -> None:

@@ -262,6 +262,9 @@ class Queue(abc.ABC):
     """The queue between learner and actors. See the module docstring for semantics."""
 
     config: QueueConfig
+    retried: bool = False
+    """Whether the last call went through an outage, retried until it was answered (a
+    transport that retries nothing itself raises `QueueUnavailable` instead)."""
 
     # -- learner: prompts out
     @abc.abstractmethod
