@@ -7,8 +7,10 @@ the proxy, adapters and checkpoints in the bucket), on a tiny model and the next
 After the learner's first step, for `--minutes`, at random intervals it injects, in a
 shuffled round over the kinds: an actor SIGKILLed (a new one starts), an actor SIGTERMed
 (a new one starts once it has handed its lease back), the proxy SIGKILLed and restarted,
-Redis SIGKILLed and restarted on its AOF, the scoring worker SIGKILLed and restarted, and
-the learner SIGKILLed and resumed (`--resume`). A process that exits on its own is
+Redis SIGKILLed and restarted on its AOF, a Redis failover (restarted from a snapshot taken
+0.5-3 s before: the last writes lost, as a replica promoted in the primary's place lacks
+them), the scoring worker SIGKILLed and restarted, and the learner SIGKILLed and resumed
+(`--resume`). A process that exits on its own is
 restarted too and counted. Then it lets the run recover, stops the learner with SIGTERM
 (a checkpoint), stops the workers, and checks the ledger from the checkpoint, the queue,
 `issued.jsonl` and `consumed.jsonl`. The learner runs with active sampling (the default:
@@ -57,7 +59,15 @@ REPO = Path(__file__).resolve().parents[1]
 RUN = "chaos"
 PPB = 4
 """Prompts per batch."""
-KINDS = ("actor_sigkill", "actor_sigterm", "proxy_sigkill", "redis_sigkill", "scorer_sigkill", "learner_sigkill")
+KINDS = (
+    "actor_sigkill",
+    "actor_sigterm",
+    "proxy_sigkill",
+    "redis_sigkill",
+    "redis_failover",
+    "scorer_sigkill",
+    "learner_sigkill",
+)
 ACTORS = 3
 LEASE_S = 5
 
@@ -287,6 +297,9 @@ class Soak:
     def start_redis(self) -> None:
         assert self.redis_proc is not None
         self.redis_proc.start()
+        self.wait_for_redis()
+
+    def wait_for_redis(self) -> None:
         client = redis.Redis(port=self.redis_port)
         deadline = time.monotonic() + 30
         while True:
@@ -297,6 +310,28 @@ class Soak:
                 if time.monotonic() > deadline:
                     raise RuntimeError("redis-server did not come back") from None
                 time.sleep(0.05)
+        client.close()
+
+    def fail_over(self) -> None:
+        """A replica promoted in the primary's place that lacks its last writes (Redis
+        replicates asynchronously): a snapshot now, up to 3 s more of the run, then Redis
+        SIGKILLed and started again from the snapshot alone; its append-only file starts
+        anew from there, so the next SIGKILL keeps what came since."""
+        assert self.redis_proc is not None
+        with redis.Redis(port=self.redis_port) as primary:
+            primary.save()
+        time.sleep(self.rng.uniform(0.5, 3))
+        self.redis_proc.kill()
+        shutil.rmtree(self.work / "appendonlydir", ignore_errors=True)
+        self.redis_proc.start("--appendonly", "no")  # the snapshot, dump.rdb
+        self.wait_for_redis()
+        client = redis.Redis(port=self.redis_port)
+        client.config_set("appendonly", "yes")
+        while int(client.info("persistence")["aof_rewrite_in_progress"]) or not int(
+            client.info("persistence")["aof_enabled"]
+        ):
+            time.sleep(0.05)
+        (self.work / "dump.rdb").unlink()
         client.close()
 
     def start_proxy(self) -> None:
@@ -409,6 +444,8 @@ class Soak:
             self.redis_proc.kill()
             time.sleep(self.rng.uniform(0, 3))
             self.start_redis()
+        elif kind == "redis_failover":
+            self.fail_over()
         elif kind == "scorer_sigkill":
             self.scorer.kill()
             self.scorer.start()

@@ -68,14 +68,19 @@ class Collector:
         self.watch = ProgressWatch(cfg.stall_warning_s)
         """Says why, when no step has happened for a while (`learner.watchdog`)."""
 
-    def replay_pending(self, retry: Callable[[Callable[[], Any]], Any]) -> None:
-        """Groups read before a restart and not acknowledged: those the checkpoint holds
-        are acknowledged now; the rest are consumed again, first."""
-        ledger, pending = self.state.ledger, list[Delivery]()
+    def _pending(self, retry: Callable[[Callable[[], Any]], Any]) -> list[Delivery]:
+        """Every group read by this learner and not acknowledged, oldest first."""
+        pending = list[Delivery]()
         while batch := retry(
             partial(self.queue.pending_rollouts, self.consumer, 256, pending[-1].delivery_id if pending else "0")
         ):
             pending.extend(batch)
+        return pending
+
+    def replay_pending(self, retry: Callable[[Callable[[], Any]], Any]) -> None:
+        """Groups read before a restart and not acknowledged: those the checkpoint holds
+        are acknowledged now; the rest are consumed again, first."""
+        ledger, pending = self.state.ledger, self._pending(retry)
         done = [d.delivery_id for d in pending if d.group.group_id in self.state.unacked]
         self._replay = [d for d in pending if d.group.group_id not in self.state.unacked]
         if done or ledger.finished:
@@ -87,6 +92,18 @@ class Collector:
             log.info(
                 "pending rollouts after restart: %d already trained, %d to consume again", len(done), len(self._replay)
             )
+
+    def recover(self) -> None:
+        """After an outage of the queue: the batches still out are issued again where it
+        lost them, and the groups pending for this learner that it has not taken since its
+        last checkpoint are read again (`take`): a Redis that lost its last writes (a
+        failover) has them pending again with their acknowledgements lost, and a group of a
+        finished batch is then a duplicate, acknowledged at the next checkpoint."""
+        self.feeder.reissue_outstanding(_call)
+        held = {d.delivery_id for d in self._ahead + self._replay}
+        self._replay += [
+            d for d in self._pending(_call) if d.group.group_id not in self.state.unacked and d.delivery_id not in held
+        ]
 
     def acknowledge(self) -> None:
         """After a checkpoint: the groups it holds are acknowledged in the queue, with the
@@ -112,9 +129,7 @@ class Collector:
                 return None
             try:
                 if outage:
-                    # batches a queue lost with its last writes (a Redis failover) would never
-                    # come: issued again where it lacks them (a no-op where it kept them)
-                    self.feeder.reissue_outstanding(_call)
+                    self.recover()
                     outage = False
                 self.feeder.poll_dead_letters()
                 self.check_fleet()

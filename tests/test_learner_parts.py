@@ -257,6 +257,45 @@ def test_groups_a_failover_hands_out_again_after_their_checkpoint_are_not_traine
 
 
 @pytest.mark.redis
+def test_a_running_learner_acknowledges_again_what_a_failover_gave_back(
+    tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer]
+) -> None:
+    """The same lost acknowledgement, met by the learner that gave it: once its read loop
+    has met the outage it reads its pending groups again, takes those of its finished
+    batch for duplicates, and its next checkpoint acknowledges them."""
+    server = make_server()
+    server.start()
+    cfg = parts_config(tmp_path, tiny_model, queue=server.url, eval_every=0)
+    learner = Learner(cfg, RedisQueue.from_url(server.url, QueueConfig(run=cfg.run)), open_store(cfg.store))
+    collector, stop = learner.collector, threading.Event()
+    try:
+        learner.start()
+        learner.feeder.feed(kept=0)
+        (lease,) = learner.queue.claim("w", 1)
+        learner.queue.submit("w", lease.lease_id, [answer(lease.batch, i) for i in range(2)])
+        assert len(collector.collect(2, threading.Event()) or []) == 2
+        collector.end_step()
+        learner.state.step = 1
+        redis.Redis(port=server.port).save()  # the replica: the groups read, not acknowledged
+        learner.checkpoint()
+        server.kill()
+        collecting = threading.Thread(target=collector.collect, args=(2, stop), daemon=True)
+        collecting.start()  # it meets the outage
+        time.sleep(1.5)
+        server.start()  # the failover
+        wait_until(lambda: len(collector.step.dropped) == 2, timeout_s=20, what="the groups read again")
+        assert [reason for _, reason in collector.step.dropped] == [Reason.DUPLICATE] * 2
+        stop.set()
+        collecting.join(timeout=20)
+        assert learner.state.ledger.consumed_prompts == 2 and len(learner.state.unacked) == 2
+        learner.checkpoint()
+        assert learner.queue.pending_rollouts(collector.consumer, 10) == []
+    finally:
+        stop.set()
+        learner.publisher.close()
+
+
+@pytest.mark.redis
 def test_a_version_a_failover_lost_the_announcement_of_is_not_numbered_again(
     tmp_path: Path, tiny_model: Path, make_server: Callable[..., RedisServer]
 ) -> None:
