@@ -63,6 +63,8 @@ class Collector:
         """Groups of batches this learner has not issued yet (`Feeder.ahead`), read before it did."""
         self.fleet = FleetWatch()
         self._fleet_checked_at = 0.0
+        self._lost_writes = False
+        """The last fleet check found groups pending that this learner does not hold (`recover`)."""
         self._stale_drops: collections.Counter[str] = collections.Counter()  # since the last fleet check, by actor
         self._rejections = RepeatedWarnings(log)
         self.watch = ProgressWatch(cfg.stall_warning_s)
@@ -128,9 +130,9 @@ class Collector:
                 self.abandon()
                 return None
             try:
-                if outage:
+                if outage or self._lost_writes:
                     self.recover()
-                    outage = False
+                    outage = self._lost_writes = False
                 self.feeder.poll_dead_letters()
                 self.check_fleet()
                 self.feeder.feed(len(self.step.kept))
@@ -315,6 +317,16 @@ class Collector:
         self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness, self._stale_drops)
         self._stale_drops.clear()
         self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
+        held = len(set(self.state.unacked.values())) + len(self._ahead) + len(self._replay)
+        if stats.rollouts.pending > held and not self._lost_writes:
+            # pending for this learner and not held by it: acknowledgements a Redis lost with
+            # its last writes (a failover this learner's calls did not meet)
+            log.warning(
+                "the queue holds %d groups pending for this learner, which holds %d: reading them again",
+                stats.rollouts.pending,
+                held,
+            )
+            self._lost_writes = True
 
     def metrics(self) -> dict[str, float | None]:
         """The step row's figures of the fleet, as the last check saw it."""
