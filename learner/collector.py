@@ -102,10 +102,13 @@ class Collector:
         failover) has them pending again with their acknowledgements lost, and a group of a
         finished batch is then a duplicate, acknowledged at the next checkpoint."""
         self.feeder.reissue_outstanding(_call)
-        held = {d.delivery_id for d in self._ahead + self._replay}
-        self._replay += [
-            d for d in self._pending(_call) if d.group.group_id not in self.state.unacked and d.delivery_id not in held
-        ]
+        held = self._held()
+        self._replay += [d for d in self._pending(_call) if d.delivery_id not in held]
+
+    def _held(self) -> set[str]:
+        """The deliveries this learner holds unacknowledged: taken since its last checkpoint,
+        waiting for their batch (`_ahead`) or to be taken (`_replay`)."""
+        return {*self.state.unacked.values(), *(d.delivery_id for d in self._ahead + self._replay)}
 
     def acknowledge(self) -> None:
         """After a checkpoint: the groups it holds are acknowledged in the queue, with the
@@ -317,7 +320,7 @@ class Collector:
         self.fleet.update(workers, self.publisher.last_published, self.cfg.max_staleness, self._stale_drops)
         self._stale_drops.clear()
         self.fleet.update_streams(stats, self.cfg.run, busy_leases=sum(w.leases for w in workers))
-        held = len(set(self.state.unacked.values())) + len(self._ahead) + len(self._replay)
+        held = len(self._held())
         if stats.rollouts.pending > held and not self._lost_writes:
             # pending for this learner and not held by it: acknowledgements a Redis lost with
             # its last writes (a failover this learner's calls did not meet)
